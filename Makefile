@@ -1,0 +1,36 @@
+# `make demo` and `make test` set everything up on a fresh machine: a .venv with torch==2.13.0
+# (the CPU build) installed first, then the package with constraints.txt pinning torch so that no
+# dependency pulls a CUDA build. The install is skipped while pyproject.toml and constraints.txt
+# are unchanged (the stamp file records the last install).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PIP := $(PY) -m pip --disable-pip-version-check
+PYTEST_ARGS ?=
+
+.PHONY: install test test-all demo bench clean
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml constraints.txt | $(PY)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e ".[dev,megatron]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) -m areal_lite.launcher.local examples/quickstart.py --config configs/quickstart.yaml
+
+clean:
+	rm -rf $(VENV) outputs

@@ -1,0 +1,438 @@
+"""Typed configuration dataclasses and their loader.
+
+Configs are dataclasses with one docstring per field. `load_config` merges a YAML file and dotted
+command-line overrides over the dataclass schema with OmegaConf: an unknown key or a value of the
+wrong type is an error that says what was meant. Values that can be derived (total steps, output
+directories) are properties, not fields.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import TypeVar
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from areal_lite.api.io import GenerationConfig, MicroBatchSpec
+
+__all__ = [
+    "MISSING",
+    "BaseExperimentConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "DatasetConfig",
+    "EvaluatorConfig",
+    "GenerationConfig",
+    "InferenceEngineConfig",
+    "LauncherConfig",
+    "LocalEngineConfig",
+    "MicroBatchSpec",
+    "OptimizerConfig",
+    "PPOActorConfig",
+    "RecoverConfig",
+    "SaverConfig",
+    "StatsLoggerConfig",
+    "TrainEngineConfig",
+    "load_config",
+    "save_config",
+]
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.999
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    lr_scheduler_type: str = "constant"
+    """One of constant, linear, cosine (after warm-up)."""
+    warmup_steps_proportion: float = 0.0
+    """Fraction of the total training steps spent warming up linearly from 0."""
+    min_lr_ratio: float = 0.0
+    """Final LR as a fraction of ``lr`` for linear and cosine schedules."""
+    gradient_clipping: float = 1.0
+    """Clip the global gradient norm to this value (0 = no clipping)."""
+
+    def __post_init__(self) -> None:
+        if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
+            raise ValueError(f"optimizer.lr_scheduler_type must be constant, linear or cosine, got {self.lr_scheduler_type!r}")
+
+
+@dataclass
+class TrainEngineConfig:
+    """A train engine (FSDP or Megatron) and the model it owns."""
+
+    path: str = MISSING
+    """HF model directory to load (config, safetensors, tokenizer)."""
+    backend: str = "fsdp"
+    """fsdp or megatron: the one line that swaps the train backend."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, or bfloat16 (mixed precision with fp32 reduction; CUDA)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    is_critic: bool = False
+    """Build a value-head model (per-token scalar) instead of a language model head."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer; ignored for frozen models (reference policies)."""
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    """How `train_batch` and `forward` cut batches into micro-batches."""
+    logits_chunk_size: int = 1024
+    """Tokens whose full-vocabulary logits are materialised at once in log-prob computation."""
+    attn_impl: str = "sdpa"
+    """Attention implementation passed to transformers (sdpa, eager, flash_attention_2)."""
+    tensor_parallel_size: int = 1
+    """Megatron only: tensor-parallel degree (data-parallel degree is world size / this)."""
+    pipeline_parallel_size: int = 1
+    """Megatron only: pipeline-parallel degree."""
+    seed: int = 1
+    """Seed for initialisation of new heads and dropout."""
+
+
+@dataclass
+class PPOActorConfig(TrainEngineConfig):
+    """A PPO-family actor: the train engine plus the algorithm's knobs."""
+
+    group_size: int = 1
+    """Samples per prompt (GRPO group); groups stay in one micro-batch."""
+    ppo_n_minibatches: int = 1
+    """Optimizer steps per training batch."""
+    eps_clip: float = 0.2
+    """PPO ratio clip epsilon (lower side, and upper when ``eps_clip_higher`` is None)."""
+    eps_clip_higher: float | None = None
+    """Upper clip epsilon (DAPO clip-higher); None = symmetric."""
+    c_clip: float | None = None
+    """Dual-clip constant (> 1) bounding the loss for negative advantages; None = off."""
+    behav_imp_weight_cap: float | None = 5.0
+    """Cap on the behaviour importance weight exp(prox - behav) in decoupled PPO; None = no cap."""
+    use_decoupled_loss: bool = True
+    """Ratio against the proximal policy (recomputed logprobs) rather than the behaviour policy."""
+    recompute_logprob: bool = True
+    """Recompute log-probabilities with the train engine before the update (``prox_logp``)."""
+    policy_loss: str = "ppo"
+    """ppo, gspo or reinforce."""
+    loss_agg: str = "token-mean"
+    """token-mean, seq-mean-token-mean or seq-mean-token-sum (Dr. GRPO)."""
+    kl_ctl: float = 0.0
+    """Coefficient of the KL penalty to the reference policy (0 = no reference model)."""
+    kl_estimator: str = "k1"
+    """k1, k2 or k3."""
+    kl_in_reward: bool = False
+    """Put the KL penalty into the per-token reward instead of the loss."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    reward_bias: float = 0.0
+    """Added to every reward before scaling."""
+    reward_scaling: float = 1.0
+    """Multiplies every reward."""
+    reward_clip: float = 20.0
+    """Rewards are clipped to [-reward_clip, reward_clip]."""
+    mask_truncated: bool = False
+    """Give zero reward (and advantage) to sequences cut off by the length limit."""
+    adv_estimator: str = "grpo"
+    """grpo (group-normalised), dr_grpo (group mean only), rloo, remax, reinforce_pp, gae."""
+    adv_norm_level: str = "group"
+    """Where GRPO normalises: group, batch or none."""
+    discount: float = 1.0
+    """GAE gamma."""
+    gae_lambda: float = 1.0
+    """GAE lambda."""
+    overlong_penalty_len: int = 0
+    """DAPO soft overlong penalty: length window before the limit (0 = off)."""
+    overlong_penalty_factor: float = 1.0
+    """DAPO soft overlong penalty: the penalty at the limit."""
+    max_new_tokens: int = 0
+    """Generation length limit, for the overlong penalty (0 = unknown)."""
+
+
+@dataclass
+class InferenceEngineConfig:
+    """The rollout side: the executor's staleness control and, for remote engines, the servers."""
+
+    max_concurrent_rollouts: int | None = None
+    """Cap on rollouts running at once (None = the consumer batch size)."""
+    consumer_batch_size: int = 1
+    """Trajectories groups per training batch (the ``batch_size`` of the staleness bound)."""
+    max_head_offpolicyness: int = 0
+    """Staleness bound eta: a batch consumed at step t holds only tokens of versions >= t - eta."""
+    queue_size: int | None = None
+    """Capacity of the finished-rollout queue (None = 16 x consumer batch size)."""
+    on_workflow_error: str = "raise"
+    """raise (fail fast, naming the input) or skip (count it and go on)."""
+    addresses: list[str] = field(default_factory=list)
+    """Remote engines: host:port of each server (the launcher fills this in)."""
+    request_timeout: float = 3600.0
+    """Seconds before one HTTP generation request is given up (and retried elsewhere)."""
+    request_retries: int = 3
+    """Attempts per request across servers before it fails."""
+    setup_timeout: float = 120.0
+    """Seconds to wait for servers to become healthy."""
+    api_key: str | None = None
+    """Bearer token for servers started with --api-key."""
+    pause_mode: str = "abort"
+    """How servers pause for weight updates: abort (resume as prompt + generated) or in_place."""
+
+
+@dataclass
+class LocalEngineConfig:
+    """The embedded engine (in-process, or behind our SGLang-protocol server)."""
+
+    path: str = MISSING
+    """HF model directory."""
+    dtype: str = "float32"
+    """float32 or bfloat16."""
+    device: str = "cpu"
+    """cpu or cuda."""
+    max_running_requests: int = 64
+    """Requests decoded together in one continuous batch."""
+    max_total_tokens: int = 0
+    """Context limit per request (0 = the model's max_position_embeddings)."""
+    seed: int = 0
+    """Sampling seed."""
+
+
+@dataclass
+class DatasetConfig:
+    """A dataset (a local parquet/jsonl path or a built-in synthetic task)."""
+
+    path: str = ""
+    """Local file or directory; empty for synthetic tasks."""
+    type: str = "rl"
+    """rl or sft."""
+    batch_size: int = 8
+    """Items (prompts) per training batch."""
+    shuffle: bool = True
+    """Shuffle each epoch."""
+    max_length: int | None = None
+    """Drop items whose prompt is longer than this many tokens."""
+
+
+@dataclass
+class SaverConfig:
+    """Periodic HF checkpoints."""
+
+    freq_steps: int | None = None
+    """Save every this many steps (None = never)."""
+    freq_epochs: int | None = None
+    """Save every this many epochs."""
+
+
+@dataclass
+class EvaluatorConfig:
+    """Periodic evaluation."""
+
+    freq_steps: int | None = None
+    """Evaluate every this many steps (None = only where the script asks)."""
+
+
+@dataclass
+class RecoverConfig:
+    """Crash recovery from the full training state."""
+
+    mode: str = "disabled"
+    """disabled, auto (resume when a recover checkpoint exists) or resume (require one)."""
+    freq_steps: int = 1
+    """Write the recover checkpoint every this many steps."""
+    retries: int = 0
+    """Launcher restarts after a failure."""
+
+
+@dataclass
+class StatsLoggerConfig:
+    """Where per-step statistics go."""
+
+    wandb_mode: str = "disabled"
+    """wandb mode: disabled, offline or online."""
+    wandb_project: str = "areal-lite"
+    """wandb project name."""
+    tensorboard: bool = False
+    """Also write tensorboard event files."""
+    console: bool = True
+    """Print a line per step and a progress bar."""
+
+
+@dataclass
+class ClusterConfig:
+    """Where runs write their outputs."""
+
+    fileroot: str = "outputs"
+    """Root directory of all experiments."""
+
+
+@dataclass
+class LauncherConfig:
+    """How `areal_lite.launcher.local` starts servers and trainers."""
+
+    backend: str = "local"
+    """Rollout backend: local (embedded in the trainer), areal (our server) or sglang."""
+    n_servers: int = 1
+    """Rollout servers to start (areal, sglang)."""
+    trainer_nproc: int = 1
+    """Trainer processes per node (torchrun --nproc-per-node)."""
+    server_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments for each server."""
+    server_cores: list[int] = field(default_factory=list)
+    """CPU cores to pin the servers to (empty = no pinning)."""
+    trainer_cores: list[int] = field(default_factory=list)
+    """CPU cores to pin the trainer to (empty = no pinning)."""
+
+
+@dataclass
+class BaseExperimentConfig:
+    """Fields every experiment has. Scripts subclass this with their own sections."""
+
+    experiment_name: str = "areal-lite"
+    """Name of the experiment (a directory under ``cluster.fileroot``)."""
+    trial_name: str = "trial0"
+    """Name of this trial (a directory under the experiment)."""
+    seed: int = 1
+    """Global seed."""
+    total_train_epochs: int = 1
+    """Passes over the training set."""
+    total_train_steps: int | None = None
+    """Stop after this many steps (None = the epochs decide)."""
+    tokenizer_path: str = ""
+    """Tokenizer directory (defaults to the actor's model path)."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    valid_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    saver: SaverConfig = field(default_factory=SaverConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    recover: RecoverConfig = field(default_factory=RecoverConfig)
+    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+    @property
+    def output_dir(self) -> str:
+        """``fileroot/experiment_name/trial_name``: where this run writes everything."""
+        return os.path.join(self.cluster.fileroot, self.experiment_name, self.trial_name)
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema."""
+
+
+T = TypeVar("T")
+
+
+def _unknown_key_error(node: DictConfig, full_key: str, source: str) -> ConfigError:
+    """``node`` is the schema node that lacks the last part of ``full_key``."""
+    parent, _, _ = full_key.rpartition(".")
+    prefix = f"{parent}." if parent else ""
+    candidates = [prefix + str(k) for k in node.keys()]
+    close = difflib.get_close_matches(full_key, candidates, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys here: {', '.join(candidates[:20])}"
+    return ConfigError(f"unknown config key {full_key!r} (from {source}){hint}")
+
+
+def _check_keys(schema: DictConfig, given: DictConfig, source: str, parent: str = "") -> None:
+    """Walk ``given`` and fail on the first key the structured ``schema`` lacks."""
+    is_structured = is_dataclass(schema._metadata.object_type)
+    for key in given.keys():
+        full = f"{parent}.{key}" if parent else str(key)
+        sub_schema = schema._get_node(key, throw_on_missing_key=False) if key in schema.keys() else None
+        if is_structured and sub_schema is None:
+            raise _unknown_key_error(schema, full, source)
+        sub_given = given._get_node(key)
+        if isinstance(sub_schema, DictConfig) and isinstance(sub_given, DictConfig):
+            _check_keys(sub_schema, sub_given, source, full)
+
+
+def _expected_type(cls: type, dotted: str) -> str:
+    node: type | None = cls
+    annotation: object = "?"
+    for part in dotted.split("."):
+        if node is None or not is_dataclass(node):
+            return "?"
+        hints = {f.name: f for f in fields(node)}
+        if part not in hints:
+            return "?"
+        f = hints[part]
+        annotation = f.type
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        node = type(default) if is_dataclass(default) else None
+    return str(annotation)
+
+
+def load_config(argv: list[str] | None, config_cls: type[T], save: bool = True) -> T:
+    """Build a ``config_cls`` from ``--config FILE.yaml`` and ``dotted.key=value`` overrides.
+
+    The YAML file and then the overrides are merged, in that order, over the dataclass defaults.
+    Unknown keys raise `ConfigError` naming the closest valid keys; values of the wrong type raise
+    `ConfigError` naming the field and its expected type. When ``save`` is true and the config has
+    an ``output_dir``, the resolved config is written to ``output_dir/config.yaml``.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_file: str | None = None
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a file path")
+            config_file = argv[i + 1]
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            config_file = arg.split("=", 1)[1]
+        elif "=" in arg and not arg.startswith("-"):
+            overrides.append(arg)
+        else:
+            raise ConfigError(f"unexpected argument {arg!r}: expected --config FILE or key=value overrides")
+        i += 1
+
+    schema = OmegaConf.structured(config_cls)
+    layers: list[tuple[DictConfig, str]] = []
+    if config_file is not None:
+        if not os.path.exists(config_file):
+            raise ConfigError(f"config file {config_file!r} does not exist")
+        loaded = OmegaConf.load(config_file)
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"config file {config_file!r} must hold a mapping at the top level")
+        layers.append((loaded, config_file))
+    if overrides:
+        layers.append((OmegaConf.from_dotlist(overrides), "command line"))
+
+    merged = schema
+    for layer, source in layers:
+        _check_keys(schema, layer, source)
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except ValidationError as e:
+            key = str(e.full_key) if getattr(e, "full_key", None) else "?"
+            raise ConfigError(
+                f"config field {key!r} (from {source}): expected {_expected_type(config_cls, key)}, "
+                f"got {e.msg.splitlines()[0] if e.msg else e}"
+            ) from None
+        except (ConfigKeyError, ConfigAttributeError) as e:
+            raise ConfigError(f"config error (from {source}): {e}") from None
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise ConfigError(f"config fields without a value: {', '.join(missing)}")
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    output_dir = getattr(cfg, "output_dir", None)
+    if save and isinstance(output_dir, str):
+        save_config(cfg, os.path.join(output_dir, "config.yaml"))
+    return cfg  # type: ignore[return-value]
+
+
+def save_config(cfg: object, path: str) -> None:
+    """Write a config dataclass as YAML (the resolved config of a run)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

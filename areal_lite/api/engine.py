@@ -1,0 +1,213 @@
+"""The two engine contracts: `TrainEngine` (owns a model being trained) and `InferenceEngine`
+(generates rollouts). Algorithms talk to these and nothing else.
+
+The data contract (DESIGN.md), written once here and assumed everywhere:
+
+Trajectory batch (what workflows return and `InferenceEngine.rollout_batch` concatenates), a
+`tensordict.TensorDict` with batch size ``[B]``, right-padded to a common length ``L``:
+
+=================  ===========  ============================================================
+key                dtype/shape  meaning
+=================  ===========  ============================================================
+``input_ids``      int64 [B,L]  prompt + completion tokens (all turns, for multi-turn)
+``attention_mask`` bool  [B,L]  true on real tokens (a prefix of each row)
+``loss_mask``      int32 [B,L]  1 on tokens the policy produced and is trained on
+``logprobs``       f32   [B,L]  behaviour log-prob of each token; 0 where loss_mask is 0
+``versions``       int32 [B,L]  policy version that produced each token; -1 elsewhere
+``rewards``        f32   [B]    sequence reward
+=================  ===========  ============================================================
+
+Alignment is to the token: ``logprobs[i]`` scores ``input_ids[i]`` given ``input_ids[:i]``; the
+train engine does the shift when it computes logits; nothing else shifts. Position 0 of every
+sequence has log-probability 0.
+
+Packed micro-batch (what a ``loss_fn`` receives): every per-token key above (and any per-token
+key the caller added, e.g. ``advantages`` or ``prox_logp``) concatenated over real tokens into 1-D
+``[T]`` tensors; per-sequence keys (e.g. ``rewards``) stay ``[B]``; plus ``cu_seqlens`` int32
+``[B+1]`` (sequence boundaries), ``position_ids`` int64 ``[T]`` restarting at 0 per sequence, and
+``max_seqlen`` (int). A key is per-token when its shape starts with ``[B, L]``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from areal_lite.api.io import FinetuneSpec, ModelRequest, ModelResponse, SaveLoadMeta, WeightUpdateMeta
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+    from areal_lite.api.workflow import RolloutWorkflow
+
+PackedBatch = dict[str, torch.Tensor | int]
+"""A packed micro-batch: 1-D per-token tensors, [B] per-sequence tensors, cu_seqlens, max_seqlen."""
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, PackedBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``loss_fn(output, entropy, mb) -> (loss, stats)``.
+
+``output`` is the per-token log-probabilities ``[T]`` aligned to the token (values ``[T]`` for a
+critic engine), with gradient; ``entropy`` ``[T]`` the per-token entropy of the policy (with
+gradient; zeros for a critic); ``mb`` the packed micro-batch. ``loss`` is a scalar normalised
+within the micro-batch (e.g. a token mean); ``stats`` maps names to scalar tensors, averaged over
+micro-batches with the same weights as the loss.
+"""
+
+LossWeightFn = Callable[[PackedBatch], float]
+"""``loss_weight_fn(mb) -> weight`` of a micro-batch, e.g. its number of trained tokens. Each
+micro-batch loss is scaled by ``weight / total``, total summed over all micro-batches and all
+data-parallel ranks, so the update does not depend on how the batch was cut."""
+
+
+class TrainEngine(abc.ABC):
+    """A model being trained: its parameters, optimizer, LR schedule, packing and micro-batching,
+    checkpoints, and the sending side of weight updates. Knows nothing of any RL algorithm."""
+
+    @abc.abstractmethod
+    def initialize(self, ft_spec: FinetuneSpec | None = None) -> None:
+        """Join (or create) the default process group, load the model from the configured HF
+        directory, shard it, build the optimizer and the LR schedule derived from ``ft_spec``
+        (no optimizer when ``ft_spec`` is None: a frozen reference model)."""
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Release the model, optimizer and any process groups this engine created."""
+
+    @property
+    @abc.abstractmethod
+    def data_parallel_rank(self) -> int:
+        """This process's data-parallel rank (which slice of the data it trains on)."""
+
+    @property
+    @abc.abstractmethod
+    def data_parallel_world_size(self) -> int:
+        """Number of data-parallel ranks."""
+
+    @abc.abstractmethod
+    def forward(self, batch: TensorDict, *, with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probabilities (values, for a critic) of a padded trajectory batch, without
+        gradient. Returns float32 ``[B, L]`` in the batch's padded layout, aligned to the token
+        (``out[b, i]`` scores ``input_ids[b, i]``; 0 at position 0 and on padding); with
+        ``with_entropy`` also the per-token entropy ``[B, L]``. Computed on packed 1-D micro-batches
+        with attention that never crosses sequence boundaries, logits chunk by chunk."""
+
+    @abc.abstractmethod
+    def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        """One optimizer step on a padded trajectory batch (this rank's share of the data).
+
+        Micro-batches by the configured `MicroBatchSpec`; each micro-batch loss is weighted by
+        ``loss_weight_fn(mb) / total`` (total over all micro-batches and all data-parallel ranks);
+        gradients are clipped; a non-finite gradient norm skips the step and logs a warning.
+        Returns ``loss``, ``grad_norm``, ``lr``, ``update_successful`` (1.0/0.0) and the weighted
+        means of the stats ``loss_fn`` returned."""
+
+    @abc.abstractmethod
+    def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        """Like `train_batch` without gradients or an update; returns the weighted loss and stats."""
+
+    @abc.abstractmethod
+    def step_lr_scheduler(self) -> None:
+        """Advance the LR schedule by one training step."""
+
+    @abc.abstractmethod
+    def save(self, meta: SaveLoadMeta) -> None:
+        """Write HF weights (``weight_format="hf"``) or the full training state (``"dcp"``).
+        Collective: every rank calls it."""
+
+    @abc.abstractmethod
+    def load(self, meta: SaveLoadMeta) -> None:
+        """Read what `save` wrote. Loading ``"dcp"`` restores model, optimizer, scheduler, step and
+        RNG so that the next `train_batch` equals the uninterrupted run's."""
+
+    @abc.abstractmethod
+    def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
+        """Remember the inference engine that receives weight updates; for ``distributed`` also
+        create the weight-update process group with it (rank 0 is the trainer's rank 0)."""
+
+    @abc.abstractmethod
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        """Send the current full weights to the connected inference engine and wait until it has
+        loaded them. Collective over the trainer's ranks (full tensors are gathered from shards);
+        only rank 0 talks to the inference side."""
+
+    @abc.abstractmethod
+    def set_version(self, version: int) -> None:
+        """Set the policy version (the number of weight updates so far)."""
+
+    @abc.abstractmethod
+    def get_version(self) -> int:
+        """The current policy version."""
+
+
+class InferenceEngine(abc.ABC):
+    """Generates rollouts: an embedded model, or a client of SGLang-protocol servers.
+
+    Generation is `agenerate`; running workflows over data (with the staleness bound of
+    DESIGN.md) is delegated to a `WorkflowExecutor` behind `submit` / `wait` / `rollout_batch` /
+    `prepare_batch`.
+    """
+
+    @abc.abstractmethod
+    def initialize(self) -> None:
+        """Load the model or connect to the servers; start the rollout executor."""
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Stop the executor and release the model or the HTTP sessions."""
+
+    @abc.abstractmethod
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate one completion for ``req.input_ids``. Survives weight updates: a generation
+        interrupted by one continues (or is resumed as prompt + generated tokens) so the response
+        is complete and every token carries the version that produced it. ``stop_reason`` is
+        ``length``, ``stop`` or ``abort``."""
+
+    @abc.abstractmethod
+    def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]:
+        """Join the weight-update process group described by ``meta`` (distributed updates).
+        Returns at once; the future completes once joined (the trainer joins concurrently)."""
+
+    @abc.abstractmethod
+    def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
+        """Receive new weights: copy ``meta.named_tensors`` (in_process), load ``meta.path``
+        (disk), or receive the broadcast of the tensors in ``meta.param_specs`` (distributed; the
+        trainer broadcasts after this returns). Returns at once; the future completes once loaded.
+        Generation is paused around the load by the caller or by the engine."""
+
+    @abc.abstractmethod
+    def set_version(self, version: int) -> None:
+        """Tag tokens generated from now on with ``version``."""
+
+    @abc.abstractmethod
+    def get_version(self) -> int:
+        """The version new tokens are tagged with."""
+
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Stop admitting new rollouts and interrupt running generations (they resume later)."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Undo `pause`."""
+
+    @abc.abstractmethod
+    def submit(self, data: dict[str, object], workflow: RolloutWorkflow) -> None:
+        """Queue one rollout of ``workflow`` on ``data``; it starts when the staleness bound admits it."""
+
+    @abc.abstractmethod
+    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
+        """Block until ``count`` accepted trajectories are ready; return them concatenated and
+        padded (oldest first). Raises TimeoutError after ``timeout`` seconds."""
+
+    @abc.abstractmethod
+    def rollout_batch(self, data: list[dict[str, object]], workflow: RolloutWorkflow) -> TensorDict:
+        """Submit every item of ``data`` and wait for all of them (synchronous rollout)."""
+
+    @abc.abstractmethod
+    def prepare_batch(self, dataloader: object, workflow: RolloutWorkflow) -> TensorDict:
+        """Keep the rollout pipeline full from ``dataloader`` (an iterable of lists of items) and
+        return the next training batch of ``dataloader.batch_size`` items' trajectories."""

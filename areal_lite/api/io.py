@@ -1,0 +1,219 @@
+"""Typed messages passed between workflows, inference engines and train engines.
+
+Everything here is plain data: no engine, no HTTP, no torch.distributed. `api/` imports nothing
+else from the package, so these types can be shared by every layer without import cycles.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+StopReason = Literal["length", "stop", "interrupt", "abort"]
+"""Why a generation ended.
+
+- ``length``: ``max_new_tokens`` reached.
+- ``stop``: an end-of-sequence token, a stop token id or a stop string was produced.
+- ``interrupt``: generation was paused for a weight update; the client resumes it as
+  prompt + generated tokens, so a finished `ModelResponse` never carries this reason.
+- ``abort``: the request was cancelled (``/abort_request``, shutdown) and will not be resumed.
+"""
+
+WeightUpdateType = Literal["in_process", "disk", "distributed"]
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling parameters for one request (a subset of SGLang's ``sampling_params``)."""
+
+    n_samples: int = 1
+    """Samples per prompt. Workflows send ``n_samples`` separate requests, each with its own rid."""
+    max_new_tokens: int = 64
+    """Upper bound on generated tokens."""
+    min_new_tokens: int = 0
+    """End-of-sequence and stop tokens are suppressed until this many tokens were generated."""
+    temperature: float = 1.0
+    """Softmax temperature; ignored when ``greedy``."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = -1
+    """Keep the k most likely tokens (-1 = all)."""
+    greedy: bool = False
+    """Argmax decoding; log-probabilities are still those of the untempered distribution."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation (in addition to the tokenizer's eos)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation once the decoded output contains them."""
+    ignore_eos: bool = False
+    """Keep generating after eos (benchmarks)."""
+
+    def new(self, **changes: object) -> GenerationConfig:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+    def to_sglang(self) -> dict[str, object]:
+        """The ``sampling_params`` dict of PROTOCOL.md for this config."""
+        params: dict[str, object] = {
+            "max_new_tokens": self.max_new_tokens,
+            "min_new_tokens": self.min_new_tokens,
+            "temperature": 0.0 if self.greedy else self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.stop:
+            params["stop"] = list(self.stop)
+        return params
+
+
+@dataclass
+class ModelRequest:
+    """One generation request: a prompt given as token ids (never text, so nothing is re-tokenized)."""
+
+    input_ids: list[int]
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Request id. Requests with the same rid stay on one server (prefix-cache locality)."""
+    metadata: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class ModelResponse:
+    """The result of one request, possibly stitched together across weight updates."""
+
+    input_tokens: list[int]
+    output_tokens: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    """Log-probability of each output token under the policy that produced it (temperature 1,
+    before top-p/top-k truncation), so it matches what the train engine recomputes."""
+    output_versions: list[int] = field(default_factory=list)
+    """Policy version that produced each output token."""
+    stop_reason: StopReason = "length"
+    latency: float = 0.0
+    """Seconds from submission to the last token."""
+    ttft: float = 0.0
+    """Seconds to the first output token."""
+    rid: str = ""
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_tokens)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_tokens)
+
+
+@dataclass
+class ParamSpec:
+    """Name, shape and dtype of one tensor sent in a distributed weight update."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    """A torch dtype name without the ``torch.`` prefix, e.g. ``"float32"`` or ``"bfloat16"``."""
+
+
+@dataclass
+class WeightUpdateMeta:
+    """How new weights travel from the train engine to the inference engine.
+
+    - ``in_process``: the trainer hands full tensors to an engine in its own process.
+    - ``disk``: trainer rank 0 writes HF safetensors to ``path``; servers load them.
+    - ``distributed``: trainer rank 0 and the servers share a process group
+      (``master_address:master_port``, ``group_name``); rank 0 broadcasts each tensor, in chunks
+      of at most ``chunk_bytes``, after announcing the chunk's ``param_specs``.
+    """
+
+    type: WeightUpdateType
+    path: str | None = None
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"
+    world_size: int = 0
+    """Size of the weight-update group: 1 (trainer rank 0) + all server ranks. Set by the engine."""
+    chunk_bytes: int = 256 * 1024 * 1024
+    version: int | None = None
+    """Policy version the new weights carry; the receiving side tags new tokens with it."""
+    param_specs: list[ParamSpec] = field(default_factory=list)
+    """Distributed only: the tensors of the chunk about to be broadcast, in broadcast order."""
+    named_tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    """In-process only: full (unsharded) tensors keyed by HF parameter name."""
+
+    def __post_init__(self) -> None:
+        if self.type not in ("in_process", "disk", "distributed"):
+            raise ValueError(f"WeightUpdateMeta.type must be in_process, disk or distributed, got {self.type!r}")
+        if self.type == "disk" and not self.path:
+            raise ValueError("a disk weight update needs WeightUpdateMeta.path")
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-safe view (no tensors)."""
+        d = asdict(replace(self, named_tensors=None))
+        d.pop("named_tensors")
+        return d
+
+
+@dataclass
+class SaveLoadMeta:
+    """What `TrainEngine.save` / `load` write or read.
+
+    ``weight_format="hf"`` writes a HF model directory (safetensors, config, tokenizer when
+    given) that ``from_pretrained`` loads; ``"dcp"`` writes the full training state (model,
+    optimizer, LR scheduler, step, RNG) with torch.distributed.checkpoint so that a resumed run
+    continues exactly.
+    """
+
+    path: str
+    weight_format: Literal["hf", "dcp"] = "hf"
+    with_optim: bool = False
+    tokenizer: object | None = None
+    """A tokenizer (anything with ``save_pretrained``) written beside HF weights."""
+
+    def __post_init__(self) -> None:
+        if self.weight_format not in ("hf", "dcp"):
+            raise ValueError(f"SaveLoadMeta.weight_format must be hf or dcp, got {self.weight_format!r}")
+
+
+@dataclass
+class FinetuneSpec:
+    """The length of a run, from which LR schedules are derived."""
+
+    total_train_epochs: int
+    dataset_size: int
+    train_batch_size: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return max(1, self.dataset_size // self.train_batch_size)
+
+    @property
+    def total_train_steps(self) -> int:
+        return self.total_train_epochs * self.steps_per_epoch
+
+
+@dataclass
+class MicroBatchSpec:
+    """How a batch is cut into micro-batches.
+
+    At least ``n_mbs`` micro-batches; none longer than ``max_tokens_per_mb`` real tokens (None =
+    no budget); groups of ``granularity`` consecutive sequences (a GRPO group) never split.
+    """
+
+    n_mbs: int = 1
+    max_tokens_per_mb: int | None = None
+    granularity: int = 1
+
+    def __post_init__(self) -> None:
+        if self.n_mbs < 1:
+            raise ValueError(f"MicroBatchSpec.n_mbs must be >= 1, got {self.n_mbs}")
+        if self.granularity < 1:
+            raise ValueError(f"MicroBatchSpec.granularity must be >= 1, got {self.granularity}")
+        if self.max_tokens_per_mb is not None and self.max_tokens_per_mb < 1:
+            raise ValueError(f"MicroBatchSpec.max_tokens_per_mb must be >= 1, got {self.max_tokens_per_mb}")

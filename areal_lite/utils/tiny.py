@@ -1,0 +1,126 @@
+"""Tiny causal language models and tokenizers built locally, for tests, benchmarks and the demo.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained on a small corpus with the
+`tokenizers` library and wrapped as a HF fast tokenizer with a ChatML chat template; the model is a
+randomly initialised Qwen2 or Llama config. Both are saved as one HF model directory that
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load, so every code
+path that takes a real model directory is exercised unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+DEFAULT_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is 12 + 30? The answer is 42.",
+    "Solve step by step: 7 * 6 = 42, then 42 - 2 = 40. #### 40",
+    "user assistant system: please reason carefully and put the final answer in \\boxed{}.",
+    "0 1 2 3 4 5 6 7 8 9 + - * / = ( ) , . ? ! #",
+    "Reinforcement learning from verifiable rewards trains language models with a grader.",
+]
+
+
+def build_tokenizer(
+    save_dir: str | None = None,
+    corpus: Iterable[str] | None = None,
+    vocab_size: int = 512,
+):
+    """Train a byte-level BPE tokenizer on ``corpus`` and return it as a ``PreTrainedTokenizerFast``.
+
+    ``vocab_size`` counts the 256 byte tokens and the special tokens; with
+    ``vocab_size <= 256 + len(SPECIAL_TOKENS)`` no merges are learned and every character of ASCII
+    text is one token. eos is ``<|im_end|>``, pad is ``<|endoftext|>``. Saved to ``save_dir`` when given.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=max(vocab_size, 256 + len(SPECIAL_TOKENS)),
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(corpus if corpus is not None else DEFAULT_CORPUS) * 4, trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.padding_side = "right"
+    if save_dir is not None:
+        hf_tok.save_pretrained(save_dir)
+    return hf_tok
+
+
+def build_tiny_model(
+    save_dir: str,
+    *,
+    arch: str = "qwen2",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 512,
+    vocab_size: int = 512,
+    corpus: Iterable[str] | None = None,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> str:
+    """Build a random-init causal LM and a locally trained tokenizer into ``save_dir``.
+
+    ``arch`` is ``qwen2`` (biases on q/k/v) or ``llama``. The model's vocabulary is the tokenizer's
+    length. Returns ``save_dir``, a HF model directory.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    os.makedirs(save_dir, exist_ok=True)
+    tokenizer = build_tokenizer(save_dir, corpus=corpus, vocab_size=vocab_size)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    )
+    if arch == "qwen2":
+        config = Qwen2Config(**common)
+    elif arch == "llama":
+        config = LlamaConfig(**common, attention_bias=False)
+    else:
+        raise ValueError(f"arch must be qwen2 or llama, got {arch!r}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(save_dir)
+    return save_dir
