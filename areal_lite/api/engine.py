@@ -57,6 +57,10 @@ within the micro-batch (e.g. a token mean); ``stats`` maps names to scalar tenso
 micro-batches with the same weights as the loss.
 """
 
+AcceptFn = Callable[["TensorDict"], bool]
+"""``should_accept(trajectory) -> keep?``: filters finished episodes (e.g. drop GRPO groups whose
+rewards are all equal)."""
+
 LossWeightFn = Callable[[PackedBatch], float]
 """``loss_weight_fn(mb) -> weight`` of a micro-batch, e.g. its number of trained tokens. Each
 micro-batch loss is scaled by ``weight / total``, total summed over all micro-batches and all
@@ -195,8 +199,10 @@ class InferenceEngine(abc.ABC):
         """Undo `pause`."""
 
     @abc.abstractmethod
-    def submit(self, data: dict[str, object], workflow: RolloutWorkflow) -> None:
-        """Queue one rollout of ``workflow`` on ``data``; it starts when the staleness bound admits it."""
+    def submit(self, data: dict[str, object], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> None:
+        """Queue one rollout of ``workflow`` on ``data``; it starts when the staleness bound admits
+        it. A finished trajectory for which ``should_accept`` returns False is dropped (dynamic
+        sampling) and does not count towards `wait`."""
 
     @abc.abstractmethod
     def wait(self, count: int, timeout: float | None = None) -> TensorDict:
@@ -204,10 +210,13 @@ class InferenceEngine(abc.ABC):
         padded (oldest first). Raises TimeoutError after ``timeout`` seconds."""
 
     @abc.abstractmethod
-    def rollout_batch(self, data: list[dict[str, object]], workflow: RolloutWorkflow) -> TensorDict:
-        """Submit every item of ``data`` and wait for all of them (synchronous rollout)."""
+    def rollout_batch(
+        self, data: list[dict[str, object]], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
+    ) -> TensorDict:
+        """Submit every item of ``data`` and wait for all accepted ones (synchronous rollout)."""
 
     @abc.abstractmethod
-    def prepare_batch(self, dataloader: object, workflow: RolloutWorkflow) -> TensorDict:
-        """Keep the rollout pipeline full from ``dataloader`` (an iterable of lists of items) and
-        return the next training batch of ``dataloader.batch_size`` items' trajectories."""
+    def prepare_batch(self, dataloader: object, workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> TensorDict:
+        """Keep the rollout pipeline full from ``dataloader`` (an iterable of lists of items,
+        cycled across epochs) and return the next training batch: the trajectories of
+        ``consumer_batch_size`` accepted episodes, within the staleness bound."""

@@ -1,0 +1,74 @@
+"""Process groups outside the default one: the weight-update group shared by trainer rank 0 and
+the rollout servers.
+
+The trainer's default group (torchrun) and each server's process know nothing of each other, so
+the weight-update group is built directly on a TCP store: rank 0 (the trainer) hosts the store,
+every server rank connects to it. The group is a bare `ProcessGroup` object used through its own
+methods (`broadcast`), never registered as a default group, so it cannot disturb the trainer's
+collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def init_custom_process_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout: float = 300.0,
+) -> CustomGroup:
+    """Create (rank 0) or join (other ranks) a standalone process group over a TCP store.
+
+    ``backend`` is ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors). Blocks until all
+    ``world_size`` ranks have joined or ``timeout`` seconds pass.
+    """
+    td = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=td, wait_for_workers=True)
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, td)
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = td
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    else:
+        raise ValueError(f"weight-update backend must be gloo or nccl, got {backend!r}")
+    return CustomGroup(pg=pg, store=store, rank=rank, world_size=world_size)
+
+
+@dataclass
+class CustomGroup:
+    """A standalone process group and the store it lives on (the group does not own the store)."""
+
+    pg: dist.ProcessGroup
+    store: dist.Store
+    rank: int
+    world_size: int
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Broadcast ``tensor`` in place from rank ``src`` and wait for it."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.pg.broadcast([tensor], opts).wait()
+
+    def barrier(self) -> None:
+        self.pg.barrier().wait()
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free at the time of the call."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
