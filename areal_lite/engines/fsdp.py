@@ -1,0 +1,515 @@
+"""`FSDPEngine`: a HF causal language model (or value model) trained with PyTorch FSDP2.
+
+Every decoder layer and the root are sharded with ``fully_shard`` over all ranks (gloo on CPU,
+NCCL on CUDA). Batches are packed into one 1-D sequence per micro-batch; attention never crosses
+sequence boundaries because position ids restart per sequence and the KV cache is off (on CUDA,
+``attn_impl=flash_attention_2`` turns the same position ids into a varlen kernel call). The LM
+head is applied chunk by chunk (`areal_lite.utils.logprob`), so full-vocabulary logits of the
+whole micro-batch never exist at once.
+
+Loss normalisation is global: each micro-batch loss is scaled by ``loss_weight_fn(mb) / total``
+with ``total`` summed over all micro-batches and all ranks, and FSDP's gradient averaging over
+ranks is undone, so the gradient equals that of the whole batch on one rank. Ranks whose share
+cuts into fewer micro-batches run extra zero-weight passes so that FSDP's collectives match.
+
+Mixed precision (``dtype=bfloat16``) keeps fp32 master weights and optimizer state, computes in
+bf16 and reduces gradients in fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from tensordict import TensorDict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from areal_lite.api.config import TrainEngineConfig
+from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedBatch, TrainEngine
+from areal_lite.api.io import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
+from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatches, unpack_sequences
+from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
+from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
+from areal_lite.utils.lr_schedule import lr_multiplier
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HF_PREFIX = "hf."
+
+
+class _PackedModel(nn.Module):
+    """A HF model under one root module whose forward also applies the head, chunk by chunk.
+
+    Calling the HF ``*ForCausalLM.forward`` would build the logits of every token at once; calling
+    its decoder and head separately would bypass FSDP's root hooks. Wrapping both in this module
+    (the FSDP root) keeps the head inside the root forward. Parameter names get an ``hf.`` prefix.
+    """
+
+    def __init__(self, hf: nn.Module, is_critic: bool, chunk_size: int) -> None:
+        super().__init__()
+        self.hf = hf
+        self.is_critic = is_critic
+        self.chunk_size = chunk_size
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.hf.base_model(
+            input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False
+        ).last_hidden_state[0]
+        if self.is_critic:
+            values = self.hf.score(hidden).squeeze(-1).float()
+            return values, torch.zeros_like(values)
+        weight = self.hf.get_output_embeddings().weight
+        logp, entropy = logprobs_from_hidden(
+            hidden, weight, next_token_labels(input_ids), chunk_size=self.chunk_size, with_entropy=with_entropy
+        )
+        logp = align_to_tokens(logp, cu_seqlens)
+        entropy = align_to_tokens(entropy, cu_seqlens) if entropy is not None else torch.zeros_like(logp)
+        return logp, entropy
+
+
+def _init_default_group() -> bool:
+    """Join torchrun's group, or create a one-process group; True when this call created it."""
+    if dist.is_initialized():
+        return False
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    else:
+        port = find_free_port()
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return True
+
+
+def _rng_state() -> dict[str, object]:
+    state: dict[str, object] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, object]) -> None:
+    torch.set_rng_state(state["torch"])  # type: ignore[arg-type]
+    random.setstate(state["python"])  # type: ignore[arg-type]
+    np.random.set_state(state["numpy"])  # type: ignore[arg-type]
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])  # type: ignore[arg-type]
+
+
+class FSDPEngine(TrainEngine):
+    """FSDP2 train engine. See the module docstring; the methods follow `TrainEngine`."""
+
+    def __init__(self, config: TrainEngineConfig) -> None:
+        self.config = config
+        self.model: _PackedModel | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.device = torch.device("cpu")
+        self._version = 0
+        self._global_step = 0
+        self._owns_group = False
+        self._inference_engine: InferenceEngine | None = None
+        self._weight_group: CustomGroup | None = None
+
+    # ---------------------------------------------------------------- setup
+
+    def initialize(self, ft_spec: FinetuneSpec | None = None) -> None:
+        cfg = self.config
+        if cfg.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
+        self._owns_group = _init_default_group()
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        torch.manual_seed(cfg.seed)
+        hf = self._load_hf(cfg.path)
+        if cfg.gradient_checkpointing:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if ft_spec is None:
+            hf.requires_grad_(False)
+        compute_dtype = _DTYPES[cfg.dtype]
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype != torch.float32 else MixedPrecisionPolicy()
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        for layer in hf.base_model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        model = _PackedModel(hf, cfg.is_critic, cfg.logits_chunk_size)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        self.model = model
+        if ft_spec is not None:
+            self._build_optimizer(ft_spec)
+
+    def _load_hf(self, path: str) -> nn.Module:
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+        kwargs = dict(dtype=torch.float32, attn_implementation=self.config.attn_impl)
+        if self.config.is_critic:
+            # The value head (`score`) is new when loading a causal-LM directory; its init is
+            # seeded identically on every rank by `initialize`.
+            hf = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kwargs)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        hf.config.use_cache = False
+        return hf
+
+    def _build_optimizer(self, ft_spec: FinetuneSpec) -> None:
+        assert self.model is not None
+        opt = self.config.optimizer
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                # Norm weights and biases are 1-D; decaying them towards 0 only hurts.
+                (decay if p.ndim >= 2 else no_decay).append(p)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=opt.lr,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+        )
+        total = ft_spec.total_train_steps
+        warmup = int(opt.warmup_steps_proportion * total)
+        factor = lr_multiplier(opt.lr_scheduler_type, total, warmup, opt.min_lr_ratio)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+
+    def destroy(self) -> None:
+        self.model = None
+        self.optimizer = None
+        self.lr_scheduler = None
+        self._weight_group = None
+        self._inference_engine = None
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        return dist.get_world_size()
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def get_version(self) -> int:
+        return self._version
+
+    def step_lr_scheduler(self) -> None:
+        if self.lr_scheduler is None:
+            raise RuntimeError("a frozen engine (initialized without FinetuneSpec) has no LR scheduler")
+        self.lr_scheduler.step()
+
+    # ---------------------------------------------------------------- compute
+
+    def _module(self) -> _PackedModel:
+        if self.model is None:
+            raise RuntimeError("FSDPEngine.initialize() has not been called (or destroy() was)")
+        return self.model
+
+    def _max_over_ranks(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], MicroBatchSplit, int]:
+        """This rank's packed micro-batches, padded with repeats of the first to the largest count
+        over ranks (every rank must run as many forward/backward passes for FSDP's collectives).
+        Returns the micro-batches, the split (for restoring order) and how many are real."""
+        spec = self.config.mb_spec
+        split = split_microbatches(batch, spec)
+        n = self._max_over_ranks(len(split.mbs))
+        if len(split.mbs) < n:
+            split = split_microbatches(batch, replace(spec, n_mbs=n))
+        n = self._max_over_ranks(len(split.mbs))
+        packed = [self._to_device(pack_batch(mb)) for mb in split.mbs]
+        n_real = len(packed)
+        packed += [packed[0]] * (n - n_real)
+        return packed, split, n_real
+
+    def _to_device(self, mb: PackedBatch) -> PackedBatch:
+        return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
+
+    def _run(self, mb: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, pos, cu = mb["input_ids"], mb["position_ids"], mb["cu_seqlens"]
+        assert isinstance(ids, torch.Tensor) and isinstance(pos, torch.Tensor) and isinstance(cu, torch.Tensor)
+        return self._module()(ids, pos, cu, with_entropy)
+
+    @torch.no_grad()
+    def forward(self, batch: TensorDict, *, with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        model = self._module()
+        model.eval()
+        seqlen = batch["attention_mask"].shape[1]
+        mbs, split, n_real = self._microbatches(batch)
+        outs, ents = [], []
+        for i, mb in enumerate(mbs):
+            out, ent = self._run(mb, with_entropy)
+            if i < n_real:
+                cu = mb["cu_seqlens"]
+                assert isinstance(cu, torch.Tensor)
+                outs.append(unpack_sequences(out.float().cpu(), cu.cpu(), seqlen))
+                ents.append(unpack_sequences(ent.float().cpu(), cu.cpu(), seqlen))
+        order = split.restore_order
+        result = torch.cat(outs)[order]
+        if with_entropy:
+            return result, torch.cat(ents)[order]
+        return result
+
+    def _weights(self, mbs: list[PackedBatch], n_real: int, loss_weight_fn: LossWeightFn) -> tuple[list[float], float]:
+        weights = [float(loss_weight_fn(mb)) for mb in mbs[:n_real]] + [0.0] * (len(mbs) - n_real)
+        total = torch.tensor([sum(weights)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        if total.item() <= 0:
+            raise ValueError("loss_weight_fn gave a total weight of 0 over the whole batch (no trained tokens?)")
+        return weights, float(total.item())
+
+    def _reduce_stats(self, loss: float, stats: dict[str, float]) -> dict[str, float]:
+        """Sum the already-weighted loss and stats over ranks (their weights sum to 1 globally)."""
+        keys = sorted(stats)
+        vec = torch.tensor([loss] + [stats[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(vec)
+        out = {"loss": float(vec[0])}
+        out.update({k: float(v) for k, v in zip(keys, vec[1:].tolist())})
+        return out
+
+    def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        model = self._module()
+        if self.optimizer is None or self.lr_scheduler is None:
+            raise RuntimeError("train_batch needs an optimizer: initialize the engine with a FinetuneSpec")
+        model.train()
+        mbs, _, n_real = self._microbatches(batch)
+        weights, total = self._weights(mbs, n_real, loss_weight_fn)
+        world = dist.get_world_size()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, stats_sum = 0.0, {}
+        for i, (mb, w) in enumerate(zip(mbs, weights)):
+            # Reduce-scatter gradients once, after the last micro-batch.
+            model.set_requires_gradient_sync(i == len(mbs) - 1)
+            out, ent = self._run(mb, with_entropy=not self.config.is_critic)
+            if i < n_real:
+                loss, stats = loss_fn(out, ent, mb)
+                loss_sum += float(loss.detach()) * w / total
+                for k, v in stats.items():
+                    stats_sum[k] = stats_sum.get(k, 0.0) + float(v.detach()) * w / total
+            if w > 0:
+                # FSDP averages gradients over ranks; `world` turns that average into the sum.
+                (loss * (w / total * world)).backward()
+            else:
+                # A zero-weight pass still runs backward so that FSDP's collectives match, without
+                # touching the loss, which may be NaN here (e.g. a mean over no tokens).
+                ((out.sum() + ent.sum()) * 0.0).backward()
+        grad_norm = self._clip_grad_norm()
+        lr = self.optimizer.param_groups[0]["lr"]
+        ok = bool(np.isfinite(grad_norm))
+        if ok:
+            self.optimizer.step()
+            self._global_step += 1
+        else:
+            logger.warning("non-finite gradient norm %s at step %d: skipping the update", grad_norm, self._global_step)
+        self.optimizer.zero_grad(set_to_none=True)
+        result = self._reduce_stats(loss_sum, stats_sum)
+        result.update(grad_norm=grad_norm, lr=float(lr), update_successful=float(ok))
+        return result
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self._module().parameters() if p.grad is not None]
+        clip = self.config.optimizer.gradient_clipping
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    @torch.no_grad()
+    def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        model = self._module()
+        model.eval()
+        mbs, _, n_real = self._microbatches(batch)
+        weights, total = self._weights(mbs, n_real, loss_weight_fn)
+        loss_sum, stats_sum = 0.0, {}
+        for i, (mb, w) in enumerate(zip(mbs, weights)):
+            out, ent = self._run(mb, with_entropy=not self.config.is_critic)
+            if i < n_real:
+                loss, stats = loss_fn(out, ent, mb)
+                loss_sum += float(loss) * w / total
+                for k, v in stats.items():
+                    stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * w / total
+        return self._reduce_stats(loss_sum, stats_sum)
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors on CPU on rank 0 (empty elsewhere). Collective."""
+        model = self._module()
+        model.reshard()
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k.removeprefix(_HF_PREFIX): v for k, v in sd.items()}
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        """``hf``: a HF directory (and tokenizer) from rank 0. ``dcp``: model, optimizer (when the
+        engine has one), LR scheduler, step, version and every rank's RNG state."""
+        if meta.weight_format == "hf":
+            self._save_hf(meta.path, meta.tokenizer)
+        else:
+            self._save_dcp(meta.path)
+        dist.barrier()
+
+    def _save_hf(self, path: str, tokenizer: object | None) -> None:
+        sd = self._full_state_dict()
+        if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+            # save_pretrained empties the dict it is given (FINDINGS.md): hand it a copy.
+            self._module().hf.save_pretrained(path, state_dict=dict(sd))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)  # type: ignore[attr-defined]
+
+    def _training_state(self) -> dict[str, object]:
+        model = self._module()
+        model.reshard()
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(model)}
+        model_sd, optim_sd = get_state_dict(model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _save_dcp(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        dcp.save(self._training_state(), checkpoint_id=path)
+        extra = {
+            "version": self._version,
+            "global_step": self._global_step,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "rng": _rng_state(),
+        }
+        torch.save(extra, os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt"))
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        if meta.weight_format == "hf":
+            self._load_hf_weights(meta.path)
+        else:
+            self._load_dcp(meta.path)
+        dist.barrier()
+
+    def _load_hf_weights(self, path: str) -> None:
+        model = self._module()
+        # Loading through HF resolves tied weights, sharded index files and dtype conversion.
+        full = self._load_hf(path).state_dict()
+        model.reshard()
+        set_model_state_dict(model, {_HF_PREFIX + k: v for k, v in full.items()}, options=StateDictOptions(full_state_dict=True))
+
+    def _load_dcp(self, path: str) -> None:
+        model = self._module()
+        state = self._training_state()
+        dcp.load(state, checkpoint_id=path)
+        if self.optimizer is None:
+            set_model_state_dict(model, state["model"])  # type: ignore[arg-type]
+        else:
+            set_state_dict(model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])  # type: ignore[arg-type]
+        extra = torch.load(os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt"), weights_only=False)
+        self._version = extra["version"]
+        self._global_step = extra["global_step"]
+        if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        _set_rng_state(extra["rng"])
+
+    # ---------------------------------------------------------------- weight updates
+
+    def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
+        """Remember ``engine``. For distributed updates rank 0 also builds the weight-update group:
+        a ``master_port`` of 0 is replaced (in ``meta``, in place) by a free port before the engine
+        is asked to join, and ``meta.world_size`` (trainer rank 0 + server ranks) must be set by
+        the caller or by ``engine.init_weights_update_group``."""
+        self._inference_engine = engine
+        if meta.type != "distributed" or dist.get_rank() != 0:
+            return
+        if meta.master_port == 0:
+            meta.master_port = find_free_port(meta.master_address)
+        fut = engine.init_weights_update_group(meta)
+        if meta.world_size < 2:
+            raise ValueError(f"WeightUpdateMeta.world_size must count rank 0 and the server ranks, got {meta.world_size}")
+        self._weight_group = init_custom_process_group(
+            meta.backend, meta.master_address, meta.master_port, rank=0, world_size=meta.world_size, group_name=meta.group_name
+        )
+        fut.result()
+
+    def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors with HF names, one at a time, cast to the configured dtype. Collective:
+        every rank iterates to the end (non-zero ranks only take part in the gathers)."""
+        model = self._module()
+        model.reshard()
+        dtype = _DTYPES[self.config.dtype]
+        hf = model.hf
+        persistent = set(hf.state_dict().keys())
+        named = list(hf.named_parameters()) + [(n, b) for n, b in hf.named_buffers() if n in persistent]
+        for name, t in named:
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            yield name, full.detach().to(dtype)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        rank = dist.get_rank()
+        if rank == 0 and self._inference_engine is None:
+            raise RuntimeError("update_weights needs connect_engine() first")
+        meta = replace(meta, version=self._version if meta.version is None else meta.version)
+        if meta.type == "distributed":
+            self._update_distributed(meta)
+        elif meta.type == "disk":
+            assert meta.path is not None
+            self._save_hf(meta.path, None)
+            if rank == 0:
+                self._engine().update_weights(meta).result()
+        else:
+            tensors = {name: t.cpu() for name, t in self._full_tensors()}
+            if rank == 0:
+                self._engine().update_weights(replace(meta, named_tensors=tensors)).result()
+        dist.barrier()
+
+    def _engine(self) -> InferenceEngine:
+        assert self._inference_engine is not None
+        return self._inference_engine
+
+    def _update_distributed(self, meta: WeightUpdateMeta) -> None:
+        rank = dist.get_rank()
+        if rank == 0 and self._weight_group is None:
+            raise RuntimeError("a distributed weight update needs connect_engine() with a distributed meta first")
+        send_device = torch.device("cuda", torch.cuda.current_device()) if meta.backend == "nccl" else torch.device("cpu")
+        chunk: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in self._full_tensors():
+            if rank != 0:
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if chunk and size + nbytes > meta.chunk_bytes:
+                self._send_chunk(chunk, meta)
+                chunk, size = [], 0
+            chunk.append((name, tensor.to(send_device)))
+            size += nbytes
+        if rank == 0 and chunk:
+            self._send_chunk(chunk, meta)
+
+    def _send_chunk(self, chunk: list[tuple[str, torch.Tensor]], meta: WeightUpdateMeta) -> None:
+        assert self._weight_group is not None
+        specs = [ParamSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in chunk]
+        fut = self._engine().update_weights(replace(meta, param_specs=specs))
+        for _, t in chunk:
+            self._weight_group.broadcast(t.contiguous())
+        fut.result()
+
+
+__all__ = ["FSDPEngine"]
