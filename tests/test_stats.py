@@ -1,0 +1,118 @@
+"""Stats tracker reductions (one process and two ranks) and the stats logger's outputs: console,
+tensorboard, wandb offline, warnings on a failing run, the curves PNG, and its recover state."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from areal_lite.api.config import StatsLoggerConfig
+from areal_lite.utils.distributed import find_free_port
+from areal_lite.utils.stats import StatsTracker, StepStats
+from areal_lite.utils.stats_logger import StatsLogger
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_tracker_reductions_in_one_process() -> None:
+    t = StatsTracker()
+    t.scalar(loss=1.0)
+    t.scalar(loss=3.0)
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[True, True, False], [True, False, True]])
+    t.stat("reward", values, mask=mask)
+    t.total(n_tokens=5)
+    t.total(n_tokens=7)
+    t.dist("staleness", torch.tensor([0, 1, 1, 2]))
+    with t.timer("train"):
+        pass
+    out = t.export()
+    kept = values[mask]
+    assert out.scalars["loss"] == 2.0
+    assert out.scalars["reward/mean"] == pytest.approx(kept.mean().item())
+    assert out.scalars["reward/std"] == pytest.approx(kept.std(unbiased=False).item())
+    assert (out.scalars["reward/min"], out.scalars["reward/max"]) == (1.0, 6.0)
+    assert out.scalars["n_tokens"] == 12
+    assert out.histograms["staleness"] == [0.0, 1.0, 1.0, 2.0]
+    assert out.scalars["staleness/max"] == 2.0
+    assert out.scalars["timing/train"] >= 0.0
+    assert t.export().scalars == {}, "export starts a fresh step"
+
+
+def test_tracker_reduces_across_two_ranks(tmp_path) -> None:
+    out_file = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(find_free_port()),
+           os.path.join(HERE, "scripts", "stats_reduce.py"), str(out_file)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(out_file.read_text())
+    s = out["scalars"]
+    rewards = torch.tensor([0.0, 1.0, 2.0, 10.0, 11.0])  # rank 1's third element is masked out
+    assert s["loss"] == 1.5
+    assert s["only_rank1"] == 7.0
+    assert s["reward/mean"] == pytest.approx(rewards.mean().item())
+    assert s["reward/std"] == pytest.approx(rewards.std(unbiased=False).item())
+    assert (s["reward/min"], s["reward/max"]) == (0.0, 11.0)
+    assert s["n_tokens"] == 300
+    assert sorted(out["histograms"]["staleness"]) == [0.0, 1.0, 1.0, 2.0]
+
+
+def _config(**kw: object) -> StatsLoggerConfig:
+    return StatsLoggerConfig(console=False, **kw)  # type: ignore[arg-type]
+
+
+def test_warnings_on_a_failing_run(tmp_path) -> None:
+    log = StatsLogger(_config(collapse_steps=3, kl_max=0.5), str(tmp_path))
+    for step in range(5):
+        log.commit(step, {"reward/std": 0.0, "kl": 0.01})
+    collapse = [w for w in log.warnings if "reward/std" in w]
+    assert len(collapse) == 1 and collapse[0].startswith("step 3:"), log.warnings
+    log.commit(5, {"reward/std": 0.3, "kl": 2.0})
+    log.commit(6, {"reward/std": 0.3, "kl": float("nan")})
+    assert any("kl=2" in w for w in log.warnings)
+    assert any("non-finite" in w and "kl" in w for w in log.warnings)
+    healthy = StatsLogger(_config(collapse_steps=3), str(tmp_path / "ok"))
+    for step in range(5):
+        healthy.commit(step, {"reward/std": 0.0 if step % 2 else 0.4, "kl": 0.01})
+    assert healthy.warnings == []
+
+
+def test_console_tensorboard_wandb_and_curves(tmp_path, capsys) -> None:
+    cfg = StatsLoggerConfig(console=True, tensorboard=True, wandb_mode="offline", plot_keys=["reward/mean", "eval/accuracy"])
+    log = StatsLogger(cfg, str(tmp_path), total_steps=4, run_name="t")
+    for step in range(4):
+        log.commit(step, {"reward/mean": 0.1 * step, "n_tokens": 100.0},
+                   StepStats({"eval/accuracy": 0.2 * step}, {"staleness": [0.0, 1.0]}))
+    png = log.close()
+    assert png == os.path.join(str(tmp_path), "curves.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    err = capsys.readouterr()
+    assert "step 4: eval/accuracy 0.6" in err.out + err.err
+    assert "perf/tokens_per_s" in err.out + err.err
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(str(tmp_path), "tensorboard"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("eval/accuracy")] == pytest.approx([0.0, 0.2, 0.4, 0.6])
+    assert "staleness" in acc.Tags()["histograms"]
+    assert glob.glob(os.path.join(str(tmp_path), "wandb", "offline-run-*", "run-*.wandb"))
+
+
+def test_state_dict_keeps_the_curves_across_a_resume(tmp_path) -> None:
+    first = StatsLogger(_config(collapse_steps=2), str(tmp_path))
+    first.commit(0, {"reward/mean": 0.5, "reward/std": 0.0})
+    state = first.state_dict()
+    resumed = StatsLogger(_config(collapse_steps=2), str(tmp_path))
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    resumed.commit(1, {"reward/mean": 0.7, "reward/std": 0.0})
+    assert resumed.history["reward/mean"] == [(0, 0.5), (1, 0.7)]
+    assert len(resumed.warnings) == 1, "the collapse streak continues across the resume"
+    assert resumed.close() is not None
