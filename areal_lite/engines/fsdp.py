@@ -76,7 +76,9 @@ class _PackedModel(nn.Module):
             input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False
         ).last_hidden_state[0]
         if self.is_critic:
-            values = self.hf.score(hidden).squeeze(-1).float()
+            # The hidden state at t has read tokens[: t + 1]: it values the state in which token
+            # t + 1 is generated, so values are aligned to the token like log-probabilities.
+            values = align_to_tokens(self.hf.score(hidden).squeeze(-1).float(), cu_seqlens)
             return values, torch.zeros_like(values)
         weight = self.hf.get_output_embeddings().weight
         logp, entropy = logprobs_from_hidden(
