@@ -32,9 +32,12 @@ __all__ = [
     "LocalEngineConfig",
     "MicroBatchSpec",
     "OptimizerConfig",
+    "DPOConfig",
     "PPOActorConfig",
+    "PPOCriticConfig",
     "RecoverConfig",
     "SaverConfig",
+    "SlurmConfig",
     "StatsLoggerConfig",
     "TrainEngineConfig",
     "load_config",
@@ -102,24 +105,30 @@ class TrainEngineConfig:
 
 @dataclass
 class PPOActorConfig(TrainEngineConfig):
-    """A PPO-family actor: the train engine plus the algorithm's knobs."""
+    """A PPO-family actor (PPO, GRPO, Dr. GRPO, GSPO, DAPO, REINFORCE, RLOO, ReMax, REINFORCE++):
+    the train engine plus the algorithm's knobs. Each knob picks or parameterises one function of
+    `areal_lite.algorithms.functional`."""
 
     group_size: int = 1
-    """Samples per prompt (GRPO group); groups stay in one micro-batch."""
+    """Samples per prompt (GRPO group): consecutive rows of a batch; groups stay in one minibatch."""
     ppo_n_minibatches: int = 1
-    """Optimizer steps per training batch."""
+    """Optimizer steps per training batch (the batch is cut into this many minibatches)."""
     eps_clip: float = 0.2
-    """PPO ratio clip epsilon (lower side, and upper when ``eps_clip_higher`` is None)."""
+    """PPO ratio clip epsilon (lower side, and upper when ``eps_clip_higher`` is None). GSPO
+    clips a sequence-level ratio and wants much smaller values (3e-4)."""
     eps_clip_higher: float | None = None
-    """Upper clip epsilon (DAPO clip-higher); None = symmetric."""
+    """Upper clip epsilon (DAPO clip-higher, e.g. 0.28); None = symmetric."""
     c_clip: float | None = None
     """Dual-clip constant (> 1) bounding the loss for negative advantages; None = off."""
     behav_imp_weight_cap: float | None = 5.0
-    """Cap on the behaviour importance weight exp(prox - behav) in decoupled PPO; None = no cap."""
+    """Tokens whose behaviour importance weight exp(prox - behav) exceeds this are dropped from
+    the loss (decoupled PPO); None = keep all."""
     use_decoupled_loss: bool = True
-    """Ratio against the proximal policy (recomputed logprobs) rather than the behaviour policy."""
+    """Ratio against the proximal policy (``prox_logp``) with a behaviour importance weight;
+    False = standard PPO, ratio against ``prox_logp`` without a behaviour weight."""
     recompute_logprob: bool = True
-    """Recompute log-probabilities with the train engine before the update (``prox_logp``)."""
+    """When the batch has no ``prox_logp``, recompute it with the train engine (True) or take the
+    behaviour log-probabilities as the proximal policy (False: on-policy or plain PPO)."""
     policy_loss: str = "ppo"
     """ppo, gspo or reinforce."""
     loss_agg: str = "token-mean"
@@ -127,7 +136,7 @@ class PPOActorConfig(TrainEngineConfig):
     kl_ctl: float = 0.0
     """Coefficient of the KL penalty to the reference policy (0 = no reference model)."""
     kl_estimator: str = "k1"
-    """k1, k2 or k3."""
+    """k1, k2 or k3 (Schulman 2020)."""
     kl_in_reward: bool = False
     """Put the KL penalty into the per-token reward instead of the loss."""
     entropy_coeff: float = 0.0
@@ -139,21 +148,51 @@ class PPOActorConfig(TrainEngineConfig):
     reward_clip: float = 20.0
     """Rewards are clipped to [-reward_clip, reward_clip]."""
     mask_truncated: bool = False
-    """Give zero reward (and advantage) to sequences cut off by the length limit."""
+    """Give zero reward to sequences cut off by the length limit: a per-sequence bool
+    ``truncated`` key of the batch, or else completions of ``max_new_tokens`` tokens."""
     adv_estimator: str = "grpo"
-    """grpo (group-normalised), dr_grpo (group mean only), rloo, remax, reinforce_pp, gae."""
+    """grpo (group-normalised), dr_grpo (group mean only), rloo, remax (needs
+    ``baseline_rewards`` [B] in the batch), reinforce_pp (whitened returns) or gae (needs
+    ``values`` [B,L] from a `PPOCritic`)."""
     adv_norm_level: str = "group"
-    """Where GRPO normalises: group, batch or none."""
+    """grpo: mean and std over the group, over the batch, or none (advantage = reward)."""
     discount: float = 1.0
-    """GAE gamma."""
+    """Discount gamma of GAE and REINFORCE++ returns."""
     gae_lambda: float = 1.0
     """GAE lambda."""
     overlong_penalty_len: int = 0
-    """DAPO soft overlong penalty: length window before the limit (0 = off)."""
+    """DAPO soft overlong penalty: length window before ``max_new_tokens`` (0 = off)."""
     overlong_penalty_factor: float = 1.0
     """DAPO soft overlong penalty: the penalty at the limit."""
     max_new_tokens: int = 0
-    """Generation length limit, for the overlong penalty (0 = unknown)."""
+    """Generation length limit, for the overlong penalty and ``mask_truncated`` (0 = unknown)."""
+
+
+@dataclass
+class PPOCriticConfig(TrainEngineConfig):
+    """A value model trained with PPO's clipped value loss (``is_critic`` is forced on)."""
+
+    group_size: int = 1
+    """Samples per prompt; groups stay in one minibatch (as the actor's)."""
+    ppo_n_minibatches: int = 1
+    """Optimizer steps per training batch."""
+    value_eps_clip: float | None = 0.2
+    """Clip of the new value around the old one in the value loss; None = unclipped."""
+
+    def __post_init__(self) -> None:
+        self.is_critic = True
+
+
+@dataclass
+class DPOConfig(TrainEngineConfig):
+    """A DPO policy: rows 2i and 2i+1 of a batch are the chosen and rejected answers of pair i."""
+
+    beta: float = 0.1
+    """DPO's beta (IPO's tau): strength of the implicit KL to the reference."""
+    label_smoothing: float = 0.0
+    """Probability that a preference label is flipped (conservative DPO); sigmoid loss only."""
+    dpo_loss: str = "sigmoid"
+    """sigmoid (DPO) or ipo."""
 
 
 @dataclass
@@ -281,6 +320,22 @@ class ClusterConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """The Slurm job that `areal_lite.launcher.slurm` writes and submits."""
+
+    partition: str = ""
+    """Partition (``--partition``); empty = the cluster's default."""
+    account: str = ""
+    """Account (``--account``); empty = none."""
+    time: str = "24:00:00"
+    """Wall-clock limit (``--time``)."""
+    cpus_per_task: int = 8
+    """CPUs for each server and each trainer node."""
+    extra_sbatch: list[str] = field(default_factory=list)
+    """More ``#SBATCH`` options, e.g. ``--qos=high``."""
+
+
+@dataclass
 class LauncherConfig:
     """How `areal_lite.launcher.local` starts servers and trainers."""
 
@@ -296,6 +351,20 @@ class LauncherConfig:
     """CPU cores to pin the servers to (empty = no pinning)."""
     trainer_cores: list[int] = field(default_factory=list)
     """CPU cores to pin the trainer to (empty = no pinning)."""
+    server_model_path: str = ""
+    """HF model directory the servers load; empty = the config's ``actor.path``."""
+    server_host: str = "127.0.0.1"
+    """Address the servers bind to and the trainer connects to."""
+    server_tp_size: int = 1
+    """GPUs per server (SGLang ``--tp-size``); servers take consecutive GPUs from 0."""
+    server_startup_timeout: float = 300.0
+    """Seconds to wait for every server to answer ``GET /health`` with 200."""
+    trainer_nnodes: int = 1
+    """Trainer nodes (ray, slurm); each runs ``trainer_nproc`` processes."""
+    gpus_per_node: int = 0
+    """GPUs per trainer node (ray, slurm; 0 on CPU)."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """The Slurm job (launcher.slurm only)."""
 
 
 @dataclass

@@ -1,0 +1,330 @@
+"""Run a training script on one machine: rollout servers, the trainer under torchrun, restarts.
+
+    python -m areal_lite.launcher.local SCRIPT --config CONFIG [key=value ...]
+
+Reads the config's ``launcher`` and ``recover`` sections (the script itself validates the rest).
+With ``launcher.backend=local`` the script runs the embedded inference engine in-process: it is
+started directly (under torchrun when ``trainer_nproc > 1``). With ``areal`` (our
+`areal_lite.engines.server`) or ``sglang`` (SGLang's own server), ``n_servers`` servers are started
+on free ports, the launcher waits until each answers ``GET /health`` with 200, and the trainer runs
+under torchrun with the override ``rollout.addresses=[host:port, ...]``.
+
+SIGINT and SIGTERM are forwarded to the trainer; on exit or failure every process the launcher
+started is stopped by process group (SIGTERM, then SIGKILL after a grace period), and children die
+with the launcher even if it is SIGKILLed (``PR_SET_PDEATHSIG``). A failed trainer is restarted up
+to ``recover.retries`` times; with ``recover.mode=auto`` the script resumes from its last recover
+checkpoint (`areal_lite.utils.recover`). Each start sees its attempt number in ``AREAL_LITE_ATTEMPT``.
+A server that dies is reported and the trainer carries on with the others (the remote engine
+retries requests elsewhere); the run fails only when no server is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from types import FrameType
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from areal_lite.api.config import BaseExperimentConfig, ConfigError, LauncherConfig, RecoverConfig
+from areal_lite.utils.distributed import find_free_port
+
+logger = logging.getLogger("areal_lite.launcher")
+
+BACKENDS = ("local", "areal", "sglang")
+TEARDOWN_GRACE_S = 10.0
+ATTEMPT_ENV = "AREAL_LITE_ATTEMPT"
+
+
+@dataclass
+class LaunchPlan:
+    """Everything the launcher needs to know about one run."""
+
+    script: str
+    config_file: str | None
+    overrides: list[str]
+    launcher: LauncherConfig
+    recover: RecoverConfig
+    model_path: str
+    """What the servers load: ``launcher.server_model_path``, else ``actor.path``."""
+    output_dir: str
+    python: str = field(default=sys.executable)
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self.output_dir, "logs")
+
+
+def _section(raw: DictConfig, name: str, cls: type) -> object:
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(cls), raw.get(name) or {})
+        return OmegaConf.to_object(node)
+    except (OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"config section {name!r}: {e}") from None
+
+
+def read_plan(script: str, config_file: str | None, overrides: list[str]) -> LaunchPlan:
+    """Read the ``launcher`` and ``recover`` sections (strictly) and the model and output paths."""
+    raw = OmegaConf.load(config_file) if config_file else OmegaConf.create()
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"config file {config_file!r} must hold a mapping at the top level")
+    for item in overrides:
+        if "=" not in item or item.startswith("-"):
+            raise ConfigError(f"unexpected argument {item!r}: expected key=value overrides")
+    raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(overrides))
+    launcher = _section(raw, "launcher", LauncherConfig)
+    recover = _section(raw, "recover", RecoverConfig)
+    assert isinstance(launcher, LauncherConfig) and isinstance(recover, RecoverConfig)
+    if launcher.backend not in BACKENDS:
+        raise ConfigError(f"launcher.backend must be one of {', '.join(BACKENDS)}, got {launcher.backend!r}")
+    model_path = launcher.server_model_path or str(OmegaConf.select(raw, "actor.path", default="") or "")
+    if launcher.backend != "local" and not model_path:
+        raise ConfigError("the servers need a model: set launcher.server_model_path or actor.path")
+    defaults = BaseExperimentConfig()
+    output_dir = os.path.join(
+        str(OmegaConf.select(raw, "cluster.fileroot", default=defaults.cluster.fileroot)),
+        str(OmegaConf.select(raw, "experiment_name", default=defaults.experiment_name)),
+        str(OmegaConf.select(raw, "trial_name", default=defaults.trial_name)),
+    )
+    return LaunchPlan(script, config_file, list(overrides), launcher, recover, model_path, output_dir)
+
+
+def server_command(plan: LaunchPlan, index: int, port: int) -> list[str]:
+    """The command line of server ``index`` listening on ``port``."""
+    cfg = plan.launcher
+    common = ["--model-path", plan.model_path, "--host", cfg.server_host, "--port", str(port)]
+    if cfg.backend == "areal":
+        return [plan.python, "-m", "areal_lite.engines.server", *common, *cfg.server_args]
+    if cfg.backend == "sglang":
+        gpus = ["--tp-size", str(cfg.server_tp_size), "--base-gpu-id", str(index * cfg.server_tp_size)]
+        return [plan.python, "-m", "sglang.launch_server", *common, *gpus, *cfg.server_args]
+    raise ValueError(f"launcher.backend={cfg.backend!r} starts no servers")
+
+
+def addresses_override(addresses: list[str]) -> str:
+    """The ``rollout.addresses`` override (quoted: a bare ``host:port`` is not a YAML scalar)."""
+    return "rollout.addresses=" + json.dumps(addresses, separators=(",", ":"))
+
+
+def script_args(plan: LaunchPlan, addresses: list[str]) -> list[str]:
+    """The script and its arguments: the config file, the user's overrides, the server addresses."""
+    args = [plan.script]
+    if plan.config_file:
+        args += ["--config", plan.config_file]
+    args += plan.overrides
+    if addresses:
+        args.append(addresses_override(addresses))
+    return args
+
+
+def trainer_command(plan: LaunchPlan, addresses: list[str], master_port: int) -> list[str]:
+    """Plain ``python SCRIPT`` for one embedded-engine process, torchrun otherwise."""
+    cfg = plan.launcher
+    if cfg.backend == "local" and cfg.trainer_nproc == 1:
+        return [plan.python, *script_args(plan, addresses)]
+    torchrun = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(cfg.trainer_nproc)]
+    torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(master_port), "--max-restarts", "0"]
+    return [plan.python, *torchrun, *script_args(plan, addresses)]
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def spawn(cmd: list[str], *, cores: list[int], env: dict[str, str], log_path: str | None = None) -> subprocess.Popen:
+    """Start ``cmd`` in its own process group, pinned to ``cores`` (when given), dying with us."""
+    libc = _libc()
+
+    def child_setup() -> None:
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    out = open(log_path, "ab") if log_path else None
+    try:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                start_new_session=True, preexec_fn=child_setup)
+    finally:
+        if out is not None:
+            out.close()
+
+
+def stop(procs: list[subprocess.Popen], grace: float = TEARDOWN_GRACE_S) -> None:
+    """SIGTERM every process group, SIGKILL what is left after ``grace`` seconds, reap them all."""
+    for p in procs:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        # Also when the leader is gone: torchrun's workers may outlive it in the same group.
+        _signal_group(p, signal.SIGKILL)
+        p.wait()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def is_healthy(address: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class LocalLauncher:
+    """Starts the servers once, then the trainer up to ``1 + recover.retries`` times."""
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self.plan = plan
+        self.servers: list[subprocess.Popen] = []
+        self.addresses: list[str] = []
+        self.trainer: subprocess.Popen | None = None
+        self.received_signal: int | None = None
+        self._reported_dead: set[int] = set()
+
+    def run(self) -> int:
+        """Run to completion; returns the exit code (the trainer's, or 128 + a received signal)."""
+        previous = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            if self.plan.launcher.backend != "local":
+                self.start_servers()
+            retries = self.plan.recover.retries
+            if retries and self.plan.recover.mode == "disabled":
+                logger.warning("recover.retries=%d with recover.mode=disabled: a restart begins from scratch", retries)
+            rc = 1
+            for attempt in range(retries + 1):
+                rc = self.run_trainer(attempt)
+                if rc == 0 or self.received_signal is not None or not self._servers_left():
+                    break
+                if attempt < retries:
+                    logger.warning("trainer exited with %d; restart %d of %d from the last checkpoint", rc, attempt + 1, retries)
+            if self.received_signal is not None:
+                return 128 + self.received_signal
+            return rc
+        finally:
+            self.teardown()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _env(self, attempt: int) -> dict[str, str]:
+        return {**os.environ, ATTEMPT_ENV: str(attempt)}
+
+    def start_servers(self) -> None:
+        cfg = self.plan.launcher
+        os.makedirs(self.plan.log_dir, exist_ok=True)
+        for i in range(cfg.n_servers):
+            port = find_free_port(cfg.server_host)
+            log = os.path.join(self.plan.log_dir, f"server{i}.log")
+            self.servers.append(spawn(server_command(self.plan, i, port), cores=cfg.server_cores, env=self._env(0), log_path=log))
+            self.addresses.append(f"{cfg.server_host}:{port}")
+        self.wait_healthy()
+        logger.info("servers ready: %s", ", ".join(self.addresses))
+
+    def wait_healthy(self) -> None:
+        pending = set(range(len(self.servers)))
+        deadline = time.monotonic() + self.plan.launcher.server_startup_timeout
+        while pending:
+            if self.received_signal is not None:
+                raise SystemExit(128 + self.received_signal)
+            for i in sorted(pending):
+                rc = self.servers[i].poll()
+                if rc is not None:
+                    log = os.path.join(self.plan.log_dir, f"server{i}.log")
+                    raise RuntimeError(f"server {i} exited with {rc} before becoming healthy; {log} ends with:\n{_tail(log)}")
+                if is_healthy(self.addresses[i]):
+                    pending.discard(i)
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"servers {sorted(pending)} not healthy after {self.plan.launcher.server_startup_timeout} s")
+            if pending:
+                time.sleep(0.2)
+
+    def _servers_left(self) -> bool:
+        if not self.servers:
+            return True
+        for i, p in enumerate(self.servers):
+            if p.poll() is not None and i not in self._reported_dead:
+                self._reported_dead.add(i)
+                logger.warning("server %d (%s) exited with %d; continuing with the others", i, self.addresses[i], p.returncode)
+        return len(self._reported_dead) < len(self.servers)
+
+    def run_trainer(self, attempt: int) -> int:
+        cfg = self.plan.launcher
+        cmd = trainer_command(self.plan, self.addresses, find_free_port())
+        logger.info("attempt %d: %s", attempt, " ".join(cmd))
+        self.trainer = spawn(cmd, cores=cfg.trainer_cores, env=self._env(attempt))
+        while True:
+            try:
+                rc = self.trainer.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if not self._servers_left():
+                    logger.error("every rollout server has exited; stopping the trainer")
+                    stop([self.trainer])
+                    rc = 1
+                    break
+        # The trainer's leader is gone; make sure no worker of its group lingers.
+        stop([self.trainer], grace=0.0)
+        self.trainer = None
+        return rc
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        self.received_signal = signum
+        if self.trainer is not None:
+            _signal_group(self.trainer, signum)
+
+    def teardown(self) -> None:
+        procs = ([self.trainer] if self.trainer is not None else []) + self.servers
+        stop(procs)
+        self.servers, self.trainer = [], None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("--config", default=None, help="YAML config of the run")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    args = parser.parse_intermixed_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[launcher] %(levelname)s %(message)s")
+    plan = read_plan(args.script, args.config, args.overrides)
+    return LocalLauncher(plan).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

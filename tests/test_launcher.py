@@ -1,0 +1,142 @@
+"""The local launcher: config reading, server and trainer command lines, and real runs of a probe
+trainer (retries, signal forwarding, core pinning, teardown). The ray and slurm launchers can only
+build their commands here, and those are checked too."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from areal_lite.api.config import ConfigError, LauncherConfig, RecoverConfig
+from areal_lite.launcher.local import LaunchPlan, read_plan, server_command, trainer_command
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROBE = os.path.join(HERE, "scripts", "launcher_probe.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _write_config(tmp_path, **sections: object) -> str:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(sections))
+    return str(path)
+
+
+def test_read_plan_takes_the_launcher_and_recover_sections(tmp_path) -> None:
+    cfg = _write_config(tmp_path, actor={"path": "/models/m"}, launcher={"backend": "areal", "n_servers": 2},
+                        experiment_name="e", cluster={"fileroot": str(tmp_path)})
+    plan = read_plan("train.py", cfg, ["recover.retries=2", "launcher.trainer_nproc=2"])
+    assert plan.launcher.backend == "areal" and plan.launcher.n_servers == 2 and plan.launcher.trainer_nproc == 2
+    assert plan.recover.retries == 2
+    assert plan.model_path == "/models/m", "servers load the actor's model unless told otherwise"
+    assert plan.output_dir == os.path.join(str(tmp_path), "e", "trial0")
+    plan = read_plan("train.py", cfg, ["launcher.server_model_path=/models/other"])
+    assert plan.model_path == "/models/other"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("launcher.n_server=2", "n_server"),
+    ("launcher.backend=vllm", "launcher.backend"),
+    ("launcher.n_servers=two", "n_servers"),
+])
+def test_read_plan_rejects_bad_launcher_config(tmp_path, override: str, message: str) -> None:
+    cfg = _write_config(tmp_path, actor={"path": "/m"})
+    with pytest.raises(ConfigError, match=message):
+        read_plan("train.py", cfg, [override])
+
+
+def test_servers_need_a_model(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="server_model_path"):
+        read_plan("train.py", _write_config(tmp_path, launcher={"backend": "areal"}), [])
+
+
+def _plan(**launcher: object) -> LaunchPlan:
+    return LaunchPlan("train.py", "cfg.yaml", ["a.b=1"], LauncherConfig(**launcher), RecoverConfig(), "/models/m", "out",
+                      python="py")
+
+
+def test_server_command_lines() -> None:
+    assert server_command(_plan(backend="areal", server_args=["--max-running-requests", "8"]), 0, 9000) == [
+        "py", "-m", "areal_lite.engines.server", "--model-path", "/models/m", "--host", "127.0.0.1", "--port", "9000",
+        "--max-running-requests", "8"]
+    assert server_command(_plan(backend="sglang", server_tp_size=2, server_host="0.0.0.0"), 1, 9001) == [
+        "py", "-m", "sglang.launch_server", "--model-path", "/models/m", "--host", "0.0.0.0", "--port", "9001",
+        "--tp-size", "2", "--base-gpu-id", "2"]
+    with pytest.raises(ValueError):
+        server_command(_plan(backend="local"), 0, 9000)
+
+
+def test_trainer_command_lines() -> None:
+    assert trainer_command(_plan(backend="local"), [], 7000) == ["py", "train.py", "--config", "cfg.yaml", "a.b=1"]
+    cmd = trainer_command(_plan(backend="areal", trainer_nproc=2), ["127.0.0.1:1", "127.0.0.1:2"], 7000)
+    assert cmd[:3] == ["py", "-m", "torch.distributed.run"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[cmd.index("--master-port") + 1] == "7000"
+    assert cmd[-5:] == ["train.py", "--config", "cfg.yaml", "a.b=1", 'rollout.addresses=["127.0.0.1:1","127.0.0.1:2"]']
+
+
+def _launch(tmp_path, *overrides: str, timeout: float = 120) -> tuple[int, list[dict]]:
+    out = tmp_path / "probe.jsonl"
+    cmd = [sys.executable, "-m", "areal_lite.launcher.local", PROBE, f"probe.out={out}",
+           f"cluster.fileroot={tmp_path}", *overrides]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    return proc.returncode, records
+
+
+def test_retries_restart_a_failed_trainer(tmp_path) -> None:
+    rc, records = _launch(tmp_path, "probe.fail_attempts=2", "recover.retries=2", "recover.mode=auto")
+    assert rc == 0
+    assert [r["attempt"] for r in records] == [0, 1, 2]
+    (tmp_path / "b").mkdir()
+    rc, records = _launch(tmp_path / "b", "probe.fail_attempts=2", "recover.retries=1", "recover.mode=auto")
+    assert rc == 3, "the trainer's exit code once the retries are spent"
+    assert [r["attempt"] for r in records] == [0, 1]
+
+
+def test_trainer_under_torchrun_is_pinned(tmp_path) -> None:
+    rc, records = _launch(tmp_path, "launcher.trainer_nproc=2", "launcher.trainer_cores=[0]")
+    assert rc == 0
+    assert sorted(r["rank"] for r in records) == ["0", "1"]
+    assert all(r["affinity"] == [0] for r in records)
+
+
+def _wait_for(path: str, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        assert proc.poll() is None, f"launcher exited before {what}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"no {what}"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_sigterm_is_forwarded_and_everything_stops(tmp_path) -> None:
+    out = tmp_path / "probe.jsonl"
+    cmd = [sys.executable, "-m", "areal_lite.launcher.local", PROBE, f"probe.out={out}", "probe.wait_for_signal=true",
+           f"cluster.fileroot={tmp_path}", "recover.retries=3"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _wait_for(str(out) + ".ready", proc, "trainer start")
+        trainer_pid = json.loads(out.read_text().splitlines()[0])["pid"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert (tmp_path / "probe.jsonl.signal").read_text() == str(int(signal.SIGTERM))
+        assert len(out.read_text().splitlines()) == 1, "a signalled run is not restarted"
+        assert not _alive(trainer_pid)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
