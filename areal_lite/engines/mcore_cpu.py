@@ -1,0 +1,107 @@
+"""Run megatron-core on CPU (gloo): the one place that papers over its hard-coded CUDA calls.
+
+megatron-core 0.16 assumes a GPU in a few spots that our configuration reaches: tensors created
+with ``device="cuda"`` (optimizer flags, gradient-norm buffers, the default causal mask),
+``torch.cuda.current_device()`` as a device argument (buffers, rotary embeddings, all-gathers)
+and the CUDA RNG behind its tensor-parallel RNG tracker. Without CUDA every one of those calls
+raises, so mapping them to the CPU changes nothing that could otherwise run:
+
+- `cpu_compat` is a context manager that, only when CUDA is unavailable, redirects CUDA device
+  arguments and ``Tensor.cuda()`` to the CPU, reports CPU tensors' ``Tensor.type()`` as the CUDA
+  type name the optimizer's dtype checks expect (a `TorchFunctionMode`), and makes
+  ``torch.cuda.current_device()`` return the CPU device. `MegatronEngine` enters it around every
+  call into megatron-core; with CUDA it is a no-op.
+- `install_cpu_rng_tracker` replaces megatron's CUDA RNG tracker by one that forks the CPU
+  generator, and its CUDA RNG state getter/setter by the CPU ones, so dropout inside
+  tensor-parallel regions and activation recomputation (which replays RNG states) work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def cpu_mode() -> bool:
+    """True when megatron-core has to be run on the CPU (no CUDA device)."""
+    return not torch.cuda.is_available()
+
+
+def _is_cuda(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU for every torch call made inside it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # dtype checks compare against "torch.cuda.FloatTensor" and friends
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_compat() -> Iterator[None]:
+    """Inside this context megatron-core's CUDA-only calls run on the CPU (no-op with CUDA)."""
+    if not cpu_mode():
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    try:
+        with _CudaToCpu():
+            yield
+    finally:
+        torch.cuda.current_device = saved  # type: ignore[assignment]
+
+
+def install_cpu_rng_tracker(seed: int) -> None:
+    """Seed megatron's RNG tracker (`model_parallel_cuda_manual_seed`) on the CPU generator.
+    Call only in `cpu_mode`; it replaces megatron's CUDA RNG functions for the whole process."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """megatron's tracker with named states of the CPU generator instead of CUDA ones."""
+
+        def add(self, name: str, seed: int) -> None:
+            if name in self.states_:
+                raise RuntimeError(f"rng state {name} already exists")
+            self._is_initialized = True
+            gen = torch.Generator()
+            gen.manual_seed(seed)
+            self.states_[name] = gen.get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+            if name not in self.states_:
+                raise RuntimeError(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    with cpu_compat():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)

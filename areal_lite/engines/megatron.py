@@ -1,0 +1,653 @@
+"""`MegatronEngine`: a Qwen2/Llama causal language model trained with megatron-core.
+
+The same contract as `FSDPEngine` (an actor cannot tell them apart; ``backend: megatron`` in the
+actor's config swaps them through `make_train_engine`), built on megatron-core's pieces: a
+`GPTModel` with the local (non-Transformer-Engine) layers and tensor parallelism, megatron's
+`DistributedDataParallel` with its distributed optimizer (optimizer state sharded over the
+data-parallel ranks), and megatron's RNG tracker. Weights come from and go to HF directories and
+HF-named tensors through `areal_lite.engines.mcore_convert`.
+
+Packed sequences, deliberately not THD: megatron-core's packed-sequence attention (``THD`` with
+``cu_seqlens``) exists only in Transformer Engine. Each micro-batch instead runs as its sequences
+right-padded to the longest one, ``[b, s]``, under megatron's causal mask; with right padding a real
+token only ever attends to earlier real tokens of its own sequence, and rotary positions restart
+per row, so the result is exact. Hidden states of the real tokens are then gathered into the
+packed 1-D layout, scored chunk by chunk (`areal_lite.utils.logprob`, as in FSDPEngine), and the
+loss function sees the same packed micro-batch as with FSDP. The balanced micro-batch split keeps
+the padding small.
+
+Parallelism: ``tensor_parallel_size`` ranks split every layer; the remaining factor of the world
+size is data parallel. Tensor-parallel ranks of one data-parallel rank must train on the same
+data, so the batch of the first rank of each tensor-parallel group is broadcast to the others.
+Gradients are summed (not averaged) over data-parallel ranks, because each micro-batch loss
+already carries its ``weight / total`` share of the global batch. At TP > 1 the (vocabulary-split)
+output weight is all-gathered for the head, so the logits match FSDP's to the last bit of the
+matmul. Pipeline parallelism is not implemented (``pipeline_parallel_size`` must be 1).
+
+On CPU (gloo) megatron-core's few hard-coded CUDA calls are redirected by `mcore_cpu`.
+
+Checkpoints: ``hf`` writes a HF directory from rank 0 (sharded safetensors and config);
+``dcp`` writes each rank's parameter shards, optimizer state, LR schedule, step and RNG with
+`torch.save` into one directory; it resumes under the same parallel layout.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from areal_lite.api.config import TrainEngineConfig
+from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedBatch, TrainEngine
+from areal_lite.api.io import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
+from areal_lite.engines.fsdp import _init_default_group, _rng_state, _set_rng_state
+from areal_lite.engines.mcore_convert import ArchSpec, hf_to_mcore, mcore_split_dim, mcore_to_hf
+from areal_lite.engines.mcore_cpu import cpu_compat, cpu_mode, install_cpu_rng_tracker
+from areal_lite.utils.data import pack_batch, split_microbatches, unpack_sequences
+from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
+from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
+from areal_lite.utils.lr_schedule import lr_multiplier
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class _SafetensorsDir(Mapping[str, torch.Tensor]):
+    """HF tensors of a model directory, read one at a time from its safetensors files."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}: MegatronEngine loads safetensors checkpoints")
+        self._where: dict[str, str] = {}
+        for f in files:
+            with safe_open(f, framework="pt") as h:
+                for k in h.keys():
+                    self._where[k] = f
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self._where:
+            raise KeyError(f"{name} is not in the checkpoint")
+        with safe_open(self._where[name], framework="pt") as h:
+            return h.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """megatron-core GPTModel (local layers) for ``arch``, whose forward returns the final hidden
+    states ``[s, b, h]`` instead of logits: the engine applies the head chunk by chunk."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    class HiddenStatesGPT(GPTModel):
+        def _postprocess(self, hidden_states: torch.Tensor, **kwargs: object) -> torch.Tensor:
+            return hidden_states
+
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if cfg.gradient_checkpointing else {}
+    tcfg = TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=cfg.tensor_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_parallel_size,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        # Each micro-batch loss carries its share of the global batch: sum gradients over
+        # data-parallel ranks instead of averaging them.
+        calculate_per_token_loss=True,
+        use_cpu_initialization=True,
+        # fused kernels are CUDA-only, or change numerics against the HF reference
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **recompute,
+    )
+    return HiddenStatesGPT(
+        config=tcfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=arch.padded_vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+    )
+
+
+class MegatronEngine(TrainEngine):
+    """megatron-core train engine. See the module docstring; the methods follow `TrainEngine`."""
+
+    def __init__(self, config: TrainEngineConfig) -> None:
+        self.config = config
+        self.arch: ArchSpec | None = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer: object | None = None
+        self.lr_factor = None
+        self._lr_step = 0
+        self._global_step = 0
+        self._version = 0
+        self._owns_group = False
+        self._owns_model_parallel = False
+        self._inference_engine: InferenceEngine | None = None
+        self._weight_group: CustomGroup | None = None
+        self.device = torch.device("cpu")
+
+    # ---------------------------------------------------------------- setup
+
+    def initialize(self, ft_spec: FinetuneSpec | None = None) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from transformers import AutoConfig
+
+        cfg = self.config
+        if cfg.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
+        if cfg.pipeline_parallel_size != 1:
+            raise ValueError("MegatronEngine does not implement pipeline parallelism yet: set pipeline_parallel_size=1")
+        if cfg.is_critic:
+            raise ValueError("MegatronEngine trains language models only; use backend=fsdp for a critic")
+        self._owns_group = _init_default_group()
+        if not cpu_mode():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if dist.get_world_size() % cfg.tensor_parallel_size != 0:
+            raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tensor_parallel_size={cfg.tensor_parallel_size}")
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel_size)
+            self._owns_model_parallel = True
+        elif ps.get_tensor_model_parallel_world_size() != cfg.tensor_parallel_size:
+            raise RuntimeError("megatron model parallelism is already initialised with another tensor_parallel_size")
+        torch.manual_seed(cfg.seed)
+        if cpu_mode():
+            install_cpu_rng_tracker(cfg.seed)
+        else:
+            tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+
+        self.arch = ArchSpec.from_hf_config(AutoConfig.from_pretrained(cfg.path), cfg.tensor_parallel_size)
+        dtype = _DTYPES[cfg.dtype]
+        with cpu_compat():
+            model = _build_gpt(self.arch, cfg, dtype).to(self.device)
+        self._copy_hf_into(model, _SafetensorsDir(cfg.path))
+        if ft_spec is None:
+            model.requires_grad_(False)
+            self.model = model
+            return
+        self.model = self._wrap_ddp(model)
+        self._build_optimizer(ft_spec)
+
+    def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        with cpu_compat():
+            return DistributedDataParallel(model.config, ddp_cfg, model)
+
+    def _build_optimizer(self, ft_spec: FinetuneSpec) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        opt = self.config.optimizer
+        dtype = _DTYPES[self.config.dtype]
+        ocfg = OptimizerConfig(
+            optimizer="adam",
+            lr=opt.lr,
+            weight_decay=opt.weight_decay,
+            adam_beta1=opt.beta1,
+            adam_beta2=opt.beta2,
+            adam_eps=opt.eps,
+            # clipping happens in `_optimizer_step`, after the finiteness check
+            clip_grad=0.0,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=True,
+        )
+        assert self.model is not None
+        # megatron exempts biases and other 1-D parameters (norm weights) from weight decay, as
+        # FSDPEngine does.
+        with cpu_compat():
+            self.optimizer = get_megatron_optimizer(ocfg, [self.model])
+        total = ft_spec.total_train_steps
+        self.lr_factor = lr_multiplier(opt.lr_scheduler_type, total, int(opt.warmup_steps_proportion * total), opt.min_lr_ratio)
+        self._set_lr()
+
+    def _set_lr(self) -> None:
+        assert self.optimizer is not None and self.lr_factor is not None
+        lr = self.config.optimizer.lr * self.lr_factor(self._lr_step)
+        for group in self.optimizer.param_groups:  # type: ignore[attr-defined]
+            group["lr"] = lr
+
+    def destroy(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.model = None
+        self.optimizer = None
+        self._weight_group = None
+        self._inference_engine = None
+        if self._owns_model_parallel:
+            ps.destroy_model_parallel()
+            self._owns_model_parallel = False
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    @property
+    def data_parallel_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size()
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def get_version(self) -> int:
+        return self._version
+
+    def step_lr_scheduler(self) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("a frozen engine (initialized without FinetuneSpec) has no LR scheduler")
+        self._lr_step += 1
+        self._set_lr()
+
+    # ---------------------------------------------------------------- compute
+
+    def _module(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("MegatronEngine.initialize() has not been called (or destroy() was)")
+        return self.model
+
+    def _gpt(self) -> torch.nn.Module:
+        """The GPTModel itself (inside megatron's DDP wrapper when training)."""
+        model = self._module()
+        return getattr(model, "module", model)
+
+    def _same_batch_across_tp(self, batch: TensorDict) -> TensorDict:
+        """The batch of the first rank of this tensor-parallel group, on every rank of it."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_tensor_model_parallel_world_size() == 1:
+            return batch
+        box: list[object] = [batch.to_dict() if ps.get_tensor_model_parallel_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
+        data = box[0]
+        assert isinstance(data, dict)
+        return TensorDict(data, batch_size=[data["attention_mask"].shape[0]])
+
+    def _microbatches(self, batch: TensorDict) -> tuple[list[tuple[TensorDict, PackedBatch]], torch.Tensor]:
+        """(padded, packed) micro-batches of this rank's data, and the order-restoring permutation."""
+        split = split_microbatches(self._same_batch_across_tp(batch), self.config.mb_spec)
+        return [(mb, pack_batch(mb)) for mb in split.mbs], split.restore_order
+
+    def _output_weight(self) -> torch.Tensor:
+        """The full ``[vocab, hidden]`` LM head weight (gathered over tensor-parallel ranks, with
+        gradient flowing back to this rank's slice)."""
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+        assert self.arch is not None
+        gpt = self._gpt()
+        w = gpt.shared_embedding_or_output_weight() if self.arch.tie_word_embeddings else gpt.output_layer.weight
+        if self.config.tensor_parallel_size > 1:
+            w = gather_from_tensor_model_parallel_region(w.t()).t()
+        return w[: self.arch.vocab_size]
+
+    def _run(self, padded: TensorDict, packed: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-aligned log-probabilities and entropies ``[T]`` of one micro-batch."""
+        ids = padded["input_ids"].to(self.device)
+        mask = padded["attention_mask"].to(self.device).bool()
+        pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        hidden = self._module()(ids, pos, None)  # [s, b, h]
+        hidden = hidden.transpose(0, 1)[mask]  # [T, h], pack_batch's order
+        packed_ids = packed["input_ids"]
+        cu = packed["cu_seqlens"]
+        assert isinstance(packed_ids, torch.Tensor) and isinstance(cu, torch.Tensor)
+        logp, entropy = logprobs_from_hidden(
+            hidden,
+            self._output_weight(),
+            next_token_labels(packed_ids.to(self.device)),
+            chunk_size=self.config.logits_chunk_size,
+            with_entropy=with_entropy,
+        )
+        logp = align_to_tokens(logp, cu)
+        entropy = align_to_tokens(entropy, cu) if entropy is not None else torch.zeros_like(logp)
+        return logp, entropy
+
+    @torch.no_grad()
+    def forward(self, batch: TensorDict, *, with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        model = self._module()
+        model.eval()
+        seqlen = batch["attention_mask"].shape[1]
+        mbs, order = self._microbatches(batch)
+        outs, ents = [], []
+        with cpu_compat():
+            for padded, packed in mbs:
+                out, ent = self._run(padded, packed, with_entropy)
+                cu = packed["cu_seqlens"]
+                assert isinstance(cu, torch.Tensor)
+                outs.append(unpack_sequences(out.float().cpu(), cu, seqlen))
+                ents.append(unpack_sequences(ent.float().cpu(), cu, seqlen))
+        result = torch.cat(outs)[order]
+        if with_entropy:
+            return result, torch.cat(ents)[order]
+        return result
+
+    def _weights(self, packed: list[PackedBatch], loss_weight_fn: LossWeightFn) -> tuple[list[float], float]:
+        from megatron.core import parallel_state as ps
+
+        weights = [float(loss_weight_fn(mb)) for mb in packed]
+        total = torch.tensor([sum(weights)], dtype=torch.float64)
+        dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+        if total.item() <= 0:
+            raise ValueError("loss_weight_fn gave a total weight of 0 over the whole batch (no trained tokens?)")
+        return weights, float(total.item())
+
+    def _reduce_stats(self, loss: float, stats: dict[str, float]) -> dict[str, float]:
+        """Sum the already-weighted loss and stats over data-parallel ranks (weights sum to 1)."""
+        from megatron.core import parallel_state as ps
+
+        keys = sorted(stats)
+        vec = torch.tensor([loss] + [stats[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(vec, group=ps.get_data_parallel_group(with_context_parallel=True))
+        out = {"loss": float(vec[0])}
+        out.update({k: float(v) for k, v in zip(keys, vec[1:].tolist())})
+        return out
+
+    def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        model = self._module()
+        if self.optimizer is None:
+            raise RuntimeError("train_batch needs an optimizer: initialize the engine with a FinetuneSpec")
+        model.train()
+        mbs, _ = self._microbatches(batch)
+        weights, total = self._weights([p for _, p in mbs], loss_weight_fn)
+        loss_sum, stats_sum = 0.0, {}
+        with cpu_compat():
+            model.zero_grad_buffer()
+            self.optimizer.zero_grad()  # type: ignore[attr-defined]
+            for (padded, packed), w in zip(mbs, weights):
+                out, ent = self._run(padded, packed, with_entropy=True)
+                loss, stats = loss_fn(out, ent, packed)
+                loss_sum += float(loss.detach()) * w / total
+                for k, v in stats.items():
+                    stats_sum[k] = stats_sum.get(k, 0.0) + float(v.detach()) * w / total
+                if w > 0:
+                    (loss * (w / total)).backward()
+            # gradients are reduce-scattered over data-parallel ranks once, here
+            model.finish_grad_sync()
+            grad_norm, ok = self._optimizer_step()
+        lr = float(self.optimizer.param_groups[0]["lr"])  # type: ignore[attr-defined]
+        result = self._reduce_stats(loss_sum, stats_sum)
+        result.update(grad_norm=grad_norm, lr=lr, update_successful=float(ok))
+        return result
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Clip and step unless the gradient norm is non-finite (then skip). Returns (norm, stepped)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt = self.optimizer
+        assert opt is not None
+        opt.prepare_grads()  # type: ignore[attr-defined]
+        grad_norm = float(opt.get_grad_norm())  # type: ignore[attr-defined]
+        if not np.isfinite(grad_norm):
+            logger.warning("non-finite gradient norm %s at step %d: skipping the update", grad_norm, self._global_step)
+            opt.zero_grad()  # type: ignore[attr-defined]
+            return grad_norm, False
+        clip = self.config.optimizer.gradient_clipping
+        if clip > 0:
+            for sub in opt.chained_optimizers:  # type: ignore[attr-defined]
+                params = sub.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=grad_norm)
+        opt.step_with_ready_grads()  # type: ignore[attr-defined]
+        self._global_step += 1
+        return grad_norm, True
+
+    @torch.no_grad()
+    def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        model = self._module()
+        model.eval()
+        mbs, _ = self._microbatches(batch)
+        weights, total = self._weights([p for _, p in mbs], loss_weight_fn)
+        loss_sum, stats_sum = 0.0, {}
+        with cpu_compat():
+            for (padded, packed), w in zip(mbs, weights):
+                out, ent = self._run(padded, packed, with_entropy=True)
+                loss, stats = loss_fn(out, ent, packed)
+                loss_sum += float(loss) * w / total
+                for k, v in stats.items():
+                    stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * w / total
+        return self._reduce_stats(loss_sum, stats_sum)
+
+    # ---------------------------------------------------------------- weights in HF form
+
+    def _named_local_params(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's megatron parameters by their GPTModel names (no DDP prefix)."""
+        return [(n, p) for n, p in self._gpt().named_parameters()]
+
+    @torch.no_grad()
+    def _copy_hf_into(self, gpt: torch.nn.Module, hf: Mapping[str, torch.Tensor]) -> None:
+        from megatron.core import parallel_state as ps
+
+        assert self.arch is not None
+        local = hf_to_mcore(hf, self.arch, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+        params = dict(getattr(gpt, "module", gpt).named_parameters())
+        if set(params) != set(local):
+            raise RuntimeError(f"megatron parameters {sorted(set(params) ^ set(local))} do not match the conversion")
+        for name, p in params.items():
+            p.copy_(local[name].to(p.dtype))
+
+    @torch.no_grad()
+    def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, one megatron parameter at a time, on every rank, cast to the
+        configured dtype. Collective over the tensor-parallel group: every rank iterates to the end."""
+        from megatron.core import parallel_state as ps
+
+        assert self.arch is not None
+        tp = ps.get_tensor_model_parallel_world_size()
+        group = ps.get_tensor_model_parallel_group()
+        dtype = _DTYPES[self.config.dtype]
+        for name, p in self._named_local_params():
+            local = p.detach().to(self.device)
+            if tp == 1 or mcore_split_dim(name) is None:
+                shards = [local]
+            else:
+                shards = [torch.empty_like(local) for _ in range(tp)]
+                dist.all_gather(shards, local.contiguous(), group=group)
+            for hf_name, t in mcore_to_hf(name, shards, self.arch):
+                yield hf_name, t.to(dtype)
+
+    def _save_hf(self, path: str, tokenizer: object | None) -> None:
+        from huggingface_hub import save_torch_state_dict
+        from transformers import AutoConfig, GenerationConfig
+
+        tensors = {name: t.cpu().contiguous() for name, t in self._hf_tensors()}
+        if dist.get_rank() != 0:
+            return
+        os.makedirs(path, exist_ok=True)
+        for stale in glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.safetensors.index.json")):
+            os.remove(stale)
+        hf_config = AutoConfig.from_pretrained(self.config.path)
+        hf_config.dtype = self.config.dtype
+        hf_config.save_pretrained(path)
+        try:
+            GenerationConfig.from_pretrained(self.config.path).save_pretrained(path)
+        except OSError:
+            pass  # the source directory had no generation config
+        save_torch_state_dict(tensors, path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)  # type: ignore[attr-defined]
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        """``hf``: a HF directory (and tokenizer) from rank 0. ``dcp``: every rank's parameter
+        shards, optimizer state (when the engine has one), LR step, step, version and RNG state."""
+        if meta.weight_format == "hf":
+            self._save_hf(meta.path, meta.tokenizer)
+        else:
+            self._save_state(meta.path)
+        dist.barrier()
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        if meta.weight_format == "hf":
+            with cpu_compat():
+                self._copy_hf_into(self._gpt(), _SafetensorsDir(meta.path))
+                if self.optimizer is not None:
+                    self.optimizer.reload_model_params()  # type: ignore[attr-defined]
+        else:
+            self._load_state(meta.path)
+        dist.barrier()
+
+    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        assert self.optimizer is not None
+        return [sub.optimizer for sub in self.optimizer.chained_optimizers]  # type: ignore[attr-defined]
+
+    def _layout(self) -> dict[str, int]:
+        return {"world_size": dist.get_world_size(), "tensor_parallel_size": self.config.tensor_parallel_size}
+
+    def _save_state(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        state: dict[str, object] = {
+            "model": {n: p.detach().cpu().clone() for n, p in self._named_local_params()},
+            "version": self._version,
+            "global_step": self._global_step,
+            "lr_step": self._lr_step,
+            "rng": _rng_state(),
+        }
+        if self.optimizer is not None:
+            inner = self._inner_optimizers()
+            # The optimizer's own parameters are the (fp32 master) shards it updates.
+            state["optim"] = [o.state_dict() for o in inner]
+            state["main_params"] = [[p.detach().cpu().clone() for g in o.param_groups for p in g["params"]] for o in inner]
+        torch.save(state, os.path.join(path, f"megatron_rank{dist.get_rank()}.pt"))
+        if dist.get_rank() == 0:
+            with open(os.path.join(path, "megatron_layout.json"), "w") as f:
+                json.dump(self._layout(), f)
+
+    @torch.no_grad()
+    def _load_state(self, path: str) -> None:
+        with open(os.path.join(path, "megatron_layout.json")) as f:
+            layout = json.load(f)
+        if layout != self._layout():
+            raise ValueError(f"checkpoint {path} was written with layout {layout}, this run has {self._layout()}")
+        state = torch.load(os.path.join(path, f"megatron_rank{dist.get_rank()}.pt"), weights_only=False)
+        for name, p in self._named_local_params():
+            p.copy_(state["model"][name])
+        if self.optimizer is not None and "optim" in state:
+            for o, sd, mains in zip(self._inner_optimizers(), state["optim"], state["main_params"]):
+                for p, saved in zip((p for g in o.param_groups for p in g["params"]), mains):
+                    p.copy_(saved)
+                o.load_state_dict(sd)
+        self._version = state["version"]
+        self._global_step = state["global_step"]
+        self._lr_step = state["lr_step"]
+        if self.optimizer is not None:
+            self._set_lr()
+        _set_rng_state(state["rng"])
+
+    # ---------------------------------------------------------------- weight updates
+
+    def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
+        """Remember ``engine``; for distributed updates global rank 0 also builds the weight-update
+        group (a ``master_port`` of 0 is replaced in ``meta`` by a free port), as in FSDPEngine."""
+        self._inference_engine = engine
+        if meta.type != "distributed" or dist.get_rank() != 0:
+            return
+        if meta.master_port == 0:
+            meta.master_port = find_free_port(meta.master_address)
+        fut = engine.init_weights_update_group(meta)
+        if meta.world_size < 2:
+            raise ValueError(f"WeightUpdateMeta.world_size must count rank 0 and the server ranks, got {meta.world_size}")
+        self._weight_group = init_custom_process_group(
+            meta.backend, meta.master_address, meta.master_port, rank=0, world_size=meta.world_size, group_name=meta.group_name
+        )
+        fut.result()
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        """Full HF-named tensors gathered over tensor-parallel ranks; only global rank 0 sends.
+        Data-parallel replicas hold identical weights, so only the tensor-parallel gathers run."""
+        rank = dist.get_rank()
+        if rank == 0 and self._inference_engine is None:
+            raise RuntimeError("update_weights needs connect_engine() first")
+        meta = replace(meta, version=self._version if meta.version is None else meta.version)
+        if meta.type == "disk":
+            assert meta.path is not None
+            self._save_hf(meta.path, None)
+            if rank == 0:
+                self._engine().update_weights(meta).result()
+        elif meta.type == "distributed":
+            self._update_distributed(meta)
+        else:
+            tensors = {name: t.cpu() for name, t in self._hf_tensors()}
+            if rank == 0:
+                self._engine().update_weights(replace(meta, named_tensors=tensors)).result()
+        dist.barrier()
+
+    def _engine(self) -> InferenceEngine:
+        assert self._inference_engine is not None
+        return self._inference_engine
+
+    def _update_distributed(self, meta: WeightUpdateMeta) -> None:
+        rank = dist.get_rank()
+        if rank == 0 and self._weight_group is None:
+            raise RuntimeError("a distributed weight update needs connect_engine() with a distributed meta first")
+        send_device = torch.device("cuda", torch.cuda.current_device()) if meta.backend == "nccl" else torch.device("cpu")
+        chunk: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in self._hf_tensors():
+            if rank != 0:
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if chunk and size + nbytes > meta.chunk_bytes:
+                self._send_chunk(chunk, meta)
+                chunk, size = [], 0
+            chunk.append((name, tensor.to(send_device)))
+            size += nbytes
+        if rank == 0 and chunk:
+            self._send_chunk(chunk, meta)
+
+    def _send_chunk(self, chunk: list[tuple[str, torch.Tensor]], meta: WeightUpdateMeta) -> None:
+        assert self._weight_group is not None
+        specs = [ParamSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in chunk]
+        fut = self._engine().update_weights(replace(meta, param_specs=specs))
+        for _, t in chunk:
+            self._weight_group.broadcast(t.contiguous())
+        fut.result()
+
+
+__all__ = ["MegatronEngine"]
