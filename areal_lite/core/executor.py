@@ -1,0 +1,483 @@
+"""The asynchronous rollout runtime shared by every inference engine.
+
+A `WorkflowExecutor` runs workflows (`RolloutWorkflow.arun_episode`) concurrently on an asyncio
+event loop in a background thread, admits new rollouts under the staleness bound of DESIGN.md and
+hands finished trajectories to the trainer (`wait`, `prepare_batch`). Engines only call it; it only
+calls `engine.get_version()` and passes the engine to workflows.
+
+Staleness bound (eta = ``max_head_offpolicyness``, B = ``consumer_batch_size``): at policy version
+t a rollout is admitted only while ``accepted + running < (eta + t + 1) * B`` and fewer than
+``max_concurrent_rollouts`` run. ``accepted`` counts every accepted trajectory of the run and is
+never decremented when consumed. Batches are the accepted trajectories in acceptance order, B at
+a time, so batch t is consumed at version t.
+
+Deliberate deviation from AReaL-lite: AReaL evaluates the bound at the *current* version t. A
+straggler admitted at an old version v can then end up in a batch later than v + eta (the slots of
+later batches fill with rollouts admitted after it). Here t in the bound is the version of the
+oldest rollout still running (or the current version if none runs). While a rollout admitted at v
+runs, ``accepted + running <= (eta + v + 1) * B``, so at most ``(eta + v + 1) * B - 1`` others are
+accepted before it and it lands in a batch <= v + eta: every token of a batch consumed at step t
+was produced by a policy of version >= t - eta. Completed rollouts are never dropped for staleness;
+the bound only delays admission while a straggler runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from tensordict import TensorDict
+
+from areal_lite.api.config import InferenceEngineConfig
+from areal_lite.api.engine import AcceptFn, InferenceEngine
+from areal_lite.api.workflow import RolloutWorkflow
+from areal_lite.utils.data import concat_padded
+
+logger = logging.getLogger(__name__)
+
+_VERSION_POLL_S = 0.05
+"""The loop re-reads the engine version this often; any other event (submit, completion, resume,
+wait) re-checks admission at once."""
+
+
+class WorkflowError(RuntimeError):
+    """A workflow (or its ``should_accept``) raised on one input; ``data`` is that input."""
+
+    def __init__(self, data: dict[str, object], cause: BaseException) -> None:
+        shown = repr(data)
+        if len(shown) > 500:
+            shown = shown[:500] + "...}"
+        super().__init__(f"rollout workflow failed on input {shown}: {type(cause).__name__}: {cause}")
+        self.data = data
+        self.cause = cause
+
+
+class StalenessManager:
+    """Admission accounting of the pipeline (no threads, no I/O), so the bound can be property-tested.
+
+    ``capacity`` says how many more rollouts may start now; the executor calls ``on_admit`` and
+    ``on_finish`` around each pipeline rollout.
+    """
+
+    def __init__(self, batch_size: int, max_head_offpolicyness: int, max_concurrent: int, queue_size: int) -> None:
+        if batch_size < 1 or max_head_offpolicyness < 0 or max_concurrent < 1 or queue_size < 1:
+            raise ValueError(
+                f"bad staleness settings: batch_size={batch_size} eta={max_head_offpolicyness} "
+                f"max_concurrent={max_concurrent} queue_size={queue_size}"
+            )
+        self.batch_size = batch_size
+        self.eta = max_head_offpolicyness
+        self.max_concurrent = max_concurrent
+        self.queue_size = queue_size
+        self.accepted = 0
+        """Accepted trajectories so far (plus the baseline of a run resumed at version > 0)."""
+        self.running = 0
+        self._running_versions: Counter[int] = Counter()
+        self._started = False
+
+    def oldest_running_version(self, version: int) -> int:
+        return min(self._running_versions, default=version)
+
+    def capacity(self, version: int, ready: int, running_other: int = 0) -> int:
+        """Rollouts that may start now at ``version``, with ``ready`` accepted trajectories not yet
+        consumed and ``running_other`` rollouts outside the pipeline sharing the concurrency cap."""
+        accepted = self.accepted if self._started else version * self.batch_size
+        v = min(version, self.oldest_running_version(version))
+        by_staleness = (self.eta + v + 1) * self.batch_size - (accepted + self.running)
+        by_concurrency = self.max_concurrent - self.running - running_other
+        by_queue = self.queue_size - ready - self.running
+        return max(0, min(by_staleness, by_concurrency, by_queue))
+
+    def on_admit(self, version: int) -> None:
+        if not self._started:
+            # A run resumed at version t has consumed t batches that this process never counted.
+            self.accepted = version * self.batch_size
+            self._started = True
+        self.running += 1
+        self._running_versions[version] += 1
+
+    def on_finish(self, admitted_version: int, accepted: bool) -> None:
+        self.running -= 1
+        self._running_versions[admitted_version] -= 1
+        if self._running_versions[admitted_version] == 0:
+            del self._running_versions[admitted_version]
+        if accepted:
+            self.accepted += 1
+
+
+@dataclass
+class _Ticket:
+    """The tasks of one `rollout_batch` call: outside the pipeline and its staleness accounting."""
+
+    remaining: int
+    results: list[tuple[int, TensorDict]] = field(default_factory=list)
+    error: WorkflowError | None = None
+
+
+@dataclass
+class _Task:
+    seq: int
+    data: dict[str, object]
+    workflow: RolloutWorkflow
+    should_accept: AcceptFn | None
+    ticket: _Ticket | None
+    version: int = -1
+    """Policy version when the task was admitted."""
+
+
+def trajectory_staleness(traj: TensorDict, version: int) -> list[int]:
+    """``version`` minus the oldest token version of each row (rows without generated tokens skipped)."""
+    versions = traj["versions"]
+    out = []
+    for row in versions:
+        produced = row[row >= 0]
+        if produced.numel():
+            out.append(version - int(produced.min()))
+    return out
+
+
+class WorkflowExecutor:
+    """Runs rollout workflows on a background event loop under the staleness bound.
+
+    Two kinds of work share the loop and the concurrency cap: the *pipeline* (`submit`, `wait`,
+    `prepare_batch`), which the staleness bound governs, and synchronous batches (`rollout_batch`,
+    e.g. evaluation), which are admitted at once and never counted as pipeline trajectories.
+    """
+
+    def __init__(self, config: InferenceEngineConfig, engine: InferenceEngine) -> None:
+        self.config = config
+        self.engine = engine
+        bs = config.consumer_batch_size
+        if config.on_workflow_error not in ("raise", "skip"):
+            raise ValueError(f"on_workflow_error must be raise or skip, got {config.on_workflow_error!r}")
+        self.max_concurrent = config.max_concurrent_rollouts or bs
+        self.staleness = StalenessManager(
+            batch_size=bs,
+            max_head_offpolicyness=config.max_head_offpolicyness,
+            max_concurrent=self.max_concurrent,
+            queue_size=config.queue_size or 16 * bs,
+        )
+        self._cond = threading.Condition()
+        self._pending: deque[_Task] = deque()
+        self._direct_pending: deque[_Task] = deque()
+        self._ready: list[tuple[int, TensorDict]] = []
+        self._error: WorkflowError | None = None
+        self._running_direct = 0
+        self._paused = False
+        self._stopping = False
+        self._seq = itertools.count()
+        self._data_source: Iterable[list[dict[str, object]]] | None = None
+        self._data_iter: Iterator[list[dict[str, object]]] | None = None
+        self.n_rejected = 0
+        self.n_failed = 0
+        self.n_consumed = 0
+        self.staleness_histogram: Counter[int] = Counter()
+        """Trajectories consumed by `wait`, keyed by staleness (current version - oldest token version)."""
+        self.last_batch_staleness: list[int] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._loop_ready = threading.Event()
+        self._loop_error: BaseException | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def initialize(self) -> None:
+        """Start the background thread and its event loop."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._thread_main, name="rollout-executor", daemon=True)
+        self._thread.start()
+        self._loop_ready.wait()
+        if self._loop_error is not None:
+            raise RuntimeError("the rollout executor's event loop failed to start") from self._loop_error
+
+    def destroy(self) -> None:
+        """Cancel running rollouts and stop the thread."""
+        if self._thread is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._wake_loop()
+        self._thread.join(timeout=30)
+        self._thread = None
+
+    # ----------------------------------------------------------------- public API
+
+    def submit(self, data: dict[str, object], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> None:
+        """Queue one pipeline rollout; it starts when the staleness bound admits it."""
+        self._check_alive()
+        with self._cond:
+            self._pending.append(_Task(next(self._seq), data, workflow, should_accept, ticket=None))
+        self._wake_loop()
+
+    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
+        """Block until ``count`` accepted pipeline trajectories are ready and return them padded and
+        concatenated, oldest submission first. Raises TimeoutError after ``timeout`` seconds and
+        `WorkflowError` when a workflow failed (``on_workflow_error=raise``)."""
+        if count < 1:
+            raise ValueError(f"wait needs count >= 1, got {count}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._wake_loop()
+        with self._cond:
+            while True:
+                self._raise_if_broken()
+                if len(self._ready) >= count:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"wait({count}) timed out after {timeout}s: {len(self._ready)} ready, "
+                        f"{self.staleness.running} running, {len(self._pending)} queued, paused={self._paused}"
+                    )
+                self._cond.wait(left)
+            taken = self._ready[:count]
+            del self._ready[:count]
+        self._wake_loop()
+        return self._consume(taken)
+
+    def rollout_batch(
+        self, data: list[dict[str, object]], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
+    ) -> TensorDict:
+        """Run ``workflow`` on every item of ``data`` now (outside the staleness accounting) and
+        return the accepted trajectories in the order of ``data``."""
+        if not data:
+            raise ValueError("rollout_batch needs at least one item")
+        self._check_alive()
+        ticket = _Ticket(remaining=len(data))
+        with self._cond:
+            for item in data:
+                self._direct_pending.append(_Task(next(self._seq), item, workflow, should_accept, ticket))
+        self._wake_loop()
+        with self._cond:
+            while ticket.remaining > 0 and ticket.error is None:
+                self._raise_if_broken(pipeline=False)
+                self._cond.wait()
+            if ticket.error is not None:
+                raise ticket.error
+        if not ticket.results:
+            raise RuntimeError(f"rollout_batch: all {len(data)} trajectories were rejected or failed")
+        return concat_padded([t for _, t in sorted(ticket.results, key=lambda r: r[0])])
+
+    def prepare_batch(
+        self,
+        dataloader: Iterable[list[dict[str, object]]],
+        workflow: RolloutWorkflow,
+        should_accept: AcceptFn | None = None,
+    ) -> TensorDict:
+        """Keep the pipeline fed from ``dataloader`` (cycled across epochs) and return the next
+        ``consumer_batch_size`` accepted trajectories. Rollouts still running when this returns
+        carry over to the next call."""
+        bs = self.config.consumer_batch_size
+        while True:
+            with self._cond:
+                self._raise_if_broken()
+                if len(self._ready) >= bs:
+                    break
+                room = self._capacity_locked()
+                need = room - len(self._pending)
+                stuck = (
+                    room == 0
+                    and not self._paused
+                    and self.staleness.running == 0
+                    and not self._pending
+                    and self._running_direct == 0
+                )
+                if stuck:
+                    raise RuntimeError(
+                        f"the staleness bound admits nothing at version {self.engine.get_version()} with "
+                        f"{self.staleness.accepted} trajectories accepted: call set_version(step + 1) after "
+                        "each training step (or raise max_head_offpolicyness)"
+                    )
+                if need <= 0:
+                    # Woken by completions; the timeout also notices a version set from elsewhere.
+                    self._cond.wait(_VERSION_POLL_S)
+                    continue
+            # Pull outside the lock: a dataloader may be slow (worker processes, disk).
+            while need > 0:
+                items = self._next_items(dataloader)
+                for item in items:
+                    self.submit(item, workflow, should_accept)
+                need -= len(items)
+        return self.wait(bs)
+
+    def pause(self) -> None:
+        """Stop admitting rollouts (running ones go on; the engine interrupts generation itself)."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Admit rollouts again."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+        self._wake_loop()
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the stats logger: episodes accepted, rejected, failed, in flight, and the
+        staleness of the last consumed batch."""
+        with self._cond:
+            last = self.last_batch_staleness
+            return {
+                "rollout/accepted": float(self.staleness.accepted),
+                "rollout/consumed": float(self.n_consumed),
+                "rollout/rejected": float(self.n_rejected),
+                "rollout/failed": float(self.n_failed),
+                "rollout/running": float(self.staleness.running + self._running_direct),
+                "rollout/queued": float(len(self._pending)),
+                "rollout/ready": float(len(self._ready)),
+                "rollout/staleness_max": float(max(last, default=0)),
+                "rollout/staleness_mean": float(sum(last) / len(last)) if last else 0.0,
+            }
+
+    # ----------------------------------------------------------------- internals (caller side)
+
+    def _check_alive(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("the rollout executor is not running: call initialize() first")
+
+    def _raise_if_broken(self, pipeline: bool = True) -> None:
+        if pipeline and self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        if self._stopping:
+            raise RuntimeError("the rollout executor was destroyed")
+        if self._loop_error is not None:
+            raise RuntimeError("the rollout executor's event loop died") from self._loop_error
+
+    def _capacity_locked(self) -> int:
+        if self._paused:
+            return 0
+        return self.staleness.capacity(self.engine.get_version(), len(self._ready), self._running_direct)
+
+    def _next_items(self, dataloader: Iterable[list[dict[str, object]]]) -> list[dict[str, object]]:
+        if self._data_source is not dataloader or self._data_iter is None:
+            self._data_source = dataloader
+            self._data_iter = iter(dataloader)
+        for _ in range(2):
+            try:
+                items = next(self._data_iter)
+            except StopIteration:
+                self._data_iter = iter(dataloader)  # next epoch
+                continue
+            if not isinstance(items, list):
+                raise TypeError(
+                    f"the dataloader must yield lists of items (use collate_fn=lambda x: x), got {type(items).__name__}"
+                )
+            return items
+        raise ValueError("the dataloader is empty")
+
+    def _consume(self, taken: list[tuple[int, TensorDict]]) -> TensorDict:
+        version = self.engine.get_version()
+        staleness = [s for _, t in taken for s in trajectory_staleness(t, version)]
+        with self._cond:
+            self.n_consumed += len(taken)
+            self.staleness_histogram.update(staleness)
+            self.last_batch_staleness = staleness
+        return concat_padded([t for _, t in sorted(taken, key=lambda r: r[0])])
+
+    def _wake_loop(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop closed between the check and the call
+                pass
+
+    # ----------------------------------------------------------------- internals (loop side)
+
+    def _thread_main(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except BaseException as e:  # noqa: BLE001 - reported to every waiter
+            self._loop_error = e
+            logger.exception("rollout executor loop died")
+        finally:
+            self._loop_ready.set()
+            with self._cond:
+                self._cond.notify_all()
+            loop.close()
+
+    async def _main(self) -> None:
+        self._wake = asyncio.Event()
+        self._loop_ready.set()
+        while not self._stopping:
+            self._wake.clear()
+            self._admit()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=_VERSION_POLL_S)
+            except asyncio.TimeoutError:
+                pass
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _admit(self) -> None:
+        version = self.engine.get_version()
+        with self._cond:
+            if self._paused or self._stopping:
+                return
+            while self._direct_pending and self.staleness.running + self._running_direct < self.max_concurrent:
+                task = self._direct_pending.popleft()
+                task.version = version
+                self._running_direct += 1
+                self._spawn(task)
+            room = self.staleness.capacity(version, len(self._ready), self._running_direct)
+            for _ in range(min(room, len(self._pending))):
+                task = self._pending.popleft()
+                task.version = version
+                self.staleness.on_admit(version)
+                self._spawn(task)
+
+    def _spawn(self, task: _Task) -> None:
+        t = asyncio.get_running_loop().create_task(self._run(task))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _run(self, task: _Task) -> None:
+        traj: TensorDict | None = None
+        error: WorkflowError | None = None
+        try:
+            traj = await task.workflow.arun_episode(self.engine, task.data)
+            if traj is not None and task.should_accept is not None and not task.should_accept(traj):
+                traj = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any workflow bug is reported with its input
+            error = WorkflowError(task.data, e)
+            error.__cause__ = e
+            logger.warning("%s", error)
+        with self._cond:
+            if task.ticket is None:
+                self.staleness.on_finish(task.version, accepted=traj is not None)
+            else:
+                self._running_direct -= 1
+                task.ticket.remaining -= 1
+            if error is not None:
+                self.n_failed += 1
+                if self.config.on_workflow_error == "raise":
+                    if task.ticket is None:
+                        self._error = self._error or error
+                    else:
+                        task.ticket.error = task.ticket.error or error
+            elif traj is None:
+                self.n_rejected += 1
+            elif task.ticket is None:
+                self._ready.append((task.seq, traj))
+            else:
+                task.ticket.results.append((task.seq, traj))
+            self._cond.notify_all()
+        assert self._wake is not None
+        self._wake.set()
+

@@ -1,0 +1,110 @@
+"""Building and checking trajectories in the layout of the data contract (`areal_lite.api.engine`).
+
+Workflows assemble token lists (prompt, generated, environment) and turn them into a ``[1, L]``
+TensorDict here, so the dtypes and the mask/version conventions are written once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tensordict import TensorDict
+
+from areal_lite.api.io import ModelResponse
+
+CONTRACT_DTYPES: dict[str, torch.dtype] = {
+    "input_ids": torch.int64,
+    "attention_mask": torch.bool,
+    "loss_mask": torch.int32,
+    "logprobs": torch.float32,
+    "versions": torch.int32,
+    "rewards": torch.float32,
+}
+
+
+class TokenTrace:
+    """A trajectory under construction: tokens appended segment by segment, each either produced
+    by the policy (trained on) or not (prompt, environment, tool output)."""
+
+    def __init__(self, prompt_ids: list[int]) -> None:
+        self.input_ids: list[int] = list(prompt_ids)
+        self.loss_mask: list[int] = [0] * len(prompt_ids)
+        self.logprobs: list[float] = [0.0] * len(prompt_ids)
+        self.versions: list[int] = [-1] * len(prompt_ids)
+
+    def add_generated(self, resp: ModelResponse) -> None:
+        """Append a model response's output tokens with their logprobs and versions."""
+        if not (len(resp.output_tokens) == len(resp.output_logprobs) == len(resp.output_versions)):
+            raise ValueError(
+                f"response {resp.rid!r} has {len(resp.output_tokens)} tokens, {len(resp.output_logprobs)} logprobs "
+                f"and {len(resp.output_versions)} versions"
+            )
+        self.input_ids += resp.output_tokens
+        self.loss_mask += [1] * resp.output_len
+        self.logprobs += resp.output_logprobs
+        self.versions += resp.output_versions
+
+    def add_context(self, token_ids: list[int]) -> None:
+        """Append tokens the policy did not produce (environment, tool, chat-template glue)."""
+        self.input_ids += token_ids
+        self.loss_mask += [0] * len(token_ids)
+        self.logprobs += [0.0] * len(token_ids)
+        self.versions += [-1] * len(token_ids)
+
+    def to_tensordict(self, reward: float, **per_sequence: float) -> TensorDict:
+        """The ``[1, L]`` trajectory with sequence reward ``reward`` and extra float32 ``[1]`` keys."""
+        n = len(self.input_ids)
+        out = {
+            "input_ids": torch.tensor([self.input_ids], dtype=torch.int64),
+            "attention_mask": torch.ones((1, n), dtype=torch.bool),
+            "loss_mask": torch.tensor([self.loss_mask], dtype=torch.int32),
+            "logprobs": torch.tensor([self.logprobs], dtype=torch.float32),
+            "versions": torch.tensor([self.versions], dtype=torch.int32),
+            "rewards": torch.tensor([reward], dtype=torch.float32),
+        }
+        for key, value in per_sequence.items():
+            out[key] = torch.tensor([value], dtype=torch.float32)
+        return TensorDict(out, batch_size=[1])
+
+
+def from_response(resp: ModelResponse, reward: float, **per_sequence: float) -> TensorDict:
+    """The ``[1, L]`` trajectory of a single-turn response: its prompt, then its output tokens."""
+    trace = TokenTrace(resp.input_tokens)
+    trace.add_generated(resp)
+    return trace.to_tensordict(reward, **per_sequence)
+
+
+def check_trajectory(batch: TensorDict) -> None:
+    """Raise ValueError naming the first way ``batch`` breaks the data contract (keys, dtypes,
+    shapes, right padding, masks, logprobs and versions off the trained tokens, finite rewards)."""
+    for key, dtype in CONTRACT_DTYPES.items():
+        if key not in batch.keys():
+            raise ValueError(f"trajectory lacks key {key!r}")
+        if batch[key].dtype != dtype:
+            raise ValueError(f"{key} has dtype {batch[key].dtype}, the contract says {dtype}")
+    n, length = batch["input_ids"].shape
+    for key in ("attention_mask", "loss_mask", "logprobs", "versions"):
+        if tuple(batch[key].shape) != (n, length):
+            raise ValueError(f"{key} has shape {tuple(batch[key].shape)}, expected {(n, length)}")
+    if tuple(batch["rewards"].shape) != (n,):
+        raise ValueError(f"rewards has shape {tuple(batch['rewards'].shape)}, expected {(n,)}")
+    attn = batch["attention_mask"]
+    lens = attn.sum(dim=1)
+    if not torch.equal(attn, torch.arange(length).unsqueeze(0) < lens.unsqueeze(1)):
+        raise ValueError("attention_mask is not right-padded")
+    trained = batch["loss_mask"].bool()
+    if (trained & ~attn).any():
+        raise ValueError("loss_mask is 1 on padding")
+    if (batch["logprobs"][~trained] != 0).any():
+        raise ValueError("logprobs must be 0 where loss_mask is 0")
+    if (batch["logprobs"][trained] > 0).any():
+        raise ValueError("a log-probability is positive")
+    if (batch["versions"][attn & ~trained] != -1).any():
+        raise ValueError("versions must be -1 on prompt and environment tokens")
+    if (batch["versions"][trained] < 0).any():
+        raise ValueError("a trained token has no policy version")
+    if not trained[:, 0].logical_not().all():
+        raise ValueError("the first token of a sequence cannot be trained on (nothing predicts it)")
+    if not all(math.isfinite(r) for r in batch["rewards"].tolist()):
+        raise ValueError("a reward is not finite")

@@ -1,0 +1,382 @@
+"""WorkflowExecutor: the staleness bound (as a pure property, and end to end with an engine whose
+requests are released by events), dynamic sampling, workflow errors, timeouts, rollout_batch."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+from areal_lite.api.config import InferenceEngineConfig
+from areal_lite.api.io import ModelRequest, ModelResponse
+from areal_lite.api.workflow import RolloutWorkflow
+from areal_lite.core import StalenessManager, WorkflowError, WorkflowExecutor
+from areal_lite.workflows.trajectory import check_trajectory, from_response
+
+
+class GatedEngine:
+    """A fake inference engine: every request parks until a controller coroutine releases it.
+
+    The controller releases a random parked request, but never the oldest while others are parked,
+    so old requests become stragglers, the case the staleness bound is about. It always releases
+    something while requests are parked, so nothing deadlocks. No sleeps: it reacts to arrivals.
+    The first output token carries the version at the start, the last the version at release
+    (as an interrupted-and-resumed generation would).
+    """
+
+    def __init__(self, seed: int = 0, spare_oldest: float = 0.9) -> None:
+        self.version = 0
+        self.rng = random.Random(seed)
+        self.spare_oldest = spare_oldest
+        self.parked: list[asyncio.Future[None]] = []
+        self.running = 0
+        self.peak_running = 0
+        self.started_at_version: Counter[int] = Counter()
+        self.hold: set[int] = set()
+        """Request numbers the controller never releases (until `release_held`)."""
+        self._held: dict[int, asyncio.Future[None]] = {}
+        self._n = 0
+        self._changed: asyncio.Event | None = None
+        self._controller: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def get_version(self) -> int:
+        return self.version
+
+    def set_version(self, v: int) -> None:
+        self.version = v
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        if self._controller is None:
+            self.loop = asyncio.get_running_loop()
+            self._changed = asyncio.Event()
+            self._controller = self.loop.create_task(self._control())
+        n, self._n = self._n, self._n + 1
+        start = self.version
+        self.started_at_version[start] += 1
+        self.running += 1
+        self.peak_running = max(self.peak_running, self.running)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if n in self.hold:
+            self._held[n] = fut
+        else:
+            self.parked.append(fut)
+            self._changed.set()
+        try:
+            await fut
+        finally:
+            self.running -= 1
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=[7, 8, 9],
+            output_logprobs=[-0.5, -0.25, -1.0],
+            output_versions=[start, start, self.version],
+            stop_reason="length",
+            rid=req.rid,
+        )
+
+    async def _control(self) -> None:
+        assert self._changed is not None
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            while self.parked:
+                if len(self.parked) == 1 or self.rng.random() > self.spare_oldest:
+                    i = 0
+                else:
+                    i = self.rng.randrange(1, len(self.parked))
+                self.parked.pop(i).set_result(None)
+                await asyncio.sleep(0)  # a yield, not a delay: lets completions and admissions run
+
+    def release_held(self) -> None:
+        def go() -> None:
+            for fut in self._held.values():
+                fut.set_result(None)
+            self._held.clear()
+
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(go)
+
+    def close(self) -> None:
+        if self._controller is not None and self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._controller.cancel)
+
+
+class OneShot(RolloutWorkflow):
+    """One request per episode; reward = the item's ``r``; raises on items with ``boom``."""
+
+    async def arun_episode(self, engine, data: dict[str, object]) -> TensorDict | None:
+        if data.get("boom"):
+            raise ValueError("boom")
+        if data.get("reject"):
+            return None
+        resp = await engine.agenerate(ModelRequest(input_ids=[1, 2, int(data["i"]) % 50 + 3]))
+        return from_response(resp, reward=float(data.get("r", 0.0)), item=float(data["i"]))
+
+
+def make(engine, **cfg) -> WorkflowExecutor:
+    ex = WorkflowExecutor(InferenceEngineConfig(**cfg), engine)
+    ex.initialize()
+    return ex
+
+
+def loader(n: int, batch: int, **extra):
+    return [[{"i": i + j, **extra} for j in range(batch)] for i in range(0, n, batch)]
+
+
+# --------------------------------------------------------------------------- staleness, pure
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    eta=st.sampled_from([0, 1, 2]),
+    bs=st.integers(1, 4),
+    extra_conc=st.integers(0, 8),
+    rounds=st.lists(st.lists(st.tuples(st.integers(0, 3), st.booleans()), max_size=4), min_size=1, max_size=60),
+)
+def test_staleness_manager_bound_and_liveness(eta: int, bs: int, extra_conc: int, rounds) -> None:
+    """Rounds of: admit what the bound allows, finish some rollouts (mostly the newest, so old
+    ones straggle; accepted or rejected), consume every full batch at once. Every consumed batch
+    at step t holds only rollouts admitted at versions >= t - eta, concurrency never exceeds its
+    cap, and the bound never blocks with nothing left to wait for."""
+    max_conc = bs + extra_conc
+    m = StalenessManager(bs, eta, max_conc, queue_size=16 * bs)
+    version = 0
+    running: list[int] = []  # admission versions
+    ready: list[int] = []
+    for finishes in rounds:
+        for _ in range(m.capacity(version, len(ready))):
+            m.on_admit(version)
+            running.append(version)
+        assert m.running == len(running) <= max_conc
+        assert m.accepted + m.running <= (eta + version + 1) * bs
+        for pick, accept in finishes:
+            if running:
+                v = running.pop(-1 - pick % len(running))
+                m.on_finish(v, accept)
+                if accept:
+                    ready.append(v)
+        while len(ready) >= bs:
+            batch, ready = ready[:bs], ready[bs:]
+            assert min(batch) >= version - eta, (batch, version)
+            version += 1
+        assert m.capacity(version, len(ready)) > 0 or running, "the bound blocks with nothing running"
+
+
+def test_straggler_blocks_admission_that_would_break_the_bound() -> None:
+    """eta=1, B=1: X (admitted at v0) still runs after batch 0; AReaL's rule would admit another
+    rollout at v1 whose early finish puts X in batch 2 (staleness 2). Ours admits none."""
+    m = StalenessManager(batch_size=1, max_head_offpolicyness=1, max_concurrent=8, queue_size=16)
+    m.on_admit(0)  # X
+    m.on_admit(0)  # Y
+    m.on_finish(0, accepted=True)  # Y finishes, consumed as batch 0; version becomes 1
+    assert (1 + 1 + 1) * 1 - (m.accepted + m.running) == 1  # what the current-version rule allows
+    assert m.capacity(version=1, ready=0) == 0
+    m.on_finish(0, accepted=True)  # X, consumed as batch 1: staleness 1
+    assert m.capacity(version=1, ready=1) == 1  # a rollout for batch 2 may start at v1 (eta = 1)
+
+
+def test_resumed_run_counts_from_its_version() -> None:
+    m = StalenessManager(batch_size=2, max_head_offpolicyness=0, max_concurrent=8, queue_size=32)
+    assert m.capacity(version=5, ready=0) == 2
+    m.on_admit(5)
+    assert m.accepted == 10 and m.capacity(version=5, ready=0) == 1
+
+
+# --------------------------------------------------------------------------- staleness, end to end
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**16), bs=st.integers(1, 3))
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_executor_staleness_bound_end_to_end(eta: int, seed: int, bs: int) -> None:
+    """prepare_batch over a trainer loop against a straggler-making engine: each batch consumed
+    at step t has token versions >= t - eta; capacity and concurrency are never exceeded."""
+    engine = GatedEngine(seed=seed)
+    max_conc = 3 * bs
+    ex = make(engine, consumer_batch_size=bs, max_head_offpolicyness=eta, max_concurrent_rollouts=max_conc)
+    try:
+        data = loader(64, bs)
+        for step in range(8):
+            batch = ex.prepare_batch(data, OneShot())
+            check_trajectory(batch)
+            assert batch.batch_size[0] == bs
+            produced = batch["versions"][batch["loss_mask"].bool()]
+            assert int(produced.min()) >= step - eta
+            assert max(ex.last_batch_staleness) <= eta
+            engine.set_version(step + 1)
+        assert engine.peak_running <= max_conc
+        for v in range(engine.version + 1):
+            started = sum(c for u, c in engine.started_at_version.items() if u <= v)
+            assert started <= (eta + v + 1) * bs
+        assert sum(ex.staleness_histogram.values()) == 8 * bs
+    finally:
+        engine.close()
+        ex.destroy()
+
+
+def test_eta_zero_is_synchronous() -> None:
+    """With eta = 0 nothing is admitted for step t+1 before version t+1 is set."""
+    engine = GatedEngine()
+    ex = make(engine, consumer_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=16)
+    try:
+        data = loader(40, 2)
+        for step in range(4):
+            ex.prepare_batch(data, OneShot())
+            assert sum(engine.started_at_version.values()) == 2 * (step + 1)
+            assert engine.started_at_version[step] == 2
+            engine.set_version(step + 1)
+    finally:
+        engine.close()
+        ex.destroy()
+
+
+def test_not_advancing_the_version_is_an_error_not_a_hang() -> None:
+    engine = GatedEngine()
+    ex = make(engine, consumer_batch_size=2, max_head_offpolicyness=0)
+    try:
+        data = loader(40, 2)
+        ex.prepare_batch(data, OneShot())
+        with pytest.raises(RuntimeError, match="set_version"):
+            ex.prepare_batch(data, OneShot())
+    finally:
+        engine.close()
+        ex.destroy()
+
+
+# --------------------------------------------------------------------------- sampling and errors
+
+
+def test_dynamic_sampling_keeps_going_until_a_full_batch() -> None:
+    engine = GatedEngine()
+    ex = make(engine, consumer_batch_size=4, max_head_offpolicyness=0, max_concurrent_rollouts=4)
+    try:
+        data = [[{"i": i, "r": float(i % 3 == 0)} for i in range(k, k + 4)] for k in range(0, 400, 4)]
+        batch = ex.prepare_batch(data, OneShot(), should_accept=lambda t: bool(t["rewards"][0] > 0))
+        assert batch.batch_size[0] == 4
+        assert (batch["rewards"] == 1.0).all()
+        assert ex.n_rejected >= 6  # four accepted need at least items 0..9, six of them rejected
+    finally:
+        engine.close()
+        ex.destroy()
+
+
+def test_workflow_error_raises_with_its_input() -> None:
+    engine = GatedEngine()
+    ex = make(engine, consumer_batch_size=2, on_workflow_error="raise")
+    try:
+        ex.submit({"i": 0}, OneShot())
+        ex.submit({"i": 1, "boom": True}, OneShot())
+        with pytest.raises(WorkflowError, match="'boom': True") as info:
+            ex.wait(2, timeout=60)
+        assert info.value.data == {"i": 1, "boom": True}
+        assert isinstance(info.value.cause, ValueError)
+        assert ex.n_failed == 1
+    finally:
+        engine.close()
+        ex.destroy()
+
+
+def test_workflow_error_skip_counts_and_goes_on() -> None:
+    engine = GatedEngine()
+    ex = make(engine, consumer_batch_size=3, max_concurrent_rollouts=6, on_workflow_error="skip")
+    try:
+        data = [[{"i": i, "boom": i % 2 == 1} for i in range(k, k + 3)] for k in range(0, 60, 3)]
+        batch = ex.prepare_batch(data, OneShot())
+        assert batch.batch_size[0] == 3
+        assert ex.n_failed >= 1
+        assert ex.stats()["rollout/failed"] == ex.n_failed
+    finally:
+        engine.close()
+        ex.destroy()
+
+
+def test_wait_times_out_instead_of_hanging() -> None:
+    engine = GatedEngine()
+    engine.hold = {0}
+    ex = make(engine, consumer_batch_size=1)
+    try:
+        ex.submit({"i": 0}, OneShot())
+        with pytest.raises(TimeoutError, match="1 running"):
+            ex.wait(1, timeout=0.3)
+        engine.release_held()
+        assert ex.wait(1, timeout=60)["item"].tolist() == [0.0]
+    finally:
+        engine.close()
+        ex.destroy()
+
+
+def test_pause_stops_admission_until_resume() -> None:
+    engine = GatedEngine()
+    ex = make(engine, consumer_batch_size=2, max_concurrent_rollouts=2)
+    try:
+        ex.pause()
+        ex.submit({"i": 0}, OneShot())
+        ex.submit({"i": 1}, OneShot())
+        with pytest.raises(TimeoutError, match="2 queued, paused=True"):
+            ex.wait(2, timeout=0.3)
+        assert sum(engine.started_at_version.values()) == 0
+        ex.resume()
+        assert ex.wait(2, timeout=60).batch_size[0] == 2
+    finally:
+        engine.close()
+        ex.destroy()
+
+
+def test_rollout_batch_keeps_order_and_stays_outside_the_pipeline() -> None:
+    engine = GatedEngine(seed=3)
+    ex = make(engine, consumer_batch_size=2, max_concurrent_rollouts=4)
+    try:
+        items = [{"i": i} for i in range(7)] + [{"i": 99, "reject": True}]
+        batch = ex.rollout_batch(items, OneShot())
+        assert batch["item"].tolist() == [float(i) for i in range(7)]
+        assert ex.staleness.accepted == 0 and ex.n_rejected == 1
+        with pytest.raises(WorkflowError):
+            ex.rollout_batch([{"i": 0}, {"i": 1, "boom": True}], OneShot())
+    finally:
+        engine.close()
+        ex.destroy()
+
+
+def test_prepare_batch_cycles_epochs_and_carries_rollouts_over() -> None:
+    engine = GatedEngine(seed=1)
+    ex = make(engine, consumer_batch_size=2, max_head_offpolicyness=2, max_concurrent_rollouts=8)
+    try:
+        data = loader(4, 2)  # two batches per epoch
+        seen = []
+        for step in range(6):
+            seen += ex.prepare_batch(data, OneShot())["item"].tolist()
+            engine.set_version(step + 1)
+        assert Counter(seen) == {0.0: 3, 1.0: 3, 2.0: 3, 3.0: 3}
+    finally:
+        engine.close()
+        ex.destroy()
+
+
+def test_destroy_cancels_running_rollouts() -> None:
+    engine = GatedEngine()
+    engine.hold = {0, 1}
+    ex = make(engine, consumer_batch_size=2)
+    ex.submit({"i": 0}, OneShot())
+    ex.submit({"i": 1}, OneShot())
+    waiter_error: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            ex.wait(2)
+        except BaseException as e:  # noqa: BLE001
+            waiter_error.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    engine.close()
+    ex.destroy()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert isinstance(waiter_error[0], RuntimeError)
