@@ -1,0 +1,282 @@
+"""`PPOActor` and `PPOCritic`: the PPO family over any `TrainEngine`.
+
+The actor turns a rollout batch into advantages and takes ``ppo_n_minibatches`` optimizer steps
+on it with a policy loss from `areal_lite.algorithms.functional`: PPO (decoupled, with clip-higher
+and dual clip), GSPO or REINFORCE; with GRPO, Dr. GRPO, RLOO, ReMax, REINFORCE++ or GAE
+advantages. It calls only ``engine.forward`` and ``engine.train_batch``, so it runs unchanged on
+FSDP and Megatron. The loop it serves (DESIGN.md)::
+
+    batch["prox_logp"] = actor.compute_logp(batch)
+    actor.compute_advantages(batch)     # adds "advantages" (and "returns" for GAE) [B, L]
+    stats = actor.ppo_update(batch)
+    actor.step_lr_scheduler()
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from tensordict import TensorDict
+
+from areal_lite.algorithms import functional as F
+from areal_lite.api.config import PPOActorConfig, PPOCriticConfig
+from areal_lite.api.engine import PackedBatch, TrainEngine
+from areal_lite.api.io import WeightUpdateMeta
+from areal_lite.utils.data import allocate_balanced, seqlens_of, unpack_sequences
+
+SEQUENCE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "remax")
+TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
+
+
+def packed_view(batch: TensorDict, key: str) -> torch.Tensor:
+    """A per-token key ``[B, L]`` of a padded batch as a packed ``[T]`` tensor."""
+    return batch[key][batch["attention_mask"].bool()]
+
+
+def cu_seqlens_of(batch: TensorDict) -> torch.Tensor:
+    lens = seqlens_of(batch)
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lens, 0)
+    return cu
+
+
+def minibatches(batch: TensorDict, n: int, group_size: int) -> list[TensorDict]:
+    """Cut a batch into ``n`` minibatches of whole groups, balanced by token count."""
+    indices = allocate_balanced(seqlens_of(batch).tolist(), None, min_bins=n, granularity=group_size)
+    return [batch[torch.tensor(idx)] for idx in indices]
+
+
+def mean_stats(all_stats: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for s in all_stats for k in s}
+    return {k: sum(s[k] for s in all_stats if k in s) / sum(1 for s in all_stats if k in s) for k in sorted(keys)}
+
+
+def policy_loss_from_config(cfg: PPOActorConfig) -> F.PolicyLossFn:
+    """The configured policy loss with its hyper-parameters bound."""
+    fn = F.pick(F.POLICY_LOSSES, cfg.policy_loss, "policy loss")
+    if fn is F.reinforce_policy_loss:
+        return functools.partial(fn, behav_imp_weight_cap=cfg.behav_imp_weight_cap)
+    if fn is F.gspo_policy_loss:
+        return functools.partial(
+            fn, eps_clip=cfg.eps_clip, eps_clip_higher=cfg.eps_clip_higher, behav_imp_weight_cap=cfg.behav_imp_weight_cap
+        )
+    return functools.partial(
+        fn,
+        eps_clip=cfg.eps_clip,
+        eps_clip_higher=cfg.eps_clip_higher,
+        c_clip=cfg.c_clip,
+        behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+    )
+
+
+class PPOActor:
+    """A policy trained by a PPO-family algorithm on a `TrainEngine`.
+
+    ``ref_engine`` (a frozen engine) is needed when ``config.kl_ctl > 0``. ``policy_loss``
+    replaces the configured loss: any function with the signature of
+    `areal_lite.algorithms.functional.ppo_policy_loss` (hyper-parameters bound).
+    """
+
+    def __init__(
+        self,
+        config: PPOActorConfig,
+        engine: TrainEngine,
+        ref_engine: TrainEngine | None = None,
+        policy_loss: F.PolicyLossFn | None = None,
+    ) -> None:
+        if config.adv_estimator not in SEQUENCE_ESTIMATORS + TOKEN_ESTIMATORS:
+            raise ValueError(f"unknown adv_estimator {config.adv_estimator!r}; choose one of {', '.join(SEQUENCE_ESTIMATORS + TOKEN_ESTIMATORS)}")
+        if config.adv_norm_level not in ("group", "batch", "none"):
+            raise ValueError(f"adv_norm_level must be group, batch or none, got {config.adv_norm_level!r}")
+        if config.kl_ctl > 0 and ref_engine is None:
+            raise ValueError("kl_ctl > 0 needs a reference engine (ref_engine=...)")
+        self.config = config
+        self.engine = engine
+        self.ref_engine = ref_engine
+        self.policy_loss = policy_loss or policy_loss_from_config(config)
+        self.aggregation = F.pick(F.AGGREGATIONS, config.loss_agg, "loss aggregation")
+        self.kl_estimator = F.pick(F.KL_ESTIMATORS, config.kl_estimator, "KL estimator")
+
+    # ---------------------------------------------------------------- before the update
+
+    def compute_logp(self, batch: TensorDict) -> torch.Tensor:
+        """Log-probabilities ``[B, L]`` of the batch's tokens under the current policy."""
+        out = self.engine.forward(batch)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def shaped_rewards(self, batch: TensorDict) -> torch.Tensor:
+        """Sequence rewards ``[B]`` after the overlong penalty, bias, scale, clip and truncation."""
+        cfg = self.config
+        rewards = batch["rewards"].float()
+        gen_lens = batch["loss_mask"].sum(dim=1)
+        if cfg.overlong_penalty_len > 0:
+            if cfg.max_new_tokens <= 0:
+                raise ValueError("the overlong penalty needs max_new_tokens")
+            rewards = rewards + F.overlong_penalty(gen_lens, cfg.max_new_tokens, cfg.overlong_penalty_len, cfg.overlong_penalty_factor)
+        rewards = F.shape_rewards(rewards, cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip)
+        if cfg.mask_truncated:
+            if "truncated" in batch.keys():
+                truncated = batch["truncated"].bool()
+            elif cfg.max_new_tokens > 0:
+                truncated = gen_lens >= cfg.max_new_tokens
+            else:
+                raise ValueError("mask_truncated needs a 'truncated' key in the batch or max_new_tokens")
+            rewards = F.zero_truncated_rewards(rewards, truncated)
+        return rewards
+
+    def compute_advantages(self, batch: TensorDict) -> None:
+        """Add ``advantages`` ``[B, L]`` (and ``returns`` for GAE, ``ref_logp`` when a KL penalty
+        is on) to the batch, in place."""
+        cfg = self.config
+        cu = cu_seqlens_of(batch)
+        mask = packed_view(batch, "loss_mask").bool()
+        rewards = self.shaped_rewards(batch)
+        kl = torch.zeros(mask.shape, dtype=torch.float32)
+        if cfg.kl_ctl > 0:
+            if "ref_logp" not in batch.keys():
+                assert self.ref_engine is not None
+                batch["ref_logp"] = self.ref_engine.forward(batch)
+            if cfg.kl_in_reward:
+                kl = self.kl_estimator(packed_view(batch, "logprobs"), packed_view(batch, "ref_logp")) * mask
+        if cfg.adv_estimator in SEQUENCE_ESTIMATORS:
+            seq_adv = self._sequence_advantages(rewards - cfg.kl_ctl * F.seq_sum(kl, cu), batch)
+            adv = F.to_tokens(seq_adv, cu) * mask
+        else:
+            token_rewards = F.last_token_rewards(rewards, mask, cu) - cfg.kl_ctl * kl
+            if cfg.adv_estimator == "reinforce_pp":
+                adv = F.reinforce_pp_advantages(token_rewards, mask, cu, cfg.discount)
+            else:
+                if "values" not in batch.keys():
+                    raise ValueError("adv_estimator=gae needs batch['values'] from PPOCritic.compute_values")
+                adv, returns = F.gae_advantages(token_rewards, packed_view(batch, "values"), mask, cu, cfg.discount, cfg.gae_lambda)
+                batch["returns"] = unpack_sequences(returns, cu, batch["attention_mask"].shape[1])
+        batch["advantages"] = unpack_sequences(adv.float(), cu, batch["attention_mask"].shape[1])
+
+    def _sequence_advantages(self, rewards: torch.Tensor, batch: TensorDict) -> torch.Tensor:
+        cfg = self.config
+        if cfg.adv_estimator == "rloo":
+            return F.rloo_advantages(rewards, cfg.group_size)
+        if cfg.adv_estimator == "remax":
+            if "baseline_rewards" not in batch.keys():
+                raise ValueError("adv_estimator=remax needs batch['baseline_rewards'] (the greedy answers' rewards)")
+            return F.remax_advantages(rewards, F.shape_rewards(batch["baseline_rewards"].float(), cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip))
+        if cfg.adv_norm_level == "none":
+            return rewards
+        return F.grpo_advantages(rewards, cfg.group_size, level=cfg.adv_norm_level, scale_by_std=cfg.adv_estimator == "grpo")  # type: ignore[arg-type]
+
+    # ---------------------------------------------------------------- the update
+
+    def loss_fn(self, logp: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The per-micro-batch loss given to ``engine.train_batch``."""
+        cfg = self.config
+        mask, cu = mb["loss_mask"].bool(), mb["cu_seqlens"]  # type: ignore[union-attr]
+        prox, behav = mb["prox_logp"], mb["behav_logp"]
+        per_token, token_stats = self.policy_loss(logp, prox, behav, mb["advantages"], mask, cu)
+        if cfg.entropy_coeff:
+            per_token = per_token - cfg.entropy_coeff * entropy
+        stats = {k: F.masked_mean(v.detach(), mask) for k, v in token_stats.items()}
+        if cfg.kl_ctl > 0 and not cfg.kl_in_reward:
+            kl = self.kl_estimator(logp, mb["ref_logp"])
+            per_token = per_token + cfg.kl_ctl * kl
+            stats["kl_ref"] = F.masked_mean(kl.detach(), mask)
+        stats["entropy"] = F.masked_mean(entropy.detach(), mask)
+        stats["approx_kl"] = F.masked_mean(F.kl_k3(prox, logp.detach()), mask)
+        return self.aggregation.reduce(per_token, mask, cu), stats
+
+    def loss_weight(self, mb: PackedBatch) -> float:
+        return self.aggregation.weight(mb["loss_mask"].bool(), mb["cu_seqlens"])  # type: ignore[union-attr]
+
+    def ppo_update(self, batch: TensorDict) -> dict[str, float]:
+        """``ppo_n_minibatches`` optimizer steps on a batch with ``advantages``; groups of
+        ``group_size`` stay in one minibatch. Returns the statistics of the update (means over
+        minibatches) and of the batch (importance weights, advantages, rewards, tokens)."""
+        cfg = self.config
+        if "advantages" not in batch.keys():
+            raise ValueError("ppo_update needs batch['advantages']: call compute_advantages first")
+        if "prox_logp" in batch.keys():
+            prox = batch["prox_logp"]
+        elif cfg.recompute_logprob:
+            prox = self.compute_logp(batch)
+        else:
+            prox = batch["logprobs"]
+        data = batch.clone(recurse=False)
+        data["prox_logp"] = prox
+        data["behav_logp"] = batch["logprobs"] if cfg.use_decoupled_loss else prox
+        stats = mean_stats(
+            [self.engine.train_batch(mb, self.loss_fn, self.loss_weight) for mb in minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)]
+        )
+        stats.update(self.batch_stats(data))
+        return stats
+
+    def batch_stats(self, data: TensorDict) -> dict[str, float]:
+        """Importance-weight, advantage, reward and token statistics of a prepared batch."""
+        mask = packed_view(data, "loss_mask").bool()
+        w = torch.exp(packed_view(data, "prox_logp") - packed_view(data, "behav_logp"))[mask]
+        adv = packed_view(data, "advantages")
+        cap = self.config.behav_imp_weight_cap
+        rewards = data["rewards"].float()
+        out = {
+            "advantage_mean": float(F.masked_mean(adv, mask)),
+            "advantage_std": float(F.masked_std(adv, mask)),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(unbiased=False)) if rewards.numel() else 0.0,
+            "tokens_trained": float(mask.sum()),
+        }
+        if w.numel():
+            out.update(
+                importance_weight_mean=float(w.mean()),
+                importance_weight_max=float(w.max()),
+                importance_weight_min=float(w.min()),
+                importance_weight_capped_frac=float((w > cap).float().mean()) if cap is not None else 0.0,
+            )
+        return out
+
+    # ---------------------------------------------------------------- pass-throughs of the loop
+
+    def step_lr_scheduler(self) -> None:
+        self.engine.step_lr_scheduler()
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        self.engine.update_weights(meta)
+
+
+class PPOCritic:
+    """A value model trained with PPO's clipped value loss, on a critic `TrainEngine`
+    (``is_critic``: ``forward`` returns values ``[B, L]`` aligned to the token)::
+
+        batch["values"] = critic.compute_values(batch)
+        actor.compute_advantages(batch)     # adv_estimator=gae adds "returns"
+        critic.ppo_update(batch)
+    """
+
+    def __init__(self, config: PPOCriticConfig, engine: TrainEngine) -> None:
+        self.config = config
+        self.engine = engine
+
+    def compute_values(self, batch: TensorDict) -> torch.Tensor:
+        out = self.engine.forward(batch)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def loss_fn(self, values: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        mask = mb["loss_mask"].bool()  # type: ignore[union-attr]
+        per_token, stats = F.clipped_value_loss(values, mb["values"], mb["returns"], mask, self.config.value_eps_clip)
+        out = {k: F.masked_mean(v, mask) for k, v in stats.items()}
+        out["value_mean"] = F.masked_mean(values.detach(), mask)
+        out["return_mean"] = F.masked_mean(mb["returns"], mask)  # type: ignore[arg-type]
+        return F.token_mean(per_token, mask, mb["cu_seqlens"]), out  # type: ignore[arg-type]
+
+    def ppo_update(self, batch: TensorDict) -> dict[str, float]:
+        """``ppo_n_minibatches`` steps on the value loss against ``returns``, clipped around the
+        rollout-time ``values``."""
+        for key in ("values", "returns"):
+            if key not in batch.keys():
+                raise ValueError(f"PPOCritic.ppo_update needs batch[{key!r}]")
+        weight = lambda mb: float(mb["loss_mask"].sum())  # noqa: E731
+        mbs = minibatches(batch, self.config.ppo_n_minibatches, self.config.group_size)
+        return {f"critic/{k}": v for k, v in mean_stats([self.engine.train_batch(mb, self.loss_fn, weight) for mb in mbs]).items()}
+
+    def step_lr_scheduler(self) -> None:
+        self.engine.step_lr_scheduler()

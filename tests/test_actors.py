@@ -1,0 +1,274 @@
+"""Actors on the real `FSDPEngine` (one process, gloo) with a tiny model: the PPO update at ratio
+1 equals the plain policy-gradient update, the tangent update equals training on the loss that
+produced the tangents, advantages land where the data contract says, and each actor's objective
+moves the right way over a few steps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from areal_lite.actors import DPOActor, PPOActor, PPOCritic, ReinforceActor, SFTActor, train_on_tangents
+from areal_lite.algorithms import functional as F
+from areal_lite.api.config import DPOConfig, OptimizerConfig, PPOActorConfig, PPOCriticConfig, TrainEngineConfig
+from areal_lite.api.io import FinetuneSpec, MicroBatchSpec
+from areal_lite.engines.fsdp import FSDPEngine
+from areal_lite.utils.tiny import build_tiny_model
+
+# Adam's first step is lr * g / (|g| + eps): with eps = lr much larger than |g| it is g itself,
+# so parameter changes compare gradients without Adam's sign-like normalisation.
+SGD_LIKE = OptimizerConfig(lr=1e3, eps=1e3, gradient_clipping=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny")), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=300)
+
+
+@contextmanager
+def engines(*configs: TrainEngineConfig, frozen: tuple[int, ...] = ()) -> Iterator[list[FSDPEngine]]:
+    """Initialised engines, destroyed in reverse order (the first owns the process group)."""
+    made: list[FSDPEngine] = []
+    try:
+        for i, cfg in enumerate(configs):
+            e = FSDPEngine(cfg)
+            e.initialize(None if i in frozen else FinetuneSpec(total_train_epochs=1, dataset_size=100, train_batch_size=1))
+            made.append(e)
+        yield made
+    finally:
+        for e in reversed(made):
+            e.destroy()
+
+
+def make_batch(n: int, seed: int = 0, vocab: int = 290, prompt: int = 3, max_gen: int = 6) -> TensorDict:
+    """Random sequences: ``prompt`` prompt tokens then 1..max_gen completion tokens."""
+    g = torch.Generator().manual_seed(seed)
+    gen = torch.randint(1, max_gen + 1, (n,), generator=g)
+    width = prompt + max_gen
+    ids = torch.randint(0, vocab, (n, width), generator=g)
+    pos = torch.arange(width).unsqueeze(0)
+    attn = pos < (prompt + gen).unsqueeze(1)
+    loss_mask = attn & (pos >= prompt)
+    return TensorDict(
+        {
+            "input_ids": ids * attn,
+            "attention_mask": attn,
+            "loss_mask": loss_mask.int(),
+            "logprobs": torch.zeros(n, width),
+            "versions": torch.where(loss_mask, 0, -1).int(),
+            "rewards": torch.randn(n, generator=g),
+        },
+        batch_size=[n],
+    )
+
+
+def params(engine: FSDPEngine) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+def deltas(before: dict[str, torch.Tensor], engine: FSDPEngine) -> dict[str, torch.Tensor]:
+    after = params(engine)
+    return {k: after[k] - before[k] for k in before}
+
+
+def assert_same_update(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    total = sum(float(v.abs().sum()) for v in a.values())
+    assert total > 0, "the update did nothing"
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+# ----------------------------------------------------------------------------- invariants
+
+
+def test_ppo_first_minibatch_equals_policy_gradient(model_dir):
+    cfg = PPOActorConfig(path=model_dir, optimizer=SGD_LIKE, group_size=4, adv_estimator="grpo", eps_clip=0.1, c_clip=2.0)
+    with engines(cfg, cfg) as (e_ppo, e_pg):
+        batch = make_batch(8, seed=1)
+        actor = PPOActor(cfg, e_ppo)
+        batch["logprobs"] = actor.compute_logp(batch)  # on-policy: behaviour = proximal = current
+        batch["prox_logp"] = actor.compute_logp(batch)
+        actor.compute_advantages(batch)
+        before = params(e_ppo)
+        stats = actor.ppo_update(batch)
+        assert stats["clip_frac"] == 0.0 and stats["importance_weight_max"] == pytest.approx(1.0)
+
+        def pg_loss(logp, entropy, mb):
+            mask = mb["loss_mask"].bool()
+            return -(mb["advantages"] * logp)[mask].sum() / mask.sum(), {}
+
+        e_pg.train_batch(batch, pg_loss, lambda mb: float(mb["loss_mask"].sum()))
+        assert_same_update(deltas(before, e_ppo), deltas(before, e_pg))
+
+
+def test_tangent_update_equals_training_on_the_loss(model_dir):
+    cfg = TrainEngineConfig(path=model_dir, optimizer=SGD_LIKE, mb_spec=MicroBatchSpec(n_mbs=3))
+    with engines(cfg, cfg) as (e_tan, e_loss):
+        batch = make_batch(7, seed=2)
+        adv = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(0))
+        mask = batch["loss_mask"].bool()
+
+        def my_loss(logp: torch.Tensor) -> torch.Tensor:
+            # any function of the log-probabilities: a policy gradient term plus a nonlinear pull
+            return ((-adv * logp + 0.5 * (logp + 3.0) ** 2) * mask).sum() / mask.sum()
+
+        logp = e_tan.forward(batch).requires_grad_(True)
+        tangents, = torch.autograd.grad(my_loss(logp), logp)
+        before = params(e_tan)
+        train_on_tangents(e_tan, batch, tangents)
+
+        data = batch.clone(recurse=False)
+        data["adv"] = adv
+
+        def loss_fn(logp, entropy, mb):
+            m = mb["loss_mask"].bool()
+            return ((-mb["adv"] * logp + 0.5 * (logp + 3.0) ** 2) * m).sum() / m.sum().clamp(min=1), {}
+
+        e_loss.train_batch(data, loss_fn, lambda mb: float(mb["loss_mask"].sum()))
+        assert_same_update(deltas(before, e_tan), deltas(before, e_loss))
+
+
+# ----------------------------------------------------------------------------- advantages in the batch
+
+
+class NoEngine:
+    """Advantages need no engine unless a reference or critic is involved."""
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "remax", "reinforce_pp", "gae"])
+def test_compute_advantages_follows_the_data_contract(estimator):
+    batch = make_batch(8, seed=3)
+    batch["rewards"][:4] = 1.0  # the first group has equal rewards
+    batch["baseline_rewards"] = torch.full((8,), 0.5)
+    batch["values"] = torch.randn(batch["input_ids"].shape) * batch["attention_mask"]
+    cfg = PPOActorConfig(path="unused", group_size=4, adv_estimator=estimator, discount=0.9, gae_lambda=0.8)
+    PPOActor(cfg, NoEngine()).compute_advantages(batch)  # type: ignore[arg-type]
+    adv, mask = batch["advantages"], batch["loss_mask"].bool()
+    assert adv.shape == mask.shape and adv.dtype == torch.float32
+    assert adv[~mask].abs().max() == 0
+    rewards = batch["rewards"]
+    if estimator in ("grpo", "dr_grpo", "rloo"):
+        assert adv[:4].abs().max() == 0  # equal rewards: no signal
+        expected = {"grpo": F.grpo_advantages(rewards, 4), "dr_grpo": F.grpo_advantages(rewards, 4, scale_by_std=False),
+                    "rloo": F.rloo_advantages(rewards, 4)}[estimator]
+        for i in range(8):
+            assert torch.allclose(adv[i][mask[i]], expected[i].expand(int(mask[i].sum())))
+    if estimator == "remax":
+        assert torch.allclose(adv[mask], (rewards - 0.5).unsqueeze(1).expand_as(mask)[mask])
+    if estimator == "gae":
+        assert "returns" in batch.keys()
+        assert torch.allclose(batch["returns"][mask], adv[mask] + batch["values"][mask])
+
+
+def test_missing_inputs_are_named():
+    batch = make_batch(4)
+    with pytest.raises(ValueError, match="baseline_rewards"):
+        PPOActor(PPOActorConfig(path="x", adv_estimator="remax"), NoEngine()).compute_advantages(batch)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="values"):
+        PPOActor(PPOActorConfig(path="x", adv_estimator="gae"), NoEngine()).compute_advantages(batch)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reference engine"):
+        PPOActor(PPOActorConfig(path="x", kl_ctl=0.1), NoEngine())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="choose one of"):
+        PPOActor(PPOActorConfig(path="x", policy_loss="trpo"), NoEngine())  # type: ignore[arg-type]
+
+
+def test_reward_shaping_and_truncation():
+    batch = make_batch(4, seed=4, max_gen=6)
+    batch["rewards"] = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    gen = batch["loss_mask"].sum(1)
+    cfg = PPOActorConfig(path="x", reward_bias=1.0, reward_scaling=0.5, mask_truncated=True, max_new_tokens=6,
+                         overlong_penalty_len=2, overlong_penalty_factor=1.0)
+    shaped = PPOActor(cfg, NoEngine()).shaped_rewards(batch)  # type: ignore[arg-type]
+    expected = (1.0 + F.overlong_penalty(gen, 6, 2) + 1.0) * 0.5
+    expected[gen >= 6] = 0.0
+    torch.testing.assert_close(shaped, expected)
+
+
+# ----------------------------------------------------------------------------- the update and its statistics
+
+
+def test_ppo_update_statistics_and_minibatches(model_dir):
+    cfg = PPOActorConfig(path=model_dir, optimizer=OptimizerConfig(lr=1e-2), group_size=2, ppo_n_minibatches=2,
+                         eps_clip=0.2, kl_ctl=0.1, kl_estimator="k3", entropy_coeff=0.01, behav_imp_weight_cap=1.5)
+    with engines(cfg, cfg, frozen=(1,)) as (policy, ref):
+        actor = PPOActor(cfg, policy, ref_engine=ref)
+        batch = make_batch(8, seed=5)
+        behav = actor.compute_logp(batch)
+        batch["logprobs"] = behav + 0.3 * torch.randn(behav.shape) * batch["loss_mask"]  # an older behaviour policy
+        batch["prox_logp"] = actor.compute_logp(batch)
+        actor.compute_advantages(batch)
+        stats = actor.ppo_update(batch)
+        for key in ("loss", "clip_frac", "approx_kl", "entropy", "kl_ref", "importance_weight_mean", "importance_weight_max",
+                    "importance_weight_capped_frac", "advantage_mean", "advantage_std", "reward_mean", "reward_std",
+                    "tokens_trained", "grad_norm"):
+            assert key in stats, key
+        assert stats["tokens_trained"] == float(batch["loss_mask"].sum())
+        assert stats["importance_weight_capped_frac"] > 0
+        # the second minibatch is trained after the first step: its ratio is no longer 1
+        assert stats["approx_kl"] > 0
+        actor.step_lr_scheduler()
+
+
+def test_critic_fits_the_returns(model_dir):
+    cfg = PPOCriticConfig(path=model_dir, optimizer=OptimizerConfig(lr=3e-3), value_eps_clip=None)
+    assert cfg.is_critic
+    with engines(cfg) as (engine,):
+        critic = PPOCritic(cfg, engine)
+        batch = make_batch(8, seed=6)
+        values = critic.compute_values(batch)
+        assert values.shape == batch["attention_mask"].shape and values[:, 0].abs().max() == 0
+        batch["returns"] = batch["loss_mask"].float() * 0.7
+        losses = []
+        for _ in range(15):
+            batch["values"] = critic.compute_values(batch)
+            losses.append(critic.ppo_update(batch)["critic/loss"])
+        assert losses[-1] < 0.2 * losses[0]
+
+
+def test_reinforce_actor_raises_the_reward_of_preferred_tokens(model_dir):
+    """Reward = fraction of completion tokens below 100: REINFORCE with an RLOO baseline makes
+    them likelier (measured on the batch's own tokens: the log-prob of rewarded sequences rises)."""
+    cfg = PPOActorConfig(path=model_dir, optimizer=OptimizerConfig(lr=1e-2), group_size=4, adv_estimator="rloo")
+    with engines(cfg) as (engine,):
+        actor = ReinforceActor(cfg, engine)
+        batch = make_batch(16, seed=7)
+        batch["rewards"] = ((batch["input_ids"] < 100) & batch["loss_mask"].bool()).sum(1) / batch["loss_mask"].sum(1)
+        before = actor.compute_logp(batch)
+        for _ in range(3):
+            batch["logprobs"] = actor.compute_logp(batch)
+            actor.train_step(batch)
+        gain = ((actor.compute_logp(batch) - before) * batch["loss_mask"]).sum(1)
+        adv = F.rloo_advantages(batch["rewards"].float(), 4)
+        assert (gain * adv).sum() > 0 and gain[adv > 0].mean() > gain[adv < 0].mean()
+
+
+def test_dpo_actor_raises_the_preference_margin(model_dir):
+    cfg = DPOConfig(path=model_dir, optimizer=OptimizerConfig(lr=1e-2), beta=0.5, mb_spec=MicroBatchSpec(n_mbs=2, granularity=2))
+    with pytest.raises(ValueError, match="granularity"):
+        DPOActor(DPOConfig(path=model_dir), None, None)  # type: ignore[arg-type]
+    with engines(cfg, cfg, frozen=(1,)) as (policy, ref):
+        actor = DPOActor(cfg, policy, ref)
+        batch = make_batch(8, seed=8)
+        first = actor.train_dpo(batch)
+        assert first["reward_margin"] == pytest.approx(0.0, abs=1e-5)  # policy == reference at the start
+        for _ in range(4):
+            last = actor.train_dpo(batch)
+        assert last["reward_margin"] > 0.5 and last["reward_accuracy"] == 1.0 and last["loss"] < first["loss"]
+    ipo = DPOConfig(path=model_dir, dpo_loss="ipo", mb_spec=MicroBatchSpec(granularity=2))
+    assert DPOActor(ipo, None, None).loss is F.ipo_loss  # type: ignore[arg-type]
+
+
+def test_sft_actor_lowers_the_nll(model_dir):
+    cfg = TrainEngineConfig(path=model_dir, optimizer=OptimizerConfig(lr=1e-2), mb_spec=MicroBatchSpec(n_mbs=2))
+    with engines(cfg) as (engine,):
+        actor = SFTActor(cfg, engine)
+        batch = make_batch(8, seed=9)
+        first = actor.evaluate_lm(batch)
+        for _ in range(5):
+            actor.train_lm(batch)
+        last = actor.evaluate_lm(batch)
+        assert last["loss"] < 0.7 * first["loss"] and last["tokens_trained"] == float(batch["loss_mask"].sum())
