@@ -1,0 +1,139 @@
+"""Generation throughput of the embedded engine against HF ``model.generate``, and weight-sync time.
+
+Part 1: 64 requests of mixed prompt (8-64) and output (8-128) lengths on the same tiny model.
+The engine serves them concurrently through its continuous-batching scheduler; HF generates them as
+one left-padded batch (its fastest mode: one call, every request decoded until the longest ends).
+Both sample at temperature 1 with eos ignored, so both produce exactly the requested tokens, and
+tokens/s counts only requested tokens.
+
+Part 2: seconds to push the weights of a ~100M-parameter model into a running engine, from disk
+(HF safetensors written by the trainer side, then loaded) and by broadcast in a gloo weight-update
+group (trainer rank 0 in a thread of this process, the engine at rank 1).
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/generation.py [--skip-sync]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import threading
+import time
+
+import torch
+
+from areal_lite.api.config import LocalEngineConfig
+from areal_lite.api.io import ParamSpec, WeightUpdateMeta
+from areal_lite.engines.local import LocalInferenceEngine, SamplingParams
+from areal_lite.utils.distributed import find_free_port, init_custom_process_group
+from areal_lite.utils.tiny import build_tiny_model
+
+
+def make_requests(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(8, 64))], rng.randint(8, 128)) for _ in range(n)]
+
+
+def bench_engine(path: str, requests: list[tuple[list[int], int]]) -> float:
+    engine = LocalInferenceEngine(LocalEngineConfig(path=path, max_running_requests=64))
+    engine.load_model()
+
+    async def run() -> int:
+        results = await asyncio.gather(
+            *[engine.generate(p, SamplingParams(max_new_tokens=m, ignore_eos=True)) for p, m in requests]
+        )
+        return sum(len(r.output_ids) for r in results)
+
+    asyncio.run(run())  # warm-up
+    t0 = time.perf_counter()
+    tokens = asyncio.run(run())
+    seconds = time.perf_counter() - t0
+    engine.destroy()
+    return tokens / seconds
+
+
+def bench_hf(path: str, requests: list[tuple[list[int], int]]) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    pad = model.generation_config.pad_token_id
+    width = max(len(p) for p, _ in requests)
+    ids = torch.full((len(requests), width), pad)
+    mask = torch.zeros((len(requests), width), dtype=torch.long)
+    for i, (p, _) in enumerate(requests):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    max_new = max(m for _, m in requests)
+
+    def run() -> None:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=True, top_k=0)
+
+    run()  # warm-up
+    t0 = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - t0
+    return sum(m for _, m in requests) / seconds
+
+
+def bench_sync(workdir: str) -> tuple[int, float, float]:
+    """Build a ~100M-parameter model; time a disk update and a broadcast update into an engine."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(f"{workdir}/big", hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, vocab_size=512)
+    trainer = AutoModelForCausalLM.from_pretrained(path)
+    n_params = sum(p.numel() for p in trainer.parameters())
+    engine = LocalInferenceEngine(LocalEngineConfig(path=path, max_running_requests=4))
+    engine.load_model()
+
+    t0 = time.perf_counter()
+    trainer.save_pretrained(f"{workdir}/update")
+    engine.update_weights(WeightUpdateMeta(type="disk", path=f"{workdir}/update", version=1)).result()
+    disk_s = time.perf_counter() - t0
+
+    meta = WeightUpdateMeta(type="distributed", master_port=find_free_port(), version=2)
+    joined = engine.init_weights_update_group(meta)
+    group = init_custom_process_group("gloo", meta.master_address, meta.master_port, 0, meta.world_size, meta.group_name)
+    joined.result()
+    state = trainer.state_dict()
+    t0 = time.perf_counter()
+    specs = [ParamSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in state.items()]
+    fut = engine.update_weights(WeightUpdateMeta(**{**meta.to_json(), "param_specs": specs}))
+    for t in state.values():
+        group.broadcast(t.contiguous())
+    fut.result()
+    broadcast_s = time.perf_counter() - t0
+    engine.destroy()
+    return n_params, disk_s, broadcast_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--skip-sync", action="store_true", help="skip the ~100M-parameter weight-sync part")
+    args = parser.parse_args()
+    threading.current_thread().name = "bench"
+    with tempfile.TemporaryDirectory() as workdir:
+        path = build_tiny_model(f"{workdir}/model", hidden_size=args.hidden, num_layers=args.layers, vocab_size=512)
+        requests = make_requests(args.requests, seed=0, vocab=400)
+        engine_tps = bench_engine(path, requests)
+        hf_tps = bench_hf(path, requests)
+        print(f"{'generator':<28}{'tokens/s':>12}")
+        print(f"{'LocalInferenceEngine':<28}{engine_tps:>12.0f}")
+        print(f"{'HF model.generate (padded)':<28}{hf_tps:>12.0f}")
+        result = f"RESULT engine_over_hf_generate={engine_tps / hf_tps:.2f} engine_tokens_per_s={engine_tps:.0f} hf_tokens_per_s={hf_tps:.0f}"
+        if not args.skip_sync:
+            n_params, disk_s, broadcast_s = bench_sync(workdir)
+            print(f"{'weight sync':<28}{'seconds':>12}   ({n_params / 1e6:.0f}M parameters, fp32)")
+            print(f"{'disk':<28}{disk_s:>12.2f}")
+            print(f"{'gloo broadcast':<28}{broadcast_s:>12.2f}")
+            result += f" sync_disk_s={disk_s:.2f} sync_broadcast_s={broadcast_s:.2f} sync_params_m={n_params / 1e6:.0f}"
+        print(result)
+
+
+if __name__ == "__main__":
+    main()
