@@ -359,11 +359,12 @@ class FSDPEngine(TrainEngine):
     # ---------------------------------------------------------------- checkpoints
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors on CPU on rank 0 (empty elsewhere). Collective."""
+        """Full HF-named tensors on CPU on rank 0 (empty elsewhere), never aliasing the live
+        parameters (with one rank the gathered tensor would be the parameter itself). Collective."""
         model = self._module()
         model.reshard()
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k.removeprefix(_HF_PREFIX): v for k, v in sd.items()}
+        return {k.removeprefix(_HF_PREFIX): v.clone() for k, v in sd.items()}
 
     def save(self, meta: SaveLoadMeta) -> None:
         """``hf``: a HF directory (and tokenizer) from rank 0. ``dcp``: model, optimizer (when the
@@ -452,8 +453,9 @@ class FSDPEngine(TrainEngine):
         fut.result()
 
     def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors with HF names, one at a time, cast to the configured dtype. Collective:
-        every rank iterates to the end (non-zero ranks only take part in the gathers)."""
+        """Full tensors with HF names, one at a time, cast to the configured dtype, as copies that
+        later optimizer steps cannot change. Collective: every rank iterates to the end (non-zero
+        ranks only take part in the gathers)."""
         model = self._module()
         model.reshard()
         dtype = _DTYPES[self.config.dtype]
@@ -462,7 +464,7 @@ class FSDPEngine(TrainEngine):
         named = list(hf.named_parameters()) + [(n, b) for n, b in hf.named_buffers() if n in persistent]
         for name, t in named:
             full = t.full_tensor() if isinstance(t, DTensor) else t
-            yield name, full.detach().to(dtype)
+            yield name, full.detach().to(dtype, copy=True)
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         rank = dist.get_rank()

@@ -1,0 +1,341 @@
+"""FSDPEngine checks run in their own processes under torchrun (1 or 2 ranks on gloo).
+
+Usage: ``torchrun --nproc-per-node N fsdp_worker.py CHECKS MODEL_DIR OUT_DIR`` with CHECKS a
+comma-separated list of the checks below. Rank 0 writes ``OUT_DIR/<CHECKS>_w<world>.json`` and
+``.pt`` parameter files that tests/test_fsdp.py compares across runs.
+
+- ``logprobs``: packed vs HF padded log-probabilities and entropies.
+- ``invariance``: one train_batch with 1 and 4 micro-batches and with gradient checkpointing
+  (SGD, and AdamW); the parameters are compared with another world size's by the test.
+- ``checkpoint``: HF save -> from_pretrained; weight updates of all three kinds to a fake
+  receiver; a non-finite gradient skipping the step; DCP save, then one more step (the
+  uninterrupted run).
+- ``resume``: (a new process) load ``checkpoint``'s DCP state and take the same next step.
+- ``sft``: SFT loss over 40 steps on a small fixed text dataset.
+- ``critic``: a value model's forward and training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
+from areal_lite.api.engine import InferenceEngine, PackedBatch
+from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta, WeightUpdateMeta
+from areal_lite.engines.fsdp import FSDPEngine
+from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
+
+CHECKS, MODEL, OUT = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
+FT = FinetuneSpec(total_train_epochs=1, dataset_size=80, train_batch_size=8)
+
+
+def make_batch(seed: int, n: int = 8, max_len: int = 24) -> TensorDict:
+    """A fixed batch with long-tailed lengths; the first third of each sequence is the prompt."""
+    g = torch.Generator().manual_seed(seed)
+    lens = (torch.rand(n, generator=g) ** 3 * (max_len - 3)).long() + 3
+    ar = torch.arange(max_len).unsqueeze(0)
+    am = ar < lens.unsqueeze(1)
+    ids = torch.randint(1, 250, (n, max_len), generator=g) * am
+    loss_mask = (ar >= (lens // 3).unsqueeze(1)) & am
+    return TensorDict({"input_ids": ids, "attention_mask": am, "loss_mask": loss_mask.int()}, batch_size=[n])
+
+
+def shard(batch: TensorDict) -> TensorDict:
+    """This rank's rows of the global batch."""
+    return batch[dist.get_rank() :: dist.get_world_size()]
+
+
+def nll(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    m = mb["loss_mask"].float()  # type: ignore[union-attr]
+    return -(out * m).sum() / m.sum(), {"entropy": (ent * m).sum() / m.sum()}
+
+
+def n_tokens(mb: PackedBatch) -> float:
+    return float(mb["loss_mask"].sum())  # type: ignore[union-attr]
+
+
+def engine(n_mbs: int = 1, lr: float = 1e-3, ft: FinetuneSpec | None = FT, **kw: object) -> FSDPEngine:
+    opt = OptimizerConfig(lr=lr, weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps_proportion=0.2)
+    cfg = TrainEngineConfig(path=MODEL, optimizer=opt, mb_spec=MicroBatchSpec(n_mbs=n_mbs), logits_chunk_size=7, **kw)
+    e = FSDPEngine(cfg)
+    e.initialize(ft)
+    return e
+
+
+def hf_padded_logprobs(model: torch.nn.Module, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-aligned log-probabilities and entropies from HF's own padded-batch forward."""
+    am = batch["attention_mask"]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=am.long()).logits.float()
+    logp = torch.log_softmax(logits, -1)
+    lp = logp[:, :-1].gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)[:, :-1]
+    zero = torch.zeros(am.shape[0], 1)
+    return torch.cat([zero, lp], 1) * am, torch.cat([zero, ent], 1) * am
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+class FakeReceiver(InferenceEngine):
+    """The receiving side of weight updates, reduced to what the sender exercises: it applies
+    received tensors to a HF model. Generation methods are not part of this test."""
+
+    def __init__(self) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(MODEL)
+        self.pool = ThreadPoolExecutor(1)
+        self.group: CustomGroup | None = None
+        self.version = -1
+        self.chunks = 0
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.named_parameters()}
+
+    def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]:
+        meta.world_size = 2  # trainer rank 0 + this receiver, as a server announces its ranks
+        addr, port, name = meta.master_address, meta.master_port, meta.group_name
+
+        def join() -> None:
+            self.group = init_custom_process_group("gloo", addr, port, rank=1, world_size=2, group_name=name)
+
+        return self.pool.submit(join)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
+        return self.pool.submit(self._receive, meta)
+
+    def _receive(self, meta: WeightUpdateMeta) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            if meta.type == "in_process":
+                assert meta.named_tensors is not None and meta.named_tensors.keys() == params.keys()
+                for k, v in meta.named_tensors.items():
+                    params[k].copy_(v)
+            elif meta.type == "disk":
+                loaded = AutoModelForCausalLM.from_pretrained(meta.path).state_dict()
+                self.model.load_state_dict(loaded)
+            else:
+                assert self.group is not None
+                for spec in meta.param_specs:
+                    t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+                    self.group.broadcast(t)
+                    params[spec.name].copy_(t)
+                self.chunks += 1
+        self.version = meta.version if meta.version is not None else -1
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def get_version(self) -> int:
+        return self.version
+
+    def initialize(self) -> None:
+        raise NotImplementedError("FakeReceiver only receives weights")
+
+    def destroy(self) -> None:
+        self.pool.shutdown()
+
+    async def agenerate(self, req):  # type: ignore[no-untyped-def]
+        raise NotImplementedError("FakeReceiver only receives weights")
+
+    def pause(self) -> None:
+        raise NotImplementedError("FakeReceiver only receives weights")
+
+    def resume(self) -> None:
+        raise NotImplementedError("FakeReceiver only receives weights")
+
+    def submit(self, data, workflow, should_accept=None):  # type: ignore[no-untyped-def]
+        raise NotImplementedError("FakeReceiver only receives weights")
+
+    def wait(self, count, timeout=None):  # type: ignore[no-untyped-def]
+        raise NotImplementedError("FakeReceiver only receives weights")
+
+    def rollout_batch(self, data, workflow, should_accept=None):  # type: ignore[no-untyped-def]
+        raise NotImplementedError("FakeReceiver only receives weights")
+
+    def prepare_batch(self, dataloader, workflow, should_accept=None):  # type: ignore[no-untyped-def]
+        raise NotImplementedError("FakeReceiver only receives weights")
+
+
+def check_logprobs(res: dict[str, object]) -> None:
+    """Packed (3 micro-batches, head chunks of 7 tokens) vs HF's padded batch."""
+    e = engine(n_mbs=3, ft=None)
+    batch = make_batch(0)
+    lp, ent = e.forward(batch, with_entropy=True)
+    ref_lp, ref_ent = hf_padded_logprobs(AutoModelForCausalLM.from_pretrained(MODEL), batch)
+    res["logprob_err"] = float((lp - ref_lp).abs().max())
+    res["entropy_err"] = float((ent - ref_ent).abs().max())
+    res["logprob_shape"] = list(lp.shape)
+    e.destroy()
+
+
+def check_invariance(res: dict[str, object]) -> None:
+    """One train_batch with this rank's share; parameters written for cross-run comparison."""
+    batch = shard(make_batch(1))
+    for opt_name in ("sgd", "adamw"):
+        for n_mbs, ckpt in ((1, False), (4, False), (1, True)):
+            e = engine(n_mbs=n_mbs, lr=1e-3, gradient_checkpointing=ckpt)
+            if opt_name == "sgd":
+                # Plain SGD makes the update linear in the gradient, so parameter equality to 1e-6
+                # is gradient equality (Adam's first step amplifies float noise: FINDINGS.md).
+                e.optimizer = torch.optim.SGD(e.model.parameters(), lr=1.0)
+            before = e._full_state_dict()
+            stats = e.train_batch(batch, nll, n_tokens)
+            after = e._full_state_dict()
+            tag = f"{opt_name}_mb{n_mbs}{'_ckpt' if ckpt else ''}"
+            if dist.get_rank() == 0:
+                torch.save(after, os.path.join(OUT, f"params_{tag}_w{dist.get_world_size()}.pt"))
+                res[f"changed_{tag}"] = max_diff(before, after)
+            res[f"stats_{tag}"] = stats
+            e.destroy()
+
+
+def check_checkpoint_and_updates(res: dict[str, object]) -> None:
+    e = engine(lr=1e-2)
+    e.train_batch(shard(make_batch(2)), nll, n_tokens)
+    e.step_lr_scheduler()
+    rank0 = dist.get_rank() == 0
+    # HF save -> from_pretrained -> identical logits to a HF model holding the engine's weights.
+    hf_dir = os.path.join(OUT, "hf")
+    e.save(SaveLoadMeta(path=hf_dir, weight_format="hf", tokenizer=AutoTokenizer.from_pretrained(MODEL)))
+    full = e._full_state_dict()
+    if rank0:
+        loaded = AutoModelForCausalLM.from_pretrained(hf_dir)
+        direct = AutoModelForCausalLM.from_pretrained(MODEL)
+        direct.load_state_dict(full)
+        batch = make_batch(3)
+        with torch.no_grad():
+            a = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long()).logits
+            b = direct(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long()).logits
+        res["hf_logits_equal"] = bool(torch.equal(a, b))
+        res["hf_tokenizer_saved"] = os.path.exists(os.path.join(hf_dir, "tokenizer.json"))
+
+    # Weight updates: after each kind, the receiver holds exactly the engine's weights.
+    receiver = FakeReceiver() if rank0 else None
+    dist_meta = WeightUpdateMeta(type="distributed", chunk_bytes=20_000)
+    e.connect_engine(receiver, dist_meta)  # type: ignore[arg-type]
+    for i, meta in enumerate(
+        [WeightUpdateMeta(type="in_process"), WeightUpdateMeta(type="disk", path=os.path.join(OUT, "push")), dist_meta]
+    ):
+        e.train_batch(shard(make_batch(10 + i)), nll, n_tokens)
+        e.set_version(i + 1)
+        full = e._full_state_dict()
+        stale = max_diff(receiver.params(), full) if rank0 else 0.0
+        e.update_weights(meta)
+        full = e._full_state_dict()
+        if rank0:
+            res[f"update_{meta.type}_stale_diff"] = stale
+            res[f"update_{meta.type}_diff"] = max_diff(receiver.params(), full)
+            res[f"update_{meta.type}_version"] = receiver.version
+    if rank0:
+        res["distributed_chunks"] = receiver.chunks
+        receiver.destroy()
+
+    # A non-finite gradient skips the step and leaves the parameters untouched.
+    before = e._full_state_dict()
+
+    def nan_loss(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, stats = nll(out, ent, mb)
+        return loss * float("nan"), stats
+
+    res["nan_stats"] = e.train_batch(shard(make_batch(4)), nan_loss, n_tokens)
+    after = e._full_state_dict()
+    if rank0:
+        res["nan_param_change"] = max_diff(before, after)
+
+    # Full training state, then the step an uninterrupted run takes next.
+    e.set_version(7)
+    e.save(SaveLoadMeta(path=os.path.join(OUT, "dcp"), weight_format="dcp"))
+    res["next_stats"] = e.train_batch(shard(make_batch(5)), nll, n_tokens)
+    after = e._full_state_dict()
+    if rank0:
+        torch.save(after, os.path.join(OUT, f"params_uninterrupted_w{dist.get_world_size()}.pt"))
+    e.destroy()
+
+
+def check_sft(res: dict[str, object]) -> None:
+    """SFT on a small fixed text dataset: the token-mean loss over a few dozen steps."""
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    texts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "What is 12 + 30? The answer is 42.",
+        "Solve step by step: 7 * 6 = 42, then 42 - 2 = 40. #### 40",
+        "Reinforcement learning from verifiable rewards trains language models with a grader.",
+    ]
+    rows = [tok(t)["input_ids"] for t in texts]
+    length = max(map(len, rows))
+    ids = torch.zeros(len(rows), length, dtype=torch.int64)
+    am = torch.zeros(len(rows), length, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        am[i, : len(r)] = True
+    batch = TensorDict({"input_ids": ids, "attention_mask": am, "loss_mask": am.int()}, batch_size=[len(rows)])
+    e = engine(lr=1e-2, ft=FinetuneSpec(total_train_epochs=40, dataset_size=4, train_batch_size=4))
+    losses = []
+    for _ in range(40):
+        losses.append(e.train_batch(shard(batch), nll, n_tokens)["loss"])
+        e.step_lr_scheduler()
+    res["sft_losses"] = losses
+    e.destroy()
+
+
+def check_critic(res: dict[str, object]) -> None:
+    e = engine(lr=1e-2, is_critic=True)
+    batch = shard(make_batch(6))
+    values = e.forward(batch)
+    res["critic_shape"] = list(values.shape)
+    res["critic_pad_zero"] = bool((values[~batch["attention_mask"]] == 0).all())
+
+    def mse(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        m = mb["loss_mask"].float()  # type: ignore[union-attr]
+        return ((out - 1.0) ** 2 * m).sum() / m.sum(), {"entropy_abs": ent.abs().sum()}
+
+    losses = [e.train_batch(batch, mse, n_tokens) for _ in range(5)]
+    res["critic_losses"] = [s["loss"] for s in losses]
+    res["critic_entropy_abs"] = losses[0]["entropy_abs"]
+    e.destroy()
+
+
+def resume(res: dict[str, object]) -> None:
+    e = engine(lr=1e-2)
+    e.load(SaveLoadMeta(path=os.path.join(OUT, "dcp"), weight_format="dcp"))
+    res["resumed_version"] = e.get_version()
+    res["next_stats"] = e.train_batch(shard(make_batch(5)), nll, n_tokens)
+    after = e._full_state_dict()
+    if dist.get_rank() == 0:
+        torch.save(after, os.path.join(OUT, f"params_resumed_w{dist.get_world_size()}.pt"))
+    e.destroy()
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    # The group is created here, not by the engines, so that several engines can come and go.
+    dist.init_process_group("gloo")
+    checks = {
+        "logprobs": check_logprobs,
+        "invariance": check_invariance,
+        "checkpoint": check_checkpoint_and_updates,
+        "resume": resume,
+        "sft": check_sft,
+        "critic": check_critic,
+    }
+    res: dict[str, object] = {}
+    for name in CHECKS:
+        checks[name](res)
+    if dist.get_rank() == 0:
+        with open(os.path.join(OUT, f"{'-'.join(CHECKS)}_w{dist.get_world_size()}.json"), "w") as f:
+            json.dump(res, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The pieces FSDPEngine (and MegatronEngine) build on: chunked log-probabilities from hidden
+states, token alignment of packed predictions, and LR schedules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
+from areal_lite.utils.lr_schedule import lr_multiplier
+
+
+def reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(hidden @ weight.t(), -1)
+    return logp.gather(-1, labels[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 1000])
+def test_chunked_logprobs_and_grads_equal_full(chunk: int) -> None:
+    torch.manual_seed(0)
+    h = torch.randn(16, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(30, 8, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 30, (16,))
+    lp, ent = logprobs_from_hidden(h, w, y, chunk_size=chunk, with_entropy=True)
+    ref_lp, ref_ent = reference(h, w, y)
+    torch.testing.assert_close(lp, ref_lp.float())
+    torch.testing.assert_close(ent, ref_ent.float())
+    g = torch.autograd.grad((lp * 1.3 + ent * 0.7).sum(), (h, w))
+    ref_g = torch.autograd.grad((ref_lp * 1.3 + ref_ent * 0.7).sum(), (h, w))
+    for a, b in zip(g, ref_g):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_no_entropy_requested() -> None:
+    lp, ent = logprobs_from_hidden(torch.randn(4, 3), torch.randn(5, 3), torch.tensor([0, 1, 2, 3]), with_entropy=False)
+    assert lp.shape == (4,) and ent is None
+
+
+def test_alignment_to_the_token() -> None:
+    # Two packed sequences [10, 11, 12] and [20, 21]; position t predicts token t + 1.
+    ids = torch.tensor([10, 11, 12, 20, 21])
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    assert next_token_labels(ids).tolist() == [11, 12, 20, 21, 10]
+    pred = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])  # pred[t] scores token t + 1
+    assert align_to_tokens(pred, cu).tolist() == [0.0, 1.0, 2.0, 0.0, 4.0]
+
+
+def test_lr_schedules() -> None:
+    warm = lr_multiplier("constant", total_steps=10, warmup_steps=4)
+    assert [warm(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    lin = lr_multiplier("linear", total_steps=11, warmup_steps=0, min_lr_ratio=0.1)
+    assert lin(0) == 1.0 and lin(10) == pytest.approx(0.1) and lin(5) == pytest.approx(0.55)
+    cos = lr_multiplier("cosine", total_steps=12, warmup_steps=2, min_lr_ratio=0.0)
+    assert cos(1) == 1.0 and cos(2) == 1.0 and cos(11) == pytest.approx(0.0, abs=1e-12)
+    assert cos(2 + 4.5) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    with pytest.raises(ValueError, match="constant, linear or cosine"):
+        lr_multiplier("step", 10)
