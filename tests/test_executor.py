@@ -344,9 +344,9 @@ def test_rollout_batch_keeps_order_and_stays_outside_the_pipeline() -> None:
         ex.destroy()
 
 
-def test_prepare_batch_cycles_epochs_and_carries_rollouts_over() -> None:
+def test_prepare_batch_cycles_epochs() -> None:
     engine = GatedEngine(seed=1)
-    ex = make(engine, consumer_batch_size=2, max_head_offpolicyness=2, max_concurrent_rollouts=8)
+    ex = make(engine, consumer_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=8)
     try:
         data = loader(4, 2)  # two batches per epoch
         seen = []
@@ -354,6 +354,24 @@ def test_prepare_batch_cycles_epochs_and_carries_rollouts_over() -> None:
             seen += ex.prepare_batch(data, OneShot())["item"].tolist()
             engine.set_version(step + 1)
         assert Counter(seen) == {0.0: 3, 1.0: 3, 2.0: 3, 3.0: 3}
+    finally:
+        engine.close()
+        ex.destroy()
+
+
+def test_prepare_batch_carries_a_running_rollout_into_the_next_step() -> None:
+    engine = GatedEngine()
+    engine.hold = {0}
+    ex = make(engine, consumer_batch_size=1, max_head_offpolicyness=1, max_concurrent_rollouts=4)
+    try:
+        data = loader(8, 1)
+        first = ex.prepare_batch(data, OneShot())
+        assert first["versions"].max().item() == 0
+        engine.set_version(1)
+        engine.release_held()
+        second = ex.prepare_batch(data, OneShot())  # the held rollout, started at version 0
+        assert second["versions"][0, -3].item() == 0 and ex.last_batch_staleness == [1]
+        assert first["item"].item() != second["item"].item()
     finally:
         engine.close()
         ex.destroy()
