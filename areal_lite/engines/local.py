@@ -321,8 +321,11 @@ class _ModelRunner:
             scores = logits / temps[:, None]
             if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
                 scores = _top_k_top_p(scores, params)
+            # argmax(p / E) with E ~ Exp(1) samples from p (exponential race), and is much
+            # cheaper on CPU than torch.multinomial.
             probs = torch.softmax(scores, dim=-1)
-            sampled = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+            race = torch.empty_like(probs).exponential_(generator=self.generator)
+            sampled = (probs / race).argmax(dim=-1)
             tokens = sampled if not any(greedy) else torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
         self.last[rows] = tokens
         chosen = logp.gather(1, tokens[:, None])[:, 0]
@@ -472,16 +475,9 @@ class LocalInferenceEngine(InferenceEngine):
 
     # ----- generation ----------------------------------------------------------------------
 
-    def submit_request(
-        self,
-        input_ids: list[int],
-        params: SamplingParams,
-        deliver: Callable[[GenerationResult], None],
-        rid: str | None = None,
-        return_input_logprobs: bool = False,
-    ) -> str:
-        """Queue a request; ``deliver`` is called once, from the scheduler thread, with its
-        result. Returns the rid. Raises ValueError for an empty or too long prompt."""
+    def validate_request(self, input_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request the engine cannot serve (empty or too long prompt,
+        token ids outside the vocabulary, stop strings without a tokenizer)."""
         if self._runner is None:
             raise RuntimeError("LocalInferenceEngine is not initialized")
         if not input_ids:
@@ -493,6 +489,18 @@ class LocalInferenceEngine(InferenceEngine):
             raise ValueError(f"token ids must be in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model directory has none")
+
+    def submit_request(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        deliver: Callable[[GenerationResult], None],
+        rid: str | None = None,
+        return_input_logprobs: bool = False,
+    ) -> str:
+        """Queue a request; ``deliver`` is called once, from the scheduler thread, with its
+        result. Returns the rid. Raises ValueError for an empty or too long prompt."""
+        self.validate_request(input_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
         seq = _Seq(rid or uuid.uuid4().hex, list(input_ids), params, deliver, stop_ids, return_input_logprobs)
         if params.max_new_tokens == 0 and not return_input_logprobs:
@@ -603,6 +611,10 @@ class LocalInferenceEngine(InferenceEngine):
                 version = self._version
                 fresh = runner.prefill(admitted)
                 for s in fresh:
+                    if s.params.max_new_tokens == 0:  # admitted only for its prompt logprobs
+                        s.out.clear()
+                        s.logprobs.clear()
+                        continue
                     s.versions.append(version)
                     s.ttft = time.monotonic() - s.t0
                 self._finish_done()

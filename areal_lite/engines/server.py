@@ -1,0 +1,511 @@
+"""An HTTP server over the embedded engine that answers like an SGLang server (PROTOCOL.md).
+
+    python -m areal_lite.engines.server --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key K]
+
+It exists so that `RemoteSGLangEngine` is tested against a real HTTP server on machines where
+SGLang cannot run, and so that CPU deployments get rollout servers with no extra dependency. Same
+endpoints, payloads, status codes and error shapes as SGLang for what areal-lite uses; bad input
+is a 400 with ``{"error": {"message": ...}}`` and the server keeps serving.
+
+Deliberate differences from SGLang: weight versions are integers (as strings on the wire, "0" at
+start); ``meta_info`` carries one extra key, ``output_token_versions`` (the version of each output
+token, which can change inside one request when weights are updated in place); streaming, top
+logprobs and the penalty / min-p / seed sampling options are refused with a 400 rather than
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from areal_lite.api.config import LocalEngineConfig
+from areal_lite.api.io import WeightUpdateMeta
+from areal_lite.engines.local import GenerationResult, LocalInferenceEngine, SamplingParams
+
+logger = logging.getLogger("areal_lite.server")
+
+OPEN_PATHS = ("/health", "/ready", "/metrics")
+"""Paths that need no API key (as in SGLang)."""
+
+SAMPLING_DEFAULTS: dict[str, object] = {
+    "max_new_tokens": 128,
+    "min_new_tokens": 0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "stop": None,
+    "stop_token_ids": None,
+    "ignore_eos": False,
+    "n": 1,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "no_stop_trim": False,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "sampling_seed": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "custom_params": None,
+    "logit_bias": None,
+}
+"""Every key SGLang accepts in ``sampling_params`` with its default; any other key is a 400."""
+
+UNSUPPORTED_SAMPLING = ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "sampling_seed", "json_schema", "regex", "ebnf", "logit_bias")
+"""Keys this server accepts only at their default (no-op) value."""
+
+
+class BadRequest(ValueError):
+    """Invalid client input: answered with HTTP 400."""
+
+
+def error_response(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _int(d: dict[str, object], key: str, default: int) -> int:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"{key} must be an integer, got {v!r}")
+    return v
+
+
+def _float(d: dict[str, object], key: str, default: float) -> float:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise BadRequest(f"{key} must be a number, got {v!r}")
+    return float(v)
+
+
+def _bool(d: dict[str, object], key: str, default: bool) -> bool:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(f"{key} must be a boolean, got {v!r}")
+    return v
+
+
+def parse_sampling_params(raw: object) -> tuple[SamplingParams, int, bool, bool]:
+    """``sampling_params`` -> (params, n, skip_special_tokens, no_stop_trim). Raises BadRequest."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest(f"sampling_params must be an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(SAMPLING_DEFAULTS))
+    if unknown:
+        raise BadRequest(f"unknown sampling_params keys: {', '.join(unknown)}")
+    for key in UNSUPPORTED_SAMPLING:
+        if raw.get(key) is not None and raw[key] != SAMPLING_DEFAULTS[key]:
+            raise BadRequest(f"sampling_params.{key} is not supported by the areal-lite server")
+    stop = raw.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise BadRequest("stop must be a string or a list of strings")
+    stop_ids = raw.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise BadRequest("stop_token_ids must be a list of integers")
+    n = _int(raw, "n", 1)
+    if n < 1:
+        raise BadRequest(f"n must be >= 1, got {n}")
+    try:
+        params = SamplingParams(
+            max_new_tokens=_int(raw, "max_new_tokens", 128),
+            min_new_tokens=_int(raw, "min_new_tokens", 0),
+            temperature=_float(raw, "temperature", 1.0),
+            top_p=_float(raw, "top_p", 1.0),
+            top_k=_int(raw, "top_k", -1),
+            stop=list(stop),
+            stop_token_ids=list(stop_ids),
+            ignore_eos=_bool(raw, "ignore_eos", False),
+        )
+    except ValueError as e:
+        raise BadRequest(str(e)) from e
+    return params, n, _bool(raw, "skip_special_tokens", True), _bool(raw, "no_stop_trim", False)
+
+
+@dataclass
+class ServerArgs:
+    """Command-line arguments (names follow SGLang's ``launch_server``)."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_running_requests: int = 64
+    context_length: int = 0
+    random_seed: int = 0
+    weight_version: str = "0"
+
+
+class Server:
+    """Request handlers over one `LocalInferenceEngine`."""
+
+    def __init__(self, args: ServerArgs, engine: LocalInferenceEngine) -> None:
+        self.args = args
+        self.engine = engine
+        self.weight_version = args.weight_version
+        self.ready = False
+        self.in_weight_session = False
+
+    # ----- plumbing ------------------------------------------------------------------------
+
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=1024**3)
+        r = app.router
+        r.add_post("/generate", self.generate)
+        for path in ("/health", "/health_generate", "/ready"):
+            r.add_get(path, self.health)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        key = self.args.api_key
+        if key and not request.path.startswith(OPEN_PATHS):
+            if request.headers.get("Authorization", "") != f"Bearer {key}":
+                return error_response("Unauthorized", status=401)
+        return await handler(request)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return error_response(str(e))
+        except web.HTTPException:
+            raise
+        except Exception as e:  # noqa: BLE001 - one bad request must not take the server down
+            logger.exception("request to %s failed", request.path)
+            return error_response(f"internal error: {e}", status=500)
+
+    async def _body(self, request: web.Request) -> dict[str, object]:
+        raw = await request.read()
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"malformed JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    def _version_int(self, value: object) -> int:
+        try:
+            return int(str(value))
+        except ValueError as e:
+            raise BadRequest(f"weight versions must be integers on an areal-lite server, got {value!r}") from e
+
+    async def _weight_op(self, op, version: object) -> web.Response:
+        """Run a blocking weight operation off the event loop; answer SGLang's success shape."""
+        v = self._version_int(version) if version is not None else None
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, op)
+        except ValueError as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        if v is not None:
+            self.weight_version = str(v)
+        return web.json_response({"success": True, "message": "Succeeded to update model weights."})
+
+    # ----- generation ----------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if body.get("stream"):
+            raise BadRequest("stream is not supported by the areal-lite server")
+        if _int(body, "top_logprobs_num", 0) != 0:
+            raise BadRequest("top_logprobs_num is not supported by the areal-lite server")
+        has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
+        if has_text == has_ids:
+            raise BadRequest("give exactly one of text and input_ids")
+        prompts = self._prompts(body)
+        is_batch = isinstance(body["text"], list) if has_text else isinstance(body["input_ids"][0], list)  # type: ignore[index]
+        params, n, skip_special, no_stop_trim = parse_sampling_params(body.get("sampling_params"))
+        return_logprob = _bool(body, "return_logprob", False)
+        start_len = _int(body, "logprob_start_len", -1)
+        rids = body.get("rid")
+        if rids is None:
+            rids = [uuid.uuid4().hex for _ in prompts] if is_batch else uuid.uuid4().hex
+        rid_list = rids if isinstance(rids, list) else [rids]
+        if len(rid_list) != len(prompts) or not all(isinstance(r, str) for r in rid_list):
+            raise BadRequest("rid must be a string (a list of strings for a batch, one per prompt)")
+        jobs = []
+        for prompt, rid in zip(prompts, rid_list):
+            for k in range(n):
+                jobs.append((prompt, rid if n == 1 else f"{rid}-{k}"))
+        want_input = return_logprob and start_len >= 0
+        try:
+            for prompt, _ in jobs:
+                self.engine.validate_request(prompt, params)
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+        results = await asyncio.gather(*[self.engine.generate(p, params, rid, want_input) for p, rid in jobs])
+        out = [self._response(r, return_logprob, start_len, skip_special, no_stop_trim) for r in results]
+        return web.json_response(out if is_batch or n > 1 else out[0])
+
+    def _prompts(self, body: dict[str, object]) -> list[list[int]]:
+        if body.get("input_ids") is not None:
+            ids = body["input_ids"]
+            if not isinstance(ids, list) or not ids:
+                raise BadRequest("input_ids must be a non-empty list of integers (or a list of such lists)")
+            batch = ids if isinstance(ids[0], list) else [ids]
+            for p in batch:
+                if not isinstance(p, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                    raise BadRequest("input_ids must be a list of integers (or a list of such lists)")
+            return batch  # type: ignore[return-value]
+        text = body["text"]
+        texts = text if isinstance(text, list) else [text]
+        if not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text must be a string or a list of strings")
+        if self.engine.tokenizer is None:
+            raise BadRequest("this model directory has no tokenizer: send input_ids")
+        return [self.engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+    def _response(
+        self, r: GenerationResult, return_logprob: bool, start_len: int, skip_special: bool, no_stop_trim: bool
+    ) -> dict[str, object]:
+        text = ""
+        tok = self.engine.tokenizer
+        if tok is not None:
+            text = tok.decode(r.output_ids, skip_special_tokens=skip_special)
+            matched = r.finish_reason.get("matched")
+            if isinstance(matched, str) and not no_stop_trim and matched in text:
+                text = text[: text.index(matched)]
+        meta: dict[str, object] = {
+            "id": r.rid,
+            "prompt_tokens": len(r.input_ids),
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": 0,
+            "weight_version": str(r.output_versions[-1]) if r.output_versions else self.weight_version,
+            "finish_reason": r.finish_reason,
+            "e2e_latency": r.latency,
+            "output_token_versions": r.output_versions,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
+            if r.input_logprobs is not None:
+                start = max(start_len, 0)
+                meta["input_token_logprobs"] = [[lp, t, None] for lp, t in list(zip(r.input_logprobs, r.input_ids))[start:]]
+        return {"text": text, "output_ids": r.output_ids, "meta_info": meta}
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        rid = body.get("rid", "")
+        if not isinstance(rid, str):
+            raise BadRequest("rid must be a string")
+        abort_all = _bool(body, "abort_all", False)
+        if abort_all or rid:
+            self.engine.abort(rid, abort_all=abort_all, message="aborted by /abort_request")
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "in_place", "retract"):
+            raise BadRequest(f"mode must be abort, in_place or retract, got {mode!r}")
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.pause_generation, mode)
+        return web.json_response({"message": "Generation paused."})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self._body(request)
+        self.engine.continue_generation()
+        return web.json_response({"message": "Generation continued."})
+
+    # ----- info ----------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.ready else 503)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": self.args.model_path,
+                "tokenizer_path": self.args.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.weight_version,
+                "context_length": self.engine.context_len,
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        info = {k: v for k, v in vars(self.args).items() if k != "api_key"}
+        info.update(version="areal-lite", weight_version=self.weight_version, context_length=self.engine.context_len)
+        return web.json_response(info)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.engine.num_running:
+            return web.Response(status=400, text="Cache not flushed: requests are running.")
+        return web.Response(status=200, text="Cache flushed.")
+
+    # ----- weights -------------------------------------------------------------------------
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("model_path must be a non-empty string")
+        if _bool(body, "abort_all_requests", False):
+            self.engine.abort(abort_all=True, message="aborted for a weight update")
+        version = body.get("weight_version")
+        v = self._version_int(version) if version is not None else None
+        return await self._weight_op(lambda: self.engine.load_weights_from_disk(path, v).result(), version)
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        address = body.get("master_address")
+        if not isinstance(address, str):
+            raise BadRequest("master_address must be a string")
+        backend = body.get("backend", "nccl")
+        if backend == "nccl" and self.args.device == "cpu":
+            raise BadRequest("backend nccl needs a CUDA device; this server runs on CPU (use gloo)")
+        group_name = body.get("group_name", "weight_update_group")
+        meta = WeightUpdateMeta(
+            type="distributed",
+            master_address=address,
+            master_port=_int(body, "master_port", 0),
+            world_size=_int(body, "world_size", 0),
+            group_name=str(group_name),
+            backend=str(backend),
+        )
+        rank = _int(body, "rank_offset", 1)
+        if not 0 < rank < meta.world_size:
+            raise BadRequest(f"rank_offset {rank} must be in [1, world_size={meta.world_size})")
+        await asyncio.wrap_future(self.engine.join_weights_update_group(meta, rank))
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        await self._body(request)
+        self.engine.destroy_weights_update_group()
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await self._body(request)
+        self.in_weight_session = True
+        return web.json_response({"success": True, "message": "Weight update session started."})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await self._body(request)
+        self.in_weight_session = False
+        return web.json_response({"success": True, "message": "Weight update session ended."})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not isinstance(names, list) or not isinstance(dtypes, list) or not isinstance(shapes, list):
+            raise BadRequest("names, dtypes and shapes must be lists")
+        if not all(isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in s) for s in shapes):
+            raise BadRequest("shapes must be lists of integers")
+        if not all(isinstance(x, str) for x in names + dtypes):
+            raise BadRequest("names and dtypes must be strings")
+        try:
+            self.engine.check_param_specs(names, dtypes, shapes)
+        except ValueError as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        if _bool(body, "abort_all_requests", False):
+            self.engine.abort(abort_all=True, message="aborted for a weight update")
+        version = body.get("weight_version")
+        v = self._version_int(version) if version is not None else None
+        return await self._weight_op(lambda: self.engine.receive_broadcast(names, dtypes, shapes, v), version)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        v = self._version_int(body.get("new_version"))
+        if _bool(body, "abort_all_requests", True):
+            self.engine.abort(abort_all=True, message="aborted for a weight version update")
+        self.engine.set_version(v)
+        self.weight_version = str(v)
+        return web.json_response({"success": True, "message": f"Weight version updated to {v}."})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = dict(request.query) if request.method == "GET" else await self._body(request)
+        name = body.get("name")
+        if not isinstance(name, str):
+            raise BadRequest("name must be a string")
+        size = int(body.get("truncate_size", 100)) if request.method == "GET" else _int(body, "truncate_size", 100)
+        try:
+            return web.json_response(self.engine.get_weights_by_name(name, size))
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    p = argparse.ArgumentParser(prog="python -m areal_lite.engines.server", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True, help="HF model directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health*)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--context-length", type=int, default=0, help="0 = the model's max_position_embeddings")
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--weight-version", default="0", help="initial weight version (an integer)")
+    return ServerArgs(**vars(p.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    engine = LocalInferenceEngine(
+        LocalEngineConfig(
+            path=args.model_path,
+            dtype=args.dtype,
+            device=args.device,
+            max_running_requests=args.max_running_requests,
+            max_total_tokens=args.context_length,
+            seed=args.random_seed,
+        )
+    )
+    engine.load_model()
+    engine.set_version(int(args.weight_version))
+    server = Server(args, engine)
+    app = server.build_app()
+
+    async def on_startup(_: web.Application) -> None:
+        server.ready = True
+        logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
+
+    async def on_shutdown(_: web.Application) -> None:
+        server.ready = False
+        engine.destroy()
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
