@@ -62,14 +62,14 @@ def _plan(**launcher: object) -> LaunchPlan:
 
 
 def test_server_command_lines() -> None:
-    assert server_command(_plan(backend="areal", server_args=["--max-running-requests", "8"]), 0, 9000) == [
+    assert server_command(_plan(backend="areal", server_args=["--max-running-requests", "8"]), 9000) == [
         "py", "-m", "areal_lite.engines.server", "--model-path", "/models/m", "--host", "127.0.0.1", "--port", "9000",
         "--max-running-requests", "8"]
-    assert server_command(_plan(backend="sglang", server_tp_size=2, server_host="0.0.0.0"), 1, 9001) == [
+    assert server_command(_plan(backend="sglang", server_tp_size=2, server_host="0.0.0.0"), 9001, base_gpu_id=2) == [
         "py", "-m", "sglang.launch_server", "--model-path", "/models/m", "--host", "0.0.0.0", "--port", "9001",
         "--tp-size", "2", "--base-gpu-id", "2"]
     with pytest.raises(ValueError):
-        server_command(_plan(backend="local"), 0, 9000)
+        server_command(_plan(backend="local"), 9000)
 
 
 def test_trainer_command_lines() -> None:
@@ -140,3 +140,62 @@ def test_sigterm_is_forwarded_and_everything_stops(tmp_path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _shim(bin_dir, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text("#!/bin/bash\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -> None:
+    """The generated job script, run by bash with shims for scontrol, srun and curl: servers are
+    placed per node by GPU count, the trainer gets their addresses as one override and is retried."""
+    from areal_lite.launcher.slurm import sbatch_script
+
+    plan = LaunchPlan("train.py", "cfg.yaml", ["a.b=1"],
+                      LauncherConfig(backend="sglang", n_servers=3, server_tp_size=4, gpus_per_node=8, trainer_nnodes=2,
+                                     trainer_nproc=8),
+                      RecoverConfig(mode="auto", retries=1), "/models/m", str(tmp_path / "out" / "exp" / "trial"),
+                      python="python")
+    script = sbatch_script(plan)
+    assert "#SBATCH --nodes=4" in script, "3 servers of 4 GPUs on 8-GPU nodes take 2 nodes, plus 2 trainer nodes"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.jsonl"
+    _shim(bin_dir, "scontrol", "printf 'n0\\nn1\\nn2\\nn3\\n'")
+    _shim(bin_dir, "curl", "exit 0")
+    _shim(bin_dir, "srun", f"{sys.executable} -c 'import json,os,sys; print(json.dumps([os.environ.get(\"AREAL_LITE_ATTEMPT\")] + sys.argv[1:]))' \"$@\" >> {calls}\n"
+                            "[[ \"$*\" == *torch.distributed.run* && \"$AREAL_LITE_ATTEMPT\" == 0 ]] && exit 5; exit 0")
+    job = tmp_path / "job.sh"
+    job.write_text(script)
+    proc = subprocess.run(["bash", str(job)], env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                                                   "SLURM_JOB_NODELIST": "n[0-3]"}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in calls.read_text().splitlines()]
+    servers = [r for r in records if "sglang.launch_server" in r]
+    trainers = [r for r in records if "torch.distributed.run" in r]
+    assert [(s[s.index("--nodelist=n0") if "--nodelist=n0" in s else s.index("--nodelist=n1")],
+             s[s.index("--port") + 1], s[s.index("--base-gpu-id") + 1]) for s in servers] == [
+        ("--nodelist=n0", "30000", "0"), ("--nodelist=n0", "30001", "4"), ("--nodelist=n1", "30000", "0")]
+    assert [t[0] for t in trainers] == ["0", "1"], "one retry after the failed first attempt"
+    t = trainers[1]
+    assert "--nodelist=n2,n3" in t and "n2:29500" in t
+    assert t[-4:] == ["--config", "cfg.yaml", "a.b=1", 'rollout.addresses=["n0:30000","n0:30001","n1:30000"]']
+
+
+def test_ray_placement_and_commands() -> None:
+    from areal_lite.launcher.ray import server_resources, trainer_bundles, trainer_node_commands
+
+    plan = _plan(backend="sglang", n_servers=2, server_tp_size=2, trainer_nnodes=2, trainer_nproc=4, gpus_per_node=4)
+    assert server_resources(plan) == {"num_gpus": 2, "num_cpus": 1}
+    assert trainer_bundles(plan) == [{"GPU": 4, "CPU": 4}, {"GPU": 4, "CPU": 4}]
+    cmds = trainer_node_commands(plan, ["10.0.0.1:30000"], master_addr="10.0.0.2", master_port=29500)
+    assert len(cmds) == 2
+    for rank, cmd in enumerate(cmds):
+        assert cmd[cmd.index("--node-rank") + 1] == str(rank) and cmd[cmd.index("--nnodes") + 1] == "2"
+        assert cmd[cmd.index("--master-addr") + 1] == "10.0.0.2"
+        assert cmd[-1] == 'rollout.addresses=["10.0.0.1:30000"]'
+    cpu = _plan(backend="areal", n_servers=1)
+    assert server_resources(cpu) == {"num_gpus": 0, "num_cpus": 1}
+    assert trainer_bundles(cpu) == [{"CPU": 1}]

@@ -100,14 +100,15 @@ def read_plan(script: str, config_file: str | None, overrides: list[str]) -> Lau
     return LaunchPlan(script, config_file, list(overrides), launcher, recover, model_path, output_dir)
 
 
-def server_command(plan: LaunchPlan, index: int, port: int) -> list[str]:
-    """The command line of server ``index`` listening on ``port``."""
+def server_command(plan: LaunchPlan, port: int, *, base_gpu_id: int = 0, host: str | None = None) -> list[str]:
+    """The command line of a server listening on ``host:port`` (default ``launcher.server_host``),
+    using GPUs ``base_gpu_id ..`` (SGLang)."""
     cfg = plan.launcher
-    common = ["--model-path", plan.model_path, "--host", cfg.server_host, "--port", str(port)]
+    common = ["--model-path", plan.model_path, "--host", host or cfg.server_host, "--port", str(port)]
     if cfg.backend == "areal":
         return [plan.python, "-m", "areal_lite.engines.server", *common, *cfg.server_args]
     if cfg.backend == "sglang":
-        gpus = ["--tp-size", str(cfg.server_tp_size), "--base-gpu-id", str(index * cfg.server_tp_size)]
+        gpus = ["--tp-size", str(cfg.server_tp_size), "--base-gpu-id", str(base_gpu_id)]
         return [plan.python, "-m", "sglang.launch_server", *common, *gpus, *cfg.server_args]
     raise ValueError(f"launcher.backend={cfg.backend!r} starts no servers")
 
@@ -128,14 +129,21 @@ def script_args(plan: LaunchPlan, addresses: list[str]) -> list[str]:
     return args
 
 
+def torchrun_command(
+    plan: LaunchPlan, addresses: list[str], *, master_addr: str, master_port: int, nnodes: int = 1, node_rank: int = 0
+) -> list[str]:
+    """torchrun running ``trainer_nproc`` processes of the script on node ``node_rank`` of ``nnodes``."""
+    torchrun = ["-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank)]
+    torchrun += ["--nproc-per-node", str(plan.launcher.trainer_nproc), "--master-addr", master_addr]
+    torchrun += ["--master-port", str(master_port), "--max-restarts", "0"]
+    return [plan.python, *torchrun, *script_args(plan, addresses)]
+
+
 def trainer_command(plan: LaunchPlan, addresses: list[str], master_port: int) -> list[str]:
     """Plain ``python SCRIPT`` for one embedded-engine process, torchrun otherwise."""
-    cfg = plan.launcher
-    if cfg.backend == "local" and cfg.trainer_nproc == 1:
+    if plan.launcher.backend == "local" and plan.launcher.trainer_nproc == 1:
         return [plan.python, *script_args(plan, addresses)]
-    torchrun = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(cfg.trainer_nproc)]
-    torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(master_port), "--max-restarts", "0"]
-    return [plan.python, *torchrun, *script_args(plan, addresses)]
+    return torchrun_command(plan, addresses, master_addr="127.0.0.1", master_port=master_port)
 
 
 _PR_SET_PDEATHSIG = 1
@@ -252,7 +260,8 @@ class LocalLauncher:
         for i in range(cfg.n_servers):
             port = find_free_port(cfg.server_host)
             log = os.path.join(self.plan.log_dir, f"server{i}.log")
-            self.servers.append(spawn(server_command(self.plan, i, port), cores=cfg.server_cores, env=self._env(0), log_path=log))
+            cmd = server_command(self.plan, port, base_gpu_id=i * cfg.server_tp_size)
+            self.servers.append(spawn(cmd, cores=cfg.server_cores, env=self._env(0), log_path=log))
             self.addresses.append(f"{cfg.server_host}:{port}")
         self.wait_healthy()
         logger.info("servers ready: %s", ", ".join(self.addresses))

@@ -1,0 +1,133 @@
+"""Run a training script as one Slurm job: the same servers and trainer as `launcher.local`.
+
+    python -m areal_lite.launcher.slurm SCRIPT --config CONFIG [key=value ...] [--dry-run]
+
+Writes ``output_dir/slurm/job.sh`` and submits it with ``sbatch`` (``--dry-run`` prints it
+instead). The job takes ``server nodes + launcher.trainer_nnodes`` nodes: the first ones run the
+``n_servers`` rollout servers (as many per node as ``gpus_per_node / server_tp_size`` allows; all
+on one node on CPU) with ``srun --overlap`` on fixed ports, the script waits until each answers
+``GET /health``, then the trainer nodes run torchrun with ``rollout.addresses`` set, restarted up to
+``recover.retries`` times with ``AREAL_LITE_ATTEMPT`` like the local launcher. Slurm kills the
+servers when the job ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+
+from areal_lite.launcher.local import LaunchPlan, read_plan, script_args, server_command
+
+SERVER_BASE_PORT = 30000
+TRAINER_PORT = 29500
+
+
+def servers_per_node(plan: LaunchPlan) -> int:
+    cfg = plan.launcher
+    if cfg.gpus_per_node <= 0:
+        return max(cfg.n_servers, 1)
+    per_node = cfg.gpus_per_node // cfg.server_tp_size
+    if per_node < 1:
+        raise ValueError(f"launcher.server_tp_size={cfg.server_tp_size} exceeds launcher.gpus_per_node={cfg.gpus_per_node}")
+    return per_node
+
+
+def server_nodes(plan: LaunchPlan) -> int:
+    if plan.launcher.backend == "local":
+        return 0
+    return -(-plan.launcher.n_servers // servers_per_node(plan))
+
+
+def sbatch_script(plan: LaunchPlan) -> str:
+    """The job script of ``plan`` (bash)."""
+    cfg, slurm = plan.launcher, plan.launcher.slurm
+    n_server_nodes, n_trainer_nodes = server_nodes(plan), cfg.trainer_nnodes
+    name = os.path.basename(os.path.dirname(plan.output_dir)) + "_" + os.path.basename(plan.output_dir)
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={name}",
+        f"#SBATCH --nodes={n_server_nodes + n_trainer_nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --cpus-per-task={slurm.cpus_per_task}",
+        f"#SBATCH --time={slurm.time}",
+        f"#SBATCH --output={plan.log_dir}/slurm-%j.out",
+    ]
+    if cfg.gpus_per_node > 0:
+        lines.append(f"#SBATCH --gpus-per-node={cfg.gpus_per_node}")
+    if slurm.partition:
+        lines.append(f"#SBATCH --partition={slurm.partition}")
+    if slurm.account:
+        lines.append(f"#SBATCH --account={slurm.account}")
+    lines += [f"#SBATCH {opt}" for opt in slurm.extra_sbatch]
+    lines += [
+        "set -uo pipefail",
+        f"mkdir -p {shlex.quote(plan.log_dir)}",
+        'NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
+        "ADDRESSES=()",
+    ]
+    per_node = servers_per_node(plan)
+    for i in range(cfg.n_servers if cfg.backend != "local" else 0):
+        node, local = i // per_node, i % per_node
+        port = SERVER_BASE_PORT + local
+        cmd = shlex.join(server_command(plan, port, base_gpu_id=local * cfg.server_tp_size, host="0.0.0.0"))
+        log = shlex.quote(os.path.join(plan.log_dir, f"server{i}.log"))
+        lines += [
+            f'srun --overlap --nodes=1 --ntasks=1 --nodelist="${{NODES[{node}]}}" {cmd} > {log} 2>&1 &',
+            f'ADDRESSES+=("\\"${{NODES[{node}]}}:{port}\\"")',
+        ]
+    timeout = int(cfg.server_startup_timeout)
+    lines += [
+        'for address in "${ADDRESSES[@]}"; do',
+        '  address="${address//\\"/}"',
+        f"  for _ in $(seq {timeout}); do curl -sf \"http://$address/health\" > /dev/null && break; sleep 1; done",
+        f'  curl -sf "http://$address/health" > /dev/null || {{ echo "server $address not healthy after {timeout} s"; exit 1; }}',
+        "done",
+        "OVERRIDES=()",
+        'if [ ${#ADDRESSES[@]} -gt 0 ]; then OVERRIDES+=("rollout.addresses=[$(IFS=,; echo "${ADDRESSES[*]}")]"); fi',
+        f'TRAINER_NODES=$(IFS=,; echo "${{NODES[*]:{n_server_nodes}:{n_trainer_nodes}}}")',
+        f'MASTER="${{NODES[{n_server_nodes}]}}"',
+    ]
+    torchrun = [plan.python, "-m", "torch.distributed.run", "--nnodes", str(n_trainer_nodes),
+                "--nproc-per-node", str(cfg.trainer_nproc), "--rdzv-backend", "c10d", "--max-restarts", "0"]
+    trainer = shlex.join(torchrun) + f' --rdzv-endpoint "$MASTER:{TRAINER_PORT}" ' + shlex.join(script_args(plan, []))
+    lines += [
+        "status=1",
+        f"for attempt in $(seq 0 {plan.recover.retries}); do",
+        f'  AREAL_LITE_ATTEMPT=$attempt srun --overlap --nodes={n_trainer_nodes} --ntasks-per-node=1 --nodelist="$TRAINER_NODES" \\',
+        f'    {trainer} "${{OVERRIDES[@]}}" && {{ status=0; break; }}',
+        '  status=$?; echo "trainer attempt $attempt failed with $status"',
+        "done",
+        "exit $status",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def submit(plan: LaunchPlan, dry_run: bool = False) -> str:
+    """Write the job script and submit it; returns sbatch's answer (or the script, when dry)."""
+    script = sbatch_script(plan)
+    if dry_run:
+        return script
+    path = os.path.join(plan.output_dir, "slurm", "job.sh")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(plan.log_dir, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(script)
+    return subprocess.run(["sbatch", path], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Submit a training script as a Slurm job.")
+    parser.add_argument("script")
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--dry-run", action="store_true", help="print the job script instead of submitting it")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args(argv)
+    print(submit(read_plan(args.script, args.config, args.overrides), dry_run=args.dry_run))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
