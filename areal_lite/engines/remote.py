@@ -1,0 +1,383 @@
+"""The client of a fleet of SGLang-protocol servers (real SGLang on GPU nodes, or ours on CPU).
+
+Generation: one async HTTP request per `agenerate` call (PROTOCOL.md, ``/generate`` with
+``input_ids``), over pooled connections (one aiohttp session per event loop, since a session must
+not cross loops). A request whose rid was seen before goes to the same server; others go to the
+server with the fewest requests in flight. A generation that comes back aborted (the servers
+paused for a weight update) is resubmitted as prompt + generated tokens with the remaining token
+budget, keeping every token's log-probability and version. When a server fails (connection
+error, timeout, 5xx) the request is resent from its last known state to another server, so a
+server dying loses no request and returns none twice.
+
+Control: pause / resume, weight updates (disk or distributed) and version updates fan out to every
+server from a private event loop in a background thread; weight updates pause generation around
+them unless the caller already did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from areal_lite.api.config import InferenceEngineConfig
+from areal_lite.api.engine import AcceptFn, InferenceEngine
+from areal_lite.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+    from areal_lite.api.workflow import RolloutWorkflow
+
+logger = logging.getLogger(__name__)
+
+DOWN_SECONDS = 5.0
+"""A server that failed a request gets no new requests for this long (unless all are down)."""
+STICKY_RIDS = 100_000
+"""How many rid -> server assignments are remembered."""
+
+
+class ServerError(RuntimeError):
+    """A server answered with an error status."""
+
+    def __init__(self, address: str, status: int, message: str) -> None:
+        super().__init__(f"{address} answered {status}: {message}")
+        self.status = status
+
+
+def _parse_version(value: object, fallback: int) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        return fallback
+
+
+class RemoteSGLangEngine(InferenceEngine):
+    """`InferenceEngine` over HTTP servers listed in ``config.addresses`` (``host:port``)."""
+
+    def __init__(self, config: InferenceEngineConfig) -> None:
+        if not config.addresses:
+            raise ValueError("RemoteSGLangEngine needs at least one server address (config.addresses)")
+        self.config = config
+        self.addresses = [a if a.startswith("http") else f"http://{a}" for a in config.addresses]
+        self.executor = None
+        self._version = 0
+        self._paused = False
+        self._lock = threading.Lock()
+        self._inflight = [0] * len(self.addresses)
+        self._down_until = [0.0] * len(self.addresses)
+        self._sticky: OrderedDict[str, int] = OrderedDict()
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self._admin_loop: asyncio.AbstractEventLoop | None = None
+        self._admin_thread: threading.Thread | None = None
+
+    # ----- lifecycle -----------------------------------------------------------------------
+
+    def initialize(self) -> None:
+        """Start the control loop, wait until every server is healthy, start the executor."""
+        self.start_control()
+        self.wait_healthy()
+        from areal_lite.core.executor import WorkflowExecutor
+
+        self.executor = WorkflowExecutor(self.config, self)
+        self.executor.initialize()
+
+    def start_control(self) -> None:
+        """Start the background event loop that runs control calls (no executor)."""
+        if self._admin_loop is not None:
+            return
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            loop.run_forever()
+
+        self._admin_thread = threading.Thread(target=run, name="remote-engine-control", daemon=True)
+        self._admin_thread.start()
+        ready.wait()
+        self._admin_loop = loop
+
+    def wait_healthy(self) -> None:
+        """Block until every server answers ``/health`` with 200 (``config.setup_timeout``)."""
+        self._control(self._await_healthy()).result()
+
+    def destroy(self) -> None:
+        if self.executor is not None:
+            self.executor.destroy()
+            self.executor = None
+        for loop, session in list(self._sessions.items()):
+            if loop.is_running() and not loop.is_closed():
+                asyncio.run_coroutine_threadsafe(session.close(), loop)
+        self._sessions.clear()
+        if self._admin_loop is not None:
+            self._admin_loop.call_soon_threadsafe(self._admin_loop.stop)
+            if self._admin_thread is not None:
+                self._admin_thread.join()
+            self._admin_loop.close()
+            self._admin_loop = None
+
+    # ----- HTTP ----------------------------------------------------------------------------
+
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        session = self._sessions.get(loop)
+        if session is None or session.closed:
+            headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
+            # limit=0: the executor's admission already bounds concurrency; the pool reuses sockets.
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
+            self._sessions[loop] = session
+        return session
+
+    async def _request(self, idx: int, path: str, payload: dict[str, object] | None, timeout: float, method: str = "POST") -> object:
+        """One call to server ``idx``; returns the decoded JSON body (or text). Raises ServerError
+        for a non-200 answer and aiohttp / timeout errors for transport failures."""
+        url = self.addresses[idx] + path
+        async with self._session().request(method, url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.content_type == "application/json":
+                body: object = await resp.json()
+            else:
+                body = await resp.text()
+            if resp.status != 200:
+                message = body.get("error", {}).get("message", body.get("message")) if isinstance(body, dict) else body
+                raise ServerError(self.addresses[idx], resp.status, str(message))
+            return body
+
+    async def _fanout(self, path: str, payloads: list[dict[str, object]] | dict[str, object], timeout: float | None = None) -> list[object]:
+        """Send one call to every server concurrently (``payloads`` per server, or one for all)."""
+        timeout = timeout if timeout is not None else self.config.request_timeout
+        each = payloads if isinstance(payloads, list) else [payloads] * len(self.addresses)
+        return await asyncio.gather(*[self._request(i, path, p, timeout) for i, p in enumerate(each)])
+
+    def _control(self, coro: Coroutine[object, object, object]) -> Future:
+        """Run ``coro`` on the control loop; the returned future completes with its result."""
+        if self._admin_loop is None:
+            self.start_control()
+        assert self._admin_loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._admin_loop)
+
+    async def _await_healthy(self) -> None:
+        deadline = time.monotonic() + self.config.setup_timeout
+        for i, address in enumerate(self.addresses):
+            while True:
+                try:
+                    await self._request(i, "/health", None, timeout=5.0, method="GET")
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError, ServerError) as e:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"server {address} not healthy after {self.config.setup_timeout}s: {e}") from e
+                    await asyncio.sleep(0.5)
+
+    # ----- routing -------------------------------------------------------------------------
+
+    def _choose(self, rid: str, exclude: set[int]) -> int:
+        with self._lock:
+            now = time.monotonic()
+            up = [i for i in range(len(self.addresses)) if self._down_until[i] <= now and i not in exclude]
+            sticky = self._sticky.get(rid)
+            if sticky is not None and sticky in up:
+                self._sticky.move_to_end(rid)
+                idx = sticky
+            else:
+                candidates = up or [i for i in range(len(self.addresses)) if i not in exclude] or list(range(len(self.addresses)))
+                idx = min(candidates, key=lambda i: (self._inflight[i], self._down_until[i]))
+                self._sticky[rid] = idx
+                if len(self._sticky) > STICKY_RIDS:
+                    self._sticky.popitem(last=False)
+            self._inflight[idx] += 1
+            return idx
+
+    def _release(self, idx: int, failed: bool) -> None:
+        with self._lock:
+            self._inflight[idx] -= 1
+            if failed:
+                self._down_until[idx] = time.monotonic() + DOWN_SECONDS
+
+    # ----- generation ----------------------------------------------------------------------
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        g = req.gconfig
+        t0 = time.monotonic()
+        out_ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        ttft = 0.0
+        failures = 0
+        failed_on: set[int] = set()
+        while True:
+            remaining = g.max_new_tokens - len(out_ids)
+            if remaining <= 0:
+                stop_reason = "length"
+                break
+            params = g.to_sglang()
+            params["max_new_tokens"] = remaining
+            params["min_new_tokens"] = max(0, g.min_new_tokens - len(out_ids))
+            payload = {"input_ids": list(req.input_ids) + out_ids, "sampling_params": params, "return_logprob": True, "rid": req.rid}
+            idx = self._choose(req.rid, failed_on)
+            try:
+                data = await self._request(idx, "/generate", payload, self.config.request_timeout)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ServerError) as e:
+                if isinstance(e, ServerError) and e.status < 500:
+                    self._release(idx, failed=False)
+                    raise
+                self._release(idx, failed=True)
+                failures += 1
+                failed_on.add(idx)
+                if len(failed_on) == len(self.addresses):
+                    failed_on.clear()
+                logger.warning("generation on %s failed (%s); retrying elsewhere", self.addresses[idx], e)
+                if failures >= self.config.request_retries:
+                    raise RuntimeError(f"request {req.rid} failed {failures} times; last error: {e}") from e
+                continue
+            self._release(idx, failed=False)
+            assert isinstance(data, dict)
+            meta = data["meta_info"]
+            new_ids = list(data["output_ids"])
+            if new_ids and not out_ids:
+                ttft = time.monotonic() - t0
+            out_ids += new_ids
+            logprobs += [float(x[0]) for x in meta["output_token_logprobs"]]
+            server_versions = meta.get("output_token_versions")
+            if server_versions is None or len(server_versions) != len(new_ids):
+                server_versions = [_parse_version(meta.get("weight_version"), self._version)] * len(new_ids)
+            versions += [int(v) for v in server_versions]
+            reason = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
+            if reason != "abort":
+                stop_reason = reason
+                break
+            # Aborted by a pause for a weight update: resume as prompt + generated.
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=out_ids,
+            output_logprobs=logprobs,
+            output_versions=versions,
+            stop_reason=stop_reason,  # type: ignore[arg-type]
+            latency=time.monotonic() - t0,
+            ttft=ttft,
+            rid=req.rid,
+        )
+
+    # ----- weights and versions ------------------------------------------------------------
+
+    def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]:
+        """Every server joins ``meta``'s group: server i as rank 1 + i of 1 + n_servers."""
+        meta.world_size = 1 + len(self.addresses)
+        payloads = [
+            {
+                "master_address": meta.master_address,
+                "master_port": meta.master_port,
+                "rank_offset": 1 + i,
+                "world_size": meta.world_size,
+                "group_name": meta.group_name,
+                "backend": meta.backend,
+            }
+            for i in range(len(self.addresses))
+        ]
+        return self._control(self._fanout_checked("/init_weights_update_group", payloads))
+
+    def destroy_weights_update_group(self, meta: WeightUpdateMeta) -> None:
+        self._control(self._fanout_checked("/destroy_weights_update_group", {"group_name": meta.group_name})).result()
+
+    async def _fanout_checked(self, path: str, payloads: list[dict[str, object]] | dict[str, object]) -> None:
+        for address, body in zip(self.addresses, await self._fanout(path, payloads)):
+            if isinstance(body, dict) and body.get("success") is False:
+                raise RuntimeError(f"{path} failed on {address}: {body.get('message')}")
+
+    def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
+        if meta.type == "in_process":
+            raise ValueError("remote servers cannot take in_process weight updates: use disk or distributed")
+        return self._control(self._update_weights(meta))
+
+    async def _update_weights(self, meta: WeightUpdateMeta) -> None:
+        pause_here = not self._paused
+        if pause_here:
+            await self._fanout("/pause_generation", {"mode": self.config.pause_mode})
+        try:
+            version = str(meta.version) if meta.version is not None else None
+            if meta.type == "disk":
+                await self._fanout_checked(
+                    "/update_weights_from_disk",
+                    {"model_path": meta.path, "weight_version": version, "abort_all_requests": False, "flush_cache": True},
+                )
+            else:
+                session = await self._optional_fanout("/begin_weight_update", {"selector": "all"})
+                await self._fanout_checked(
+                    "/update_weights_from_distributed",
+                    {
+                        "names": [s.name for s in meta.param_specs],
+                        "dtypes": [s.dtype for s in meta.param_specs],
+                        "shapes": [list(s.shape) for s in meta.param_specs],
+                        "group_name": meta.group_name,
+                        "weight_version": version,
+                        "flush_cache": True,
+                        "abort_all_requests": False,
+                    },
+                )
+                if session:
+                    await self._fanout("/end_weight_update", {})
+            if meta.version is not None:
+                self._version = meta.version
+        finally:
+            if pause_here:
+                await self._fanout("/continue_generation", {})
+
+    async def _optional_fanout(self, path: str, payload: dict[str, object]) -> bool:
+        """Call an endpoint that older SGLang versions lack; False when a server answers 404."""
+        try:
+            await self._fanout(path, payload)
+            return True
+        except ServerError as e:
+            if e.status == 404:
+                return False
+            raise
+
+    def set_version(self, version: int) -> None:
+        """Tag tokens generated from now on with ``version`` (on every server too)."""
+        self._version = version
+        self._control(self._fanout("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})).result()
+
+    def get_version(self) -> int:
+        return self._version
+
+    # ----- rollout orchestration -----------------------------------------------------------
+
+    def pause(self) -> None:
+        """Stop admitting rollouts and pause every server (running generations are aborted and
+        resumed later, or frozen, per ``config.pause_mode``)."""
+        if self.executor is not None:
+            self.executor.pause()
+        self._control(self._fanout("/pause_generation", {"mode": self.config.pause_mode})).result()
+        self._paused = True
+
+    def resume(self) -> None:
+        self._control(self._fanout("/continue_generation", {})).result()
+        self._paused = False
+        if self.executor is not None:
+            self.executor.resume()
+
+    def _executor(self):
+        if self.executor is None:
+            raise RuntimeError("call initialize() before submitting rollouts")
+        return self.executor
+
+    def submit(self, data: dict[str, object], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> None:
+        self._executor().submit(data, workflow, should_accept)
+
+    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
+        return self._executor().wait(count, timeout=timeout)
+
+    def rollout_batch(
+        self, data: list[dict[str, object]], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
+    ) -> TensorDict:
+        return self._executor().rollout_batch(data, workflow, should_accept)
+
+    def prepare_batch(self, dataloader: object, workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> TensorDict:
+        return self._executor().prepare_batch(dataloader, workflow, should_accept)

@@ -1,0 +1,317 @@
+"""The embedded engine: log-probabilities equal a HF forward, sampling parameters are honoured,
+continuous batching lets short requests leave early, weight updates (in-process, disk, broadcast)
+land between steps with every token tagged by the version that produced it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from areal_lite.api.config import LocalEngineConfig
+from areal_lite.api.io import GenerationConfig, ModelRequest, ParamSpec, WeightUpdateMeta
+from areal_lite.engines.local import LocalInferenceEngine, SamplingParams
+from areal_lite.utils.distributed import find_free_port, init_custom_process_group
+from areal_lite.utils.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "qwen2"), hidden_size=64, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def hf(model_path: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_path).eval()
+
+
+def make_engine(path: str, **kw: object) -> LocalInferenceEngine:
+    engine = LocalInferenceEngine(LocalEngineConfig(path=path, **kw))
+    engine.load_model()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: str):
+    eng = make_engine(model_path)
+    yield eng
+    eng.destroy()
+
+
+def hf_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Log-probability of each output token under a plain HF forward of prompt + output."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits.float(), dim=-1)[0, :-1]
+    return logp.gather(1, ids[0, 1:, None])[len(prompt) - 1 :, 0]
+
+
+def perturbed_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+
+
+def generate_all(engine: LocalInferenceEngine, jobs: list[tuple[list[int], SamplingParams]]):
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, sp) for p, sp in jobs])
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_logprobs_equal_hf_forward(arch: str, tmp_path) -> None:
+    path = build_tiny_model(str(tmp_path / arch), arch=arch, hidden_size=64, num_layers=2)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    eng = make_engine(path, max_running_requests=4)  # fewer slots than requests: rows get reused
+    try:
+        jobs = [([3 + i, 40 + 2 * i, 7] * (1 + i % 4), SamplingParams(max_new_tokens=4 + 5 * i, ignore_eos=True)) for i in range(7)]
+        results = generate_all(eng, jobs)
+        for (prompt, sp), r in zip(jobs, results):
+            assert len(r.output_ids) == sp.max_new_tokens and r.finish_reason == {"type": "length", "length": sp.max_new_tokens}
+            torch.testing.assert_close(torch.tensor(r.output_logprobs), hf_logprobs(model, prompt, r.output_ids), atol=1e-4, rtol=0)
+            assert r.output_versions == [0] * len(r.output_ids)
+    finally:
+        eng.destroy()
+
+
+def test_greedy_equals_hf_generate(engine: LocalInferenceEngine, hf: torch.nn.Module) -> None:
+    prompts = [[5, 9, 11, 20], [100, 3], list(range(30, 60))]
+    results = generate_all(engine, [(p, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)) for p in prompts])
+    for p, r in zip(prompts, results):
+        expected = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, len(p) :]
+        assert r.output_ids == expected.tolist()
+
+
+def test_prompt_logprobs_equal_hf_forward(engine: LocalInferenceEngine, hf: torch.nn.Module) -> None:
+    prompt = [7, 8, 9, 10, 200, 31]
+
+    async def run():
+        return await engine.generate(prompt, SamplingParams(max_new_tokens=0), return_input_logprobs=True)
+
+    r = asyncio.run(run())
+    assert r.output_ids == [] and r.input_logprobs[0] is None
+    expected = hf_logprobs(hf, prompt[:1], prompt[1:])
+    torch.testing.assert_close(torch.tensor(r.input_logprobs[1:]), expected, atol=1e-4, rtol=0)
+
+
+def test_sampling_parameters(engine: LocalInferenceEngine, model_path: str) -> None:
+    prompt = [5, 9, 11, 20]
+    greedy = generate_all(engine, [(prompt, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))])[0].output_ids
+    stop_at = 3
+    stop_tok = greedy[stop_at]
+    first = greedy.index(stop_tok)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    text = tok.decode(greedy)
+    stop_str = text[len(tok.decode(greedy[:5])) :][:2]
+    assert stop_str
+    jobs = [
+        (prompt, SamplingParams(max_new_tokens=12, temperature=1.0, top_k=1, ignore_eos=True)),
+        (prompt, SamplingParams(max_new_tokens=12, temperature=0.7, top_p=1e-6, ignore_eos=True)),
+        (prompt, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop_tok], ignore_eos=True)),
+        (prompt, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop_tok], min_new_tokens=first + 2, ignore_eos=True)),
+        (prompt, SamplingParams(max_new_tokens=12, temperature=0.0, stop=[stop_str], ignore_eos=True)),
+        (prompt, SamplingParams(max_new_tokens=5, temperature=1.3, top_k=20, top_p=0.9, ignore_eos=True)),
+    ]
+    top_k1, top_p0, stop_id, min_new, stop_s, mixed = generate_all(engine, jobs)
+    assert top_k1.output_ids == greedy and top_p0.output_ids == greedy
+    assert stop_id.output_ids == greedy[: first + 1] and stop_id.finish_reason == {"type": "stop", "matched": stop_tok}
+    # min_new_tokens suppresses the stop token, so the output leaves the greedy path at the stop point
+    assert stop_tok not in min_new.output_ids[: first + 2] and len(min_new.output_ids) >= first + 2
+    assert stop_s.finish_reason == {"type": "stop", "matched": stop_str}
+    assert stop_str in tok.decode(stop_s.output_ids) and stop_str not in tok.decode(stop_s.output_ids[:-1])
+    assert len(mixed.output_ids) == 5
+
+
+def test_top_k_keeps_only_k_tokens(engine: LocalInferenceEngine, hf: torch.nn.Module) -> None:
+    prompt = [5, 9, 11, 20]
+    with torch.no_grad():
+        top3 = set(hf(torch.tensor([prompt])).logits[0, -1].topk(3).indices.tolist())
+    results = generate_all(engine, [(prompt, SamplingParams(max_new_tokens=1, temperature=5.0, top_k=3)) for _ in range(40)])
+    firsts = {r.output_ids[0] for r in results}
+    assert firsts <= top3 and len(firsts) > 1
+
+
+def test_eos_stops_unless_ignored(tmp_path) -> None:
+    path = build_tiny_model(str(tmp_path / "m"), hidden_size=64, num_layers=2)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    greedy = model.generate(torch.tensor([[5, 6]]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, 2:].tolist()
+    eos = greedy[2]  # declare a token the model produces early to be its eos
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(path)
+    eng = make_engine(path)
+    try:
+        stopped, ignored = generate_all(
+            eng,
+            [
+                ([5, 6], SamplingParams(max_new_tokens=12, temperature=0.0)),
+                ([5, 6], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)),
+            ],
+        )
+        assert stopped.output_ids == greedy[: greedy.index(eos) + 1]
+        assert stopped.finish_reason == {"type": "stop", "matched": eos}
+        assert ignored.output_ids == greedy
+    finally:
+        eng.destroy()
+
+
+def test_short_requests_leave_before_the_long_one(engine: LocalInferenceEngine) -> None:
+    async def run() -> tuple[bool, int]:
+        long = asyncio.ensure_future(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=300, ignore_eos=True)))
+        shorts = await asyncio.gather(*[engine.generate([4 + i], SamplingParams(max_new_tokens=4, ignore_eos=True)) for i in range(6)])
+        long_running = not long.done()
+        r = await long
+        return long_running and all(len(s.output_ids) == 4 for s in shorts), len(r.output_ids)
+
+    ok, n = asyncio.run(run())
+    assert ok and n == 300
+
+
+def test_agenerate_from_many_event_loops(engine: LocalInferenceEngine) -> None:
+    def in_thread(i: int) -> int:
+        req = ModelRequest(input_ids=[3, 4, 5 + i], gconfig=GenerationConfig(max_new_tokens=6, ignore_eos=True))
+        resp = asyncio.run(engine.agenerate(req))
+        assert resp.stop_reason == "length" and len(resp.output_logprobs) == 6 and resp.rid == req.rid
+        return resp.output_len
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(in_thread, range(8))) == [6] * 8
+
+
+async def _wait_tokens(engine: LocalInferenceEngine, rid: str, n: int) -> None:
+    while (engine.generated_tokens(rid) or 0) < n:
+        await asyncio.sleep(0.005)
+
+
+def test_in_process_update_mid_generation_tags_both_versions(model_path: str, hf: torch.nn.Module) -> None:
+    eng = make_engine(model_path)
+    new_state = perturbed_state(hf, seed=1)
+    new_model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    new_model.load_state_dict(new_state)
+    try:
+
+        async def run():
+            task = asyncio.ensure_future(eng.generate([1, 2, 3], SamplingParams(max_new_tokens=120, ignore_eos=True), rid="long"))
+            await _wait_tokens(eng, "long", 5)
+            meta = WeightUpdateMeta(type="in_process", named_tensors=new_state, version=1)
+            await asyncio.wrap_future(eng.update_weights(meta))
+            return await task
+
+        r = asyncio.run(run())
+        switch = r.output_versions.index(1)
+        assert 5 <= switch < 120 and r.output_versions == [0] * switch + [1] * (120 - switch)
+        old = hf_logprobs(hf, [1, 2, 3], r.output_ids)
+        new = hf_logprobs(new_model, [1, 2, 3], r.output_ids)
+        lp = torch.tensor(r.output_logprobs)
+        torch.testing.assert_close(lp[:switch], old[:switch], atol=1e-4, rtol=0)
+        torch.testing.assert_close(lp[switch:], new[switch:], atol=1e-4, rtol=0)
+        assert eng.get_version() == 1
+    finally:
+        eng.destroy()
+
+
+def test_disk_and_broadcast_updates(model_path: str, hf: torch.nn.Module, tmp_path) -> None:
+    eng = make_engine(model_path)
+    prompt = [9, 8, 7, 6]
+    try:
+        disk_model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        disk_model.load_state_dict(perturbed_state(hf, seed=2))
+        disk_model.save_pretrained(str(tmp_path / "v1"))
+        eng.update_weights(WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"), version=1)).result()
+        r = generate_all(eng, [(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True))])[0]
+        assert r.output_versions == [1] * 10
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), hf_logprobs(disk_model, prompt, r.output_ids), atol=1e-4, rtol=0)
+
+        bcast_state = perturbed_state(hf, seed=3)
+        meta = WeightUpdateMeta(type="distributed", master_port=find_free_port(), version=2)
+        joined = eng.init_weights_update_group(meta)
+        assert meta.world_size == 2
+        group = init_custom_process_group("gloo", meta.master_address, meta.master_port, 0, meta.world_size, meta.group_name, timeout=60)
+        joined.result(timeout=60)
+        names = list(bcast_state)
+        for chunk in (names[: len(names) // 2], names[len(names) // 2 :]):
+            specs = [ParamSpec(n, tuple(bcast_state[n].shape), "float32") for n in chunk]
+            fut = eng.update_weights(WeightUpdateMeta(**{**meta.to_json(), "param_specs": specs}))
+            for n in chunk:
+                group.broadcast(bcast_state[n].clone())
+            fut.result(timeout=60)
+        bcast_model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        bcast_model.load_state_dict(bcast_state)
+        r = generate_all(eng, [(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True))])[0]
+        assert r.output_versions == [2] * 10
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), hf_logprobs(bcast_model, prompt, r.output_ids), atol=1e-4, rtol=0)
+    finally:
+        eng.destroy()
+
+
+def test_pause_holds_requests_and_abort_returns_partial_output(model_path: str, hf: torch.nn.Module) -> None:
+    eng = make_engine(model_path)
+    try:
+
+        async def run():
+            eng.pause_generation("in_place")
+            held = asyncio.ensure_future(eng.generate([1, 2], SamplingParams(max_new_tokens=3, ignore_eos=True), rid="held"))
+            await asyncio.sleep(0)
+            # A command runs while paused (the scheduler is alive), yet the request was not admitted.
+            await asyncio.wrap_future(eng.update_weights(WeightUpdateMeta(type="in_process", named_tensors={}, version=None)))
+            assert eng.generated_tokens("held") is None and not held.done()
+            eng.continue_generation()
+            r_held = await held
+            long = asyncio.ensure_future(eng.generate([1, 2], SamplingParams(max_new_tokens=400, ignore_eos=True), rid="long-1"))
+            await _wait_tokens(eng, "long-1", 3)
+            eng.abort("long-")
+            return r_held, await long
+
+        held, aborted = asyncio.run(run())
+        assert len(held.output_ids) == 3
+        assert aborted.finish_reason["type"] == "abort" and 3 <= len(aborted.output_ids) < 400
+        assert len(aborted.output_logprobs) == len(aborted.output_versions) == len(aborted.output_ids)
+    finally:
+        eng.destroy()
+
+
+def test_pause_modes_abort_and_retract(model_path: str, hf: torch.nn.Module) -> None:
+    eng = make_engine(model_path)
+    try:
+
+        async def run():
+            a = asyncio.ensure_future(eng.generate([1, 2], SamplingParams(max_new_tokens=400, ignore_eos=True), rid="a"))
+            await _wait_tokens(eng, "a", 2)
+            await asyncio.get_running_loop().run_in_executor(None, eng.pause_generation, "abort")
+            ra = await a
+            eng.continue_generation()
+            b = asyncio.ensure_future(eng.generate([1, 2], SamplingParams(max_new_tokens=60, ignore_eos=True), rid="b"))
+            await _wait_tokens(eng, "b", 2)
+            await asyncio.get_running_loop().run_in_executor(None, eng.pause_generation, "retract")
+            assert eng.generated_tokens("b") is None  # back in the queue, cache dropped
+            eng.continue_generation()
+            return ra, await b
+
+        ra, rb = asyncio.run(run())
+        assert ra.finish_reason == {"type": "abort", "message": "paused"} and len(ra.output_ids) >= 2
+        assert len(rb.output_ids) == 60
+        # Re-prefilled after the retract: every token still scores as under the one policy.
+        torch.testing.assert_close(torch.tensor(rb.output_logprobs), hf_logprobs(hf, [1, 2], rb.output_ids), atol=1e-4, rtol=0)
+    finally:
+        eng.destroy()
+
+
+def test_bad_requests_raise(engine: LocalInferenceEngine) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        engine.validate_request([], SamplingParams())
+    with pytest.raises(ValueError, match="context length"):
+        engine.validate_request([1] * engine.context_len, SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        engine.validate_request([10**6], SamplingParams())
+    for bad in (dict(max_new_tokens=-1), dict(top_p=0.0), dict(top_k=0), dict(temperature=-1.0), dict(min_new_tokens=-2)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="unknown parameter"):
+        engine.update_weights(WeightUpdateMeta(type="in_process", named_tensors={"nope": torch.zeros(1)})).result()
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights(WeightUpdateMeta(type="in_process", named_tensors={"lm_head.weight": torch.zeros(1)})).result()
+    r = generate_all(engine, [([1, 2], SamplingParams(max_new_tokens=2))])[0]  # still serving
+    assert len(r.output_ids) <= 2 and threading.active_count() > 1
