@@ -216,7 +216,7 @@ class MegatronEngine(TrainEngine):
             return DistributedDataParallel(model.config, ddp_cfg, model)
 
     def _build_optimizer(self, ft_spec: FinetuneSpec) -> None:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
 
         opt = self.config.optimizer
         dtype = _DTYPES[self.config.dtype]
@@ -234,19 +234,22 @@ class MegatronEngine(TrainEngine):
             use_distributed_optimizer=True,
         )
         assert self.model is not None
-        # megatron exempts biases and other 1-D parameters (norm weights) from weight decay, as
-        # FSDPEngine does.
+        # megatron's standard overrides give biases and other 1-D parameters (norm weights)
+        # wd_mult=0, as FSDPEngine exempts them; `_set_lr` applies wd_mult, which megatron leaves
+        # to its own scheduler.
         with cpu_compat():
-            self.optimizer = get_megatron_optimizer(ocfg, [self.model])
+            self.optimizer = get_megatron_optimizer(ocfg, [self.model], config_overrides=get_standard_config_overrides(ocfg))
         total = ft_spec.total_train_steps
         self.lr_factor = lr_multiplier(opt.lr_scheduler_type, total, int(opt.warmup_steps_proportion * total), opt.min_lr_ratio)
         self._set_lr()
 
     def _set_lr(self) -> None:
         assert self.optimizer is not None and self.lr_factor is not None
-        lr = self.config.optimizer.lr * self.lr_factor(self._lr_step)
+        opt = self.config.optimizer
+        lr = opt.lr * self.lr_factor(self._lr_step)
         for group in self.optimizer.param_groups:  # type: ignore[attr-defined]
             group["lr"] = lr
+            group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
 
     def destroy(self) -> None:
         from megatron.core import parallel_state as ps
@@ -331,8 +334,11 @@ class MegatronEngine(TrainEngine):
         """Token-aligned log-probabilities and entropies ``[T]`` of one micro-batch."""
         ids = padded["input_ids"].to(self.device)
         mask = padded["attention_mask"].to(self.device).bool()
-        pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        hidden = self._module()(ids, pos, None)  # [s, b, h]
+        s = ids.shape[1]
+        pos = torch.arange(s, device=self.device).expand_as(ids)
+        # True = masked; given explicitly because megatron's default causal mask is CUDA-only
+        causal = torch.ones(s, s, dtype=torch.bool, device=self.device).triu(1)[None, None]
+        hidden = self._module()(ids, pos, causal)  # [s, b, h]
         hidden = hidden.transpose(0, 1)[mask]  # [T, h], pack_batch's order
         packed_ids = packed["input_ids"]
         cu = packed["cu_seqlens"]
@@ -489,7 +495,8 @@ class MegatronEngine(TrainEngine):
                 shards = [torch.empty_like(local) for _ in range(tp)]
                 dist.all_gather(shards, local.contiguous(), group=group)
             for hf_name, t in mcore_to_hf(name, shards, self.arch):
-                yield hf_name, t.to(dtype)
+                # a copy: replicated parameters are views into megatron's live parameter buffer
+                yield hf_name, t.to(dtype=dtype, copy=True)
 
     def _save_hf(self, path: str, tokenizer: object | None) -> None:
         from huggingface_hub import save_torch_state_dict

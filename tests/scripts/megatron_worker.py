@@ -1,0 +1,195 @@
+"""MegatronEngine against FSDPEngine on one tiny model and batch, under torchrun with 2 gloo ranks.
+
+Usage: ``torchrun --nproc-per-node 2 megatron_worker.py MODEL_DIR OUT_DIR``.
+
+The same process runs, one after the other: FSDPEngine (2 data-parallel ranks, 1 micro-batch),
+MegatronEngine with TP=2 (2 micro-batches) and MegatronEngine with TP=1 x DP=2 (a token budget
+and activation recomputation). Each forwards the whole batch, takes one `train_batch` on its
+data-parallel share and saves HF weights; rank 0 writes ``OUT_DIR/<run>.pt`` (log-probs,
+entropies, stats) and ``OUT_DIR/<run>_hf`` for tests/test_megatron.py to compare. The TP=2 run
+also sends weights of all three kinds to a receiver, skips a non-finite step, and resumes from a
+``dcp`` checkpoint (results in ``OUT_DIR/checks.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from transformers import AutoModelForCausalLM
+
+from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
+from areal_lite.api.engine import PackedBatch, TrainEngine
+from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta, WeightUpdateMeta
+from areal_lite.engines import make_train_engine
+from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
+
+MODEL, OUT = sys.argv[1], sys.argv[2]
+FT = FinetuneSpec(total_train_epochs=1, dataset_size=80, train_batch_size=8)
+
+
+def make_batch(seed: int, n: int = 8, max_len: int = 24) -> TensorDict:
+    """A fixed batch with long-tailed lengths; the first third of each sequence is the prompt."""
+    g = torch.Generator().manual_seed(seed)
+    lens = (torch.rand(n, generator=g) ** 3 * (max_len - 3)).long() + 3
+    ar = torch.arange(max_len).unsqueeze(0)
+    am = ar < lens.unsqueeze(1)
+    ids = torch.randint(1, 250, (n, max_len), generator=g) * am
+    loss_mask = (ar >= (lens // 3).unsqueeze(1)) & am
+    return TensorDict({"input_ids": ids, "attention_mask": am, "loss_mask": loss_mask.int()}, batch_size=[n])
+
+
+def nll(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    m = mb["loss_mask"].float()  # type: ignore[union-attr]
+    return -(out * m).sum() / m.sum(), {"entropy": (ent * m).sum() / m.sum()}
+
+
+def nan_loss(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return out.sum() * float("nan"), {}
+
+
+def n_tokens(mb: PackedBatch) -> float:
+    return float(mb["loss_mask"].sum())  # type: ignore[union-attr]
+
+
+def config(backend: str, **kw: object) -> TrainEngineConfig:
+    # eps=1 makes Adam's first step lr * g / (|g| + 1), continuous in the gradient: float noise
+    # from a different reduction order cannot flip the sign of an update (FINDINGS.md); lr=1
+    # makes the updates large enough (~1e-2) for a 1e-5 comparison to mean something.
+    opt = OptimizerConfig(lr=1.0, eps=1.0, weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps_proportion=0.2)
+    return TrainEngineConfig(path=MODEL, backend=backend, optimizer=opt, logits_chunk_size=7, **kw)  # type: ignore[arg-type]
+
+
+def my_share(batch: TensorDict, e: TrainEngine) -> TensorDict:
+    return batch[e.data_parallel_rank :: e.data_parallel_world_size]
+
+
+class Receiver:
+    """The receiving side of weight updates, applied to a HF model (duck-typed InferenceEngine)."""
+
+    def __init__(self) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(MODEL)
+        self.pool = ThreadPoolExecutor(1)
+        self.group: CustomGroup | None = None
+        self.names: set[str] = set()
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]:
+        meta.world_size = 2
+        addr, port, name = meta.master_address, meta.master_port, meta.group_name
+
+        def join() -> None:
+            self.group = init_custom_process_group("gloo", addr, port, rank=1, world_size=2, group_name=name)
+
+        return self.pool.submit(join)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
+        return self.pool.submit(self._receive, meta)
+
+    def _receive(self, meta: WeightUpdateMeta) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            if meta.type == "in_process":
+                assert meta.named_tensors is not None
+                self.names = set(meta.named_tensors)
+                for k, v in meta.named_tensors.items():
+                    params[k].copy_(v)
+            elif meta.type == "disk":
+                self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(meta.path).state_dict())
+            else:
+                assert self.group is not None
+                for spec in meta.param_specs:
+                    t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+                    self.group.broadcast(t)
+                    params[spec.name].copy_(t)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def hf_params(path: str) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+def weight_updates(e: TrainEngine, checks: dict[str, object]) -> None:
+    """All three kinds of update to a fresh receiver each; it must end up with the saved weights."""
+    rank = dist.get_rank()
+    saved = hf_params(os.path.join(OUT, "mcore_tp2_hf")) if rank == 0 else {}
+    metas = [
+        WeightUpdateMeta(type="in_process"),
+        WeightUpdateMeta(type="disk", path=os.path.join(OUT, "update_disk")),
+        WeightUpdateMeta(type="distributed", chunk_bytes=20_000),
+    ]
+    for meta in metas:
+        receiver = Receiver() if rank == 0 else None
+        e.connect_engine(receiver, meta)  # type: ignore[arg-type]
+        e.update_weights(meta)
+        if receiver is not None:
+            checks[f"update_{meta.type}_err"] = max_diff(receiver.params(), saved)
+            if meta.type == "in_process":
+                checks["update_names_match"] = receiver.names == {n for n, _ in receiver.model.named_parameters()}
+            receiver.pool.shutdown()
+
+
+def resume(e: TrainEngine, cfg: TrainEngineConfig, checks: dict[str, object]) -> None:
+    """dcp save after step 1; step 2 here and in a fresh engine loaded from it must agree."""
+    ckpt = os.path.join(OUT, "tp2_dcp")
+    e.save(SaveLoadMeta(path=ckpt, weight_format="dcp"))
+    batch = make_batch(2)
+    e.step_lr_scheduler()
+    stats = e.train_batch(my_share(batch, e), nll, n_tokens)
+    e.save(SaveLoadMeta(path=os.path.join(OUT, "tp2_step2_hf")))
+    fresh = make_train_engine(cfg)
+    fresh.initialize(FT)
+    fresh.load(SaveLoadMeta(path=ckpt, weight_format="dcp"))
+    fresh.step_lr_scheduler()
+    stats_resumed = fresh.train_batch(my_share(batch, fresh), nll, n_tokens)
+    fresh.save(SaveLoadMeta(path=os.path.join(OUT, "tp2_resumed_hf")))
+    checks["resume_stats"] = [stats, stats_resumed]
+    fresh.destroy()  # `e` created megatron's model-parallel state and tears it down
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    runs = {
+        "fsdp": config("fsdp"),
+        "mcore_tp2": config("megatron", tensor_parallel_size=2, mb_spec=MicroBatchSpec(n_mbs=2)),
+        "mcore_tp1": config("megatron", mb_spec=MicroBatchSpec(max_tokens_per_mb=40), gradient_checkpointing=True),
+    }
+    checks: dict[str, object] = {}
+    full = make_batch(0)
+    for tag, cfg in runs.items():
+        e = make_train_engine(cfg)
+        e.initialize(FT)
+        lp, ent = e.forward(full, with_entropy=True)
+        stats = e.train_batch(my_share(full, e), nll, n_tokens)
+        lp_after = e.forward(full)
+        e.save(SaveLoadMeta(path=os.path.join(OUT, f"{tag}_hf")))
+        if rank == 0:
+            torch.save({"batch": full.to_dict(), "lp": lp, "ent": ent, "stats": stats, "lp_after": lp_after, "type": type(e).__name__}, os.path.join(OUT, f"{tag}.pt"))
+        if tag == "mcore_tp2":
+            weight_updates(e, checks)
+            before = e.forward(full)
+            skipped = e.train_batch(my_share(full, e), nan_loss, n_tokens)
+            checks["nan_update_successful"] = skipped["update_successful"]
+            checks["nan_changed"] = float((e.forward(full) - before).abs().max())
+            resume(e, cfg, checks)
+        e.destroy()
+    if rank == 0:
+        with open(os.path.join(OUT, "checks.json"), "w") as f:
+            json.dump(checks, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
