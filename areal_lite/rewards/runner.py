@@ -1,0 +1,244 @@
+"""Running reward functions off the event loop with a timeout, surviving graders that misbehave.
+
+A grader is ``fn(prompt, completion, prompt_ids, completion_ids, **data) -> float`` (or a
+`CombinedGrader`, whose components are reported by name, or a coroutine function such as the LLM
+judge). `RewardRunner` awaits it in one of three ways:
+
+- ``process``: a small pool of worker processes (forkserver start: no copy of the parent's threads
+  or model; a replacement starts fast). A call that times out kills its worker and starts a new
+  one, so a grader stuck in C code (a sympy simplification) cannot leak.
+- ``thread``: a thread pool; no start-up or pickling cost, but a timed-out call can only be
+  abandoned (its thread runs on). For graders marked ``safe_in_thread`` (regular expressions).
+- ``async``: coroutine graders, awaited on the caller's event loop under ``asyncio.wait_for``.
+
+``auto`` (the default) picks ``async`` for coroutine graders, ``thread`` for graders marked
+``safe_in_thread`` and ``process`` for everything else. Whatever the mode, a grader that raises,
+times out, kills its worker or returns NaN/inf gives reward 0 for that sample, is counted in
+`stats`, and the batch goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+RunnerMode = Literal["auto", "process", "thread", "async"]
+_Outcome = tuple[str, object]
+"""``(status, value)``: status ``ok`` (value: float or dict of named floats), ``error`` (value: a
+message), ``timeout`` or ``crash``."""
+
+_MAX_LOGGED_PER_KIND = 5
+_STARTUP_TIMEOUT_S = 300.0
+"""A worker's start (imports, unpickling the grader) is not the grader's time: it gets this long."""
+
+
+def _invoke(fn: Callable[..., object], kwargs: dict[str, object]) -> float | dict[str, float]:
+    named = getattr(fn, "named_scores", None)
+    if named is not None:
+        return {k: float(v) for k, v in named(**kwargs).items()}
+    return float(fn(**kwargs))  # type: ignore[arg-type]
+
+
+def _worker_main(conn: multiprocessing.connection.Connection, fn: Callable[..., object]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    conn.send(("ready", None))
+    while True:
+        try:
+            kwargs = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            out: _Outcome = ("ok", _invoke(fn, kwargs))
+        except BaseException as e:  # noqa: BLE001 - anything a grader raises is reported, not fatal
+            out = ("error", f"{type(e).__name__}: {e}")
+        conn.send(out)
+
+
+class _Worker:
+    def __init__(self, ctx: multiprocessing.context.BaseContext, fn: Callable[..., object]) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True, name="reward-worker")
+        self.proc.start()
+        child.close()
+
+    def wait_ready(self) -> None:
+        if not self.conn.poll(_STARTUP_TIMEOUT_S):
+            self.kill()
+            raise RuntimeError(f"a reward worker did not start within {_STARTUP_TIMEOUT_S}s")
+        try:
+            self.conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"a reward worker died while starting (exit code {self.proc.exitcode})") from None
+
+    def call(self, kwargs: dict[str, object], timeout: float) -> _Outcome:
+        try:
+            self.conn.send(kwargs)
+        except (BrokenPipeError, ConnectionError, EOFError):
+            return ("crash", "worker gone before the call")
+        except Exception as e:  # noqa: BLE001 - e.g. unpicklable data; the worker is untouched
+            return ("error", f"cannot send the sample to a worker: {type(e).__name__}: {e}")
+        if not self.conn.poll(timeout):
+            return ("timeout", None)
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            return ("crash", f"worker died (exit code {self.proc.exitcode})")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+
+
+class RewardRunner:
+    """Awaitable wrapper of a grader: ``await runner(prompt, completion, prompt_ids, completion_ids, **data)``.
+
+    Args:
+        fn: the grader (picklable for ``process`` mode: a module-level function or a
+            `CombinedGrader` of them).
+        mode: ``auto``, ``process``, ``thread`` or ``async`` (see the module docstring).
+        timeout: seconds one sample may take before it scores 0.
+        num_workers: worker processes (``process``) or threads (``thread``); default
+            ``min(4, cpu count)``.
+    """
+
+    def __init__(
+        self, fn: Callable[..., object], *, mode: RunnerMode = "auto", timeout: float = 15.0, num_workers: int | None = None
+    ) -> None:
+        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        if mode == "auto":
+            mode = "async" if is_async else ("thread" if getattr(fn, "safe_in_thread", False) else "process")
+        if mode not in ("process", "thread", "async"):
+            raise ValueError(f"mode must be auto, process, thread or async, got {mode!r}")
+        if (mode == "async") != is_async:
+            raise ValueError(f"mode {mode!r} does not fit {'a coroutine' if is_async else 'a plain'} grader {fn!r}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        self.fn = fn
+        self.mode = mode
+        self.timeout = timeout
+        self.num_workers = num_workers or min(4, os.cpu_count() or 1)
+        self._threads: ThreadPoolExecutor | None = None
+        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        self._workers_started = False
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._sums: defaultdict[str, float] = defaultdict(float)
+        self._ns: Counter[str] = Counter()
+
+    async def __call__(
+        self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object
+    ) -> float:
+        kwargs = dict(data, prompt=prompt, completion=completion, prompt_ids=prompt_ids, completion_ids=completion_ids)
+        if self.mode == "async":
+            outcome = await self._call_async(kwargs)
+        else:
+            loop = asyncio.get_running_loop()
+            if self.mode == "process":
+                outcome = await loop.run_in_executor(self._pool(), self._call_in_worker, kwargs)
+            else:
+                try:
+                    value = await asyncio.wait_for(loop.run_in_executor(self._pool(), partial(_invoke, self.fn, kwargs)), self.timeout)
+                    outcome = ("ok", value)
+                except asyncio.TimeoutError:
+                    outcome = ("timeout", None)
+                except Exception as e:  # noqa: BLE001
+                    outcome = ("error", f"{type(e).__name__}: {e}")
+        return self._record(outcome)
+
+    def stats(self, reset: bool = False) -> dict[str, float]:
+        """``reward/<name>`` means (``total`` and each `CombinedGrader` component) over the samples
+        scored, and counts: ``reward/samples``, ``reward/errors``, ``reward/timeouts``,
+        ``reward/crashes``, ``reward/nonfinite``. ``reset`` starts a new window."""
+        with self._lock:
+            out = {f"reward/{k}": self._sums[k] / n for k, n in self._ns.items() if n}
+            for kind in ("samples", "errors", "timeouts", "crashes", "nonfinite"):
+                out[f"reward/{kind}"] = float(self._counts[kind])
+            if reset:
+                self._counts.clear()
+                self._sums.clear()
+                self._ns.clear()
+        return out
+
+    def close(self) -> None:
+        """Stop the worker processes and threads."""
+        with self._lock:
+            while True:
+                try:
+                    self._idle.get_nowait().kill()
+                except queue.Empty:
+                    break
+            self._workers_started = False
+            if self._threads is not None:
+                self._threads.shutdown(wait=False, cancel_futures=True)
+                self._threads = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(self.num_workers, thread_name_prefix=f"reward-{self.mode}")
+            return self._threads
+
+    def _call_in_worker(self, kwargs: dict[str, object]) -> _Outcome:
+        """Runs in one of ``num_workers`` threads, each holding at most one of as many workers."""
+        with self._lock:
+            if not self._workers_started:
+                ctx = multiprocessing.get_context("forkserver")
+                workers = [_Worker(ctx, self.fn) for _ in range(self.num_workers)]
+                for w in workers:  # they start in parallel; each waits for its imports
+                    w.wait_ready()
+                    self._idle.put(w)
+                self._workers_started = True
+        worker = self._idle.get()
+        outcome = worker.call(kwargs, self.timeout)
+        if outcome[0] in ("timeout", "crash"):
+            worker.kill()
+            worker = _Worker(multiprocessing.get_context("forkserver"), self.fn)
+            worker.wait_ready()
+        self._idle.put(worker)
+        return outcome
+
+    async def _call_async(self, kwargs: dict[str, object]) -> _Outcome:
+        try:
+            value = await asyncio.wait_for(self.fn(**kwargs), self.timeout)  # type: ignore[misc]
+            return ("ok", float(value))
+        except asyncio.TimeoutError:
+            return ("timeout", None)
+        except Exception as e:  # noqa: BLE001
+            return ("error", f"{type(e).__name__}: {e}")
+
+    def _record(self, outcome: _Outcome) -> float:
+        status, value = outcome
+        kind = {"error": "errors", "timeout": "timeouts", "crash": "crashes"}.get(status)
+        scores: dict[str, float] = {}
+        if status == "ok":
+            scores = dict(value) if isinstance(value, dict) else {"total": float(value)}  # type: ignore[arg-type]
+            if not math.isfinite(scores.get("total", math.nan)):
+                kind, scores = "nonfinite", {}
+        with self._lock:
+            self._counts["samples"] += 1
+            if kind is not None:
+                self._counts[kind] += 1
+                if self._counts[kind] <= _MAX_LOGGED_PER_KIND:
+                    logger.warning("reward grader %r: %s (%s); the sample scores 0", self.fn, kind, value)
+            for name, v in scores.items():
+                if math.isfinite(v):
+                    self._sums[name] += v
+                    self._ns[name] += 1
+        return scores.get("total", 0.0)

@@ -1,0 +1,145 @@
+"""Reward graders and the runner: math answers, formats, combinations, the LLM judge, and graders
+that raise, hang or return NaN in a batch of good ones."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from areal_lite.api.io import ModelRequest, ModelResponse
+from areal_lite.rewards import (
+    CombinedGrader,
+    LLMJudgeGrader,
+    RewardRunner,
+    boxed_format_reward,
+    math_answer_reward,
+    think_format_reward,
+)
+from areal_lite.utils.tiny import build_tokenizer
+from misbehaving_graders import misbehaving_grader
+
+
+def score_all(runner: RewardRunner, kinds: list[str]) -> list[float]:
+    async def go() -> list[float]:
+        return await asyncio.gather(*(runner("q", "c", [1], [2], kind=k) for k in kinds))
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        ("so the answer is \\boxed{1/2}", "0.5", 1.0),
+        ("\\boxed{\\frac{3}{6}}", "1/2", 1.0),
+        ("the answer is 42", "42", 1.0),
+        ("\\boxed{41}", "42", 0.0),
+        ("no idea", "42", 0.0),
+    ],
+)
+def test_math_answer_reward(completion: str, answer: str, expected: float) -> None:
+    assert math_answer_reward("q", completion, [], [], answer=answer) == expected
+
+
+def test_format_graders() -> None:
+    assert boxed_format_reward("", "x \\boxed{a{b}c}", [], []) == 1.0
+    assert boxed_format_reward("", "x boxed a", [], []) == 0.0
+    assert think_format_reward("", "<think>because</think> 42", [], []) == 1.0
+    assert think_format_reward("", "<think>a</think>", [], []) == 0.0
+    assert think_format_reward("", "42 <think>a</think> 1", [], []) == 0.0
+
+
+def test_combined_grader_weights_and_names_each_part() -> None:
+    g = CombinedGrader({"answer": (math_answer_reward, 1.0), "format": (boxed_format_reward, 0.5)})
+    assert g("q", "\\boxed{2}", [], [], answer="2") == 1.5
+    assert g.named_scores("q", "2", [], [], answer="2") == {"answer": 1.0, "format": 0.0, "total": 1.0}
+    assert not g.safe_in_thread
+    assert CombinedGrader({"f": (boxed_format_reward, 1.0)}).safe_in_thread
+
+
+def test_runner_modes_picked_automatically() -> None:
+    assert RewardRunner(boxed_format_reward).mode == "thread"
+    assert RewardRunner(math_answer_reward).mode == "process"
+    assert RewardRunner(LLMJudgeGrader(engine=None, tokenizer=None)).mode == "async"
+    with pytest.raises(ValueError):
+        RewardRunner(boxed_format_reward, mode="async")
+
+
+def test_process_runner_survives_raise_hang_nan_and_a_dead_worker() -> None:
+    """Good samples score 1; the bad ones score 0, are counted by kind, and the batch completes."""
+    runner = RewardRunner(misbehaving_grader, mode="process", timeout=2.0, num_workers=2)
+    try:
+        kinds = ["ok"] * 4 + ["raise", "hang", "nan", "exit"] + ["ok"] * 4
+        rewards = score_all(runner, kinds)
+        assert rewards == [1.0] * 4 + [0.0] * 4 + [1.0] * 4
+        s = runner.stats()
+        assert (s["reward/errors"], s["reward/timeouts"], s["reward/nonfinite"], s["reward/crashes"]) == (1, 1, 1, 1)
+        assert s["reward/samples"] == 12 and s["reward/total"] == 1.0
+        assert score_all(runner, ["ok", "ok"]) == [1.0, 1.0]  # the replaced workers serve
+    finally:
+        runner.close()
+
+
+def test_thread_runner_counts_failures_and_abandons_a_hung_call() -> None:
+    release = threading.Event()
+
+    def grader(prompt, completion, prompt_ids, completion_ids, *, kind: str) -> float:
+        if kind == "hang":
+            release.wait()
+        return misbehaving_grader(prompt, completion, prompt_ids, completion_ids, kind=kind if kind != "hang" else "ok")
+
+    runner = RewardRunner(grader, mode="thread", timeout=1.0, num_workers=4)
+    try:
+        assert score_all(runner, ["ok", "raise", "hang", "nan", "ok"]) == [1.0, 0.0, 0.0, 0.0, 1.0]
+        s = runner.stats(reset=True)
+        assert (s["reward/errors"], s["reward/timeouts"], s["reward/nonfinite"]) == (1, 1, 1)
+        assert runner.stats()["reward/samples"] == 0
+    finally:
+        release.set()
+        runner.close()
+
+
+def test_combined_grader_in_worker_processes_reports_each_component() -> None:
+    g = CombinedGrader({"answer": (math_answer_reward, 1.0), "format": (boxed_format_reward, 0.5)})
+    runner = RewardRunner(g, mode="process", timeout=20.0, num_workers=1)
+    try:
+
+        async def go() -> list[float]:
+            return await asyncio.gather(
+                runner("q", "\\boxed{2}", [], [], answer="2"), runner("q", "3", [], [], answer="2")
+            )
+
+        assert asyncio.run(go()) == [1.5, 0.0]
+        s = runner.stats()
+        assert (s["reward/answer"], s["reward/format"], s["reward/total"]) == (0.5, 0.5, 0.75)
+    finally:
+        runner.close()
+
+
+class ScriptedJudgeEngine:
+    """Answers 'yes' when the judge prompt's response contains 42, else 'no'."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+        self.prompts: list[str] = []
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        text = self.tok.decode(req.input_ids)
+        self.prompts.append(text)
+        verdict = "yes" if "Response: 42" in text else "no"
+        out = self.tok(verdict, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        return ModelResponse(req.input_ids, out, [-0.1] * len(out), [0] * len(out), "stop")
+
+
+def test_llm_judge_asks_the_engine_and_parses_the_verdict() -> None:
+    tok = build_tokenizer()
+    engine = ScriptedJudgeEngine(tok)
+    runner = RewardRunner(LLMJudgeGrader(engine, tok), timeout=10.0)
+
+    async def go() -> list[float]:
+        return await asyncio.gather(runner("What is 6*7?", "42", [], [], answer="42"), runner("What is 6*7?", "41", [], []))
+
+    assert asyncio.run(go()) == [1.0, 0.0]
+    assert "Question: What is 6*7?" in engine.prompts[0] and "Reference answer: 42" in engine.prompts[0]
+    assert engine.prompts[0].endswith("<|im_start|>assistant\n")
