@@ -12,7 +12,7 @@ raising the task reward: 128 pairs of random strings do not teach "letters".) Th
 reported for every algorithm is the mean reward of fresh samples on held-out prompts before and
 after; for DPO the training column is its preference accuracy.
 
-    .venv/bin/python benchmarks/algorithms.py [--steps 30] [--only grpo,gspo]
+    .venv/bin/python benchmarks/algorithms.py [--steps 60] [--only grpo,gspo]
 """
 
 from __future__ import annotations
@@ -31,7 +31,14 @@ from tensordict import TensorDict
 
 from areal_lite.actors import DPOActor, PPOActor, PPOCritic, ReinforceActor
 from areal_lite.api.config import DPOConfig, LocalEngineConfig, OptimizerConfig, PPOActorConfig, PPOCriticConfig
-from areal_lite.api.io import FinetuneSpec, GenerationConfig, MicroBatchSpec, ModelRequest, ModelResponse, WeightUpdateMeta
+from areal_lite.api.io import (
+    FinetuneSpec,
+    GenerationConfig,
+    MicroBatchSpec,
+    ModelRequest,
+    ModelResponse,
+    WeightUpdateMeta,
+)
 from areal_lite.engines.fsdp import FSDPEngine
 from areal_lite.engines.local import LocalInferenceEngine
 from areal_lite.utils.data import concat_padded
@@ -63,7 +70,9 @@ def sample(engine: LocalInferenceEngine, prompts: list[list[int]], n: int, greed
     g = GenerationConfig(max_new_tokens=MAX_NEW, greedy=greedy)
 
     async def run() -> list[ModelResponse]:
-        return await asyncio.gather(*[engine.agenerate(ModelRequest(input_ids=p, gconfig=g)) for p in prompts for _ in range(n)])
+        return await asyncio.gather(
+            *[engine.agenerate(ModelRequest(input_ids=p, gconfig=g)) for p in prompts for _ in range(n)]
+        )
 
     return asyncio.run(run())
 
@@ -107,19 +116,29 @@ class Run:
 
 
 def ppo_config(model_dir: str, **kw: object) -> PPOActorConfig:
-    base = dict(path=model_dir, optimizer=OptimizerConfig(lr=LR), group_size=GROUP, ppo_n_minibatches=2, behav_imp_weight_cap=5.0)
+    base = dict(
+        path=model_dir,
+        optimizer=OptimizerConfig(lr=LR),
+        group_size=GROUP,
+        ppo_n_minibatches=2,
+        behav_imp_weight_cap=5.0,
+    )
     base.update(kw)
     return PPOActorConfig(**base)  # type: ignore[arg-type]
 
 
-def run_rl(model_dir: str, task: Task, steps: int, cfg: PPOActorConfig, reinforce: bool = False, critic: bool = False) -> tuple[float, float, list[float]]:
+def run_rl(
+    model_dir: str, task: Task, steps: int, cfg: PPOActorConfig, reinforce: bool = False, critic: bool = False
+) -> tuple[float, float, list[float]]:
     run = Run(model_dir, cfg, steps, seed=1)
     value_model = None
     ref_engines: list[FSDPEngine] = []
     try:
         actor = ReinforceActor(cfg, run.engine) if reinforce else PPOActor(cfg, run.engine)
         if critic:
-            ccfg = PPOCriticConfig(path=model_dir, optimizer=OptimizerConfig(lr=LR), group_size=GROUP, ppo_n_minibatches=2)
+            ccfg = PPOCriticConfig(
+                path=model_dir, optimizer=OptimizerConfig(lr=LR), group_size=GROUP, ppo_n_minibatches=2
+            )
             critic_engine = FSDPEngine(ccfg)
             critic_engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=steps, train_batch_size=1))
             ref_engines.append(critic_engine)
@@ -184,7 +203,7 @@ def run_dpo(model_dir: str, task: Task, steps: int) -> tuple[float, float, list[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--only", default="", help="comma-separated algorithm names")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -196,12 +215,27 @@ def main() -> None:
     task = Task(tok, frozenset(tok.convert_tokens_to_ids(list("abcdefghijklmnopqrstuvwxyz"))))
 
     algos: dict[str, Callable[[], tuple[float, float, list[float]]]] = {
-        "ppo_critic": lambda: run_rl(model_dir, task, args.steps, ppo_config(model_dir, adv_estimator="gae", gae_lambda=0.95), critic=True),
+        "ppo_critic": lambda: run_rl(
+            model_dir, task, args.steps, ppo_config(model_dir, adv_estimator="gae", gae_lambda=0.95), critic=True
+        ),
         "grpo": lambda: run_rl(model_dir, task, args.steps, ppo_config(model_dir, adv_estimator="grpo")),
-        "dr_grpo": lambda: run_rl(model_dir, task, args.steps, ppo_config(model_dir, adv_estimator="dr_grpo", loss_agg="seq-mean-token-sum")),
-        "gspo": lambda: run_rl(model_dir, task, args.steps, ppo_config(model_dir, policy_loss="gspo", eps_clip=3e-4, eps_clip_higher=4e-4, loss_agg="seq-mean-token-mean")),
-        "reinforce_pp": lambda: run_rl(model_dir, task, args.steps, ppo_config(model_dir, adv_estimator="reinforce_pp"), reinforce=True),
-        "remax": lambda: run_rl(model_dir, task, args.steps, ppo_config(model_dir, adv_estimator="remax"), reinforce=True),
+        "dr_grpo": lambda: run_rl(
+            model_dir, task, args.steps, ppo_config(model_dir, adv_estimator="dr_grpo", loss_agg="seq-mean-token-sum")
+        ),
+        "gspo": lambda: run_rl(
+            model_dir,
+            task,
+            args.steps,
+            ppo_config(
+                model_dir, policy_loss="gspo", eps_clip=3e-4, eps_clip_higher=4e-4, loss_agg="seq-mean-token-mean"
+            ),
+        ),
+        "reinforce_pp": lambda: run_rl(
+            model_dir, task, args.steps, ppo_config(model_dir, adv_estimator="reinforce_pp"), reinforce=True
+        ),
+        "remax": lambda: run_rl(
+            model_dir, task, args.steps, ppo_config(model_dir, adv_estimator="remax"), reinforce=True
+        ),
         "dpo": lambda: run_dpo(model_dir, task, args.steps),
     }
     chosen = [a for a in args.only.split(",") if a] or list(algos)
@@ -214,10 +248,16 @@ def main() -> None:
     print(f"{'algorithm':<14}{'eval before':>12}{'eval after':>12}{'train first':>13}{'train last':>12}{'seconds':>9}")
     for name, before, after, first, last, secs in rows:
         print(f"{name:<14}{before:>12.3f}{after:>12.3f}{first:>13.3f}{last:>12.3f}{secs:>9.1f}")
-    print("(eval: mean reward of 4 samples on each of 32 held-out prompts; train: batch reward over the first and last"
-          " fifth of the steps, for dpo the preference accuracy on its pairs)")
+    print(
+        "(eval: mean reward of 4 samples on each of 32 held-out prompts; train: batch reward over the first and last"
+        " fifth of the steps, for dpo the preference accuracy on its pairs)"
+    )
     raised = sum(after > before for _, before, after, *_ in rows)
-    print("RESULT " + " ".join(f"{n}_before={b:.3f} {n}_after={a:.3f}" for n, b, a, *_ in rows) + f" raised={raised}/{len(rows)} steps={args.steps}")
+    print(
+        "RESULT "
+        + " ".join(f"{n}_before={b:.3f} {n}_after={a:.3f}" for n, b, a, *_ in rows)
+        + f" raised={raised}/{len(rows)} steps={args.steps}"
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ SGD_LIKE = OptimizerConfig(lr=1e3, eps=1e3, gradient_clipping=0.0)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(str(tmp_path_factory.mktemp("tiny")), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=300)
+    return build_tiny_model(
+        str(tmp_path_factory.mktemp("tiny")), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=300
+    )
 
 
 @contextmanager
@@ -36,7 +38,9 @@ def engines(*configs: TrainEngineConfig, frozen: tuple[int, ...] = ()) -> Iterat
     try:
         for i, cfg in enumerate(configs):
             e = FSDPEngine(cfg)
-            e.initialize(None if i in frozen else FinetuneSpec(total_train_epochs=1, dataset_size=100, train_batch_size=1))
+            e.initialize(
+                None if i in frozen else FinetuneSpec(total_train_epochs=1, dataset_size=100, train_batch_size=1)
+            )
             made.append(e)
         yield made
     finally:
@@ -67,7 +71,10 @@ def make_batch(n: int, seed: int = 0, vocab: int = 290, prompt: int = 3, max_gen
 
 
 def params(engine: FSDPEngine) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in engine.model.state_dict().items()}
+    return {
+        k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.detach().clone()
+        for k, v in engine.model.state_dict().items()
+    }
 
 
 def deltas(before: dict[str, torch.Tensor], engine: FSDPEngine) -> dict[str, torch.Tensor]:
@@ -86,7 +93,9 @@ def assert_same_update(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 
 def test_ppo_first_minibatch_equals_policy_gradient(model_dir):
-    cfg = PPOActorConfig(path=model_dir, optimizer=SGD_LIKE, group_size=4, adv_estimator="grpo", eps_clip=0.1, c_clip=2.0)
+    cfg = PPOActorConfig(
+        path=model_dir, optimizer=SGD_LIKE, group_size=4, adv_estimator="grpo", eps_clip=0.1, c_clip=2.0
+    )
     with engines(cfg, cfg) as (e_ppo, e_pg):
         batch = make_batch(8, seed=1)
         actor = PPOActor(cfg, e_ppo)
@@ -117,7 +126,7 @@ def test_tangent_update_equals_training_on_the_loss(model_dir):
             return ((-adv * logp + 0.5 * (logp + 3.0) ** 2) * mask).sum() / mask.sum()
 
         logp = e_tan.forward(batch).requires_grad_(True)
-        tangents, = torch.autograd.grad(my_loss(logp), logp)
+        (tangents,) = torch.autograd.grad(my_loss(logp), logp)
         before = params(e_tan)
         train_on_tangents(e_tan, batch, tangents)
 
@@ -153,8 +162,11 @@ def test_compute_advantages_follows_the_data_contract(estimator):
     rewards = batch["rewards"]
     if estimator in ("grpo", "dr_grpo", "rloo"):
         assert adv[:4].abs().max() == 0  # equal rewards: no signal
-        expected = {"grpo": F.grpo_advantages(rewards, 4), "dr_grpo": F.grpo_advantages(rewards, 4, scale_by_std=False),
-                    "rloo": F.rloo_advantages(rewards, 4)}[estimator]
+        expected = {
+            "grpo": F.grpo_advantages(rewards, 4),
+            "dr_grpo": F.grpo_advantages(rewards, 4, scale_by_std=False),
+            "rloo": F.rloo_advantages(rewards, 4),
+        }[estimator]
         for i in range(8):
             assert torch.allclose(adv[i][mask[i]], expected[i].expand(int(mask[i].sum())))
     if estimator == "remax":
@@ -180,8 +192,15 @@ def test_reward_shaping_and_truncation():
     batch = make_batch(4, seed=4, max_gen=6)
     batch["rewards"] = torch.tensor([1.0, 1.0, 1.0, 1.0])
     gen = batch["loss_mask"].sum(1)
-    cfg = PPOActorConfig(path="x", reward_bias=1.0, reward_scaling=0.5, mask_truncated=True, max_new_tokens=6,
-                         overlong_penalty_len=2, overlong_penalty_factor=1.0)
+    cfg = PPOActorConfig(
+        path="x",
+        reward_bias=1.0,
+        reward_scaling=0.5,
+        mask_truncated=True,
+        max_new_tokens=6,
+        overlong_penalty_len=2,
+        overlong_penalty_factor=1.0,
+    )
     shaped = PPOActor(cfg, NoEngine()).shaped_rewards(batch)  # type: ignore[arg-type]
     expected = (1.0 + F.overlong_penalty(gen, 6, 2) + 1.0) * 0.5
     expected[gen >= 6] = 0.0
@@ -192,8 +211,17 @@ def test_reward_shaping_and_truncation():
 
 
 def test_ppo_update_statistics_and_minibatches(model_dir):
-    cfg = PPOActorConfig(path=model_dir, optimizer=OptimizerConfig(lr=1e-2), group_size=2, ppo_n_minibatches=2,
-                         eps_clip=0.2, kl_ctl=0.1, kl_estimator="k3", entropy_coeff=0.01, behav_imp_weight_cap=1.5)
+    cfg = PPOActorConfig(
+        path=model_dir,
+        optimizer=OptimizerConfig(lr=1e-2),
+        group_size=2,
+        ppo_n_minibatches=2,
+        eps_clip=0.2,
+        kl_ctl=0.1,
+        kl_estimator="k3",
+        entropy_coeff=0.01,
+        behav_imp_weight_cap=1.5,
+    )
     with engines(cfg, cfg, frozen=(1,)) as (policy, ref):
         actor = PPOActor(cfg, policy, ref_engine=ref)
         batch = make_batch(8, seed=5)
@@ -202,9 +230,22 @@ def test_ppo_update_statistics_and_minibatches(model_dir):
         batch["prox_logp"] = actor.compute_logp(batch)
         actor.compute_advantages(batch)
         stats = actor.ppo_update(batch)
-        for key in ("loss", "clip_frac", "approx_kl", "entropy", "kl_ref", "importance_weight_mean", "importance_weight_max",
-                    "importance_weight_capped_frac", "advantage_mean", "advantage_std", "reward_mean", "reward_std",
-                    "tokens_trained", "grad_norm"):
+        for key in (
+            "loss",
+            "clip_frac",
+            "approx_kl",
+            "entropy",
+            "kl_ref",
+            "importance_weight_mean",
+            "importance_weight_max",
+            "importance_weight_capped_frac",
+            "advantage_mean",
+            "advantage_std",
+            "reward_mean",
+            "reward_std",
+            "tokens_trained",
+            "grad_norm",
+        ):
             assert key in stats, key
         assert stats["tokens_trained"] == float(batch["loss_mask"].sum())
         assert stats["importance_weight_capped_frac"] > 0
@@ -247,7 +288,9 @@ def test_reinforce_actor_raises_the_reward_of_preferred_tokens(model_dir):
 
 
 def test_dpo_actor_raises_the_preference_margin(model_dir):
-    cfg = DPOConfig(path=model_dir, optimizer=OptimizerConfig(lr=1e-2), beta=0.5, mb_spec=MicroBatchSpec(n_mbs=2, granularity=2))
+    cfg = DPOConfig(
+        path=model_dir, optimizer=OptimizerConfig(lr=1e-2), beta=0.5, mb_spec=MicroBatchSpec(n_mbs=2, granularity=2)
+    )
     with pytest.raises(ValueError, match="granularity"):
         DPOActor(DPOConfig(path=model_dir), None, None)  # type: ignore[arg-type]
     with engines(cfg, cfg, frozen=(1,)) as (policy, ref):

@@ -63,8 +63,16 @@ def assert_value_and_grad(ours_fn, ref_fn, x: torch.Tensor) -> None:
     b = x.clone().requires_grad_(True)
     ours, ref = ours_fn(a), ref_fn(b)
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
-    ga = torch.autograd.grad(ours, a, allow_unused=True, materialize_grads=True)[0] if ours.requires_grad else torch.zeros_like(a)
-    gb = torch.autograd.grad(ref, b, allow_unused=True, materialize_grads=True)[0] if ref.requires_grad else torch.zeros_like(b)
+    ga = (
+        torch.autograd.grad(ours, a, allow_unused=True, materialize_grads=True)[0]
+        if ours.requires_grad
+        else torch.zeros_like(a)
+    )
+    gb = (
+        torch.autograd.grad(ref, b, allow_unused=True, materialize_grads=True)[0]
+        if ref.requires_grad
+        else torch.zeros_like(b)
+    )
     torch.testing.assert_close(ga, gb, rtol=1e-10, atol=1e-12)
 
 
@@ -295,8 +303,16 @@ def test_ppo_policy_loss(case, agg, kw):
     def ref(logp):
         hi = kw.get("eps_clip_higher") or kw["eps_clip"]
         toks = [
-            ref_ppo_token(logp[j], b["prox"][j], b["behav"][j], b["adv"][j], kw["eps_clip"], hi, kw.get("c_clip"),
-                          kw.get("behav_imp_weight_cap"))
+            ref_ppo_token(
+                logp[j],
+                b["prox"][j],
+                b["behav"][j],
+                b["adv"][j],
+                kw["eps_clip"],
+                hi,
+                kw.get("c_clip"),
+                kw.get("behav_imp_weight_cap"),
+            )
             for j in range(logp.numel())
         ]
         return ref_aggregate(toks, b["mask"], b["cu"], agg)
@@ -321,15 +337,19 @@ def test_ppo_at_ratio_one_is_the_policy_gradient(agg):
     reduce = F.AGGREGATIONS[agg].reduce
 
     def ppo(logp):
-        return reduce(F.ppo_policy_loss(logp, b["prox"], b["prox"], b["adv"], b["mask"], b["cu"])[0], b["mask"], b["cu"])
+        return reduce(
+            F.ppo_policy_loss(logp, b["prox"], b["prox"], b["adv"], b["mask"], b["cu"])[0], b["mask"], b["cu"]
+        )
 
     def pg(logp):
-        return reduce(F.reinforce_policy_loss(logp, b["prox"], b["prox"], b["adv"], b["mask"], b["cu"])[0], b["mask"], b["cu"])
+        return reduce(
+            F.reinforce_policy_loss(logp, b["prox"], b["prox"], b["adv"], b["mask"], b["cu"])[0], b["mask"], b["cu"]
+        )
 
     x = b["prox"].clone().requires_grad_(True)
     y = b["prox"].clone().requires_grad_(True)
-    g_ppo, = torch.autograd.grad(ppo(x), x)
-    g_pg, = torch.autograd.grad(pg(y), y)
+    (g_ppo,) = torch.autograd.grad(ppo(x), x)
+    (g_pg,) = torch.autograd.grad(pg(y), y)
     torch.testing.assert_close(g_ppo, g_pg)
     assert g_ppo.abs().sum() > 0
 
@@ -345,8 +365,17 @@ def test_gspo_policy_loss(case, cap):
     eps_lo, eps_hi = 3e-3, 4e-3
 
     def ours(logp):
-        per_tok, _ = F.gspo_policy_loss(logp, b["prox"], b["behav"], adv, b["mask"], b["cu"], eps_clip=eps_lo,
-                                        eps_clip_higher=eps_hi, behav_imp_weight_cap=cap)
+        per_tok, _ = F.gspo_policy_loss(
+            logp,
+            b["prox"],
+            b["behav"],
+            adv,
+            b["mask"],
+            b["cu"],
+            eps_clip=eps_lo,
+            eps_clip_higher=eps_hi,
+            behav_imp_weight_cap=cap,
+        )
         return F.seq_mean_token_mean(per_tok, b["mask"], b["cu"])
 
     def ref(logp):
@@ -372,8 +401,9 @@ def test_reinforce_policy_loss(case):
     b = make_packed(LENS, seed=7, **case)
 
     def ours(logp):
-        per_tok, _ = F.reinforce_policy_loss(logp, b["prox"], b["behav"], b["adv"], b["mask"], b["cu"],
-                                             behav_imp_weight_cap=1.3)
+        per_tok, _ = F.reinforce_policy_loss(
+            logp, b["prox"], b["behav"], b["adv"], b["mask"], b["cu"], behav_imp_weight_cap=1.3
+        )
         return F.token_mean(per_tok, b["mask"], b["cu"])
 
     def ref(logp):

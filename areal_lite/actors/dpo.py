@@ -20,7 +20,9 @@ class DPOActor:
     """A policy trained on preference pairs; ``ref_engine`` is the frozen reference policy.
     ``loss`` replaces the configured one (signature of `functional.dpo_sigmoid_loss`)."""
 
-    def __init__(self, config: DPOConfig, engine: TrainEngine, ref_engine: TrainEngine, loss: F.PreferenceLossFn | None = None) -> None:
+    def __init__(
+        self, config: DPOConfig, engine: TrainEngine, ref_engine: TrainEngine, loss: F.PreferenceLossFn | None = None
+    ) -> None:
         if config.mb_spec.granularity % 2:
             raise ValueError("DPO needs mb_spec.granularity even, so that a pair is never cut between micro-batches")
         self.config = config
@@ -34,7 +36,9 @@ class DPOActor:
         assert isinstance(out, torch.Tensor)
         return out
 
-    def loss_fn(self, logp: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(
+        self, logp: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = mb["loss_mask"].to(logp.dtype)  # type: ignore[union-attr]
         cu = mb["cu_seqlens"]
         seq = F.seq_sum(logp * mask, cu).view(-1, 2)  # type: ignore[arg-type]

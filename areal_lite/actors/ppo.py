@@ -15,6 +15,8 @@ FSDP and Megatron. The loop it serves (DESIGN.md)::
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from tensordict import TensorDict
@@ -24,9 +26,6 @@ from areal_lite.api.config import PPOActorConfig, PPOCriticConfig
 from areal_lite.api.engine import PackedBatch, TrainEngine
 from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.utils.data import allocate_balanced, seqlens_of, unpack_sequences
-
-SEQUENCE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "remax")
-TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
 
 
 def packed_view(batch: TensorDict, key: str) -> torch.Tensor:
@@ -52,6 +51,73 @@ def mean_stats(all_stats: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(s[k] for s in all_stats if k in s) / sum(1 for s in all_stats if k in s) for k in sorted(keys)}
 
 
+class AdvantageInputs(NamedTuple):
+    """What an advantage estimator may use, packed over the batch's real tokens."""
+
+    rewards: torch.Tensor
+    """Shaped sequence rewards [B], minus the summed KL penalty when it is in the reward."""
+    token_rewards: torch.Tensor
+    """[T]: each sequence reward on its last masked token, minus the per-token KL penalty."""
+    mask: torch.Tensor
+    """[T] loss mask."""
+    cu_seqlens: torch.Tensor
+    batch: TensorDict
+    """The padded batch, for estimator-specific keys (``values``, ``baseline_rewards``)."""
+
+
+AdvantageFn = Callable[[PPOActorConfig, AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]
+"""``fn(config, inputs) -> (advantages [T], returns [T] or None)``."""
+
+
+def _per_token(seq_adv: torch.Tensor, x: AdvantageInputs) -> torch.Tensor:
+    return F.to_tokens(seq_adv, x.cu_seqlens) * x.mask
+
+
+def grpo_estimator(cfg: PPOActorConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if cfg.adv_norm_level == "none":
+        return _per_token(x.rewards, x), None
+    return _per_token(F.grpo_advantages(x.rewards, cfg.group_size, level=cfg.adv_norm_level), x), None  # type: ignore[arg-type]
+
+
+def dr_grpo_estimator(cfg: PPOActorConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    level = "group" if cfg.adv_norm_level == "none" else cfg.adv_norm_level
+    return _per_token(F.grpo_advantages(x.rewards, cfg.group_size, level=level, scale_by_std=False), x), None  # type: ignore[arg-type]
+
+
+def rloo_estimator(cfg: PPOActorConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return _per_token(F.rloo_advantages(x.rewards, cfg.group_size), x), None
+
+
+def remax_estimator(cfg: PPOActorConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if "baseline_rewards" not in x.batch.keys():
+        raise ValueError("adv_estimator=remax needs batch['baseline_rewards'] (the greedy answers' rewards)")
+    baseline = F.shape_rewards(
+        x.batch["baseline_rewards"].float(), cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip
+    )
+    return _per_token(F.remax_advantages(x.rewards, baseline), x), None
+
+
+def reinforce_pp_estimator(cfg: PPOActorConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return F.reinforce_pp_advantages(x.token_rewards, x.mask, x.cu_seqlens, cfg.discount), None
+
+
+def gae_estimator(cfg: PPOActorConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if "values" not in x.batch.keys():
+        raise ValueError("adv_estimator=gae needs batch['values'] from PPOCritic.compute_values")
+    values = packed_view(x.batch, "values")
+    return F.gae_advantages(x.token_rewards, values, x.mask, x.cu_seqlens, cfg.discount, cfg.gae_lambda)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
+    "grpo": grpo_estimator,
+    "dr_grpo": dr_grpo_estimator,
+    "rloo": rloo_estimator,
+    "remax": remax_estimator,
+    "reinforce_pp": reinforce_pp_estimator,
+    "gae": gae_estimator,
+}
+
+
 def policy_loss_from_config(cfg: PPOActorConfig) -> F.PolicyLossFn:
     """The configured policy loss with its hyper-parameters bound."""
     fn = F.pick(F.POLICY_LOSSES, cfg.policy_loss, "policy loss")
@@ -59,7 +125,10 @@ def policy_loss_from_config(cfg: PPOActorConfig) -> F.PolicyLossFn:
         return functools.partial(fn, behav_imp_weight_cap=cfg.behav_imp_weight_cap)
     if fn is F.gspo_policy_loss:
         return functools.partial(
-            fn, eps_clip=cfg.eps_clip, eps_clip_higher=cfg.eps_clip_higher, behav_imp_weight_cap=cfg.behav_imp_weight_cap
+            fn,
+            eps_clip=cfg.eps_clip,
+            eps_clip_higher=cfg.eps_clip_higher,
+            behav_imp_weight_cap=cfg.behav_imp_weight_cap,
         )
     return functools.partial(
         fn,
@@ -75,7 +144,8 @@ class PPOActor:
 
     ``ref_engine`` (a frozen engine) is needed when ``config.kl_ctl > 0``. ``policy_loss``
     replaces the configured loss: any function with the signature of
-    `areal_lite.algorithms.functional.ppo_policy_loss` (hyper-parameters bound).
+    `areal_lite.algorithms.functional.ppo_policy_loss` (hyper-parameters bound);
+    ``advantage_fn`` replaces the configured advantage estimator (an `AdvantageFn`).
     """
 
     def __init__(
@@ -84,9 +154,8 @@ class PPOActor:
         engine: TrainEngine,
         ref_engine: TrainEngine | None = None,
         policy_loss: F.PolicyLossFn | None = None,
+        advantage_fn: AdvantageFn | None = None,
     ) -> None:
-        if config.adv_estimator not in SEQUENCE_ESTIMATORS + TOKEN_ESTIMATORS:
-            raise ValueError(f"unknown adv_estimator {config.adv_estimator!r}; choose one of {', '.join(SEQUENCE_ESTIMATORS + TOKEN_ESTIMATORS)}")
         if config.adv_norm_level not in ("group", "batch", "none"):
             raise ValueError(f"adv_norm_level must be group, batch or none, got {config.adv_norm_level!r}")
         if config.kl_ctl > 0 and ref_engine is None:
@@ -95,6 +164,7 @@ class PPOActor:
         self.engine = engine
         self.ref_engine = ref_engine
         self.policy_loss = policy_loss or policy_loss_from_config(config)
+        self.advantage_fn = advantage_fn or F.pick(ADVANTAGE_ESTIMATORS, config.adv_estimator, "advantage estimator")
         self.aggregation = F.pick(F.AGGREGATIONS, config.loss_agg, "loss aggregation")
         self.kl_estimator = F.pick(F.KL_ESTIMATORS, config.kl_estimator, "KL estimator")
 
@@ -114,7 +184,9 @@ class PPOActor:
         if cfg.overlong_penalty_len > 0:
             if cfg.max_new_tokens <= 0:
                 raise ValueError("the overlong penalty needs max_new_tokens")
-            rewards = rewards + F.overlong_penalty(gen_lens, cfg.max_new_tokens, cfg.overlong_penalty_len, cfg.overlong_penalty_factor)
+            rewards = rewards + F.overlong_penalty(
+                gen_lens, cfg.max_new_tokens, cfg.overlong_penalty_len, cfg.overlong_penalty_factor
+            )
         rewards = F.shape_rewards(rewards, cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip)
         if cfg.mask_truncated:
             if "truncated" in batch.keys():
@@ -140,35 +212,24 @@ class PPOActor:
                 batch["ref_logp"] = self.ref_engine.forward(batch)
             if cfg.kl_in_reward:
                 kl = self.kl_estimator(packed_view(batch, "logprobs"), packed_view(batch, "ref_logp")) * mask
-        if cfg.adv_estimator in SEQUENCE_ESTIMATORS:
-            seq_adv = self._sequence_advantages(rewards - cfg.kl_ctl * F.seq_sum(kl, cu), batch)
-            adv = F.to_tokens(seq_adv, cu) * mask
-        else:
-            token_rewards = F.last_token_rewards(rewards, mask, cu) - cfg.kl_ctl * kl
-            if cfg.adv_estimator == "reinforce_pp":
-                adv = F.reinforce_pp_advantages(token_rewards, mask, cu, cfg.discount)
-            else:
-                if "values" not in batch.keys():
-                    raise ValueError("adv_estimator=gae needs batch['values'] from PPOCritic.compute_values")
-                adv, returns = F.gae_advantages(token_rewards, packed_view(batch, "values"), mask, cu, cfg.discount, cfg.gae_lambda)
-                batch["returns"] = unpack_sequences(returns, cu, batch["attention_mask"].shape[1])
-        batch["advantages"] = unpack_sequences(adv.float(), cu, batch["attention_mask"].shape[1])
-
-    def _sequence_advantages(self, rewards: torch.Tensor, batch: TensorDict) -> torch.Tensor:
-        cfg = self.config
-        if cfg.adv_estimator == "rloo":
-            return F.rloo_advantages(rewards, cfg.group_size)
-        if cfg.adv_estimator == "remax":
-            if "baseline_rewards" not in batch.keys():
-                raise ValueError("adv_estimator=remax needs batch['baseline_rewards'] (the greedy answers' rewards)")
-            return F.remax_advantages(rewards, F.shape_rewards(batch["baseline_rewards"].float(), cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip))
-        if cfg.adv_norm_level == "none":
-            return rewards
-        return F.grpo_advantages(rewards, cfg.group_size, level=cfg.adv_norm_level, scale_by_std=cfg.adv_estimator == "grpo")  # type: ignore[arg-type]
+        x = AdvantageInputs(
+            rewards=rewards - cfg.kl_ctl * F.seq_sum(kl, cu),
+            token_rewards=F.last_token_rewards(rewards, mask, cu) - cfg.kl_ctl * kl,
+            mask=mask,
+            cu_seqlens=cu,
+            batch=batch,
+        )
+        adv, returns = self.advantage_fn(cfg, x)
+        width = batch["attention_mask"].shape[1]
+        batch["advantages"] = unpack_sequences(adv.float(), cu, width)
+        if returns is not None:
+            batch["returns"] = unpack_sequences(returns.float(), cu, width)
 
     # ---------------------------------------------------------------- the update
 
-    def loss_fn(self, logp: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(
+        self, logp: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The per-micro-batch loss given to ``engine.train_batch``."""
         cfg = self.config
         mask, cu = mb["loss_mask"].bool(), mb["cu_seqlens"]  # type: ignore[union-attr]
@@ -205,7 +266,10 @@ class PPOActor:
         data["prox_logp"] = prox
         data["behav_logp"] = batch["logprobs"] if cfg.use_decoupled_loss else prox
         stats = mean_stats(
-            [self.engine.train_batch(mb, self.loss_fn, self.loss_weight) for mb in minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)]
+            [
+                self.engine.train_batch(mb, self.loss_fn, self.loss_weight)
+                for mb in minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)
+            ]
         )
         stats.update(self.batch_stats(data))
         return stats
@@ -260,7 +324,9 @@ class PPOCritic:
         assert isinstance(out, torch.Tensor)
         return out
 
-    def loss_fn(self, values: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(
+        self, values: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = mb["loss_mask"].bool()  # type: ignore[union-attr]
         per_token, stats = F.clipped_value_loss(values, mb["values"], mb["returns"], mask, self.config.value_eps_clip)
         out = {k: F.masked_mean(v, mask) for k, v in stats.items()}
@@ -268,15 +334,19 @@ class PPOCritic:
         out["return_mean"] = F.masked_mean(mb["returns"], mask)  # type: ignore[arg-type]
         return F.token_mean(per_token, mask, mb["cu_seqlens"]), out  # type: ignore[arg-type]
 
+    @staticmethod
+    def loss_weight(mb: PackedBatch) -> float:
+        return float(mb["loss_mask"].sum())  # type: ignore[union-attr]
+
     def ppo_update(self, batch: TensorDict) -> dict[str, float]:
         """``ppo_n_minibatches`` steps on the value loss against ``returns``, clipped around the
         rollout-time ``values``."""
         for key in ("values", "returns"):
             if key not in batch.keys():
                 raise ValueError(f"PPOCritic.ppo_update needs batch[{key!r}]")
-        weight = lambda mb: float(mb["loss_mask"].sum())  # noqa: E731
         mbs = minibatches(batch, self.config.ppo_n_minibatches, self.config.group_size)
-        return {f"critic/{k}": v for k, v in mean_stats([self.engine.train_batch(mb, self.loss_fn, weight) for mb in mbs]).items()}
+        stats = mean_stats([self.engine.train_batch(mb, self.loss_fn, self.loss_weight) for mb in mbs])
+        return {f"critic/{k}": v for k, v in stats.items()}
 
     def step_lr_scheduler(self) -> None:
         self.engine.step_lr_scheduler()

@@ -21,7 +21,9 @@ class SFTActor:
         self.engine = engine
 
     @staticmethod
-    def loss_fn(logp: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(
+        logp: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = mb["loss_mask"].bool()  # type: ignore[union-attr]
         loss = F.token_mean(F.sft_nll(logp, mask), mask, mb["cu_seqlens"])  # type: ignore[arg-type]
         return loss, {"entropy": F.masked_mean(entropy.detach(), mask)}

@@ -27,12 +27,16 @@ def train_on_tangents(engine: TrainEngine, batch: TensorDict, tangents: torch.Te
     batch's real tokens. ``tangents`` ``[B, L]`` is aligned like the log-probabilities.
     Returns the engine's statistics; ``loss`` is the surrogate ``sum_t tangents[t] logp_t``."""
     if tangents.shape != batch["attention_mask"].shape:
-        raise ValueError(f"tangents must be [B, L] = {tuple(batch['attention_mask'].shape)}, got {tuple(tangents.shape)}")
+        raise ValueError(
+            f"tangents must be [B, L] = {tuple(batch['attention_mask'].shape)}, got {tuple(tangents.shape)}"
+        )
     data = batch.clone(recurse=False)
     data["tangents"] = tangents.detach().float()
     n_tokens = float(batch["attention_mask"].sum())
 
-    def loss_fn(logp: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(
+        logp: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # The engine scales this micro-batch by (its tokens / all tokens); undo both factors so
         # that the micro-batches add up to the plain sum of tangent * logp.
         return (logp * mb["tangents"]).sum() * (n_tokens / logp.numel()), {}

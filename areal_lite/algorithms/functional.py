@@ -106,13 +106,17 @@ def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor, cu_seqlens: to
 # ---------------------------------------------------------------------------------------------
 
 
-def shape_rewards(rewards: torch.Tensor, bias: float = 0.0, scale: float = 1.0, clip: float | None = None) -> torch.Tensor:
+def shape_rewards(
+    rewards: torch.Tensor, bias: float = 0.0, scale: float = 1.0, clip: float | None = None
+) -> torch.Tensor:
     """``clip((r + bias) * scale)`` to ``[-clip, clip]`` (no clipping when ``clip`` is None)."""
     out = (rewards + bias) * scale
     return out if clip is None else out.clamp(-clip, clip)
 
 
-def overlong_penalty(gen_lens: torch.Tensor, max_new_tokens: int, penalty_len: int, factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    gen_lens: torch.Tensor, max_new_tokens: int, penalty_len: int, factor: float = 1.0
+) -> torch.Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), to be added to the rewards ``[B]``.
 
     0 up to ``max_new_tokens - penalty_len`` generated tokens, then falling linearly to
@@ -202,7 +206,9 @@ def remax_advantages(rewards: torch.Tensor, baseline_rewards: torch.Tensor) -> t
     return rewards - baseline_rewards
 
 
-def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+def discounted_returns(
+    token_rewards: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
     """Per-token returns ``G_t = r_t + gamma * G_{t+1}`` over the masked tokens of each sequence
     (unmasked tokens, such as tool output between turns, are skipped), 0 outside the mask."""
     zeros = torch.zeros_like(token_rewards)
@@ -255,7 +261,9 @@ def gae_advantages(
 # ---------------------------------------------------------------------------------------------
 
 
-def behaviour_weight(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, cap: float | None) -> torch.Tensor:
+def behaviour_weight(
+    prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, cap: float | None
+) -> torch.Tensor:
     """Decoupled PPO's behaviour importance weight ``pi_prox / pi_behav`` per token (Fu et al. 2025,
     eq. 5), 0 outside the mask and on tokens whose weight exceeds ``cap``."""
     w = torch.exp(prox_logp - behav_logp)
@@ -408,7 +416,11 @@ class Aggregation(NamedTuple):
 
 
 def clipped_value_loss(
-    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, eps_clip: float | None = 0.2
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip: float | None = 0.2,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped value loss per token (as in OpenAI baselines' PPO2 and Ouyang et al. 2022):
     ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2)``; unclipped when ``eps_clip``
@@ -439,7 +451,9 @@ def dpo_sigmoid_loss(
     DPO, Mitchell 2023: the preference label is flipped with probability ``ls``).
     """
     h = beta * ((chosen_logp - ref_chosen_logp) - (rejected_logp - ref_rejected_logp))
-    return -(1.0 - label_smoothing) * torch.nn.functional.logsigmoid(h) - label_smoothing * torch.nn.functional.logsigmoid(-h)
+    return -(1.0 - label_smoothing) * torch.nn.functional.logsigmoid(
+        h
+    ) - label_smoothing * torch.nn.functional.logsigmoid(-h)
 
 
 def ipo_loss(
