@@ -1,0 +1,142 @@
+"""MegatronEngine acceptance: the same tiny model and batch through FSDPEngine, MegatronEngine
+with TP=2, and MegatronEngine with TP=1 x DP=2, all under one torchrun launch of 2 gloo ranks
+(tests/scripts/megatron_worker.py), compared here: log-probabilities, entropies, loss and the
+parameters after one `train_batch` equal to 1e-5; the Megatron-saved HF directory loads with
+``from_pretrained`` and gives the engine's log-probabilities; weight updates of all three kinds
+deliver the same tensors; a non-finite step is skipped; a ``dcp`` checkpoint resumes exactly.
+The vocabulary (301) is odd, so TP=2 exercises the padded vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from areal_lite.api.config import TrainEngineConfig
+from areal_lite.engines import make_train_engine
+from areal_lite.utils.distributed import find_free_port
+from areal_lite.utils.tiny import build_tiny_model
+
+WORKER = Path(__file__).parent / "scripts" / "megatron_worker.py"
+RUNS = ("fsdp", "mcore_tp2", "mcore_tp1")
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = build_tiny_model(str(tmp_path_factory.mktemp("mcore_model")), hidden_size=32, num_layers=2, vocab_size=301)
+    out = tmp_path_factory.mktemp("mcore_out")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
+        str(WORKER), model, str(out),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-6000:]
+    (out / "model").write_text(model)
+    return out
+
+
+def results(out: Path) -> dict[str, dict]:
+    return {run: torch.load(out / f"{run}.pt") for run in RUNS}
+
+
+def safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_same_engine_types_as_configured(out: Path) -> None:
+    r = results(out)
+    assert [r[run]["type"] for run in RUNS] == ["FSDPEngine", "MegatronEngine", "MegatronEngine"]
+
+
+def test_logprobs_entropy_and_loss_equal_fsdp(out: Path) -> None:
+    r = results(out)
+    ref = r["fsdp"]
+    assert ref["lp"].shape == (8, 24)
+    for run in ("mcore_tp2", "mcore_tp1"):
+        assert torch.allclose(r[run]["lp"], ref["lp"], rtol=0, atol=TOL), run
+        assert torch.allclose(r[run]["ent"], ref["ent"], rtol=0, atol=TOL), run
+        assert r[run]["lp"][:, 0].abs().max() == 0
+        for key in ("loss", "entropy", "grad_norm", "lr"):
+            assert abs(r[run]["stats"][key] - ref["stats"][key]) < TOL, (run, key)
+        assert r[run]["stats"]["update_successful"] == 1.0
+
+
+def test_parameters_after_one_step_equal_fsdp(out: Path) -> None:
+    initial = safetensors_dir(Path((out / "model").read_text()))
+    ref = safetensors_dir(out / "fsdp_hf")
+    for run in ("mcore_tp2", "mcore_tp1"):
+        assert max_diff(safetensors_dir(out / f"{run}_hf"), ref) < TOL, run
+    # every tensor moved by more than the tolerance (most by far more), so the comparison has teeth
+    moved = [float((ref[k] - initial[k]).abs().max()) for k in ref]
+    assert min(moved) > TOL and max(moved) > 100 * TOL
+    r = results(out)
+    for run in ("mcore_tp2", "mcore_tp1"):
+        assert torch.allclose(r[run]["lp_after"], r["fsdp"]["lp_after"], rtol=0, atol=TOL), run
+
+
+def test_megatron_hf_checkpoint_loads_with_from_pretrained(out: Path) -> None:
+    r = results(out)["mcore_tp2"]
+    batch = r["batch"]
+    model = AutoModelForCausalLM.from_pretrained(str(out / "mcore_tp2_hf"))
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=am.long()).logits.float()
+    lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    lp = torch.cat([torch.zeros(ids.shape[0], 1), lp], 1) * am
+    assert torch.allclose(lp, r["lp_after"], rtol=0, atol=TOL)
+    assert model.config.vocab_size == 301
+
+
+def test_weight_updates_deliver_the_saved_weights(out: Path) -> None:
+    checks = json.loads((out / "checks.json").read_text())
+    assert checks["update_names_match"] is True
+    for kind in ("in_process", "disk", "distributed"):
+        assert checks[f"update_{kind}_err"] == 0.0, kind
+
+
+def test_non_finite_gradient_skips_the_step(out: Path) -> None:
+    checks = json.loads((out / "checks.json").read_text())
+    assert checks["nan_update_successful"] == 0.0
+    assert checks["nan_changed"] == 0.0
+
+
+def test_dcp_checkpoint_resumes_exactly(out: Path) -> None:
+    checks = json.loads((out / "checks.json").read_text())
+    uninterrupted, resumed = checks["resume_stats"]
+    assert uninterrupted == resumed
+    assert max_diff(safetensors_dir(out / "tp2_step2_hf"), safetensors_dir(out / "tp2_resumed_hf")) == 0.0
+
+
+def test_backend_line_picks_the_engine() -> None:
+    assert type(make_train_engine(TrainEngineConfig(path="x", backend="megatron"))).__name__ == "MegatronEngine"
+    assert type(make_train_engine(TrainEngineConfig(path="x", backend="fsdp"))).__name__ == "FSDPEngine"
+    with pytest.raises(ValueError, match="fsdp or megatron"):
+        make_train_engine(TrainEngineConfig(path="x", backend="deepspeed"))
