@@ -199,3 +199,40 @@ def test_ray_placement_and_commands() -> None:
     cpu = _plan(backend="areal", n_servers=1)
     assert server_resources(cpu) == {"num_gpus": 0, "num_cpus": 1}
     assert trainer_bundles(cpu) == [{"CPU": 1}]
+
+
+def test_training_completes_when_a_rollout_server_dies(tmp_path) -> None:
+    """backend=areal with 2 of our servers: the launcher starts them and passes their addresses;
+    after the second step, with rollouts in flight on both, one server is SIGKILLed; the run (requests
+    resent to the survivor, weight updates to the survivor) completes every step, and the launcher
+    stops the surviving server at the end."""
+    from areal_lite.utils.tiny import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "model"), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    out_dir = tmp_path / "out" / "areal-lite" / "trial0"
+    total_steps, kill_after = 5, 1
+    cmd = [sys.executable, "-m", "areal_lite.launcher.local", os.path.join(HERE, "scripts", "remote_train.py"),
+           f"actor.path={model}", f"cluster.fileroot={tmp_path / 'out'}", "launcher.backend=areal", "launcher.n_servers=2",
+           "launcher.server_args=[--max-running-requests,8]", "rollout.consumer_batch_size=4",
+           "rollout.max_head_offpolicyness=1", "rollout.request_timeout=60", f"total_steps={total_steps}",
+           f"pause_after_step={kill_after}", "stats_logger.console=false"]
+    launcher = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    servers: list[dict] = []
+    try:
+        _wait_for(str(out_dir / "paused"), launcher, "the trainer pausing after the second step")
+        servers = json.loads((out_dir / "logs" / "servers.json").read_text())
+        assert len(servers) == 2
+        os.kill(servers[1]["pid"], signal.SIGKILL)
+        (out_dir / "continue").touch()
+        log = launcher.communicate(timeout=300)[0].decode()
+        (tmp_path / "launcher.log").write_text(log)
+        assert launcher.returncode == 0, f"full log in {tmp_path / 'launcher.log'}; it ends with:\n{log[-3000:]}"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    steps = [json.loads(line) for line in (out_dir / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(total_steps))
+    assert all(s["n"] == 4 for s in steps)
+    assert "server 1" in log and "exited" in log, "the launcher reports the dead server"
+    assert not _alive(servers[0]["pid"]), "the surviving server is stopped at the end"

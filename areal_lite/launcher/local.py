@@ -6,8 +6,9 @@ Reads the config's ``launcher`` and ``recover`` sections (the script itself vali
 With ``launcher.backend=local`` the script runs the embedded inference engine in-process: it is
 started directly (under torchrun when ``trainer_nproc > 1``). With ``areal`` (our
 `areal_lite.engines.server`) or ``sglang`` (SGLang's own server), ``n_servers`` servers are started
-on free ports, the launcher waits until each answers ``GET /health`` with 200, and the trainer runs
-under torchrun with the override ``rollout.addresses=[host:port, ...]``.
+on free ports, the launcher waits until each answers ``GET /health`` with 200 (their addresses and
+pids go to ``output_dir/logs/servers.json``, their output to ``server<i>.log`` beside it), and the
+trainer runs under torchrun with the override ``rollout.addresses=[host:port, ...]``.
 
 SIGINT and SIGTERM are forwarded to the trainer; on exit or failure every process the launcher
 started is stopped by process group (SIGTERM, then SIGKILL after a grace period), and children die
@@ -264,6 +265,8 @@ class LocalLauncher:
             self.servers.append(spawn(cmd, cores=cfg.server_cores, env=self._env(0), log_path=log))
             self.addresses.append(f"{cfg.server_host}:{port}")
         self.wait_healthy()
+        with open(os.path.join(self.plan.log_dir, "servers.json"), "w") as f:
+            json.dump([{"address": a, "pid": p.pid} for a, p in zip(self.addresses, self.servers)], f)
         logger.info("servers ready: %s", ", ".join(self.addresses))
 
     def wait_healthy(self) -> None:
