@@ -80,6 +80,14 @@ def test_packed_logprobs_equal_hf_padded_batch(single: tuple[dict, Path], pair: 
         assert res["logprob_shape"] == [8, 24]
         assert res["logprob_err"] < 1e-5
         assert res["entropy_err"] < 1e-5
+        assert res["logprob_uneven_err"] < 1e-5  # a rank that pads with extra micro-batches
+
+
+def test_bf16_mixed_precision(single: tuple[dict, Path], pair: tuple[dict, Path]) -> None:
+    for res, _ in (single, pair):
+        assert res["bf16_master_dtypes"] == ["torch.float32"]
+        assert 1e-5 < res["bf16_logprob_err"] < 0.1  # really computed in bf16, and close
+        assert res["bf16_stats"]["update_successful"] == 1.0
 
 
 def test_update_invariant_to_microbatches_and_ranks_sgd(single: tuple[dict, Path], pair: tuple[dict, Path]) -> None:
@@ -87,7 +95,8 @@ def test_update_invariant_to_microbatches_and_ranks_sgd(single: tuple[dict, Path
     (res1, out1), (_, out2) = single, pair
     ref = params(out1, "sgd_mb1", 1)
     assert res1["changed_sgd_mb1"] > 1e-2  # the step moved the parameters
-    for out, tag, world in ((out1, "sgd_mb4", 1), (out2, "sgd_mb1", 2), (out2, "sgd_mb4", 2), (out1, "sgd_mb1_ckpt", 1)):
+    others = [(out1, "sgd_mb4", 1), (out2, "sgd_mb1", 2), (out2, "sgd_mb4", 2), (out2, "sgd_mb4_uneven", 2), (out1, "sgd_mb1_ckpt", 1)]
+    for out, tag, world in others:
         assert max_diff(ref, params(out, tag, world)) < 1e-6, (tag, world)
 
 
@@ -97,7 +106,7 @@ def test_update_invariant_to_microbatches_and_ranks_adamw(single: tuple[dict, Pa
     (res1, out1), (_, out2) = single, pair
     lr = res1["stats_adamw_mb1"]["lr"]
     ref = params(out1, "adamw_mb1", 1)
-    for out, tag, world in ((out1, "adamw_mb4", 1), (out2, "adamw_mb1", 2), (out2, "adamw_mb4", 2)):
+    for out, tag, world in ((out1, "adamw_mb4", 1), (out2, "adamw_mb1", 2), (out2, "adamw_mb4", 2), (out2, "adamw_mb4_uneven", 2)):
         other = params(out, tag, world)
         assert max_diff(ref, other) <= 2 * lr
         n_off = sum(int(((ref[k] - other[k]).abs() > 1e-6).sum()) for k in ref)
@@ -106,7 +115,7 @@ def test_update_invariant_to_microbatches_and_ranks_adamw(single: tuple[dict, Pa
 
 def test_loss_and_stats_invariant(single: tuple[dict, Path], pair: tuple[dict, Path]) -> None:
     ref = single[0]["stats_sgd_mb1"]
-    for res, tag in ((single[0], "stats_sgd_mb4"), (pair[0], "stats_sgd_mb1"), (pair[0], "stats_sgd_mb4")):
+    for res, tag in ((single[0], "stats_sgd_mb4"), (pair[0], "stats_sgd_mb1"), (pair[0], "stats_sgd_mb4"), (pair[0], "stats_sgd_mb4_uneven")):
         for key in ("loss", "entropy", "grad_norm"):
             assert res[tag][key] == pytest.approx(ref[key], abs=1e-5), (tag, key)
         assert res[tag]["update_successful"] == 1.0
@@ -141,6 +150,12 @@ def test_weight_update_reaches_receiver(pair: tuple[dict, Path], kind: str, vers
 
 def test_distributed_update_is_chunked(pair: tuple[dict, Path]) -> None:
     assert pair[0]["distributed_chunks"] > 1
+
+
+def test_eval_batch_matches_train_batch_loss(pair: tuple[dict, Path]) -> None:
+    res = pair[0]
+    assert res["eval_stats"]["loss"] == pytest.approx(res["next_stats"]["loss"], abs=1e-6)
+    assert res["eval_stats"]["entropy"] == pytest.approx(res["next_stats"]["entropy"], abs=1e-6)
 
 
 def test_nonfinite_grad_norm_skips_step(pair: tuple[dict, Path]) -> None:

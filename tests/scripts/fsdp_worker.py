@@ -4,12 +4,13 @@ Usage: ``torchrun --nproc-per-node N fsdp_worker.py CHECKS MODEL_DIR OUT_DIR`` w
 comma-separated list of the checks below. Rank 0 writes ``OUT_DIR/<CHECKS>_w<world>.json`` and
 ``.pt`` parameter files that tests/test_fsdp.py compares across runs.
 
-- ``logprobs``: packed vs HF padded log-probabilities and entropies.
-- ``invariance``: one train_batch with 1 and 4 micro-batches and with gradient checkpointing
-  (SGD, and AdamW); the parameters are compared with another world size's by the test.
+- ``logprobs``: packed vs HF padded log-probabilities and entropies (also with ranks running
+  different numbers of micro-batches); bf16 mixed precision.
+- ``invariance``: one train_batch with 1 and 4 micro-batches, with gradient checkpointing, and
+  with an uneven split over ranks (SGD, and AdamW); the test compares the parameters across runs.
 - ``checkpoint``: HF save -> from_pretrained; weight updates of all three kinds to a fake
-  receiver; a non-finite gradient skipping the step; DCP save, then one more step (the
-  uninterrupted run).
+  receiver; a non-finite gradient skipping the step; DCP save, then eval_batch and one more
+  step (the uninterrupted run).
 - ``resume``: (a new process) load ``checkpoint``'s DCP state and take the same next step.
 - ``sft``: SFT loss over 40 steps on a small fixed text dataset.
 - ``critic``: a value model's forward and training.
@@ -51,6 +52,20 @@ def make_batch(seed: int, n: int = 8, max_len: int = 24) -> TensorDict:
 def shard(batch: TensorDict) -> TensorDict:
     """This rank's rows of the global batch."""
     return batch[dist.get_rank() :: dist.get_world_size()]
+
+
+def uneven_shard(batch: TensorDict | torch.Tensor) -> TensorDict | torch.Tensor:
+    """With 2 ranks, 6 rows for rank 0 and 2 for rank 1, so that with 4 micro-batches rank 1 runs
+    2 real and 2 padding passes; with 1 rank, the whole batch."""
+    if dist.get_world_size() == 1:
+        return batch
+    return batch[:6] if dist.get_rank() == 0 else batch[6:]
+
+
+def max_over_ranks(x: float) -> float:
+    t = torch.tensor([x])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 def nll(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -175,23 +190,34 @@ def check_logprobs(res: dict[str, object]) -> None:
     res["logprob_err"] = float((lp - ref_lp).abs().max())
     res["entropy_err"] = float((ent - ref_ent).abs().max())
     res["logprob_shape"] = list(lp.shape)
+    e.config.mb_spec = MicroBatchSpec(n_mbs=4)
+    res["logprob_uneven_err"] = max_over_ranks(float((e.forward(uneven_shard(batch)) - uneven_shard(ref_lp)).abs().max()))
+    e.destroy()
+
+    # bf16 mixed precision: fp32 master weights, bf16 compute, close to the fp32 result.
+    e = engine(dtype="bfloat16")
+    lp16 = e.forward(batch)
+    res["bf16_logprob_err"] = float((lp16 - ref_lp).abs().max())
+    res["bf16_stats"] = e.train_batch(shard(batch), nll, n_tokens)
+    res["bf16_master_dtypes"] = sorted({str(p.dtype) for p in e.model.parameters()})
     e.destroy()
 
 
 def check_invariance(res: dict[str, object]) -> None:
     """One train_batch with this rank's share; parameters written for cross-run comparison."""
-    batch = shard(make_batch(1))
+    batch = make_batch(1)
+    runs = [(1, False, shard), (4, False, shard), (1, True, shard), (4, False, uneven_shard)]
     for opt_name in ("sgd", "adamw"):
-        for n_mbs, ckpt in ((1, False), (4, False), (1, True)):
+        for n_mbs, ckpt, share in runs:
             e = engine(n_mbs=n_mbs, lr=1e-3, gradient_checkpointing=ckpt)
             if opt_name == "sgd":
                 # Plain SGD makes the update linear in the gradient, so parameter equality to 1e-6
                 # is gradient equality (Adam's first step amplifies float noise: FINDINGS.md).
                 e.optimizer = torch.optim.SGD(e.model.parameters(), lr=1.0)
             before = e._full_state_dict()
-            stats = e.train_batch(batch, nll, n_tokens)
+            stats = e.train_batch(share(batch), nll, n_tokens)
             after = e._full_state_dict()
-            tag = f"{opt_name}_mb{n_mbs}{'_ckpt' if ckpt else ''}"
+            tag = f"{opt_name}_mb{n_mbs}{'_ckpt' if ckpt else ''}{'_uneven' if share is uneven_shard else ''}"
             if dist.get_rank() == 0:
                 torch.save(after, os.path.join(OUT, f"params_{tag}_w{dist.get_world_size()}.pt"))
                 res[f"changed_{tag}"] = max_diff(before, after)
@@ -255,6 +281,7 @@ def check_checkpoint_and_updates(res: dict[str, object]) -> None:
     # Full training state, then the step an uninterrupted run takes next.
     e.set_version(7)
     e.save(SaveLoadMeta(path=os.path.join(OUT, "dcp"), weight_format="dcp"))
+    res["eval_stats"] = e.eval_batch(shard(make_batch(5)), nll, n_tokens)
     res["next_stats"] = e.train_batch(shard(make_batch(5)), nll, n_tokens)
     after = e._full_state_dict()
     if rank0:
