@@ -38,6 +38,9 @@ def test_read_plan_takes_the_launcher_and_recover_sections(tmp_path) -> None:
     assert plan.output_dir == os.path.join(str(tmp_path), "e", "trial0")
     plan = read_plan("train.py", cfg, ["launcher.server_model_path=/models/other"])
     assert plan.model_path == "/models/other"
+    cfg = _write_config(tmp_path, actor={"path": "${cluster.fileroot}/${experiment_name}/model"}, launcher={"backend": "areal"})
+    assert read_plan("train.py", cfg, []).model_path == "outputs/areal-lite/model", "interpolations see the defaults"
+    assert read_plan("train.py", cfg, ["cluster.fileroot=/r"]).model_path == "/r/areal-lite/model"
 
 
 @pytest.mark.parametrize("override, message", [

@@ -77,13 +77,16 @@ def _section(raw: DictConfig, name: str, cls: type) -> object:
 
 def read_plan(script: str, config_file: str | None, overrides: list[str]) -> LaunchPlan:
     """Read the ``launcher`` and ``recover`` sections (strictly) and the model and output paths."""
-    raw = OmegaConf.load(config_file) if config_file else OmegaConf.create()
-    if not isinstance(raw, DictConfig):
+    loaded = OmegaConf.load(config_file) if config_file else OmegaConf.create()
+    if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {config_file!r} must hold a mapping at the top level")
     for item in overrides:
         if "=" not in item or item.startswith("-"):
             raise ConfigError(f"unexpected argument {item!r}: expected key=value overrides")
-    raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(overrides))
+    # Under the defaults every experiment has (as a plain dict: the script's own sections are
+    # unknown here), so that interpolations such as ${cluster.fileroot} resolve as in the script.
+    defaults = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(BaseExperimentConfig)))
+    raw = OmegaConf.merge(defaults, loaded, OmegaConf.from_dotlist(overrides))
     launcher = _section(raw, "launcher", LauncherConfig)
     recover = _section(raw, "recover", RecoverConfig)
     assert isinstance(launcher, LauncherConfig) and isinstance(recover, RecoverConfig)
@@ -92,12 +95,7 @@ def read_plan(script: str, config_file: str | None, overrides: list[str]) -> Lau
     model_path = launcher.server_model_path or str(OmegaConf.select(raw, "actor.path", default="") or "")
     if launcher.backend != "local" and not model_path:
         raise ConfigError("the servers need a model: set launcher.server_model_path or actor.path")
-    defaults = BaseExperimentConfig()
-    output_dir = os.path.join(
-        str(OmegaConf.select(raw, "cluster.fileroot", default=defaults.cluster.fileroot)),
-        str(OmegaConf.select(raw, "experiment_name", default=defaults.experiment_name)),
-        str(OmegaConf.select(raw, "trial_name", default=defaults.trial_name)),
-    )
+    output_dir = os.path.join(str(raw.cluster.fileroot), str(raw.experiment_name), str(raw.trial_name))
     return LaunchPlan(script, config_file, list(overrides), launcher, recover, model_path, output_dir)
 
 
