@@ -75,6 +75,24 @@ def from_response(resp: ModelResponse, reward: float, **per_sequence: float) -> 
     return trace.to_tensordict(reward, **per_sequence)
 
 
+def encode_chat(tokenizer: object, messages: list[dict[str, str]], **template_kwargs: object) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template with the generation prompt
+    (``template_kwargs`` such as ``enable_thinking`` go to the template)."""
+    text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+
+
+def prompt_messages(data: dict[str, object]) -> list[dict[str, str]]:
+    """The chat messages of a dataset item: its ``messages``, or its ``prompt`` as one user turn."""
+    if "messages" in data:
+        return list(data["messages"])  # type: ignore[call-overload]
+    if "prompt" in data:
+        return [{"role": "user", "content": str(data["prompt"])}]
+    raise KeyError(f"a dataset item needs 'messages' or 'prompt'; this one has {sorted(data)}")
+
+
 def check_trajectory(batch: TensorDict) -> None:
     """Raise ValueError naming the first way ``batch`` breaks the data contract (keys, dtypes,
     shapes, right padding, masks, logprobs and versions off the trained tokens, finite rewards)."""
