@@ -5,18 +5,25 @@ moves the right way over a few steps."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 from tensordict import TensorDict
 
 from areal_lite.actors import DPOActor, PPOActor, PPOCritic, ReinforceActor, SFTActor, train_on_tangents
+from areal_lite.actors.ppo import minibatches
 from areal_lite.algorithms import functional as F
 from areal_lite.api.config import DPOConfig, OptimizerConfig, PPOActorConfig, PPOCriticConfig, TrainEngineConfig
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec
 from areal_lite.engines.fsdp import FSDPEngine
+from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.tiny import build_tiny_model
 
 # Adam's first step is lr * g / (|g| + eps): with eps = lr much larger than |g| it is g itself,
@@ -207,6 +214,65 @@ def test_reward_shaping_and_truncation():
     torch.testing.assert_close(shaped, expected)
 
 
+def test_kl_in_the_reward_lowers_the_sequence_reward():
+    batch = make_batch(8, seed=10)
+    mask = batch["loss_mask"].bool()
+    batch["logprobs"] = -torch.rand(batch["input_ids"].shape) * mask
+    batch["ref_logp"] = batch["logprobs"] - 0.5 * mask  # the policy is more confident than the reference
+    cfg = PPOActorConfig(
+        path="x",
+        group_size=8,
+        adv_estimator="grpo",
+        adv_norm_level="none",
+        kl_ctl=0.2,
+        kl_in_reward=True,
+        kl_estimator="k1",
+    )
+    PPOActor(cfg, NoEngine(), ref_engine=NoEngine()).compute_advantages(batch)  # type: ignore[arg-type]
+    expected = batch["rewards"] - 0.2 * 0.5 * mask.sum(1)
+    for i in range(8):
+        assert torch.allclose(batch["advantages"][i][mask[i]], expected[i].expand(int(mask[i].sum())))
+
+
+def test_actor_loss_adds_the_kl_and_entropy_terms():
+    """The actor's micro-batch loss against a float64 reference: PPO surrogate + KL(k2) - entropy."""
+    g = torch.Generator().manual_seed(11)
+    t = 9
+    mb = {
+        "loss_mask": torch.tensor([0, 1, 1, 1, 0, 0, 1, 1, 1]),
+        "cu_seqlens": torch.tensor([0, 4, 9], dtype=torch.int32),
+        "prox_logp": -torch.rand(t, generator=g, dtype=torch.float64),
+        "advantages": torch.randn(t, generator=g, dtype=torch.float64),
+        "ref_logp": -torch.rand(t, generator=g, dtype=torch.float64),
+    }
+    mb["behav_logp"] = mb["prox_logp"]
+    logp = mb["prox_logp"] + 0.3 * torch.randn(t, generator=g, dtype=torch.float64)
+    entropy = torch.rand(t, generator=g, dtype=torch.float64)
+    cfg = PPOActorConfig(path="x", kl_ctl=0.1, kl_estimator="k2", entropy_coeff=0.05, eps_clip=0.2)
+    loss, stats = PPOActor(cfg, NoEngine(), ref_engine=NoEngine()).loss_fn(logp, entropy, mb)  # type: ignore[arg-type]
+    terms = []
+    for j in range(t):
+        if not mb["loss_mask"][j]:
+            continue
+        r = torch.exp(logp[j] - mb["prox_logp"][j])
+        a = mb["advantages"][j]
+        surrogate = max(-a * r, -a * r.clamp(0.8, 1.2))
+        terms.append(surrogate + 0.1 * 0.5 * (logp[j] - mb["ref_logp"][j]) ** 2 - 0.05 * entropy[j])
+    torch.testing.assert_close(loss, sum(terms) / len(terms))
+    assert set(stats) >= {"clip_frac", "approx_kl", "entropy", "kl_ref"}
+
+
+def test_minibatches_keep_groups_and_refuse_too_few():
+    batch = make_batch(12, seed=12)
+    batch["rewards"] = torch.arange(12.0)
+    mbs = minibatches(batch, 3, group_size=4)
+    assert sorted(int(r) for mb in mbs for r in mb["rewards"]) == list(range(12))
+    for mb in mbs:
+        assert mb.batch_size[0] == 4 and int(mb["rewards"][0]) % 4 == 0
+    with pytest.raises(ValueError, match="minibatches"):
+        minibatches(batch, 4, group_size=4)
+
+
 # ----------------------------------------------------------------------------- the update and its statistics
 
 
@@ -315,3 +381,31 @@ def test_sft_actor_lowers_the_nll(model_dir):
             actor.train_lm(batch)
         last = actor.evaluate_lm(batch)
         assert last["loss"] < 0.7 * first["loss"] and last["tokens_trained"] == float(batch["loss_mask"].sum())
+
+
+def test_ppo_update_on_two_ranks_equals_one_rank(model_dir, tmp_path):
+    """Global loss weighting through the actor: seq-mean-token-mean with clipping and the cap on,
+    each rank holding half of the groups, gives the one-rank update."""
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    from actor_worker import ppo_delta
+
+    one, stats_one = ppo_delta(model_dir)
+    assert stats_one["clip_frac"] > 0 and stats_one["importance_weight_capped_frac"] > 0
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(find_free_port()), str(Path(__file__).parent / "scripts" / "actor_worker.py"),
+        model_dir, str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-4000:]
+    two = torch.load(tmp_path / "ppo_delta_w2.pt")["delta"]
+    assert_same_update(one, two)

@@ -42,6 +42,10 @@ def cu_seqlens_of(batch: TensorDict) -> torch.Tensor:
 
 def minibatches(batch: TensorDict, n: int, group_size: int) -> list[TensorDict]:
     """Cut a batch into ``n`` minibatches of whole groups, balanced by token count."""
+    n_groups = batch.batch_size[0] // group_size
+    if n_groups < n:
+        # Fewer minibatches on one data-parallel rank than on another would hang the collectives.
+        raise ValueError(f"{n_groups} groups of {group_size} cannot make {n} minibatches")
     indices = allocate_balanced(seqlens_of(batch).tolist(), None, min_bins=n, granularity=group_size)
     return [batch[torch.tensor(idx)] for idx in indices]
 
