@@ -409,3 +409,16 @@ def test_ppo_update_on_two_ranks_equals_one_rank(model_dir, tmp_path):
     assert proc.returncode == 0, output[-4000:]
     two = torch.load(tmp_path / "ppo_delta_w2.pt")["delta"]
     assert_same_update(one, two)
+
+
+@pytest.mark.slow
+def test_every_algorithm_raises_its_objective(tmp_path):
+    """benchmarks/algorithms.py end to end (about 1.5 minutes on 2 idle cores)."""
+    script = Path(__file__).parent.parent / "benchmarks" / "algorithms.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--steps", "60"], capture_output=True, text=True, timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][-1]
+    assert "raised=7/7" in result, proc.stdout[-3000:]

@@ -513,5 +513,5 @@ def test_sft_nll():
 
 
 def test_registry_names_the_choices():
-    with pytest.raises(ValueError, match="ppo, gspo, reinforce"):
-        F.pick(F.POLICY_LOSSES, "trpo", "policy loss")
+    with pytest.raises(ValueError, match="token-mean, seq-mean-token-mean, seq-mean-token-sum"):
+        F.pick(F.AGGREGATIONS, "token-sum", "loss aggregation")

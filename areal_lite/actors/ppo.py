@@ -10,6 +10,9 @@ FSDP and Megatron. The loop it serves (DESIGN.md)::
     actor.compute_advantages(batch)     # adds "advantages" (and "returns" for GAE) [B, L]
     stats = actor.ppo_update(batch)
     actor.step_lr_scheduler()
+
+Batch-level statistics (``adv_norm_level="batch"``, REINFORCE++ whitening) are taken over the
+batch each data-parallel rank holds, not over all ranks: the actor sees only its engine.
 """
 
 from __future__ import annotations
@@ -122,25 +125,23 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
 }
 
 
-def policy_loss_from_config(cfg: PPOActorConfig) -> F.PolicyLossFn:
-    """The configured policy loss with its hyper-parameters bound."""
-    fn = F.pick(F.POLICY_LOSSES, cfg.policy_loss, "policy loss")
-    if fn is F.reinforce_policy_loss:
-        return functools.partial(fn, behav_imp_weight_cap=cfg.behav_imp_weight_cap)
-    if fn is F.gspo_policy_loss:
-        return functools.partial(
-            fn,
-            eps_clip=cfg.eps_clip,
-            eps_clip_higher=cfg.eps_clip_higher,
-            behav_imp_weight_cap=cfg.behav_imp_weight_cap,
-        )
-    return functools.partial(
-        fn,
+POLICY_LOSSES: dict[str, Callable[[PPOActorConfig], F.PolicyLossFn]] = {
+    "ppo": lambda cfg: functools.partial(
+        F.ppo_policy_loss,
         eps_clip=cfg.eps_clip,
         eps_clip_higher=cfg.eps_clip_higher,
         c_clip=cfg.c_clip,
         behav_imp_weight_cap=cfg.behav_imp_weight_cap,
-    )
+    ),
+    "gspo": lambda cfg: functools.partial(
+        F.gspo_policy_loss,
+        eps_clip=cfg.eps_clip,
+        eps_clip_higher=cfg.eps_clip_higher,
+        behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+    ),
+    "reinforce": lambda cfg: functools.partial(F.reinforce_policy_loss, behav_imp_weight_cap=cfg.behav_imp_weight_cap),
+}
+"""The policy losses a config string names, each bound to the config's hyper-parameters."""
 
 
 class PPOActor:
@@ -167,7 +168,7 @@ class PPOActor:
         self.config = config
         self.engine = engine
         self.ref_engine = ref_engine
-        self.policy_loss = policy_loss or policy_loss_from_config(config)
+        self.policy_loss = policy_loss or F.pick(POLICY_LOSSES, config.policy_loss, "policy loss")(config)
         self.advantage_fn = advantage_fn or F.pick(ADVANTAGE_ESTIMATORS, config.adv_estimator, "advantage estimator")
         self.aggregation = F.pick(F.AGGREGATIONS, config.loss_agg, "loss aggregation")
         self.kl_estimator = F.pick(F.KL_ESTIMATORS, config.kl_estimator, "KL estimator")

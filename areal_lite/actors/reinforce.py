@@ -9,13 +9,11 @@ against the behaviour policy only when the batch carries ``prox_logp``.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 from tensordict import TensorDict
 
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.algorithms import functional as F
 from areal_lite.api.config import PPOActorConfig
 from areal_lite.api.engine import TrainEngine
 
@@ -26,8 +24,7 @@ class ReinforceActor(PPOActor):
 
     def __init__(self, config: PPOActorConfig, engine: TrainEngine, ref_engine: TrainEngine | None = None) -> None:
         config = replace(config, ppo_n_minibatches=1, recompute_logprob=False, policy_loss="reinforce")
-        loss = functools.partial(F.reinforce_policy_loss, behav_imp_weight_cap=config.behav_imp_weight_cap)
-        super().__init__(config, engine, ref_engine, policy_loss=loss)
+        super().__init__(config, engine, ref_engine)
 
     def train_step(self, batch: TensorDict) -> dict[str, float]:
         """Advantages, then one policy-gradient step; returns the update's statistics."""

@@ -485,11 +485,6 @@ def sft_nll(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # Registries: only where a config string must pick a function
 # ---------------------------------------------------------------------------------------------
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {
-    "ppo": ppo_policy_loss,
-    "gspo": gspo_policy_loss,
-    "reinforce": reinforce_policy_loss,
-}
 AGGREGATIONS: dict[str, Aggregation] = {
     "token-mean": Aggregation(token_mean, count_tokens),
     "seq-mean-token-mean": Aggregation(seq_mean_token_mean, count_sequences),
