@@ -183,3 +183,28 @@ def test_sigkilled_trainer_resumes_with_each_sample_once_per_epoch(tmp_path) -> 
         assert consumed == list(range(dataset_size)), f"epoch {epoch}: every sample exactly once"
     assert (out_dir / "checkpoints" / f"globalstep{total_steps}" / "model.safetensors").exists()
     assert (out_dir / "curves.png").exists()
+
+
+def test_resume_pushes_the_recovered_policy_to_the_inference_engine(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from areal_lite.utils.tiny import build_tiny_model
+
+    build_tiny_model(str(tmp_path / "model"), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=256)
+    script = os.path.join(os.path.dirname(__file__), "scripts", "recover_push.py")
+    proc = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_evaluator_runs_on_schedule() -> None:
+    from areal_lite.api.config import EvaluatorConfig
+    from areal_lite.utils.evaluator import Evaluator
+
+    calls: list[int] = []
+    ev = Evaluator(EvaluatorConfig(freq_steps=3))
+    results = [ev.evaluate(lambda g=g: calls.append(g) or g, StepInfo.at(g, 5)) for g in range(7)]
+    assert calls == [2, 5] and results == [None, None, 2, None, None, 5, None]
+    assert ev.evaluate(lambda: "final", StepInfo.at(6, 5), last=True) == "final"
+    assert Evaluator(EvaluatorConfig()).evaluate(lambda: 1, StepInfo.at(6, 5), last=True) is None
