@@ -1,0 +1,216 @@
+"""Our SGLang-protocol server, over real HTTP on 127.0.0.1: generation with log-probabilities equal
+to a HF forward, the info and control endpoints, weight updates from disk and by gloo broadcast,
+pause / abort semantics, the API key, and a 400 (then normal service) for each kind of bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import aiohttp
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from areal_lite.utils.distributed import find_free_port, init_custom_process_group
+from areal_lite.utils.tiny import build_tiny_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+from inference_servers import start_servers, stop_servers  # noqa: E402
+
+KEY = "secret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CONTEXT = 128
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("srv") / "m"), hidden_size=64, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def server(model_path: str):
+    procs, addresses = start_servers(model_path, 1, ["--api-key", KEY, "--context-length", str(CONTEXT)])
+    yield f"http://{addresses[0]}"
+    stop_servers(procs)
+
+
+async def call(url: str, path: str, body: object = None, method: str = "POST", raw: bytes | None = None, headers: dict | None = None):
+    """(status, decoded body) of one call."""
+    async with aiohttp.ClientSession(headers=AUTH if headers is None else headers) as s:
+        data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+        async with s.request(method, url + path, data=data, headers={"Content-Type": "application/json"}) as r:
+            text = await r.text()
+            try:
+                return r.status, json.loads(text)
+            except json.JSONDecodeError:
+                return r.status, text
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def hf_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits.float(), dim=-1)[0, :-1]
+    return logp.gather(1, ids[0, 1:, None])[len(prompt) - 1 :, 0]
+
+
+def check_logprobs(url: str, model: torch.nn.Module, version: str) -> None:
+    prompt = [11, 12, 13, 14]
+    status, out = run(call(url, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}, "return_logprob": True}))
+    assert status == 200 and out["meta_info"]["weight_version"] == version
+    lps = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+    assert [x[1] for x in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
+    torch.testing.assert_close(lps, hf_logprobs(model, prompt, out["output_ids"]), atol=1e-4, rtol=0)
+
+
+def test_generate_matches_hf_and_protocol_shapes(server: str, model_path: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    check_logprobs(server, model, "0")
+    body = {"input_ids": [[5, 6, 7], [8]], "rid": ["a", "b"], "sampling_params": {"max_new_tokens": 3, "temperature": 0}, "return_logprob": True, "logprob_start_len": 0}
+    status, out = run(call(server, "/generate", body))
+    assert status == 200 and [o["meta_info"]["id"] for o in out] == ["a", "b"]
+    first = out[0]["meta_info"]
+    assert first["prompt_tokens"] == 3 and first["completion_tokens"] == 3 and first["finish_reason"] == {"type": "length", "length": 3}
+    assert first["input_token_logprobs"][0][0] is None and len(first["input_token_logprobs"]) == 3
+    torch.testing.assert_close(torch.tensor([x[0] for x in first["input_token_logprobs"][1:]]), hf_logprobs(model, [5], [6, 7]), atol=1e-4, rtol=0)
+    status, out = run(call(server, "/generate", {"text": "What is", "sampling_params": {"max_new_tokens": 2, "n": 3}}))
+    assert status == 200 and len(out) == 3 and all(isinstance(o["text"], str) for o in out)
+
+
+def test_info_endpoints_and_api_key(server: str, model_path: str) -> None:
+    assert run(call(server, "/health", method="GET", headers={}))[0] == 200
+    assert run(call(server, "/generate", {"input_ids": [1]}, headers={}))[0] == 401
+    status, info = run(call(server, "/model_info", method="GET"))
+    assert status == 200 and info["model_path"] == model_path and info["is_generation"] is True
+    status, info = run(call(server, "/get_server_info", method="GET"))
+    assert status == 200 and info["context_length"] == CONTEXT and "api_key" not in info
+    assert run(call(server, "/flush_cache"))[0] == 200
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    status, values = run(call(server, "/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": 5}))
+    assert status == 200
+    torch.testing.assert_close(torch.tensor(values), model.lm_head.weight.flatten()[:5])
+
+
+BAD_INPUTS = [
+    ("/generate", b'{"input_ids": [1, 2', "malformed JSON"),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokenz": 3}}, "unknown sampling_params keys"),
+    ("/generate", {"input_ids": [1] * CONTEXT}, "context length"),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"min_new_tokens": -3}}, "min_new_tokens"),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "4"}}, "integer"),
+    ("/generate", {"input_ids": ["a"]}, "input_ids"),
+    ("/generate", {"input_ids": [10**7]}, "token ids"),
+    ("/generate", {"text": "a", "input_ids": [1]}, "exactly one"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"repetition_penalty": 1.3}}, "not supported"),
+    ("/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1, 2]]}, "shape"),
+    ("/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["floaty"], "shapes": [[1, 2]]}, "dtype"),
+    ("/update_weights_from_distributed", {"names": ["nope"], "dtypes": ["float32"], "shapes": [[1]]}, "unknown parameter"),
+    ("/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1], [2]]}, "length"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent/dir"}, "safetensors"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "nccl"}, "nccl"),
+    ("/pause_generation", {"mode": "sideways"}, "mode"),
+    ("/update_weight_version", {"new_version": "v-two"}, "integers"),
+]
+
+
+@pytest.mark.parametrize("path,body,message", BAD_INPUTS, ids=[f"{p}:{m}" for p, _, m in BAD_INPUTS])
+def test_bad_input_is_400_and_server_keeps_serving(server: str, path: str, body: object, message: str) -> None:
+    raw = body if isinstance(body, bytes) else None
+    status, out = run(call(server, path, None if raw else body, raw=raw))
+    assert status == 400
+    text = out["error"]["message"] if "error" in out else out["message"]
+    assert message.lower() in text.lower()
+    status, ok = run(call(server, "/generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}}))
+    assert status == 200 and len(ok["output_ids"]) <= 2
+
+
+async def wait_running(url: str) -> None:
+    """Until the server has a request in flight (flush_cache answers 400 then)."""
+    while (await call(url, "/flush_cache"))[0] == 200:
+        await asyncio.sleep(0.005)
+
+
+def test_abort_request_and_pause_hold(server: str) -> None:
+    async def scenario():
+        long_body = {"input_ids": [1, 2], "rid": "long-7", "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
+        task = asyncio.ensure_future(call(server, "/generate", long_body))
+        await wait_running(server)
+        # Frozen in place first, so that the abort cannot lose a race with the request's end.
+        await call(server, "/pause_generation", {"mode": "in_place"})
+        assert (await call(server, "/abort_request", {"rid": "long-"}))[0] == 200
+        aborted = await task
+        held = asyncio.ensure_future(call(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}}))
+        await wait_running(server)  # queued while paused
+        assert not held.done()
+        await call(server, "/continue_generation", {})
+        return aborted, await held
+
+    (s1, aborted), (s2, held) = run(scenario())
+    assert s1 == 200 and aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert aborted["meta_info"]["id"] == "long-7" and len(aborted["output_ids"]) < 100
+    assert s2 == 200 and len(held["output_ids"]) <= 3
+
+
+def test_pause_abort_returns_partial_output(server: str) -> None:
+    async def scenario():
+        task = asyncio.ensure_future(call(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}))
+        await wait_running(server)
+        await call(server, "/pause_generation", {"mode": "in_place"})
+        await call(server, "/pause_generation", {"mode": "abort"})
+        out = await task
+        await call(server, "/continue_generation", {})
+        return out
+
+    status, out = run(scenario())
+    assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "abort", "message": "paused"}
+    assert len(out["output_ids"]) < 100
+    assert len(out["meta_info"]["output_token_versions"]) == len(out["output_ids"])
+
+
+def test_weight_updates_disk_and_broadcast(server: str, model_path: str, tmp_path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(str(tmp_path / "v1"))
+    status, out = run(call(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "v1"), "weight_version": "1"}))
+    assert status == 200 and out["success"] is True
+    check_logprobs(server, model, "1")
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    port = find_free_port()
+
+    async def broadcast() -> None:
+        joined = asyncio.ensure_future(call(server, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": "g", "backend": "gloo"}))
+        group = await asyncio.to_thread(init_custom_process_group, "gloo", "127.0.0.1", port, 0, 2, "g", 60)
+        assert (await joined)[0] == 200
+        state = model.state_dict()
+        names = list(state)
+        for i, chunk in enumerate((names[:5], names[5:])):
+            if i == 0:  # SGLang >= 0.5.21 wraps updates in a session; older versions do not
+                assert (await call(server, "/begin_weight_update", {"selector": "all"}))[0] == 200
+            body = {"names": chunk, "dtypes": ["float32"] * len(chunk), "shapes": [list(state[n].shape) for n in chunk], "group_name": "g", "weight_version": "2"}
+            fut = asyncio.ensure_future(call(server, "/update_weights_from_distributed", body))
+            for n in chunk:
+                await asyncio.to_thread(group.broadcast, state[n].clone())
+            status, out = await fut
+            assert status == 200 and out["success"] is True
+            if i == 0:
+                assert (await call(server, "/end_weight_update", {}))[0] == 200
+        assert (await call(server, "/destroy_weights_update_group", {"group_name": "g"}))[0] == 200
+
+    run(broadcast())
+    check_logprobs(server, model, "2")
+    status, out = run(call(server, "/update_weight_version", {"new_version": "5"}))
+    assert status == 200 and run(call(server, "/model_info", method="GET"))[1]["weight_version"] == "5"
+    check_logprobs(server, model, "5")
