@@ -22,7 +22,7 @@ from inference_servers import start_servers, stop_servers  # noqa: E402
 
 KEY = "secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-CONTEXT = 128
+CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
@@ -131,37 +131,38 @@ def test_bad_input_is_400_and_server_keeps_serving(server: str, path: str, body:
     assert status == 200 and len(ok["output_ids"]) <= 2
 
 
-async def wait_running(url: str) -> None:
+async def wait_running(url: str, task: asyncio.Future) -> None:
     """Until the server has a request in flight (flush_cache answers 400 then)."""
     while (await call(url, "/flush_cache"))[0] == 200:
+        assert not task.done(), "the request ended before it was seen running"
         await asyncio.sleep(0.005)
 
 
 def test_abort_request_and_pause_hold(server: str) -> None:
     async def scenario():
-        long_body = {"input_ids": [1, 2], "rid": "long-7", "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
+        long_body = {"input_ids": [1, 2], "rid": "long-7", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
         task = asyncio.ensure_future(call(server, "/generate", long_body))
-        await wait_running(server)
+        await wait_running(server, task)
         # Frozen in place first, so that the abort cannot lose a race with the request's end.
         await call(server, "/pause_generation", {"mode": "in_place"})
         assert (await call(server, "/abort_request", {"rid": "long-"}))[0] == 200
         aborted = await task
         held = asyncio.ensure_future(call(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}}))
-        await wait_running(server)  # queued while paused
+        await wait_running(server, held)  # queued while paused
         assert not held.done()
         await call(server, "/continue_generation", {})
         return aborted, await held
 
     (s1, aborted), (s2, held) = run(scenario())
     assert s1 == 200 and aborted["meta_info"]["finish_reason"]["type"] == "abort"
-    assert aborted["meta_info"]["id"] == "long-7" and len(aborted["output_ids"]) < 100
+    assert aborted["meta_info"]["id"] == "long-7" and len(aborted["output_ids"]) < 400
     assert s2 == 200 and len(held["output_ids"]) <= 3
 
 
 def test_pause_abort_returns_partial_output(server: str) -> None:
     async def scenario():
-        task = asyncio.ensure_future(call(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}))
-        await wait_running(server)
+        task = asyncio.ensure_future(call(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
+        await wait_running(server, task)
         await call(server, "/pause_generation", {"mode": "in_place"})
         await call(server, "/pause_generation", {"mode": "abort"})
         out = await task
@@ -170,7 +171,7 @@ def test_pause_abort_returns_partial_output(server: str) -> None:
 
     status, out = run(scenario())
     assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "abort", "message": "paused"}
-    assert len(out["output_ids"]) < 100
+    assert len(out["output_ids"]) < 400
     assert len(out["meta_info"]["output_token_versions"]) == len(out["output_ids"])
 
 

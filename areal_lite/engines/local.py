@@ -406,7 +406,9 @@ class LocalInferenceEngine(InferenceEngine):
         self._commands: list[tuple[Callable[[], object], Future]] = []
         self._paused = False
         self._stopping = False
-        self._abort_running: dict[str, str] = {}
+        self._abort_pending = False
+        self._admitting: list[_Seq] = []
+        """Taken from the queue, not yet in the batch (an abort must still find them)."""
         self._thread: threading.Thread | None = None
         self._group: CustomGroup | None = None
         self._group_backend = "gloo"
@@ -545,10 +547,11 @@ class LocalInferenceEngine(InferenceEngine):
             match = (lambda s: True) if abort_all else (lambda s: rid is not None and s.rid.startswith(rid))
             hit = [s for s in self._waiting if match(s)]
             self._waiting = [s for s in self._waiting if not match(s)]
-            running = list(self._runner.rows) if self._runner else []
+            running = (list(self._runner.rows) if self._runner else []) + self._admitting
             for s in running:
                 if match(s):
                     s.abort_message = message
+                    self._abort_pending = True
             self._cond.notify_all()
         for s in hit:
             s.deliver(s.result({"type": "abort", "message": message}))
@@ -590,26 +593,36 @@ class LocalInferenceEngine(InferenceEngine):
         assert runner is not None
         while True:
             with self._cond:
-                while not self._stopping and not self._commands and (self._paused or not (self._waiting or runner.rows)):
+                while (
+                    not self._stopping
+                    and not self._commands
+                    and not self._abort_pending
+                    and (self._paused or not (self._waiting or runner.rows))
+                ):
                     self._cond.wait()
                 if self._stopping:
                     return
                 commands, self._commands = self._commands, []
+                abort_pending, self._abort_pending = self._abort_pending, False
                 admitted: list[_Seq] = []
                 if not self._paused:
                     free = runner.max_rows - len(runner.rows)
                     admitted, self._waiting = self._waiting[:free], self._waiting[free:]
+                    self._admitting = admitted
             for fn, fut in commands:
                 try:
                     fut.set_result(fn())
                 except Exception as e:  # noqa: BLE001 - handed to whoever waits on the command
                     fut.set_exception(e)
-            if self._paused and not admitted:
+            if abort_pending:  # also while paused: aborted requests return at once
+                self._finish_aborted()
+            if self._paused:
                 continue
-            self._finish_aborted()
             try:
                 version = self._version
                 fresh = runner.prefill(admitted)
+                with self._cond:
+                    self._admitting = []
                 for s in fresh:
                     if s.params.max_new_tokens == 0:  # admitted only for its prompt logprobs
                         s.out.clear()
