@@ -87,7 +87,7 @@ def _launch(tmp_path, *overrides: str, timeout: float = 120) -> tuple[int, list[
     out = tmp_path / "probe.jsonl"
     cmd = [sys.executable, "-m", "areal_lite.launcher.local", PROBE, f"probe.out={out}",
            f"cluster.fileroot={tmp_path}", *overrides]
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=ENV, check=False, capture_output=True, text=True, timeout=timeout)
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return proc.returncode, records
 
@@ -172,7 +172,7 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
                             "[[ \"$*\" == *torch.distributed.run* && \"$AREAL_LITE_ATTEMPT\" == 0 ]] && exit 5; exit 0")
     job = tmp_path / "job.sh"
     job.write_text(script)
-    proc = subprocess.run(["bash", str(job)], env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+    proc = subprocess.run(["bash", str(job)], check=False, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
                                                    "SLURM_JOB_NODELIST": "n[0-3]"}, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = [json.loads(line) for line in calls.read_text().splitlines()]

@@ -32,7 +32,7 @@ def _batches(dl, n: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_dataloader_resumes_exactly_at_every_batch(rank: int) -> None:
-    make = lambda: stateful_dataloader(list(range(11)), 2, seed=5, rank=rank, world_size=2)  # noqa: E731
+    make = lambda: stateful_dataloader(list(range(11)), 2, seed=5, rank=rank, world_size=2)
     full = _batches(make(), 6)  # 11 items over 2 ranks -> 5 each -> 2 batches of 2 per epoch
     for k in range(7):
         dl = make()
@@ -54,29 +54,43 @@ def test_dataloader_shards_each_epoch_disjointly() -> None:
     assert epochs[0] != epochs[1] != epochs[2], "each epoch has its own order"
 
 
+def _writer(value: str):
+    return lambda d: open_write(os.path.join(d, "v"), value)
+
+
+def open_write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def test_atomic_write_keeps_the_old_copy_when_a_write_fails(tmp_path) -> None:
     path = str(tmp_path / "ckpt")
-    write_atomically(path, lambda d: open(os.path.join(d, "v"), "w").write("1"))
+    write_atomically(path, _writer("1"))
 
     def crash(d: str) -> None:
-        open(os.path.join(d, "v"), "w").write("half")
+        open_write(os.path.join(d, "v"), "half")
         raise RuntimeError("killed mid-write")
 
     with pytest.raises(RuntimeError):
         write_atomically(path, crash)
     assert resolve_atomic(path) == path
-    assert open(os.path.join(path, "v")).read() == "1"
-    write_atomically(path, lambda d: open(os.path.join(d, "v"), "w").write("2"))
-    assert open(os.path.join(path, "v")).read() == "2"
+    assert read(os.path.join(path, "v")) == "1"
+    write_atomically(path, _writer("2"))
+    assert read(os.path.join(path, "v")) == "2"
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
 def test_a_crash_between_the_renames_leaves_the_old_copy_found(tmp_path) -> None:
     path = str(tmp_path / "ckpt")
-    write_atomically(path, lambda d: open(os.path.join(d, "v"), "w").write("1"))
+    write_atomically(path, _writer("1"))
     os.rename(path, path + ".old")  # the state right after the first rename
     assert resolve_atomic(path) == path + ".old"
-    write_atomically(path, lambda d: open(os.path.join(d, "v"), "w").write("2"))
+    write_atomically(path, _writer("2"))
     assert resolve_atomic(path) == path and not os.path.exists(path + ".old")
     assert resolve_atomic(str(tmp_path / "none")) is None
 
@@ -170,7 +184,7 @@ def test_sigkilled_trainer_resumes_with_each_sample_once_per_epoch(tmp_path) -> 
         assert [r["step"] for r in records if r["attempt"] == 0] == list(range(kill_step + 1))
         assert [r["step"] for r in records if r["attempt"] == 1] == list(range(kill_step, total_steps)), \
             "the restart resumes at the step that was not checkpointed and runs to the same end"
-        killed, redone = [[r for r in records if r["step"] == kill_step and r["attempt"] == a][0] for a in (0, 1)]
+        killed, redone = [next(r for r in records if r["step"] == kill_step and r["attempt"] == a) for a in (0, 1)]
         assert redone["ids"] == killed["ids"]
         assert redone["loss"] == pytest.approx(killed["loss"], rel=1e-6, abs=1e-7)
         for r in records:  # the last attempt's record of a step is what the final model trained on
@@ -193,7 +207,7 @@ def test_resume_pushes_the_recovered_policy_to_the_inference_engine(tmp_path) ->
 
     build_tiny_model(str(tmp_path / "model"), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=256)
     script = os.path.join(os.path.dirname(__file__), "scripts", "recover_push.py")
-    proc = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, script, str(tmp_path)], check=False, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 

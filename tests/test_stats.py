@@ -49,7 +49,7 @@ def test_tracker_reduces_across_two_ranks(tmp_path) -> None:
     out_file = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(find_free_port()),
            os.path.join(HERE, "scripts", "stats_reduce.py"), str(out_file)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(out_file.read_text())
     s = out["scalars"]

@@ -165,13 +165,12 @@ def spawn(cmd: list[str], *, cores: list[int], env: dict[str, str], log_path: st
         if cores:
             os.sched_setaffinity(0, cores)
 
-    out = open(log_path, "ab") if log_path else None
-    try:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True, preexec_fn=child_setup)
-    finally:
-        if out is not None:
-            out.close()
+    # preexec_fn is unsafe only in a multi-threaded parent; the launcher has a single thread.
+    if log_path is None:
+        return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=child_setup)  # noqa: PLW1509
+    with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=child_setup)  # noqa: PLW1509
 
 
 def stop(procs: list[subprocess.Popen], grace: float = TEARDOWN_GRACE_S) -> None:

@@ -77,7 +77,7 @@ def _node_ip_and_port() -> tuple[str, int]:
 
 
 def _run(cmd: list[str], attempt: int) -> int:
-    return subprocess.run(cmd, env={**os.environ, ATTEMPT_ENV: str(attempt)}).returncode
+    return subprocess.run(cmd, env={**os.environ, ATTEMPT_ENV: str(attempt)}, check=False).returncode
 
 
 def run(plan: LaunchPlan) -> int:

@@ -83,31 +83,30 @@ def main() -> None:
     info = recover.load(engine, dataloader=dataloader, stats_logger=stats_logger)
     step = info.next_step if info is not None else StepInfo.first(steps_per_epoch)
     tracker = StatsTracker()
-    record = open(os.path.join(cfg.output_dir, f"consumed_rank{rank}.jsonl"), "a")
-
-    data = iter(dataloader)
-    while step.global_step < total_steps:
-        try:
-            items = next(data)
-        except StopIteration:  # the epoch ended: the next iteration is the next epoch
-            data = iter(dataloader)
-            items = next(data)
-        stats = engine.train_batch(to_batch(items), sft_loss, n_trained_tokens)
-        engine.step_lr_scheduler()
-        tracker.total(n_samples=len(items))
-        record.write(json.dumps({"attempt": attempt, "step": step.global_step, "ids": [it["id"] for it in items],
-                                 "loss": stats["loss"]}) + "\n")
-        record.flush()
-        if attempt == 0 and step.global_step == cfg.pause_at_step:
-            with open(os.path.join(cfg.output_dir, f"paused_rank{rank}"), "w") as f:
-                f.write(str(os.getpid()))
-            while True:
-                time.sleep(0.1)
-        last = step.global_step == total_steps - 1
-        saver.save(engine, step, last=last)
-        stats_logger.commit(step.global_step, stats, tracker.export())
-        recover.dump(engine, step, dataloader=dataloader, stats_logger=stats_logger, last=last)
-        step = step.next()
+    with open(os.path.join(cfg.output_dir, f"consumed_rank{rank}.jsonl"), "a") as record:
+        data = iter(dataloader)
+        while step.global_step < total_steps:
+            try:
+                items = next(data)
+            except StopIteration:  # the epoch ended: the next iteration is the next epoch
+                data = iter(dataloader)
+                items = next(data)
+            stats = engine.train_batch(to_batch(items), sft_loss, n_trained_tokens)
+            engine.step_lr_scheduler()
+            tracker.total(n_samples=len(items))
+            record.write(json.dumps({"attempt": attempt, "step": step.global_step, "ids": [it["id"] for it in items],
+                                     "loss": stats["loss"]}) + "\n")
+            record.flush()
+            if attempt == 0 and step.global_step == cfg.pause_at_step:
+                with open(os.path.join(cfg.output_dir, f"paused_rank{rank}"), "w") as f:
+                    f.write(str(os.getpid()))
+                while True:
+                    time.sleep(0.1)
+            last = step.global_step == total_steps - 1
+            saver.save(engine, step, last=last)
+            stats_logger.commit(step.global_step, stats, tracker.export())
+            recover.dump(engine, step, dataloader=dataloader, stats_logger=stats_logger, last=last)
+            step = step.next()
     stats_logger.close()
     engine.destroy()
 

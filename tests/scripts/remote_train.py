@@ -65,23 +65,23 @@ def main() -> None:
     actor.connect_engine(rollout, meta)
     dataloader = stateful_dataloader(prompts, cfg.rollout.consumer_batch_size, seed=cfg.seed)
     workflow = SampleWorkflow(GenerationConfig(max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.max_new_tokens))
-    log = open(os.path.join(cfg.output_dir, "steps.jsonl"), "a")
-    for step in range(cfg.total_steps):
-        batch = rollout.prepare_batch(dataloader, workflow)
-        actor.train_batch(batch, likelihood_loss, lambda mb: float(mb["loss_mask"].sum()))
-        actor.step_lr_scheduler()
-        rollout.pause()
-        actor.update_weights(WeightUpdateMeta(type="disk", path=meta.path, version=step + 1))
-        actor.set_version(step + 1)
-        rollout.set_version(step + 1)
-        rollout.resume()
-        versions = sorted({int(v) for v in batch["versions"].flatten().tolist() if v >= 0})
-        log.write(json.dumps({"step": step, "n": batch.batch_size[0], "versions": versions}) + "\n")
-        log.flush()
-        if step == cfg.pause_after_step:
-            open(os.path.join(cfg.output_dir, "paused"), "w").close()
-            while not os.path.exists(os.path.join(cfg.output_dir, "continue")):
-                time.sleep(0.05)
+    with open(os.path.join(cfg.output_dir, "steps.jsonl"), "a") as log:
+        for step in range(cfg.total_steps):
+            batch = rollout.prepare_batch(dataloader, workflow)
+            actor.train_batch(batch, likelihood_loss, lambda mb: float(mb["loss_mask"].sum()))
+            actor.step_lr_scheduler()
+            rollout.pause()
+            actor.update_weights(WeightUpdateMeta(type="disk", path=meta.path, version=step + 1))
+            actor.set_version(step + 1)
+            rollout.set_version(step + 1)
+            rollout.resume()
+            versions = sorted({int(v) for v in batch["versions"].flatten().tolist() if v >= 0})
+            log.write(json.dumps({"step": step, "n": batch.batch_size[0], "versions": versions}) + "\n")
+            log.flush()
+            if step == cfg.pause_after_step:
+                open(os.path.join(cfg.output_dir, "paused"), "w").close()
+                while not os.path.exists(os.path.join(cfg.output_dir, "continue")):
+                    time.sleep(0.05)
     rollout.destroy()
     actor.destroy()
 
