@@ -1,10 +1,11 @@
-"""MegatronEngine acceptance: the same tiny model and batch through FSDPEngine, MegatronEngine
-with TP=2, and MegatronEngine with TP=1 x DP=2, all under one torchrun launch of 2 gloo ranks
+"""MegatronEngine acceptance: the same tiny model and batch through FSDPEngine and MegatronEngine
+with TP=2, TP=1 x DP=2 and PP=2, all under one torchrun launch of 2 gloo ranks
 (tests/scripts/megatron_worker.py), compared here: log-probabilities, entropies, loss and the
 parameters after one `train_batch` equal to 1e-5; the Megatron-saved HF directory loads with
-``from_pretrained`` and gives the engine's log-probabilities; weight updates of all three kinds
-deliver the same tensors; a non-finite step is skipped; a ``dcp`` checkpoint resumes exactly.
-The vocabulary (301) is odd, so TP=2 exercises the padded vocabulary.
+``from_pretrained`` and gives the engine's log-probabilities (also for tied embeddings at TP=2 and
+PP=2); weight updates of all three kinds deliver the same tensors; a non-finite step is skipped; a
+``dcp`` checkpoint resumes exactly. The vocabulary (301) is odd, so TP=2 exercises the padded
+vocabulary.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.tiny import build_tiny_model
 
 WORKER = Path(__file__).parent / "scripts" / "megatron_worker.py"
-RUNS = ("fsdp", "mcore_tp2", "mcore_tp1")
+RUNS = ("fsdp", "mcore_tp2", "mcore_tp1", "mcore_pp2")
+MEGATRON_RUNS = RUNS[1:]
 TOL = 1e-5
 
 
@@ -73,14 +75,14 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def test_same_engine_types_as_configured(out: Path) -> None:
     r = results(out)
-    assert [r[run]["type"] for run in RUNS] == ["FSDPEngine", "MegatronEngine", "MegatronEngine"]
+    assert [r[run]["type"] for run in RUNS] == ["FSDPEngine"] + ["MegatronEngine"] * len(MEGATRON_RUNS)
 
 
 def test_logprobs_entropy_and_loss_equal_fsdp(out: Path) -> None:
     r = results(out)
     ref = r["fsdp"]
     assert ref["lp"].shape == (8, 24)
-    for run in ("mcore_tp2", "mcore_tp1"):
+    for run in MEGATRON_RUNS:
         assert torch.allclose(r[run]["lp"], ref["lp"], rtol=0, atol=TOL), run
         assert torch.allclose(r[run]["ent"], ref["ent"], rtol=0, atol=TOL), run
         assert r[run]["lp"][:, 0].abs().max() == 0
@@ -92,13 +94,13 @@ def test_logprobs_entropy_and_loss_equal_fsdp(out: Path) -> None:
 def test_parameters_after_one_step_equal_fsdp(out: Path) -> None:
     initial = safetensors_dir(Path((out / "model").read_text()))
     ref = safetensors_dir(out / "fsdp_hf")
-    for run in ("mcore_tp2", "mcore_tp1"):
+    for run in MEGATRON_RUNS:
         assert max_diff(safetensors_dir(out / f"{run}_hf"), ref) < TOL, run
     # every tensor moved by more than the tolerance (most by far more), so the comparison has teeth
     moved = [float((ref[k] - initial[k]).abs().max()) for k in ref]
     assert min(moved) > TOL and max(moved) > 100 * TOL
     r = results(out)
-    for run in ("mcore_tp2", "mcore_tp1"):
+    for run in MEGATRON_RUNS:
         assert torch.allclose(r[run]["lp_after"], r["fsdp"]["lp_after"], rtol=0, atol=TOL), run
 
 
@@ -113,6 +115,14 @@ def test_megatron_hf_checkpoint_loads_with_from_pretrained(out: Path) -> None:
     lp = torch.cat([torch.zeros(ids.shape[0], 1), lp], 1) * am
     assert torch.allclose(lp, r["lp_after"], rtol=0, atol=TOL)
     assert model.config.vocab_size == 301
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_tied_embeddings_train_and_save_consistently(out: Path, layout: str) -> None:
+    checks = json.loads((out / "checks.json").read_text())
+    assert checks[f"tied_{layout}_initial_err"] < TOL
+    assert checks[f"tied_{layout}_saved_err"] < TOL
+    assert checks[f"tied_{layout}_moved"] > 100 * TOL
 
 
 def test_weight_updates_deliver_the_saved_weights(out: Path) -> None:

@@ -8,8 +8,9 @@ raises, so mapping them to the CPU changes nothing that could otherwise run:
 
 - `cpu_compat` is a context manager that, only when CUDA is unavailable, redirects CUDA device
   arguments and ``Tensor.cuda()`` to the CPU, reports CPU tensors' ``Tensor.type()`` as the CUDA
-  type name the optimizer's dtype checks expect (a `TorchFunctionMode`), and makes
-  ``torch.cuda.current_device()`` return the CPU device. `MegatronEngine` enters it around every
+  type name the optimizer's dtype checks expect (a `TorchFunctionMode`), makes
+  ``torch.cuda.current_device()`` return the CPU device and ``torch.cuda.synchronize()`` (called
+  after pipeline sends) do nothing. `MegatronEngine` enters it around every
   call into megatron-core; with CUDA it is a no-op.
 - `install_cpu_rng_tracker` replaces megatron's CUDA RNG tracker by one that forks the CPU
   generator, and its CUDA RNG state getter/setter by the CPU ones, so dropout inside
@@ -61,13 +62,14 @@ def cpu_compat() -> Iterator[None]:
     if not cpu_mode():
         yield
         return
-    saved = torch.cuda.current_device
+    saved = torch.cuda.current_device, torch.cuda.synchronize
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     try:
         with _CudaToCpu():
             yield
     finally:
-        torch.cuda.current_device = saved  # type: ignore[assignment]
+        torch.cuda.current_device, torch.cuda.synchronize = saved  # type: ignore[assignment]
 
 
 def install_cpu_rng_tracker(seed: int) -> None:

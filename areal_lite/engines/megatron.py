@@ -16,13 +16,17 @@ packed 1-D layout, scored chunk by chunk (`areal_lite.utils.logprob`, as in FSDP
 loss function sees the same packed micro-batch as with FSDP. The balanced micro-batch split keeps
 the padding small.
 
-Parallelism: ``tensor_parallel_size`` ranks split every layer; the remaining factor of the world
-size is data parallel. Tensor-parallel ranks of one data-parallel rank must train on the same
-data, so the batch of the first rank of each tensor-parallel group is broadcast to the others.
-Gradients are summed (not averaged) over data-parallel ranks, because each micro-batch loss
-already carries its ``weight / total`` share of the global batch. At TP > 1 the (vocabulary-split)
-output weight is all-gathered for the head, so the logits match FSDP's to the last bit of the
-matmul. Pipeline parallelism is not implemented (``pipeline_parallel_size`` must be 1).
+Parallelism: ``tensor_parallel_size`` ranks split every layer, ``pipeline_parallel_size`` stages
+split the layers; the remaining factor of the world size is data parallel. The ranks of one
+model-parallel group (TP x PP) must train on the same data, so the batch of its first rank is
+broadcast to the others. Micro-batches run through megatron's own schedule (1F1B across pipeline
+stages; variable sequence lengths, so padded micro-batches of any shape pass between stages); the
+head, the log-probabilities and the loss run on the last stage, whose results are broadcast to the
+other stages. Gradients are summed (not averaged) over data-parallel ranks, because each
+micro-batch loss already carries its ``weight / total`` share of the global batch. At TP > 1 the
+(vocabulary-split) output weight is all-gathered for the head, so the logits match FSDP's to the
+last bit of the matmul. With tied embeddings and PP > 1 the last stage holds a copy of the
+embedding that megatron keeps in sync (its gradients are summed with the first stage's).
 
 On CPU (gloo) megatron-core's few hard-coded CUDA calls are redirected by `mcore_cpu`.
 
@@ -37,8 +41,10 @@ import glob
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -59,6 +65,10 @@ from areal_lite.utils.lr_schedule import lr_multiplier
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+MicroBatch = tuple[TensorDict, PackedBatch, float]
+"""A micro-batch as the schedule sees it: padded ``[b, s]``, packed, and its loss weight."""
 
 
 class _SafetensorsDir(Mapping[str, torch.Tensor]):
@@ -92,9 +102,11 @@ class _SafetensorsDir(Mapping[str, torch.Tensor]):
 
 
 def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> torch.nn.Module:
-    """megatron-core GPTModel (local layers) for ``arch``, whose forward returns the final hidden
-    states ``[s, b, h]`` instead of logits: the engine applies the head chunk by chunk."""
+    """megatron-core GPTModel (local layers) for ``arch``: this pipeline stage's layers, whose
+    forward returns hidden states ``[s, b, h]`` instead of logits (the engine applies the head
+    chunk by chunk)."""
     import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -135,6 +147,9 @@ def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> to
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # micro-batches are padded to their own longest sequence: stages exchange shapes first
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # no experts here; the default refuses variable lengths
         **recompute,
     )
     return HiddenStatesGPT(
@@ -145,6 +160,8 @@ def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> to
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
     )
 
 
@@ -164,6 +181,8 @@ class MegatronEngine(TrainEngine):
         self._owns_model_parallel = False
         self._inference_engine: InferenceEngine | None = None
         self._weight_group: CustomGroup | None = None
+        self._layer_ids: list[int] = []
+        self._stage_specs: list[list[tuple[str, list[tuple[str, tuple[int, ...]]]]]] | None = None
         self.device = torch.device("cpu")
 
     # ---------------------------------------------------------------- setup
@@ -176,20 +195,19 @@ class MegatronEngine(TrainEngine):
         cfg = self.config
         if cfg.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
-        if cfg.pipeline_parallel_size != 1:
-            raise ValueError("MegatronEngine does not implement pipeline parallelism yet: set pipeline_parallel_size=1")
         if cfg.is_critic:
             raise ValueError("MegatronEngine trains language models only; use backend=fsdp for a critic")
         self._owns_group = _init_default_group()
         if not cpu_mode():
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if dist.get_world_size() % cfg.tensor_parallel_size != 0:
-            raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tensor_parallel_size={cfg.tensor_parallel_size}")
+        tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+        if dist.get_world_size() % (tp * pp) != 0:
+            raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tensor x pipeline parallel size {tp} x {pp}")
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel_size)
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
             self._owns_model_parallel = True
-        elif ps.get_tensor_model_parallel_world_size() != cfg.tensor_parallel_size:
-            raise RuntimeError("megatron model parallelism is already initialised with another tensor_parallel_size")
+        elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
+            raise RuntimeError("megatron model parallelism is already initialised with other tensor/pipeline sizes")
         torch.manual_seed(cfg.seed)
         if cpu_mode():
             install_cpu_rng_tracker(cfg.seed)
@@ -200,6 +218,8 @@ class MegatronEngine(TrainEngine):
         dtype = _DTYPES[cfg.dtype]
         with cpu_compat():
             model = _build_gpt(self.arch, cfg, dtype).to(self.device)
+        # local layer index -> global layer index (megatron numbers layers from 1)
+        self._layer_ids = [layer.layer_number - 1 for layer in model.decoder.layers]
         self._copy_hf_into(model, _SafetensorsDir(cfg.path))
         if ft_spec is None:
             model.requires_grad_(False)
@@ -301,21 +321,23 @@ class MegatronEngine(TrainEngine):
         model = self._module()
         return getattr(model, "module", model)
 
-    def _same_batch_across_tp(self, batch: TensorDict) -> TensorDict:
-        """The batch of the first rank of this tensor-parallel group, on every rank of it."""
+    def _same_batch_in_model_parallel_group(self, batch: TensorDict) -> TensorDict:
+        """The batch of the first rank of this model-parallel (TP x PP) group, on all its ranks."""
         from megatron.core import parallel_state as ps
 
-        if ps.get_tensor_model_parallel_world_size() == 1:
+        group = ps.get_model_parallel_group()
+        ranks = dist.get_process_group_ranks(group)
+        if len(ranks) == 1:
             return batch
-        box: list[object] = [batch.to_dict() if ps.get_tensor_model_parallel_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
+        box: list[object] = [batch.to_dict() if dist.get_rank() == ranks[0] else None]
+        dist.broadcast_object_list(box, src=ranks[0], group=group)
         data = box[0]
         assert isinstance(data, dict)
         return TensorDict(data, batch_size=[data["attention_mask"].shape[0]])
 
     def _microbatches(self, batch: TensorDict) -> tuple[list[tuple[TensorDict, PackedBatch]], torch.Tensor]:
         """(padded, packed) micro-batches of this rank's data, and the order-restoring permutation."""
-        split = split_microbatches(self._same_batch_across_tp(batch), self.config.mb_spec)
+        split = split_microbatches(self._same_batch_in_model_parallel_group(batch), self.config.mb_spec)
         return [(mb, pack_batch(mb)) for mb in split.mbs], split.restore_order
 
     def _output_weight(self) -> torch.Tensor:
@@ -330,23 +352,16 @@ class MegatronEngine(TrainEngine):
             w = gather_from_tensor_model_parallel_region(w.t()).t()
         return w[: self.arch.vocab_size]
 
-    def _run(self, padded: TensorDict, packed: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token-aligned log-probabilities and entropies ``[T]`` of one micro-batch."""
-        ids = padded["input_ids"].to(self.device)
+    def _logprobs(self, hidden: torch.Tensor, padded: TensorDict, packed: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-aligned log-probabilities and entropies ``[T]`` from the last stage's ``[s, b, h]``."""
         mask = padded["attention_mask"].to(self.device).bool()
-        s = ids.shape[1]
-        pos = torch.arange(s, device=self.device).expand_as(ids)
-        # True = masked; given explicitly because megatron's default causal mask is CUDA-only
-        causal = torch.ones(s, s, dtype=torch.bool, device=self.device).triu(1)[None, None]
-        hidden = self._module()(ids, pos, causal)  # [s, b, h]
         hidden = hidden.transpose(0, 1)[mask]  # [T, h], pack_batch's order
-        packed_ids = packed["input_ids"]
-        cu = packed["cu_seqlens"]
-        assert isinstance(packed_ids, torch.Tensor) and isinstance(cu, torch.Tensor)
+        ids, cu = packed["input_ids"], packed["cu_seqlens"]
+        assert isinstance(ids, torch.Tensor) and isinstance(cu, torch.Tensor)
         logp, entropy = logprobs_from_hidden(
             hidden,
             self._output_weight(),
-            next_token_labels(packed_ids.to(self.device)),
+            next_token_labels(ids.to(self.device)),
             chunk_size=self.config.logits_chunk_size,
             with_entropy=with_entropy,
         )
@@ -354,24 +369,66 @@ class MegatronEngine(TrainEngine):
         entropy = align_to_tokens(entropy, cu) if entropy is not None else torch.zeros_like(logp)
         return logp, entropy
 
+    def _schedule(self, mbs: list[MicroBatch], head: Callable[..., tuple], forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        """Run every micro-batch through megatron's schedule; ``head(padded, packed, weight,
+        hidden)`` runs on the last stage and returns what megatron's loss function returns. Returns
+        the heads' result dicts in micro-batch order (on the last stage; empty elsewhere)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step(data: Iterator[MicroBatch], model: torch.nn.Module) -> tuple[torch.Tensor, Callable[..., tuple]]:
+            padded, packed, w = next(data)
+            ids = padded["input_ids"].to(self.device)
+            s = ids.shape[1]
+            pos = torch.arange(s, device=self.device).expand_as(ids)
+            # True = masked; given explicitly because megatron's default causal mask is CUDA-only
+            causal = torch.ones(s, s, dtype=torch.bool, device=self.device).triu(1)[None, None]
+            return model(ids, pos, causal), partial(head, padded, packed, w)
+
+        return get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iter(mbs),
+            model=[self._module()],
+            num_microbatches=len(mbs),
+            seq_length=max(p["attention_mask"].shape[1] for p, _, _ in mbs),
+            micro_batch_size=max(p["attention_mask"].shape[0] for p, _, _ in mbs),
+            forward_only=forward_only,
+        )
+
+    def _from_last_stage(self, obj: object) -> object:
+        """``obj`` of the last pipeline stage, on every stage."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return obj
+        group = ps.get_pipeline_model_parallel_group()
+        box = [obj if ps.is_pipeline_last_stage() else None]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
+        return box[0]
+
     @torch.no_grad()
     def forward(self, batch: TensorDict, *, with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         model = self._module()
         model.eval()
         seqlen = batch["attention_mask"].shape[1]
         mbs, order = self._microbatches(batch)
-        outs, ents = [], []
+
+        def head(padded: TensorDict, packed: PackedBatch, w: float, hidden: torch.Tensor) -> tuple:
+            logp, ent = self._logprobs(hidden, padded, packed, with_entropy)
+            return logp.sum() * 0.0, {"logp": logp, "ent": ent}
+
         with cpu_compat():
-            for padded, packed in mbs:
-                out, ent = self._run(padded, packed, with_entropy)
+            store = self._schedule([(p, k, 0.0) for p, k in mbs], head, forward_only=True)
+        result = None
+        if store:
+            outs, ents = [], []
+            for (_, packed), out in zip(mbs, store):
                 cu = packed["cu_seqlens"]
                 assert isinstance(cu, torch.Tensor)
-                outs.append(unpack_sequences(out.float().cpu(), cu, seqlen))
-                ents.append(unpack_sequences(ent.float().cpu(), cu, seqlen))
-        result = torch.cat(outs)[order]
-        if with_entropy:
-            return result, torch.cat(ents)[order]
-        return result
+                outs.append(unpack_sequences(out["logp"].float().cpu(), cu, seqlen))
+                ents.append(unpack_sequences(out["ent"].float().cpu(), cu, seqlen))
+            result = (torch.cat(outs)[order], torch.cat(ents)[order])
+        lp, ent = self._from_last_stage(result)  # type: ignore[misc]
+        return (lp, ent) if with_entropy else lp
 
     def _weights(self, packed: list[PackedBatch], loss_weight_fn: LossWeightFn) -> tuple[list[float], float]:
         from megatron.core import parallel_state as ps
@@ -383,41 +440,53 @@ class MegatronEngine(TrainEngine):
             raise ValueError("loss_weight_fn gave a total weight of 0 over the whole batch (no trained tokens?)")
         return weights, float(total.item())
 
-    def _reduce_stats(self, loss: float, stats: dict[str, float]) -> dict[str, float]:
-        """Sum the already-weighted loss and stats over data-parallel ranks (weights sum to 1)."""
+    def _weighted_stats(self, store: list[dict[str, torch.Tensor]], weights: list[float], total: float) -> dict[str, float]:
+        """Loss and stats averaged with the loss weights, over micro-batches and data-parallel ranks."""
         from megatron.core import parallel_state as ps
 
-        keys = sorted(stats)
-        vec = torch.tensor([loss] + [stats[k] for k in keys], dtype=torch.float64)
+        sums: dict[str, float] = {}
+        for out, w in zip(store, weights):
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * w / total
+        sums = self._from_last_stage(sums)  # type: ignore[assignment]
+        keys = ["loss"] + sorted(k for k in sums if k != "loss")
+        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(vec, group=ps.get_data_parallel_group(with_context_parallel=True))
-        out = {"loss": float(vec[0])}
-        out.update({k: float(v) for k, v in zip(keys, vec[1:].tolist())})
-        return out
+        return dict(zip(keys, vec.tolist()))
+
+    def _loss_head(self, loss_fn: LossFn, total: float, train: bool) -> Callable[..., tuple]:
+        def head(padded: TensorDict, packed: PackedBatch, w: float, hidden: torch.Tensor) -> tuple:
+            out, ent = self._logprobs(hidden, padded, packed, with_entropy=True)
+            loss, stats = loss_fn(out, ent, packed)
+            reported = {"loss": loss.detach(), **{k: v.detach() for k, v in stats.items()}}
+            if not train:
+                return loss, reported
+            # A zero-weight micro-batch still runs backward (the schedule always does) without
+            # touching its loss, which may be NaN (e.g. a mean over no tokens).
+            scaled = loss * (w / total) if w > 0 else (out.sum() + ent.sum()) * 0.0
+            # (loss, num_tokens, stats): with calculate_per_token_loss megatron leaves it unscaled
+            return scaled, torch.ones((), dtype=torch.int), reported
+
+        return head
 
     def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        from megatron.core.distributed import finalize_model_grads
+
         model = self._module()
         if self.optimizer is None:
             raise RuntimeError("train_batch needs an optimizer: initialize the engine with a FinetuneSpec")
         model.train()
         mbs, _ = self._microbatches(batch)
         weights, total = self._weights([p for _, p in mbs], loss_weight_fn)
-        loss_sum, stats_sum = 0.0, {}
         with cpu_compat():
             model.zero_grad_buffer()
             self.optimizer.zero_grad()  # type: ignore[attr-defined]
-            for (padded, packed), w in zip(mbs, weights):
-                out, ent = self._run(padded, packed, with_entropy=True)
-                loss, stats = loss_fn(out, ent, packed)
-                loss_sum += float(loss.detach()) * w / total
-                for k, v in stats.items():
-                    stats_sum[k] = stats_sum.get(k, 0.0) + float(v.detach()) * w / total
-                if w > 0:
-                    (loss * (w / total)).backward()
-            # gradients are reduce-scattered over data-parallel ranks once, here
-            model.finish_grad_sync()
+            store = self._schedule([(p, k, w) for (p, k), w in zip(mbs, weights)], self._loss_head(loss_fn, total, True), forward_only=False)
+            # data-parallel reduce-scatter, and the tied-embedding gradient sum across stages
+            finalize_model_grads([model])
             grad_norm, ok = self._optimizer_step()
+        result = self._weighted_stats(store, weights, total)
         lr = float(self.optimizer.param_groups[0]["lr"])  # type: ignore[attr-defined]
-        result = self._reduce_stats(loss_sum, stats_sum)
         result.update(grad_norm=grad_norm, lr=lr, update_successful=float(ok))
         return result
 
@@ -449,54 +518,86 @@ class MegatronEngine(TrainEngine):
         model.eval()
         mbs, _ = self._microbatches(batch)
         weights, total = self._weights([p for _, p in mbs], loss_weight_fn)
-        loss_sum, stats_sum = 0.0, {}
         with cpu_compat():
-            for (padded, packed), w in zip(mbs, weights):
-                out, ent = self._run(padded, packed, with_entropy=True)
-                loss, stats = loss_fn(out, ent, packed)
-                loss_sum += float(loss) * w / total
-                for k, v in stats.items():
-                    stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * w / total
-        return self._reduce_stats(loss_sum, stats_sum)
+            store = self._schedule([(p, k, w) for (p, k), w in zip(mbs, weights)], self._loss_head(loss_fn, total, False), forward_only=True)
+        return self._weighted_stats(store, weights, total)
 
     # ---------------------------------------------------------------- weights in HF form
 
-    def _named_local_params(self) -> list[tuple[str, torch.Tensor]]:
-        """This rank's megatron parameters by their GPTModel names (no DDP prefix)."""
-        return [(n, p) for n, p in self._gpt().named_parameters()]
+    def _global_name(self, local: str) -> str:
+        """A parameter's name with this stage's local layer index replaced by the global one."""
+        return _LAYER_PREFIX.sub(lambda m: f"decoder.layers.{self._layer_ids[int(m.group(1))]}.", local)
+
+    def _is_tied_copy(self, name: str) -> bool:
+        """The last stage's copy of a tied embedding (PP > 1): not a weight of its own."""
+        assert self.arch is not None
+        return name == "output_layer.weight" and self.arch.tie_word_embeddings
 
     @torch.no_grad()
     def _copy_hf_into(self, gpt: torch.nn.Module, hf: Mapping[str, torch.Tensor]) -> None:
         from megatron.core import parallel_state as ps
 
         assert self.arch is not None
-        local = hf_to_mcore(hf, self.arch, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
-        params = dict(getattr(gpt, "module", gpt).named_parameters())
-        if set(params) != set(local):
-            raise RuntimeError(f"megatron parameters {sorted(set(params) ^ set(local))} do not match the conversion")
-        for name, p in params.items():
-            p.copy_(local[name].to(p.dtype))
+        full = hf_to_mcore(hf, self.arch, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+        for name, p in getattr(gpt, "module", gpt).named_parameters():
+            source = "embedding.word_embeddings.weight" if self._is_tied_copy(name) else self._global_name(name)
+            if source not in full:
+                raise RuntimeError(f"megatron parameter {name} has no counterpart in the conversion")
+            p.copy_(full[source].to(p.dtype))
+
+    def _stage_param_specs(self) -> list[list[tuple[str, list[tuple[str, tuple[int, ...]]]]]]:
+        """For every pipeline stage: its local parameter names and the HF tensors (names, shapes)
+        each one converts to. Known on every rank, so that all take part in the same collectives."""
+        from megatron.core import parallel_state as ps
+
+        if self._stage_specs is None:
+            assert self.arch is not None
+            tp = ps.get_tensor_model_parallel_world_size()
+            mine = []
+            for name, p in self._gpt().named_parameters():
+                if self._is_tied_copy(name):
+                    continue
+                gname = self._global_name(name)
+                n_shards = 1 if mcore_split_dim(gname) is None else tp
+                meta = [torch.empty(p.shape, device="meta") for _ in range(n_shards)]
+                mine.append((name, [(hf, tuple(t.shape)) for hf, t in mcore_to_hf(gname, meta, self.arch)]))
+            stages: list[object] = [None] * ps.get_pipeline_model_parallel_world_size()
+            dist.all_gather_object(stages, mine, group=ps.get_pipeline_model_parallel_group())
+            self._stage_specs = stages  # type: ignore[assignment]
+        return self._stage_specs  # type: ignore[return-value]
 
     @torch.no_grad()
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named tensors, one megatron parameter at a time, on every rank, cast to the
-        configured dtype. Collective over the tensor-parallel group: every rank iterates to the end."""
+        """Full HF-named tensors, one at a time, on every rank, cast to the configured dtype.
+        Collective over the model-parallel group: every rank iterates to the end. Each stage
+        gathers its parameters over tensor-parallel ranks, then broadcasts them to the others."""
         from megatron.core import parallel_state as ps
 
         assert self.arch is not None
         tp = ps.get_tensor_model_parallel_world_size()
-        group = ps.get_tensor_model_parallel_group()
+        pp_group = ps.get_pipeline_model_parallel_group()
+        pp_ranks = dist.get_process_group_ranks(pp_group)
+        my_stage = ps.get_pipeline_model_parallel_rank()
+        local = dict(self._gpt().named_parameters())
         dtype = _DTYPES[self.config.dtype]
-        for name, p in self._named_local_params():
-            local = p.detach().to(self.device)
-            if tp == 1 or mcore_split_dim(name) is None:
-                shards = [local]
-            else:
-                shards = [torch.empty_like(local) for _ in range(tp)]
-                dist.all_gather(shards, local.contiguous(), group=group)
-            for hf_name, t in mcore_to_hf(name, shards, self.arch):
-                # a copy: replicated parameters are views into megatron's live parameter buffer
-                yield hf_name, t.to(dtype=dtype, copy=True)
+        for stage, specs in enumerate(self._stage_param_specs()):
+            for name, hf_specs in specs:
+                tensors: list[torch.Tensor]
+                if stage == my_stage:
+                    gname = self._global_name(name)
+                    part = local[name].detach().to(self.device)
+                    shards = [part]
+                    if tp > 1 and mcore_split_dim(gname) is not None:
+                        shards = [torch.empty_like(part) for _ in range(tp)]
+                        dist.all_gather(shards, part.contiguous(), group=ps.get_tensor_model_parallel_group())
+                    # copies: replicated parameters are views into megatron's live buffers
+                    tensors = [t.to(dtype=dtype, copy=True) for _, t in mcore_to_hf(gname, shards, self.arch)]
+                else:
+                    tensors = [torch.empty(shape, dtype=dtype, device=self.device) for _, shape in hf_specs]
+                for (hf_name, _), t in zip(hf_specs, tensors):
+                    if len(pp_ranks) > 1:
+                        dist.broadcast(t, src=pp_ranks[stage], group=pp_group)
+                    yield hf_name, t
 
     def _save_hf(self, path: str, tokenizer: object | None) -> None:
         from huggingface_hub import save_torch_state_dict
@@ -545,12 +646,13 @@ class MegatronEngine(TrainEngine):
         return [sub.optimizer for sub in self.optimizer.chained_optimizers]  # type: ignore[attr-defined]
 
     def _layout(self) -> dict[str, int]:
-        return {"world_size": dist.get_world_size(), "tensor_parallel_size": self.config.tensor_parallel_size}
+        cfg = self.config
+        return {"world_size": dist.get_world_size(), "tensor_parallel_size": cfg.tensor_parallel_size, "pipeline_parallel_size": cfg.pipeline_parallel_size}
 
     def _save_state(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         state: dict[str, object] = {
-            "model": {n: p.detach().cpu().clone() for n, p in self._named_local_params()},
+            "model": {n: p.detach().cpu().clone() for n, p in self._gpt().named_parameters()},
             "version": self._version,
             "global_step": self._global_step,
             "lr_step": self._lr_step,
@@ -573,7 +675,7 @@ class MegatronEngine(TrainEngine):
         if layout != self._layout():
             raise ValueError(f"checkpoint {path} was written with layout {layout}, this run has {self._layout()}")
         state = torch.load(os.path.join(path, f"megatron_rank{dist.get_rank()}.pt"), weights_only=False)
-        for name, p in self._named_local_params():
+        for name, p in self._gpt().named_parameters():
             p.copy_(state["model"][name])
         if self.optimizer is not None and "optim" in state:
             for o, sd, mains in zip(self._inner_optimizers(), state["optim"], state["main_params"]):

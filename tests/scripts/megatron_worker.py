@@ -3,12 +3,14 @@
 Usage: ``torchrun --nproc-per-node 2 megatron_worker.py MODEL_DIR OUT_DIR``.
 
 The same process runs, one after the other: FSDPEngine (2 data-parallel ranks, 1 micro-batch),
-MegatronEngine with TP=2 (2 micro-batches) and MegatronEngine with TP=1 x DP=2 (a token budget
-and activation recomputation). Each forwards the whole batch, takes one `train_batch` on its
+MegatronEngine with TP=2 (2 micro-batches), MegatronEngine with TP=1 x DP=2 (a token budget
+and activation recomputation) and MegatronEngine with PP=2 (3 micro-batches through the 1F1B
+schedule). Each forwards the whole batch, takes one `train_batch` on its
 data-parallel share and saves HF weights; rank 0 writes ``OUT_DIR/<run>.pt`` (log-probs,
 entropies, stats) and ``OUT_DIR/<run>_hf`` for tests/test_megatron.py to compare. The TP=2 run
 also sends weights of all three kinds to a receiver, skips a non-finite step, and resumes from a
-``dcp`` checkpoint (results in ``OUT_DIR/checks.json``).
+``dcp`` checkpoint; a tied Llama at TP=2 and PP=2 saves what it trained (results in
+``OUT_DIR/checks.json``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -158,6 +161,41 @@ def resume(e: TrainEngine, cfg: TrainEngineConfig, checks: dict[str, object]) ->
     fresh.destroy()  # `e` created megatron's model-parallel state and tears it down
 
 
+def padded_logprobs(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
+    """Token-aligned log-probabilities from HF's own padded-batch forward."""
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=am.long()).logits.float()
+    lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros(ids.shape[0], 1), lp], 1) * am
+
+
+def tied_embeddings(checks: dict[str, object]) -> None:
+    """A tied Llama at TP=2 and at PP=2 (where the last stage holds a synced copy of the
+    embedding): after one step, the saved HF model must reproduce the engine's log-probabilities."""
+    from areal_lite.utils.tiny import build_tiny_model
+
+    path = os.path.join(OUT, "tied_model")
+    if dist.get_rank() == 0:
+        build_tiny_model(path, arch="llama", hidden_size=32, num_layers=2, vocab_size=301, tie_word_embeddings=True)
+    dist.barrier()
+    batch = make_batch(3)
+    for tag, kw in (("tp2", {"tensor_parallel_size": 2}), ("pp2", {"pipeline_parallel_size": 2})):
+        cfg = replace(config("megatron", **kw), path=path)
+        e = make_train_engine(cfg)
+        e.initialize(FT)
+        before = e.forward(batch)
+        e.train_batch(my_share(batch, e), nll, n_tokens)
+        after = e.forward(batch)
+        saved = os.path.join(OUT, f"tied_{tag}_hf")
+        e.save(SaveLoadMeta(path=saved))
+        e.destroy()
+        if dist.get_rank() == 0:
+            checks[f"tied_{tag}_initial_err"] = float((before - padded_logprobs(AutoModelForCausalLM.from_pretrained(path), batch)).abs().max())
+            checks[f"tied_{tag}_saved_err"] = float((after - padded_logprobs(AutoModelForCausalLM.from_pretrained(saved), batch)).abs().max())
+            checks[f"tied_{tag}_moved"] = float((after - before).abs().max())
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -165,6 +203,7 @@ def main() -> None:
         "fsdp": config("fsdp"),
         "mcore_tp2": config("megatron", tensor_parallel_size=2, mb_spec=MicroBatchSpec(n_mbs=2)),
         "mcore_tp1": config("megatron", mb_spec=MicroBatchSpec(max_tokens_per_mb=40), gradient_checkpointing=True),
+        "mcore_pp2": config("megatron", pipeline_parallel_size=2, mb_spec=MicroBatchSpec(n_mbs=3)),
     }
     checks: dict[str, object] = {}
     full = make_batch(0)
@@ -185,6 +224,7 @@ def main() -> None:
             checks["nan_changed"] = float((e.forward(full) - before).abs().max())
             resume(e, cfg, checks)
         e.destroy()
+    tied_embeddings(checks)
     if rank == 0:
         with open(os.path.join(OUT, "checks.json"), "w") as f:
             json.dump(checks, f)
