@@ -7,8 +7,10 @@ sequence per micro-batch (position ids restarting per sequence) spends none.
 Rows (same model, same batch, same number of micro-batches, one process, fp32 on CPU):
 - ``padded``: the usual dynamic-padding loop, sequences in order, each micro-batch padded to its
   longest sequence; HF forward with an attention mask, LM head on every position.
-- ``packed (bare HF)``: the same model and optimizer on packed micro-batches (balanced split).
-- ``packed (FSDPEngine)``: `FSDPEngine.train_batch`, FSDP2 on one rank, the real engine path.
+- ``packed (bare HF)``: the same model and optimizer on packed micro-batches (balanced split),
+  transformers' sdpa masking each sequence by the restarting position ids.
+- ``packed (FSDPEngine)``: `FSDPEngine.train_batch`, FSDP2 on one rank, the real engine path
+  (attention per sequence, `areal_lite.utils.varlen_attention`).
 
 Tokens/s counts real tokens only. Throughput is given per CPU-second of this process (stable
 when other jobs share the cores) and per wall second (the fastest step). The last line is

@@ -10,6 +10,7 @@ import torch
 
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
+from areal_lite.utils.varlen_attention import varlen_sdpa_attention
 
 
 def reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +46,20 @@ def test_alignment_to_the_token() -> None:
     assert next_token_labels(ids).tolist() == [11, 12, 20, 21, 10]
     pred = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])  # pred[t] scores token t + 1
     assert align_to_tokens(pred, cu).tolist() == [0.0, 1.0, 2.0, 0.0, 4.0]
+
+
+def test_varlen_attention_equals_block_causal_mask() -> None:
+    torch.manual_seed(0)
+    lens = [5, 1, 9, 3]
+    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    q, k, v = torch.randn(1, 4, 18, 8), torch.randn(1, 2, 18, 8), torch.randn(1, 2, 18, 8)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    allowed = (seq[:, None] == seq[None, :]) & torch.ones(18, 18, dtype=torch.bool).tril()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    out, _ = varlen_sdpa_attention(torch.nn.Module().eval(), q, k, v, None, cu_seq_lens_q=cu)
+    torch.testing.assert_close(out, ref.transpose(1, 2))
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        varlen_sdpa_attention(torch.nn.Module(), q, k, v, None)
 
 
 def test_lr_schedules() -> None:

@@ -2,10 +2,12 @@
 
 Every decoder layer and the root are sharded with ``fully_shard`` over all ranks (gloo on CPU,
 NCCL on CUDA). Batches are packed into one 1-D sequence per micro-batch; attention never crosses
-sequence boundaries because position ids restart per sequence and the KV cache is off (on CUDA,
-``attn_impl=flash_attention_2`` turns the same position ids into a varlen kernel call). The LM
-head is applied chunk by chunk (`areal_lite.utils.logprob`), so full-vocabulary logits of the
-whole micro-batch never exist at once.
+sequence boundaries: with ``attn_impl=sdpa`` (the default) attention runs per sequence
+(`areal_lite.utils.varlen_attention`), with ``flash_attention_2`` on CUDA the sequence boundaries
+go to its varlen kernel, and with ``eager`` position ids restart per sequence with the KV cache
+off so that transformers masks each sequence. The LM head is applied chunk by chunk
+(`areal_lite.utils.logprob`), so full-vocabulary logits of the whole micro-batch never exist at
+once.
 
 Loss normalisation is global: each micro-batch loss is scaled by ``loss_weight_fn(mb) / total``
 with ``total`` summed over all micro-batches and all ranks, and FSDP's gradient averaging over
@@ -48,6 +50,7 @@ from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatche
 from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
+from areal_lite.utils.varlen_attention import register_varlen_sdpa
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +75,12 @@ class _PackedModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Sequence boundaries for varlen attention (ours on CPU, flash-attention's on CUDA);
+        # built-in sdpa/eager ignore them and mask by the restarting position ids instead.
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        varlen = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_len, max_length_k=max_len)
         hidden = self.hf.base_model(
-            input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False
+            input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False, **varlen
         ).last_hidden_state[0]
         if self.is_critic:
             # The hidden state at t has read tokens[: t + 1]: it values the state in which token
@@ -163,7 +170,12 @@ class FSDPEngine(TrainEngine):
     def _load_hf(self, path: str) -> nn.Module:
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-        kwargs = dict(dtype=torch.float32, attn_implementation=self.config.attn_impl)
+        attn = self.config.attn_impl
+        if attn == "sdpa":
+            # The engine only ever runs packed rows: SDPA per sequence costs sum(L_i^2) where
+            # transformers' sdpa would mask a T x T product (3x slower at T=2k on CPU).
+            attn = register_varlen_sdpa()
+        kwargs = dict(dtype=torch.float32, attn_implementation=attn)
         if self.config.is_critic:
             # The value head (`score`) is new when loading a causal-LM directory; its init is
             # seeded identically on every rank by `initialize`.

@@ -194,6 +194,11 @@ def check_logprobs(res: dict[str, object]) -> None:
     res["logprob_uneven_err"] = max_over_ranks(float((e.forward(uneven_shard(batch)) - uneven_shard(ref_lp)).abs().max()))
     e.destroy()
 
+    # transformers' own masking of packed rows (position ids restarting, no KV cache).
+    e = engine(n_mbs=3, ft=None, attn_impl="eager")
+    res["logprob_eager_err"] = float((e.forward(batch) - ref_lp).abs().max())
+    e.destroy()
+
     # bf16 mixed precision: fp32 master weights, bf16 compute, close to the fp32 result.
     e = engine(dtype="bfloat16")
     lp16 = e.forward(batch)
