@@ -195,6 +195,12 @@ class RemoteSGLangEngine(InferenceEngine):
             self._inflight[idx] += 1
             return idx
 
+    def assigned_server(self, rid: str) -> str | None:
+        """The server (``host:port``) that requests with ``rid`` go to, if one was chosen."""
+        with self._lock:
+            idx = self._sticky.get(rid)
+        return None if idx is None else self.addresses[idx].removeprefix("http://")
+
     def _release(self, idx: int, failed: bool) -> None:
         with self._lock:
             self._inflight[idx] -= 1

@@ -1,0 +1,106 @@
+"""A 2-rank FSDPEngine trainer (torchrun, gloo) that pushes its weights to rollout servers.
+
+Usage: ``torchrun --nproc-per-node 2 inference_trainer.py MODEL_DIR ADDR[,ADDR...] WORKDIR``
+
+It trains one step, sends the weights by disk, and checks that the servers' log-probabilities of
+freshly generated tokens equal its own `forward`; then trains again, sends the weights by gloo
+broadcast, and checks again. Rank 0 writes ``WORKDIR/trainer.json``: per update, the largest
+log-probability difference and the versions the tokens carried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from areal_lite.api.config import InferenceEngineConfig, OptimizerConfig, TrainEngineConfig
+from areal_lite.api.engine import PackedBatch
+from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, WeightUpdateMeta
+from areal_lite.engines.fsdp import FSDPEngine
+from areal_lite.engines.remote import RemoteSGLangEngine
+
+MODEL, ADDRESSES, WORKDIR = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+
+
+def nll(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    m = mb["loss_mask"].float()  # type: ignore[union-attr]
+    return -(out * m).sum() / m.sum(), {}
+
+
+def train_step(engine: FSDPEngine, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 200, (4, 16), generator=g)
+    batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool), "loss_mask": torch.ones_like(ids, dtype=torch.int32)}, batch_size=[4])
+    engine.train_batch(batch[dist.get_rank() :: 2], nll, lambda mb: float(mb["loss_mask"].sum()))  # type: ignore[union-attr]
+
+
+def generate(rollout: RemoteSGLangEngine | None) -> list[tuple[list[int], list[int], list[float], list[int]]]:
+    """Rank 0 generates 8 samples through the servers; every rank gets them."""
+    out: list[object] = [None]
+    if rollout is not None:
+        gconfig = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+
+        async def run():
+            reqs = [ModelRequest(input_ids=[5 + i, 17, 30 + 2 * i], gconfig=gconfig) for i in range(8)]
+            return await asyncio.gather(*[rollout.agenerate(r) for r in reqs])
+
+        out[0] = [(r.input_tokens, r.output_tokens, r.output_logprobs, r.output_versions) for r in asyncio.run(run())]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]  # type: ignore[return-value]
+
+
+def check(engine: FSDPEngine, rollout: RemoteSGLangEngine | None) -> dict[str, object]:
+    samples = generate(rollout)
+    width = max(len(p) + len(o) for p, o, _, _ in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.bool)
+    for i, (p, o, _, _) in enumerate(samples):
+        ids[i, : len(p) + len(o)] = torch.tensor(p + o)
+        mask[i, : len(p) + len(o)] = True
+    logp = engine.forward(TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=[len(samples)]))
+    err = 0.0
+    for i, (p, o, lps, _) in enumerate(samples):
+        err = max(err, float((logp[i, len(p) : len(p) + len(o)] - torch.tensor(lps)).abs().max()))
+    return {"max_err": err, "versions": sorted({v for *_, vs in samples for v in vs})}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    rollout = None
+    if rank == 0:
+        rollout = RemoteSGLangEngine(InferenceEngineConfig(addresses=ADDRESSES, request_timeout=120, setup_timeout=120))
+        rollout.start_control()
+        rollout.wait_healthy()
+    engine = FSDPEngine(TrainEngineConfig(path=MODEL, optimizer=OptimizerConfig(lr=1e-2)))
+    engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=16, train_batch_size=4))
+    dist_meta = WeightUpdateMeta(type="distributed", backend="gloo", chunk_bytes=64 * 1024)
+    engine.connect_engine(rollout, dist_meta)  # type: ignore[arg-type]
+    report: dict[str, object] = {"before": check(engine, rollout)}
+
+    train_step(engine, seed=1)
+    engine.set_version(1)
+    engine.update_weights(WeightUpdateMeta(type="disk", path=os.path.join(WORKDIR, "v1")))
+    report["disk"] = check(engine, rollout)
+
+    train_step(engine, seed=2)
+    engine.set_version(2)
+    engine.update_weights(dist_meta)
+    report["broadcast"] = check(engine, rollout)
+
+    if rollout is not None:
+        with open(os.path.join(WORKDIR, "trainer.json"), "w") as f:
+            json.dump(report, f)
+        rollout.destroy()
+    engine.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

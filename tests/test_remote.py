@@ -1,0 +1,163 @@
+"""The client of SGLang-protocol servers, against two of our servers on 127.0.0.1: log-probabilities
+equal to HF's, routing, weight updates from a 2-rank torchrun FSDPEngine trainer (disk and gloo
+broadcast), an update in the middle of long generations, and a server killed mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from areal_lite.api.config import InferenceEngineConfig
+from areal_lite.api.io import GenerationConfig, ModelRequest, WeightUpdateMeta
+from areal_lite.engines.remote import RemoteSGLangEngine
+from areal_lite.utils.distributed import find_free_port
+from areal_lite.utils.tiny import build_tiny_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+from inference_servers import start_servers, stop_servers  # noqa: E402
+
+TRAINER = Path(__file__).parent / "scripts" / "inference_trainer.py"
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("remote") / "m"), hidden_size=32, num_layers=2, vocab_size=260)
+
+
+@pytest.fixture()
+def servers(model_path: str):
+    procs, addresses = start_servers(model_path, 2)
+    yield procs, addresses
+    stop_servers(procs)
+
+
+def client(addresses: list[str]) -> RemoteSGLangEngine:
+    engine = RemoteSGLangEngine(InferenceEngineConfig(addresses=addresses, request_timeout=60, setup_timeout=60))
+    engine.start_control()
+    engine.wait_healthy()
+    return engine
+
+
+def hf_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits.float(), dim=-1)[0, :-1]
+    return logp.gather(1, ids[0, 1:, None])[len(prompt) - 1 :, 0]
+
+
+async def running_on(address: str) -> bool:
+    """Whether the server has a request queued or running (flush_cache refuses then)."""
+    async with aiohttp.ClientSession() as s, s.post(f"http://{address}/flush_cache") as r:
+        return r.status == 400
+
+
+async def probe(address: str) -> None:
+    """A one-token request: admitted after everything queued before it (FIFO)."""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://{address}/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}) as r:
+            assert r.status == 200
+
+
+def test_generation_logprobs_routing_and_mid_generation_update(servers, model_path: str, tmp_path) -> None:
+    _, addresses = servers
+    engine = client(addresses)
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    try:
+        reqs = [ModelRequest(input_ids=[3 + i, 50, 7 + i], gconfig=GenerationConfig(max_new_tokens=5 + i, ignore_eos=True)) for i in range(12)]
+
+        async def first_round():
+            return await asyncio.gather(*[engine.agenerate(r) for r in reqs])
+
+        for req, resp in zip(reqs, asyncio.run(first_round())):
+            assert resp.output_len == req.gconfig.max_new_tokens and resp.stop_reason == "length"
+            assert resp.output_versions == [0] * resp.output_len
+            torch.testing.assert_close(torch.tensor(resp.output_logprobs), hf_logprobs(model, req.input_ids, resp.output_tokens), atol=1e-4, rtol=0)
+        assert {engine.assigned_server(r.rid) for r in reqs} == set(addresses)  # least loaded spreads them
+        again = ModelRequest(input_ids=[1, 2], gconfig=GenerationConfig(max_new_tokens=2), rid=reqs[0].rid)
+        asyncio.run(engine.agenerate(again))
+        assert engine.assigned_server(again.rid) == engine.assigned_server(reqs[0].rid)
+
+        new_model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in new_model.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+        new_model.save_pretrained(str(tmp_path / "v1"))
+        long = [ModelRequest(input_ids=[9, 10 + i], gconfig=GenerationConfig(max_new_tokens=300, ignore_eos=True)) for i in range(4)]
+
+        async def update_mid_generation():
+            tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in long]
+            for a in addresses:
+                while not await running_on(a):
+                    await asyncio.sleep(0.005)
+            await asyncio.gather(*[probe(a) for a in addresses])  # the long ones now have tokens
+            update = engine.update_weights(WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"), version=1))
+            await asyncio.wrap_future(update)
+            return await asyncio.gather(*tasks)
+
+        for req, resp in zip(long, asyncio.run(update_mid_generation())):
+            switch = resp.output_versions.index(1)
+            assert 0 < switch < 300 and resp.output_versions == [0] * switch + [1] * (300 - switch)
+            lp = torch.tensor(resp.output_logprobs)
+            torch.testing.assert_close(lp[:switch], hf_logprobs(model, req.input_ids, resp.output_tokens)[:switch], atol=1e-4, rtol=0)
+            torch.testing.assert_close(lp[switch:], hf_logprobs(new_model, req.input_ids, resp.output_tokens)[switch:], atol=1e-4, rtol=0)
+        assert engine.get_version() == 1
+    finally:
+        engine.destroy()
+
+
+def test_server_killed_mid_run_loses_no_request(servers) -> None:
+    procs, addresses = servers
+    engine = client(addresses)
+    try:
+        reqs = [ModelRequest(input_ids=[4, 5 + i], gconfig=GenerationConfig(max_new_tokens=150, ignore_eos=True)) for i in range(16)]
+
+        async def scenario():
+            tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs]
+            for a in addresses:
+                while not await running_on(a):
+                    await asyncio.sleep(0.005)
+            procs[0].send_signal(signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+        results = asyncio.run(scenario())
+        assert sorted(r.rid for r in results) == sorted(r.rid for r in reqs)
+        assert all(r.output_len == 150 and r.stop_reason == "length" for r in results)
+        assert all(len(r.output_logprobs) == len(r.output_versions) == 150 for r in results)
+        assert {engine.assigned_server(r.rid) for r in reqs} == {addresses[1]}  # all finished on the survivor
+    finally:
+        engine.destroy()
+
+
+def test_weight_updates_from_torchrun_fsdp_trainer(servers, model_path: str, tmp_path) -> None:
+    _, addresses = servers
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
+        str(TRAINER), model_path, ",".join(addresses), str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-6000:]
+    report = json.loads((tmp_path / "trainer.json").read_text())
+    assert report["before"]["versions"] == [0] and report["before"]["max_err"] < 1e-4
+    assert report["disk"]["versions"] == [1] and report["disk"]["max_err"] < 1e-4
+    assert report["broadcast"]["versions"] == [2] and report["broadcast"]["max_err"] < 1e-4
