@@ -237,6 +237,23 @@ def test_eta_zero_is_synchronous() -> None:
         ex.destroy()
 
 
+def test_prepare_batch_refills_the_pipeline_before_returning() -> None:
+    """Even when a full batch is already waiting, prepare_batch first submits what the bound
+    admits at the new version, so rollout goes on while the caller trains."""
+    engine = GatedEngine(seed=2)
+    ex = make(engine, consumer_batch_size=2, max_head_offpolicyness=2, max_concurrent_rollouts=16)
+    try:
+        data = loader(200, 2)
+        for step in range(4):
+            ex.prepare_batch(data, OneShot())
+            s = ex.stats()
+            assert s["rollout/accepted"] + s["rollout/running"] + s["rollout/queued"] == (2 + step + 1) * 2
+            engine.set_version(step + 1)
+    finally:
+        engine.close()
+        ex.destroy()
+
+
 def test_not_advancing_the_version_is_an_error_not_a_hang() -> None:
     engine = GatedEngine()
     ex = make(engine, consumer_batch_size=2, max_head_offpolicyness=0)

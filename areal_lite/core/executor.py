@@ -280,24 +280,25 @@ class WorkflowExecutor:
         while True:
             with self._cond:
                 self._raise_if_broken()
-                if len(self._ready) >= bs:
-                    break
+                # Top up before returning, so the pipeline runs on while the caller trains.
                 room = self._capacity_locked()
                 need = room - len(self._pending)
-                stuck = (
-                    room == 0
-                    and not self._paused
-                    and self.staleness.running == 0
-                    and not self._pending
-                    and self._running_direct == 0
-                )
-                if stuck:
-                    raise RuntimeError(
-                        f"the staleness bound admits nothing at version {self.engine.get_version()} with "
-                        f"{self.staleness.accepted} trajectories accepted: call set_version(step + 1) after "
-                        "each training step (or raise max_head_offpolicyness)"
-                    )
                 if need <= 0:
+                    if len(self._ready) >= bs:
+                        break
+                    stuck = (
+                        room == 0
+                        and not self._paused
+                        and self.staleness.running == 0
+                        and not self._pending
+                        and self._running_direct == 0
+                    )
+                    if stuck:
+                        raise RuntimeError(
+                            f"the staleness bound admits nothing at version {self.engine.get_version()} with "
+                            f"{self.staleness.accepted} trajectories accepted: call set_version(step + 1) after "
+                            "each training step (or raise max_head_offpolicyness)"
+                        )
                     # Woken by completions; the timeout also notices a version set from elsewhere.
                     self._cond.wait(_VERSION_POLL_S)
                     continue
