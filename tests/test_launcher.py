@@ -102,6 +102,16 @@ def test_retries_restart_a_failed_trainer(tmp_path) -> None:
     assert [r["attempt"] for r in records] == [0, 1]
 
 
+def test_prepare_run_comes_first_and_must_succeed(tmp_path) -> None:
+    rc, records = _launch(tmp_path, "launcher.prepare_overrides=[probe.tag=prepare]")
+    assert rc == 0
+    assert [r["tag"] for r in records] == ["prepare", "main"]
+    (tmp_path / "b").mkdir()
+    rc, records = _launch(tmp_path / "b", "launcher.prepare_overrides=[probe.tag=prepare,probe.fail_attempts=1]",
+                          "recover.retries=2")
+    assert rc == 3 and [r["tag"] for r in records] == ["prepare"], "a failed prepare run stops the launch"
+
+
 def test_trainer_under_torchrun_is_pinned(tmp_path) -> None:
     rc, records = _launch(tmp_path, "launcher.trainer_nproc=2", "launcher.trainer_cores=[0]")
     assert rc == 0
@@ -158,7 +168,7 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
 
     plan = LaunchPlan("train.py", "cfg.yaml", ["a.b=1"],
                       LauncherConfig(backend="sglang", n_servers=3, server_tp_size=4, gpus_per_node=8, trainer_nnodes=2,
-                                     trainer_nproc=8),
+                                     trainer_nproc=8, prepare_overrides=["task.prepare_only=true"]),
                       RecoverConfig(mode="auto", retries=1), "/models/m", str(tmp_path / "out" / "exp" / "trial"),
                       python="python")
     script = sbatch_script(plan)
@@ -169,7 +179,7 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
     _shim(bin_dir, "scontrol", "printf 'n0\\nn1\\nn2\\nn3\\n'")
     _shim(bin_dir, "curl", "exit 0")
     _shim(bin_dir, "srun", f"{sys.executable} -c 'import json,os,sys; print(json.dumps([os.environ.get(\"AREAL_LITE_ATTEMPT\")] + sys.argv[1:]))' \"$@\" >> {calls}\n"
-                            "[[ \"$*\" == *torch.distributed.run* && \"$AREAL_LITE_ATTEMPT\" == 0 ]] && exit 5; exit 0")
+                            "[[ \"$*\" == *torch.distributed.run*rollout.addresses* && \"$AREAL_LITE_ATTEMPT\" == 0 ]] && exit 5; exit 0")
     job = tmp_path / "job.sh"
     job.write_text(script)
     proc = subprocess.run(["bash", str(job)], check=False, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
@@ -181,6 +191,8 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
     assert [(s[s.index("--nodelist=n0") if "--nodelist=n0" in s else s.index("--nodelist=n1")],
              s[s.index("--port") + 1], s[s.index("--base-gpu-id") + 1]) for s in servers] == [
         ("--nodelist=n0", "30000", "0"), ("--nodelist=n0", "30001", "4"), ("--nodelist=n1", "30000", "0")]
+    assert records.index(trainers[0]) == 0 and trainers[0][-1] == "task.prepare_only=true", "the prepare run goes first"
+    trainers = trainers[1:]
     assert [t[0] for t in trainers] == ["0", "1"], "one retry after the failed first attempt"
     t = trainers[1]
     assert "--nodelist=n2,n3" in t and "n2:29500" in t
@@ -193,6 +205,9 @@ def test_ray_placement_and_commands() -> None:
     plan = _plan(backend="sglang", n_servers=2, server_tp_size=2, trainer_nnodes=2, trainer_nproc=4, gpus_per_node=4)
     assert server_resources(plan) == {"num_gpus": 2, "num_cpus": 1}
     assert trainer_bundles(plan) == [{"GPU": 4, "CPU": 4}, {"GPU": 4, "CPU": 4}]
+    plan.launcher.prepare_overrides = ["task.prepare_only=true"]
+    prepare = trainer_node_commands(plan, ["10.0.0.1:30000"], master_addr="10.0.0.2", master_port=29500, prepare=True)
+    assert all(cmd[-1] == "task.prepare_only=true" for cmd in prepare), "the prepare run gets no server addresses"
     cmds = trainer_node_commands(plan, ["10.0.0.1:30000"], master_addr="10.0.0.2", master_port=29500)
     assert len(cmds) == 2
     for rank, cmd in enumerate(cmds):

@@ -363,6 +363,9 @@ class LauncherConfig:
     """Trainer nodes (ray, slurm); each runs ``trainer_nproc`` processes."""
     gpus_per_node: int = 0
     """GPUs per trainer node (ray, slurm; 0 on CPU)."""
+    prepare_overrides: list[str] = field(default_factory=list)
+    """When set, the script first runs once with these overrides appended (e.g. a flag that makes it
+    build the model the servers load, then exit), before any server starts; empty = no such run."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """The Slurm job (launcher.slurm only)."""
 

@@ -3,6 +3,8 @@
     python -m areal_lite.launcher.local SCRIPT --config CONFIG [key=value ...]
 
 Reads the config's ``launcher`` and ``recover`` sections (the script itself validates the rest).
+With ``launcher.prepare_overrides`` set, the script first runs once with those overrides appended
+(e.g. to build the model that the servers then load) and must exit 0 before anything else starts.
 With ``launcher.backend=local`` the script runs the embedded inference engine in-process: it is
 started directly (under torchrun when ``trainer_nproc > 1``). With ``areal`` (our
 `areal_lite.engines.server`) or ``sglang`` (SGLang's own server), ``n_servers`` servers are started
@@ -117,32 +119,42 @@ def addresses_override(addresses: list[str]) -> str:
     return "rollout.addresses=" + json.dumps(addresses, separators=(",", ":"))
 
 
-def script_args(plan: LaunchPlan, addresses: list[str]) -> list[str]:
-    """The script and its arguments: the config file, the user's overrides, the server addresses."""
+def script_args(plan: LaunchPlan, addresses: list[str], *, prepare: bool = False) -> list[str]:
+    """The script and its arguments: the config file, the user's overrides, the server addresses
+    (or, for the ``prepare`` run, ``launcher.prepare_overrides``)."""
     args = [plan.script]
     if plan.config_file:
         args += ["--config", plan.config_file]
     args += plan.overrides
-    if addresses:
+    if prepare:
+        args += plan.launcher.prepare_overrides
+    elif addresses:
         args.append(addresses_override(addresses))
     return args
 
 
 def torchrun_command(
-    plan: LaunchPlan, addresses: list[str], *, master_addr: str, master_port: int, nnodes: int = 1, node_rank: int = 0
+    plan: LaunchPlan,
+    addresses: list[str],
+    *,
+    master_addr: str,
+    master_port: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    prepare: bool = False,
 ) -> list[str]:
     """torchrun running ``trainer_nproc`` processes of the script on node ``node_rank`` of ``nnodes``."""
     torchrun = ["-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank)]
     torchrun += ["--nproc-per-node", str(plan.launcher.trainer_nproc), "--master-addr", master_addr]
     torchrun += ["--master-port", str(master_port), "--max-restarts", "0"]
-    return [plan.python, *torchrun, *script_args(plan, addresses)]
+    return [plan.python, *torchrun, *script_args(plan, addresses, prepare=prepare)]
 
 
-def trainer_command(plan: LaunchPlan, addresses: list[str], master_port: int) -> list[str]:
+def trainer_command(plan: LaunchPlan, addresses: list[str], master_port: int, *, prepare: bool = False) -> list[str]:
     """Plain ``python SCRIPT`` for one embedded-engine process, torchrun otherwise."""
     if plan.launcher.backend == "local" and plan.launcher.trainer_nproc == 1:
-        return [plan.python, *script_args(plan, addresses)]
-    return torchrun_command(plan, addresses, master_addr="127.0.0.1", master_port=master_port)
+        return [plan.python, *script_args(plan, addresses, prepare=prepare)]
+    return torchrun_command(plan, addresses, master_addr="127.0.0.1", master_port=master_port, prepare=prepare)
 
 
 _PR_SET_PDEATHSIG = 1
@@ -229,6 +241,11 @@ class LocalLauncher:
         """Run to completion; returns the exit code (the trainer's, or 128 + a received signal)."""
         previous = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            if self.plan.launcher.prepare_overrides:
+                rc = self.run_trainer(0, prepare=True)
+                if rc != 0 or self.received_signal is not None:
+                    logger.error("the prepare run exited with %d", rc)
+                    return 128 + self.received_signal if self.received_signal is not None else rc
             if self.plan.launcher.backend != "local":
                 self.start_servers()
             retries = self.plan.recover.retries
@@ -293,10 +310,10 @@ class LocalLauncher:
                 logger.warning("server %d (%s) exited with %d; continuing with the others", i, self.addresses[i], p.returncode)
         return len(self._reported_dead) < len(self.servers)
 
-    def run_trainer(self, attempt: int) -> int:
+    def run_trainer(self, attempt: int, prepare: bool = False) -> int:
         cfg = self.plan.launcher
-        cmd = trainer_command(self.plan, self.addresses, find_free_port())
-        logger.info("attempt %d: %s", attempt, " ".join(cmd))
+        cmd = trainer_command(self.plan, self.addresses, find_free_port(), prepare=prepare)
+        logger.info("%s: %s", "prepare" if prepare else f"attempt {attempt}", " ".join(cmd))
         self.trainer = spawn(cmd, cores=cfg.trainer_cores, env=self._env(attempt))
         while True:
             try:

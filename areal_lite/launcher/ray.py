@@ -36,11 +36,15 @@ def trainer_bundles(plan: LaunchPlan) -> list[dict[str, int]]:
     return [dict(bundle) for _ in range(plan.launcher.trainer_nnodes)]
 
 
-def trainer_node_commands(plan: LaunchPlan, addresses: list[str], *, master_addr: str, master_port: int) -> list[list[str]]:
+def trainer_node_commands(
+    plan: LaunchPlan, addresses: list[str], *, master_addr: str, master_port: int, prepare: bool = False
+) -> list[list[str]]:
     """One torchrun command per trainer node, all meeting at ``master_addr:master_port``."""
     nnodes = plan.launcher.trainer_nnodes
     return [
-        torchrun_command(plan, addresses, master_addr=master_addr, master_port=master_port, nnodes=nnodes, node_rank=rank)
+        torchrun_command(
+            plan, addresses, master_addr=master_addr, master_port=master_port, nnodes=nnodes, node_rank=rank, prepare=prepare
+        )
         for rank in range(nnodes)
     ]
 
@@ -89,8 +93,35 @@ def run(plan: LaunchPlan) -> int:
     ray.init(address=os.environ.get("RAY_ADDRESS"))
     cfg = plan.launcher
     servers = []
-    pg = None
+    bundles = trainer_bundles(plan)
+    pg = placement_group(bundles, strategy="STRICT_SPREAD" if len(bundles) > 1 else "PACK")
     try:
+        ray.get(pg.ready())
+        on_bundle = [PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i) for i in range(len(bundles))]
+        master_addr, master_port = ray.get(ray.remote(num_cpus=0)(_node_ip_and_port).options(scheduling_strategy=on_bundle[0]).remote())
+
+        def run_trainer(addresses: list[str], attempt: int, prepare: bool = False) -> int:
+            cmds = trainer_node_commands(plan, addresses, master_addr=master_addr, master_port=master_port, prepare=prepare)
+            task = ray.remote(_run)
+            pending = [
+                task.options(num_cpus=b["CPU"], num_gpus=b.get("GPU", 0), scheduling_strategy=s).remote(cmd, attempt)
+                for cmd, b, s in zip(cmds, bundles, on_bundle)
+            ]
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                rc = ray.get(done[0])
+                if rc != 0:
+                    # One node failed: the others would wait forever in the next collective.
+                    for ref in pending:
+                        ray.cancel(ref, force=True)
+                    return rc
+            return 0
+
+        if cfg.prepare_overrides:
+            rc = run_trainer([], 0, prepare=True)
+            if rc != 0:
+                return rc
+        addresses: list[str] = []
         if cfg.backend != "local":
             actor = ray.remote(**server_resources(plan))(ServerProcess)
             servers = [actor.remote(plan) for _ in range(cfg.n_servers)]
@@ -100,39 +131,16 @@ def run(plan: LaunchPlan) -> int:
                 if time.monotonic() > deadline or not all(ray.get([s.alive.remote() for s in servers])):
                     raise RuntimeError(f"rollout servers {addresses} did not become healthy")
                 time.sleep(1.0)
-        else:
-            addresses = []
-        bundles = trainer_bundles(plan)
-        pg = placement_group(bundles, strategy="STRICT_SPREAD" if len(bundles) > 1 else "PACK")
-        ray.get(pg.ready())
-        on_bundle = [PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i) for i in range(len(bundles))]
-        master_addr, master_port = ray.get(ray.remote(num_cpus=0)(_node_ip_and_port).options(scheduling_strategy=on_bundle[0]).remote())
-        cmds = trainer_node_commands(plan, addresses, master_addr=master_addr, master_port=master_port)
         rc = 1
         for attempt in range(plan.recover.retries + 1):
-            task = ray.remote(_run)
-            refs = [
-                task.options(num_cpus=b["CPU"], num_gpus=b.get("GPU", 0), scheduling_strategy=s).remote(cmd, attempt)
-                for cmd, b, s in zip(cmds, bundles, on_bundle)
-            ]
-            rc = 0
-            pending = refs
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                rc = ray.get(done[0])
-                if rc != 0:
-                    # One node failed: the others would wait forever in the next collective.
-                    for ref in pending:
-                        ray.cancel(ref, force=True)
-                    break
+            rc = run_trainer(addresses, attempt)
             if rc == 0:
                 break
         return rc
     finally:
         for s in servers:
             ray.get(s.stop.remote())
-        if pg is not None:
-            remove_placement_group(pg)
+        remove_placement_group(pg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@
 
 Writes ``output_dir/slurm/job.sh`` and submits it with ``sbatch`` (``--dry-run`` prints it
 instead). The job takes ``server nodes + launcher.trainer_nnodes`` nodes: the first ones run the
-``n_servers`` rollout servers (as many per node as ``gpus_per_node / server_tp_size`` allows; all
+``n_servers`` rollout servers (after the ``launcher.prepare_overrides`` run of the trainer, when
+set; as many per node as ``gpus_per_node / server_tp_size`` allows; all
 on one node on CPU) with ``srun --overlap`` on fixed ports, the script waits until each answers
 ``GET /health``, then the trainer nodes run torchrun with ``rollout.addresses`` set, restarted up to
 ``recover.retries`` times with ``AREAL_LITE_ATTEMPT`` like the local launcher. Slurm kills the
@@ -62,12 +63,21 @@ def sbatch_script(plan: LaunchPlan) -> str:
     if slurm.account:
         lines.append(f"#SBATCH --account={slurm.account}")
     lines += [f"#SBATCH {opt}" for opt in slurm.extra_sbatch]
+    torchrun = [plan.python, "-m", "torch.distributed.run", "--nnodes", str(n_trainer_nodes),
+                "--nproc-per-node", str(cfg.trainer_nproc), "--rdzv-backend", "c10d", "--max-restarts", "0"]
+    srun_trainer = f'srun --overlap --nodes={n_trainer_nodes} --ntasks-per-node=1 --nodelist="$TRAINER_NODES"'
+    trainer = shlex.join(torchrun) + f' --rdzv-endpoint "$MASTER:{TRAINER_PORT}" '
     lines += [
         "set -uo pipefail",
         f"mkdir -p {shlex.quote(plan.log_dir)}",
         'NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
-        "ADDRESSES=()",
+        f'TRAINER_NODES=$(IFS=,; echo "${{NODES[*]:{n_server_nodes}:{n_trainer_nodes}}}")',
+        f'MASTER="${{NODES[{n_server_nodes}]}}"',
     ]
+    if cfg.prepare_overrides:
+        prepare = trainer + shlex.join(script_args(plan, [], prepare=True))
+        lines.append(f'AREAL_LITE_ATTEMPT=0 {srun_trainer} {prepare} || {{ echo "the prepare run failed"; exit 1; }}')
+    lines.append("ADDRESSES=()")
     per_node = servers_per_node(plan)
     for i in range(cfg.n_servers if cfg.backend != "local" else 0):
         node, local = i // per_node, i % per_node
@@ -87,17 +97,12 @@ def sbatch_script(plan: LaunchPlan) -> str:
         "done",
         "OVERRIDES=()",
         'if [ ${#ADDRESSES[@]} -gt 0 ]; then OVERRIDES+=("rollout.addresses=[$(IFS=,; echo "${ADDRESSES[*]}")]"); fi',
-        f'TRAINER_NODES=$(IFS=,; echo "${{NODES[*]:{n_server_nodes}:{n_trainer_nodes}}}")',
-        f'MASTER="${{NODES[{n_server_nodes}]}}"',
     ]
-    torchrun = [plan.python, "-m", "torch.distributed.run", "--nnodes", str(n_trainer_nodes),
-                "--nproc-per-node", str(cfg.trainer_nproc), "--rdzv-backend", "c10d", "--max-restarts", "0"]
-    trainer = shlex.join(torchrun) + f' --rdzv-endpoint "$MASTER:{TRAINER_PORT}" ' + shlex.join(script_args(plan, []))
     lines += [
         "status=1",
         f"for attempt in $(seq 0 {plan.recover.retries}); do",
-        f'  AREAL_LITE_ATTEMPT=$attempt srun --overlap --nodes={n_trainer_nodes} --ntasks-per-node=1 --nodelist="$TRAINER_NODES" \\',
-        f'    {trainer} "${{OVERRIDES[@]}}" && {{ status=0; break; }}',
+        f"  AREAL_LITE_ATTEMPT=$attempt {srun_trainer} \\",
+        f'    {trainer}{shlex.join(script_args(plan, []))} "${{OVERRIDES[@]}}" && {{ status=0; break; }}',
         '  status=$?; echo "trainer attempt $attempt failed with $status"',
         "done",
         "exit $status",

@@ -20,6 +20,8 @@ class ProbeConfig:
     fail_attempts: int = 0
     """Exit with 3 on attempts below this."""
     wait_for_signal: bool = False
+    tag: str = "main"
+    """Recorded, to tell the prepare run from the main one."""
 
 
 @dataclass
@@ -31,7 +33,7 @@ class Config(BaseExperimentConfig):
 cfg = load_config(sys.argv[1:], Config, save=False)
 attempt = int(os.environ.get("AREAL_LITE_ATTEMPT", "-1"))
 record = {"argv": sys.argv[1:], "attempt": attempt, "pid": os.getpid(), "affinity": sorted(os.sched_getaffinity(0)),
-          "addresses": cfg.rollout.addresses, "rank": os.environ.get("RANK")}
+          "addresses": cfg.rollout.addresses, "rank": os.environ.get("RANK"), "tag": cfg.probe.tag}
 with open(cfg.probe.out, "a") as f:
     f.write(json.dumps(record) + "\n")
 if attempt < cfg.probe.fail_attempts:
