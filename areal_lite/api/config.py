@@ -200,13 +200,14 @@ class InferenceEngineConfig:
     """The rollout side: the executor's staleness control and, for remote engines, the servers."""
 
     max_concurrent_rollouts: int | None = None
-    """Cap on rollouts running at once (None = the consumer batch size)."""
+    """Cap on episodes running at once (None = the consumer batch size)."""
     consumer_batch_size: int = 1
-    """Trajectories groups per training batch (the ``batch_size`` of the staleness bound)."""
+    """Accepted episodes (e.g. GRPO groups) per training batch: the ``batch_size`` of the staleness bound."""
     max_head_offpolicyness: int = 0
-    """Staleness bound eta: a batch consumed at step t holds only tokens of versions >= t - eta."""
+    """Staleness bound eta: a batch consumed at step t holds only tokens of versions >= t - eta
+    (0 = synchronous RL)."""
     queue_size: int | None = None
-    """Capacity of the finished-rollout queue (None = 16 x consumer batch size)."""
+    """Cap on finished-but-unconsumed plus running episodes (None = 16 x consumer batch size)."""
     on_workflow_error: str = "raise"
     """raise (fail fast, naming the input) or skip (count it and go on)."""
     addresses: list[str] = field(default_factory=list)
