@@ -114,13 +114,17 @@ def main() -> None:
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = build_tiny_model(tempfile.mkdtemp(), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)
+    path = build_tiny_model(
+        tempfile.mkdtemp(), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512
+    )
     batch = long_tailed_batch(args.batch, args.max_len, vocab=AutoConfig.from_pretrained(path).vocab_size)
     lens = batch["attention_mask"].sum(1)
     real = int(lens.sum())
     padded_tokens = sum(int(lens[r].max()) * len(r) for r in torch.arange(args.batch).chunk(args.n_mbs))
-    print(f"batch: {args.batch} sequences, lengths median {int(lens.median())}, max {int(lens.max())}; "
-          f"{real} real tokens, {padded_tokens} padded positions in {args.n_mbs} micro-batches")
+    print(
+        f"batch: {args.batch} sequences, lengths median {int(lens.median())}, max {int(lens.max())}; "
+        f"{real} real tokens, {padded_tokens} padded positions in {args.n_mbs} micro-batches"
+    )
 
     rows = []
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -138,8 +142,11 @@ def main() -> None:
     for name, (cpu, wall) in rows:
         print(f"{name:<22}{cpu:>12.3f}{real / cpu:>14.0f}{wall:>13.3f}{real / wall:>10.0f}")
     (padded, _), (bare, _), (fsdp, fsdp_wall) = ((real / cpu, real / wall) for _, (cpu, wall) in rows)
-    print(f"RESULT packed_over_padded={fsdp / padded:.2f} bare_packed_over_padded={bare / padded:.2f} "
-          f"padded_tokens_per_cpu_s={padded:.0f} packed_tokens_per_cpu_s={fsdp:.0f} packed_tokens_per_s={fsdp_wall:.0f}")
+    print(
+        f"RESULT packed_over_padded={fsdp / padded:.2f} bare_packed_over_padded={bare / padded:.2f} "
+        f"padded_tokens_per_cpu_s={padded:.0f} packed_tokens_per_cpu_s={fsdp:.0f} packed_tokens_per_s={fsdp_wall:.0f}"
+    )
+
 
 if __name__ == "__main__":
     main()

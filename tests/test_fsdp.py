@@ -96,7 +96,13 @@ def test_update_invariant_to_microbatches_and_ranks_sgd(single: tuple[dict, Path
     (res1, out1), (_, out2) = single, pair
     ref = params(out1, "sgd_mb1", 1)
     assert res1["changed_sgd_mb1"] > 1e-2  # the step moved the parameters
-    others = [(out1, "sgd_mb4", 1), (out2, "sgd_mb1", 2), (out2, "sgd_mb4", 2), (out2, "sgd_mb4_uneven", 2), (out1, "sgd_mb1_ckpt", 1)]
+    others = [
+        (out1, "sgd_mb4", 1),
+        (out2, "sgd_mb1", 2),
+        (out2, "sgd_mb4", 2),
+        (out2, "sgd_mb4_uneven", 2),
+        (out1, "sgd_mb1_ckpt", 1),
+    ]
     for out, tag, world in others:
         assert max_diff(ref, params(out, tag, world)) < 1e-6, (tag, world)
 
@@ -107,7 +113,12 @@ def test_update_invariant_to_microbatches_and_ranks_adamw(single: tuple[dict, Pa
     (res1, out1), (_, out2) = single, pair
     lr = res1["stats_adamw_mb1"]["lr"]
     ref = params(out1, "adamw_mb1", 1)
-    for out, tag, world in ((out1, "adamw_mb4", 1), (out2, "adamw_mb1", 2), (out2, "adamw_mb4", 2), (out2, "adamw_mb4_uneven", 2)):
+    for out, tag, world in (
+        (out1, "adamw_mb4", 1),
+        (out2, "adamw_mb1", 2),
+        (out2, "adamw_mb4", 2),
+        (out2, "adamw_mb4_uneven", 2),
+    ):
         other = params(out, tag, world)
         assert max_diff(ref, other) <= 2 * lr
         n_off = sum(int(((ref[k] - other[k]).abs() > 1e-6).sum()) for k in ref)
@@ -116,7 +127,12 @@ def test_update_invariant_to_microbatches_and_ranks_adamw(single: tuple[dict, Pa
 
 def test_loss_and_stats_invariant(single: tuple[dict, Path], pair: tuple[dict, Path]) -> None:
     ref = single[0]["stats_sgd_mb1"]
-    for res, tag in ((single[0], "stats_sgd_mb4"), (pair[0], "stats_sgd_mb1"), (pair[0], "stats_sgd_mb4"), (pair[0], "stats_sgd_mb4_uneven")):
+    for res, tag in (
+        (single[0], "stats_sgd_mb4"),
+        (pair[0], "stats_sgd_mb1"),
+        (pair[0], "stats_sgd_mb4"),
+        (pair[0], "stats_sgd_mb4_uneven"),
+    ):
         for key in ("loss", "entropy", "grad_norm"):
             assert res[tag][key] == pytest.approx(ref[key], abs=1e-5), (tag, key)
         assert res[tag]["update_successful"] == 1.0

@@ -78,7 +78,12 @@ class _PackedModel(nn.Module):
         # Sequence boundaries for varlen attention (ours on CPU, flash-attention's on CUDA);
         # built-in sdpa/eager ignore them and mask by the restarting position ids instead.
         max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        varlen = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_len, max_length_k=max_len)
+        varlen = {
+            "cu_seq_lens_q": cu_seqlens,
+            "cu_seq_lens_k": cu_seqlens,
+            "max_length_q": max_len,
+            "max_length_k": max_len,
+        }
         hidden = self.hf.base_model(
             input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False, **varlen
         ).last_hidden_state[0]
@@ -112,7 +117,11 @@ def _init_default_group() -> bool:
 
 
 def _rng_state() -> dict[str, object]:
-    state: dict[str, object] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    state: dict[str, object] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -157,7 +166,11 @@ class FSDPEngine(TrainEngine):
         if ft_spec is None:
             hf.requires_grad_(False)
         compute_dtype = _DTYPES[cfg.dtype]
-        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype != torch.float32 else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+            if compute_dtype != torch.float32
+            else MixedPrecisionPolicy()
+        )
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         for layer in hf.base_model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -175,7 +188,7 @@ class FSDPEngine(TrainEngine):
             # The engine only ever runs packed rows: SDPA per sequence costs sum(L_i^2) where
             # transformers' sdpa would mask a T x T product (3x slower at T=2k on CPU).
             attn = register_varlen_sdpa()
-        kwargs = dict(dtype=torch.float32, attn_implementation=attn)
+        kwargs = {"dtype": torch.float32, "attn_implementation": attn}
         if self.config.is_critic:
             # The value head (`score`) is new when loading a causal-LM directory; its init is
             # seeded identically on every rank by `initialize`.
@@ -269,7 +282,9 @@ class FSDPEngine(TrainEngine):
         return self._module()(ids, pos, cu, with_entropy)
 
     @torch.no_grad()
-    def forward(self, batch: TensorDict, *, with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, batch: TensorDict, *, with_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         model = self._module()
         model.eval()
         seqlen = batch["attention_mask"].shape[1]
@@ -427,7 +442,9 @@ class FSDPEngine(TrainEngine):
         # Loading through HF resolves tied weights, sharded index files and dtype conversion.
         full = self._load_hf(path).state_dict()
         model.reshard()
-        set_model_state_dict(model, {_HF_PREFIX + k: v for k, v in full.items()}, options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(
+            model, {_HF_PREFIX + k: v for k, v in full.items()}, options=StateDictOptions(full_state_dict=True)
+        )
 
     def _load_dcp(self, path: str) -> None:
         model = self._module()
@@ -458,9 +475,16 @@ class FSDPEngine(TrainEngine):
             meta.master_port = find_free_port(meta.master_address)
         fut = engine.init_weights_update_group(meta)
         if meta.world_size < 2:
-            raise ValueError(f"WeightUpdateMeta.world_size must count rank 0 and the server ranks, got {meta.world_size}")
+            raise ValueError(
+                f"WeightUpdateMeta.world_size must count rank 0 and the server ranks, got {meta.world_size}"
+            )
         self._weight_group = init_custom_process_group(
-            meta.backend, meta.master_address, meta.master_port, rank=0, world_size=meta.world_size, group_name=meta.group_name
+            meta.backend,
+            meta.master_address,
+            meta.master_port,
+            rank=0,
+            world_size=meta.world_size,
+            group_name=meta.group_name,
         )
         fut.result()
 
@@ -504,7 +528,9 @@ class FSDPEngine(TrainEngine):
         rank = dist.get_rank()
         if rank == 0 and self._weight_group is None:
             raise RuntimeError("a distributed weight update needs connect_engine() with a distributed meta first")
-        send_device = torch.device("cuda", torch.cuda.current_device()) if meta.backend == "nccl" else torch.device("cpu")
+        send_device = (
+            torch.device("cuda", torch.cuda.current_device()) if meta.backend == "nccl" else torch.device("cpu")
+        )
         chunk: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, tensor in self._full_tensors():

@@ -83,4 +83,3 @@ def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
     """The label each packed position predicts: the next token (wrapping at the end; the
     wrapped positions are sequence ends, whose prediction `align_to_tokens` discards)."""
     return torch.roll(input_ids, -1, dims=0)
-

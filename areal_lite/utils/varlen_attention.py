@@ -14,6 +14,8 @@ under a name that has no mask function also stops transformers from building the
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -43,9 +45,15 @@ def varlen_sdpa_attention(
     cu = bounds.tolist()
     outs = [
         F.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=p, is_causal=True, scale=scaling, enable_gqa=gqa
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            dropout_p=p,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=gqa,
         )
-        for s, e in zip(cu[:-1], cu[1:])
+        for s, e in itertools.pairwise(cu)
     ]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 

@@ -191,7 +191,9 @@ def check_logprobs(res: dict[str, object]) -> None:
     res["entropy_err"] = float((ent - ref_ent).abs().max())
     res["logprob_shape"] = list(lp.shape)
     e.config.mb_spec = MicroBatchSpec(n_mbs=4)
-    res["logprob_uneven_err"] = max_over_ranks(float((e.forward(uneven_shard(batch)) - uneven_shard(ref_lp)).abs().max()))
+    res["logprob_uneven_err"] = max_over_ranks(
+        float((e.forward(uneven_shard(batch)) - uneven_shard(ref_lp)).abs().max())
+    )
     e.destroy()
 
     # transformers' own masking of packed rows (position ids restarting, no KV cache).
