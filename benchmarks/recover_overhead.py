@@ -71,7 +71,7 @@ def main() -> None:
         ids = torch.randint(10, 200, (8, 32))
         batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
                             "loss_mask": torch.ones_like(ids, dtype=torch.int32)}, batch_size=[8])
-        train = lambda: engine.train_batch(batch, lambda lp, ent, mb: (-lp.mean(), {}), lambda mb: 1.0)  # noqa: E731
+        train = lambda: engine.train_batch(batch, lambda lp, ent, mb: (-lp.mean(), {}), lambda mb: 1.0)
         train()  # optimizer state exists from here on, as in a real dump
         n_params = sum(p.numel() for p in engine.model.parameters())
         dataloader = stateful_dataloader(list(range(64)), 8)
