@@ -66,7 +66,7 @@ class StalenessManager:
     """
 
     def __init__(self, batch_size: int, max_head_offpolicyness: int, max_concurrent: int, queue_size: int) -> None:
-        if batch_size < 1 or max_head_offpolicyness < 0 or max_concurrent < 1 or queue_size < 1:
+        if batch_size < 1 or max_head_offpolicyness < 0 or max_concurrent < 1 or queue_size < batch_size:
             raise ValueError(
                 f"bad staleness settings: batch_size={batch_size} eta={max_head_offpolicyness} "
                 f"max_concurrent={max_concurrent} queue_size={queue_size}"
@@ -451,6 +451,8 @@ class WorkflowExecutor:
         error: WorkflowError | None = None
         try:
             traj = await task.workflow.arun_episode(self.engine, task.data)
+            if traj is not None and not isinstance(traj, TensorDict):
+                raise TypeError(f"arun_episode must return a TensorDict or None, got {type(traj).__name__}")
             if traj is not None and task.should_accept is not None and not task.should_accept(traj):
                 traj = None
         except asyncio.CancelledError:
