@@ -76,6 +76,14 @@ def test_rlvr_groups_follow_the_contract(engine) -> None:
     engine.set_version(0)
 
 
+def test_rlvr_raw_prompt_without_chat_template(engine) -> None:
+    wf = RLVRWorkflow(RewardRunner(length_reward, mode="thread"), GenerationConfig(n_samples=2, max_new_tokens=4), engine.tokenizer, use_chat_template=False)
+    batch = engine.rollout_batch([{"prompt": "12+30="}], wf)
+    check_trajectory(batch)
+    raw = engine.tokenizer("12+30=", add_special_tokens=False)["input_ids"]
+    assert batch["input_ids"][0, : len(raw)].tolist() == raw and not batch["loss_mask"][:, : len(raw)].any()
+
+
 def test_rlvr_default_runner_grades_math_in_worker_processes(engine) -> None:
     wf = RLVRWorkflow(math_answer_reward, GenerationConfig(n_samples=2, max_new_tokens=6), engine.tokenizer)
     try:

@@ -17,7 +17,7 @@ from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import ModelRequest
 from areal_lite.utils.data import concat_padded
 from areal_lite.workflows.rlvr import RLVRWorkflow, score
-from areal_lite.workflows.trajectory import encode_chat, from_response, prompt_messages
+from areal_lite.workflows.trajectory import from_response
 
 
 class ReMaxWorkflow(RLVRWorkflow):
@@ -25,7 +25,7 @@ class ReMaxWorkflow(RLVRWorkflow):
     Constructed like `RLVRWorkflow`."""
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, object]) -> TensorDict:
-        prompt_ids = encode_chat(self.tokenizer, prompt_messages(data), enable_thinking=self.enable_thinking)
+        prompt_ids = self.prompt_ids(data)
         sampled_cfg = self.gconfig.new(n_samples=1, greedy=False)
         greedy_cfg = self.gconfig.new(n_samples=1, greedy=True)
         requests = [ModelRequest(input_ids=prompt_ids, gconfig=greedy_cfg)]

@@ -65,11 +65,14 @@ class RLVRWorkflow(RolloutWorkflow):
         self.enable_thinking = enable_thinking
         self.use_chat_template = use_chat_template
 
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, object]) -> TensorDict:
+    def prompt_ids(self, data: dict[str, object]) -> list[int]:
+        """The item's prompt tokens: its chat rendered by the template, or its raw ``prompt`` text."""
         if self.use_chat_template:
-            prompt_ids = encode_chat(self.tokenizer, prompt_messages(data), enable_thinking=self.enable_thinking)
-        else:
-            prompt_ids = list(self.tokenizer(str(data["prompt"]), add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+            return encode_chat(self.tokenizer, prompt_messages(data), enable_thinking=self.enable_thinking)
+        return list(self.tokenizer(str(data["prompt"]), add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, object]) -> TensorDict:
+        prompt_ids = self.prompt_ids(data)
         one = self.gconfig.new(n_samples=1)
         resps = await asyncio.gather(
             *(engine.agenerate(ModelRequest(input_ids=prompt_ids, gconfig=one)) for _ in range(self.gconfig.n_samples))
