@@ -3,7 +3,7 @@ with TP=2, TP=1 x DP=2 and PP=2, all under one torchrun launch of 2 gloo ranks
 (tests/scripts/megatron_worker.py), compared here: log-probabilities, entropies, loss and the
 parameters after one `train_batch` equal to 1e-5; the Megatron-saved HF directory loads with
 ``from_pretrained`` and gives the engine's log-probabilities (also for tied embeddings at TP=2 and
-PP=2); weight updates of all three kinds deliver the same tensors; a non-finite step is skipped; a
+PP=2); a critic equals FSDP's critic; weight updates of all three kinds deliver the same tensors; a non-finite step is skipped; a
 ``dcp`` checkpoint resumes exactly. The vocabulary (301) is odd, so TP=2 exercises the padded
 vocabulary.
 """
@@ -89,6 +89,14 @@ def test_logprobs_entropy_and_loss_equal_fsdp(out: Path) -> None:
         for key in ("loss", "entropy", "grad_norm", "lr"):
             assert abs(r[run]["stats"][key] - ref["stats"][key]) < TOL, (run, key)
         assert r[run]["stats"]["update_successful"] == 1.0
+        for key in ("loss", "entropy"):
+            # eval_batch ran before the update, on the same data
+            assert abs(r[run]["eval_stats"][key] - ref["stats"][key]) < TOL, (run, key)
+    assert abs(ref["eval_stats"]["loss"] - ref["stats"]["loss"]) < TOL
+
+
+def test_frozen_engine_gives_the_same_logprobs(out: Path) -> None:
+    assert json.loads((out / "checks.json").read_text())["frozen_lp_err"] < TOL
 
 
 def test_parameters_after_one_step_equal_fsdp(out: Path) -> None:
@@ -123,6 +131,19 @@ def test_tied_embeddings_train_and_save_consistently(out: Path, layout: str) -> 
     assert checks[f"tied_{layout}_initial_err"] < TOL
     assert checks[f"tied_{layout}_saved_err"] < TOL
     assert checks[f"tied_{layout}_moved"] > 100 * TOL
+
+
+def test_critic_equals_fsdp_critic(out: Path) -> None:
+    ref = torch.load(out / "critic_fsdp.pt")
+    ref_params = safetensors_dir(out / "critic_fsdp_hf")
+    assert "score.weight" in ref_params and "lm_head.weight" not in ref_params
+    assert (ref["after"] - ref["before"]).abs().max() > 100 * TOL
+    for run in ("tp2", "pp2"):
+        r = torch.load(out / f"critic_{run}.pt")
+        assert torch.allclose(r["before"], ref["before"], rtol=0, atol=TOL), run
+        assert torch.allclose(r["after"], ref["after"], rtol=0, atol=TOL), run
+        assert abs(r["stats"]["loss"] - ref["stats"]["loss"]) < TOL, run
+        assert max_diff(safetensors_dir(out / f"critic_{run}_hf"), ref_params) < TOL, run
 
 
 def test_weight_updates_deliver_the_saved_weights(out: Path) -> None:

@@ -1,6 +1,6 @@
 """HF <-> megatron-core weight conversion (pure tensor code, no processes): round trips are exact
 for Qwen2 (untied, q/k/v biases) and Llama (tied), at TP=1, 2 and 4, with a vocabulary that needs
-padding; a TP shard is the matching slice of the TP=1 tensor (whole query groups, gate and up
+padding, and for a critic's value head; a TP shard is the matching slice of the TP=1 tensor (whole query groups, gate and up
 slices); unsupported models are refused. That the layout is megatron's own is shown by
 tests/test_megatron.py, where converted weights give FSDP's log-probabilities."""
 
@@ -48,6 +48,22 @@ def test_round_trip_is_exact(arch: str, tie: bool, tp: int) -> None:
     assert back.keys() == hf.keys()
     for k in hf:
         assert torch.equal(back[k], hf[k]), k
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_critic_round_trip_is_exact(tp: int) -> None:
+    from transformers import AutoModelForTokenClassification
+
+    config = Qwen2Config(vocab_size=301, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=4, max_position_embeddings=64, num_labels=1)  # fmt: skip
+    hf = {k: v.detach().clone() for k, v in AutoModelForTokenClassification.from_config(config).state_dict().items()}
+    spec = ArchSpec.from_hf_config(config, tp, is_critic=True)
+    ranks = [hf_to_mcore(hf, spec, r, tp) for r in range(tp)]
+    assert "output_layer.weight" not in ranks[0] and ranks[0]["value_head.weight"].shape == (1, 32)
+    shards = {n: [ranks[r][n] for r in range(tp)] if mcore_split_dim(n) is not None else [ranks[0][n]] for n in mcore_param_names(spec)}
+    back = mcore_state_to_hf(shards, spec)
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
 def test_tp_shards_are_slices_of_the_full_layout() -> None:

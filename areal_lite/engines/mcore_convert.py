@@ -16,7 +16,11 @@ megatron-core                               HF
 ``L.mlp.linear_fc2.weight``                 ``H.mlp.down_proj.weight`` (columns split)
 ``decoder.final_layernorm.weight``          ``model.norm.weight``
 ``output_layer.weight``                     ``lm_head.weight`` (absent when tied)
+``value_head.{weight,bias}`` (critics)      ``score.{weight,bias}`` (token classification)
 ==========================================  =================================================
+
+A critic (``is_critic``) has no output layer; its value head maps to the ``score`` layer of HF's
+``*ForTokenClassification`` with one label.
 
 Two layouts need care. ``linear_qkv`` stacks rows per query group: for each of the
 ``num_kv_heads`` groups, its ``heads/kv_heads`` query heads, then its key head, then its value
@@ -61,9 +65,11 @@ class ArchSpec:
     rope_theta: float
     tie_word_embeddings: bool
     qkv_bias: bool
+    is_critic: bool = False
+    """A value model: a scalar value head instead of the language-model head."""
 
     @classmethod
-    def from_hf_config(cls, config: object, tp_size: int = 1) -> ArchSpec:
+    def from_hf_config(cls, config: object, tp_size: int = 1, is_critic: bool = False) -> ArchSpec:
         """Read a transformers ``Qwen2Config`` / ``LlamaConfig`` (anything else is refused)."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -98,8 +104,9 @@ class ArchSpec:
             max_position_embeddings=g("max_position_embeddings"),
             rms_norm_eps=g("rms_norm_eps"),
             rope_theta=float(rope_theta),
-            tie_word_embeddings=bool(g("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(g("tie_word_embeddings", False)) and not is_critic,
             qkv_bias=qkv_bias,
+            is_critic=is_critic,
         )
 
 
@@ -131,7 +138,9 @@ def mcore_param_names(arch: ArchSpec) -> list[str]:
                 continue
             names.append(f"decoder.layers.{i}.{suffix}")
     names.append("decoder.final_layernorm.weight")
-    if not arch.tie_word_embeddings:
+    if arch.is_critic:
+        names += ["value_head.weight", "value_head.bias"]
+    elif not arch.tie_word_embeddings:
         names.append("output_layer.weight")
     return names
 
@@ -169,7 +178,8 @@ def hf_to_mcore(hf: Mapping[str, torch.Tensor], arch: ArchSpec, tp_rank: int = 0
     """This tensor-parallel rank's megatron-core parameters from full HF tensors.
 
     ``hf`` maps HF names to tensors (a state dict, or a lazy mapping over safetensors files);
-    only the names the model needs are read. ``lm_head.weight`` is not needed when tied.
+    only the names the model needs are read. ``lm_head.weight`` is not needed when tied, nor by a
+    critic, which needs ``score.weight`` and ``score.bias`` instead.
     """
     out: dict[str, torch.Tensor] = {}
     embed = _pad_vocab(hf["model.embed_tokens.weight"], arch)
@@ -188,7 +198,10 @@ def hf_to_mcore(hf: Mapping[str, torch.Tensor], arch: ArchSpec, tp_rank: int = 0
         up = _split(hf[h + "mlp.up_proj.weight"], 0, tp_rank, tp_size)
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
-    if not arch.tie_word_embeddings:
+    if arch.is_critic:
+        out["value_head.weight"] = hf["score.weight"].clone()
+        out["value_head.bias"] = hf["score.bias"].clone()
+    elif not arch.tie_word_embeddings:
         out["output_layer.weight"] = _split(_pad_vocab(hf["lm_head.weight"], arch), 0, tp_rank, tp_size)
     return out
 
@@ -197,7 +210,7 @@ def mcore_split_dim(name: str) -> int | None:
     """The dimension along which tensor-parallel ranks split megatron parameter ``name``."""
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return 0
-    if name == "decoder.final_layernorm.weight":
+    if name in ("decoder.final_layernorm.weight", "value_head.weight", "value_head.bias"):
         return None
     match = _LAYER.fullmatch(name)
     if match is None or match.group(2) not in _SPLIT_DIM:
@@ -214,6 +227,8 @@ def mcore_to_hf(name: str, shards: list[torch.Tensor], arch: ArchSpec) -> list[t
         return [("model.embed_tokens.weight" if name.startswith("embedding") else "lm_head.weight", full)]
     if name == "decoder.final_layernorm.weight":
         return [("model.norm.weight", shards[0])]
+    if name.startswith("value_head."):
+        return [("score." + name.removeprefix("value_head."), shards[0])]
     match = _LAYER.fullmatch(name)
     assert match is not None
     i, suffix = match.group(1), match.group(2)

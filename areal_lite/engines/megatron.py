@@ -37,6 +37,7 @@ Checkpoints: ``hf`` writes a HF directory from rank 0 (sharded safetensors and c
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import logging
@@ -72,9 +73,10 @@ MicroBatch = tuple[TensorDict, PackedBatch, float]
 
 
 class _SafetensorsDir(Mapping[str, torch.Tensor]):
-    """HF tensors of a model directory, read one at a time from its safetensors files."""
+    """HF tensors of a model directory, read one at a time from its safetensors files, plus
+    ``extra`` tensors that the directory lacks."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, extra: dict[str, torch.Tensor] | None = None) -> None:
         from safetensors import safe_open
 
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -85,20 +87,33 @@ class _SafetensorsDir(Mapping[str, torch.Tensor]):
             with safe_open(f, framework="pt") as h:
                 for k in h.keys():
                     self._where[k] = f
+        self._extra = extra or {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
+        if name in self._extra:
+            return self._extra[name]
         if name not in self._where:
             raise KeyError(f"{name} is not in the checkpoint")
         with safe_open(self._where[name], framework="pt") as h:
             return h.get_tensor(name)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
+        return iter({**self._where, **self._extra})
 
     def __len__(self) -> int:
-        return len(self._where)
+        return len(set(self._where) | set(self._extra))
+
+
+def _new_value_head(path: str, seed: int) -> dict[str, torch.Tensor]:
+    """The ``score`` layer HF initialises for a critic loaded from a causal-LM directory, drawn
+    exactly as FSDPEngine draws it (same seed, same loading call), so both engines start equal."""
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(seed)
+    hf = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    return {f"score.{k}": v.detach().clone() for k, v in hf.score.state_dict().items()}
 
 
 def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> torch.nn.Module:
@@ -152,7 +167,7 @@ def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> to
         moe_token_dispatcher_type="alltoall",  # no experts here; the default refuses variable lengths
         **recompute,
     )
-    return HiddenStatesGPT(
+    gpt = HiddenStatesGPT(
         config=tcfg,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=arch.padded_vocab_size,
@@ -163,6 +178,11 @@ def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> to
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
     )
+    if arch.is_critic and gpt.post_process:
+        # a value model: the vocabulary head gives way to a scalar head, replicated over TP ranks
+        gpt.output_layer = None
+        gpt.value_head = torch.nn.Linear(arch.hidden_size, 1, dtype=dtype)
+    return gpt
 
 
 class MegatronEngine(TrainEngine):
@@ -171,6 +191,7 @@ class MegatronEngine(TrainEngine):
     def __init__(self, config: TrainEngineConfig) -> None:
         self.config = config
         self.arch: ArchSpec | None = None
+        self._hf_config: object | None = None
         self.model: torch.nn.Module | None = None
         self.optimizer: object | None = None
         self.lr_factor = None
@@ -195,8 +216,6 @@ class MegatronEngine(TrainEngine):
         cfg = self.config
         if cfg.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
-        if cfg.is_critic:
-            raise ValueError("MegatronEngine trains language models only; use backend=fsdp for a critic")
         self._owns_group = _init_default_group()
         if not cpu_mode():
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -214,13 +233,17 @@ class MegatronEngine(TrainEngine):
         else:
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
 
-        self.arch = ArchSpec.from_hf_config(AutoConfig.from_pretrained(cfg.path), cfg.tensor_parallel_size)
+        self._hf_config = AutoConfig.from_pretrained(cfg.path, **({"num_labels": 1} if cfg.is_critic else {}))
+        self.arch = ArchSpec.from_hf_config(self._hf_config, cfg.tensor_parallel_size, is_critic=cfg.is_critic)
         dtype = _DTYPES[cfg.dtype]
+        weights = _SafetensorsDir(cfg.path)
+        if cfg.is_critic and "score.weight" not in weights:
+            weights = _SafetensorsDir(cfg.path, extra=_new_value_head(cfg.path, cfg.seed))
         with cpu_compat():
             model = _build_gpt(self.arch, cfg, dtype).to(self.device)
         # local layer index -> global layer index (megatron numbers layers from 1)
         self._layer_ids = [layer.layer_number - 1 for layer in model.decoder.layers]
-        self._copy_hf_into(model, _SafetensorsDir(cfg.path))
+        self._copy_hf_into(model, weights)
         if ft_spec is None:
             model.requires_grad_(False)
             self.model = model
@@ -352,12 +375,18 @@ class MegatronEngine(TrainEngine):
             w = gather_from_tensor_model_parallel_region(w.t()).t()
         return w[: self.arch.vocab_size]
 
-    def _logprobs(self, hidden: torch.Tensor, padded: TensorDict, packed: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token-aligned log-probabilities and entropies ``[T]`` from the last stage's ``[s, b, h]``."""
+    def _token_outputs(self, hidden: torch.Tensor, padded: TensorDict, packed: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-aligned log-probabilities (values, for a critic) and entropies (zeros, for a
+        critic) ``[T]`` from the last stage's hidden states ``[s, b, h]``."""
         mask = padded["attention_mask"].to(self.device).bool()
         hidden = hidden.transpose(0, 1)[mask]  # [T, h], pack_batch's order
         ids, cu = packed["input_ids"], packed["cu_seqlens"]
         assert isinstance(ids, torch.Tensor) and isinstance(cu, torch.Tensor)
+        if self.config.is_critic:
+            # the hidden state at t has read tokens[: t + 1]: it values the state in which token
+            # t + 1 is generated, so values are aligned to the token like log-probabilities
+            values = align_to_tokens(self._gpt().value_head(hidden).squeeze(-1).float(), cu)
+            return values, torch.zeros_like(values)
         logp, entropy = logprobs_from_hidden(
             hidden,
             self._output_weight(),
@@ -413,7 +442,7 @@ class MegatronEngine(TrainEngine):
         mbs, order = self._microbatches(batch)
 
         def head(padded: TensorDict, packed: PackedBatch, w: float, hidden: torch.Tensor) -> tuple:
-            logp, ent = self._logprobs(hidden, padded, packed, with_entropy)
+            logp, ent = self._token_outputs(hidden, padded, packed, with_entropy)
             return logp.sum() * 0.0, {"logp": logp, "ent": ent}
 
         with cpu_compat():
@@ -434,7 +463,8 @@ class MegatronEngine(TrainEngine):
         from megatron.core import parallel_state as ps
 
         weights = [float(loss_weight_fn(mb)) for mb in packed]
-        total = torch.tensor([sum(weights)], dtype=torch.float64)
+        # on the compute device: megatron's groups may be NCCL-only on CUDA
+        total = torch.tensor([sum(weights)], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
         if total.item() <= 0:
             raise ValueError("loss_weight_fn gave a total weight of 0 over the whole batch (no trained tokens?)")
@@ -450,15 +480,16 @@ class MegatronEngine(TrainEngine):
                 sums[k] = sums.get(k, 0.0) + float(v) * w / total
         sums = self._from_last_stage(sums)  # type: ignore[assignment]
         keys = ["loss"] + sorted(k for k in sums if k != "loss")
-        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(vec, group=ps.get_data_parallel_group(with_context_parallel=True))
         return dict(zip(keys, vec.tolist()))
 
     def _loss_head(self, loss_fn: LossFn, total: float, train: bool) -> Callable[..., tuple]:
         def head(padded: TensorDict, packed: PackedBatch, w: float, hidden: torch.Tensor) -> tuple:
-            out, ent = self._logprobs(hidden, padded, packed, with_entropy=True)
+            out, ent = self._token_outputs(hidden, padded, packed, with_entropy=True)
             loss, stats = loss_fn(out, ent, packed)
-            reported = {"loss": loss.detach(), **{k: v.detach() for k, v in stats.items()}}
+            # copies: megatron rescales the returned loss in place
+            reported = {"loss": loss.detach().clone(), **{k: v.detach().clone() for k, v in stats.items()}}
             if not train:
                 return loss, reported
             # A zero-weight micro-batch still runs backward (the schedule always does) without
@@ -601,7 +632,7 @@ class MegatronEngine(TrainEngine):
 
     def _save_hf(self, path: str, tokenizer: object | None) -> None:
         from huggingface_hub import save_torch_state_dict
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import GenerationConfig
 
         tensors = {name: t.cpu().contiguous() for name, t in self._hf_tensors()}
         if dist.get_rank() != 0:
@@ -609,8 +640,10 @@ class MegatronEngine(TrainEngine):
         os.makedirs(path, exist_ok=True)
         for stale in glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.safetensors.index.json")):
             os.remove(stale)
-        hf_config = AutoConfig.from_pretrained(self.config.path)
+        hf_config = copy.deepcopy(self._hf_config)
         hf_config.dtype = self.config.dtype
+        if self.config.is_critic:
+            hf_config.architectures = [a.replace("ForCausalLM", "ForTokenClassification") for a in hf_config.architectures or []]
         hf_config.save_pretrained(path)
         try:
             GenerationConfig.from_pretrained(self.config.path).save_pretrained(path)

@@ -10,7 +10,8 @@ data-parallel share and saves HF weights; rank 0 writes ``OUT_DIR/<run>.pt`` (lo
 entropies, stats) and ``OUT_DIR/<run>_hf`` for tests/test_megatron.py to compare. The TP=2 run
 also sends weights of all three kinds to a receiver, skips a non-finite step, and resumes from a
 ``dcp`` checkpoint; a tied Llama at TP=2 and PP=2 saves what it trained (results in
-``OUT_DIR/checks.json``).
+``OUT_DIR/checks.json``). Critics (value heads) run through FSDP, TP=2 and PP=2
+(``OUT_DIR/critic_<run>.pt`` and ``_hf``).
 """
 
 from __future__ import annotations
@@ -196,6 +197,26 @@ def tied_embeddings(checks: dict[str, object]) -> None:
             checks[f"tied_{tag}_moved"] = float((after - before).abs().max())
 
 
+def value_loss(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    m = mb["loss_mask"].float()  # type: ignore[union-attr]
+    return (((out - 0.5) ** 2) * m).sum() / m.sum(), {}
+
+
+def critics(full: TensorDict) -> None:
+    """A critic (new value head on a causal-LM directory) through FSDP, Megatron TP=2 and PP=2:
+    rank 0 writes values before and after one step, and the saved HF weights."""
+    for tag, kw in (("fsdp", {}), ("tp2", {"tensor_parallel_size": 2}), ("pp2", {"pipeline_parallel_size": 2})):
+        e = make_train_engine(config("fsdp" if tag == "fsdp" else "megatron", is_critic=True, **kw))
+        e.initialize(FT)
+        before = e.forward(full)
+        stats = e.train_batch(my_share(full, e), value_loss, n_tokens)
+        after = e.forward(full)
+        e.save(SaveLoadMeta(path=os.path.join(OUT, f"critic_{tag}_hf")))
+        e.destroy()
+        if dist.get_rank() == 0:
+            torch.save({"before": before, "after": after, "stats": stats}, os.path.join(OUT, f"critic_{tag}.pt"))
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -211,11 +232,12 @@ def main() -> None:
         e = make_train_engine(cfg)
         e.initialize(FT)
         lp, ent = e.forward(full, with_entropy=True)
+        eval_stats = e.eval_batch(my_share(full, e), nll, n_tokens)
         stats = e.train_batch(my_share(full, e), nll, n_tokens)
         lp_after = e.forward(full)
         e.save(SaveLoadMeta(path=os.path.join(OUT, f"{tag}_hf")))
         if rank == 0:
-            torch.save({"batch": full.to_dict(), "lp": lp, "ent": ent, "stats": stats, "lp_after": lp_after, "type": type(e).__name__}, os.path.join(OUT, f"{tag}.pt"))
+            torch.save({"batch": full.to_dict(), "lp": lp, "ent": ent, "stats": stats, "eval_stats": eval_stats, "lp_after": lp_after, "type": type(e).__name__}, os.path.join(OUT, f"{tag}.pt"))
         if tag == "mcore_tp2":
             weight_updates(e, checks)
             before = e.forward(full)
@@ -225,6 +247,13 @@ def main() -> None:
             resume(e, cfg, checks)
         e.destroy()
     tied_embeddings(checks)
+    critics(full)
+    frozen = make_train_engine(runs["mcore_tp2"])
+    frozen.initialize(None)  # a reference policy: no optimizer, no DDP wrapper
+    lp = frozen.forward(full)
+    frozen.destroy()
+    if rank == 0:
+        checks["frozen_lp_err"] = float((lp - torch.load(os.path.join(OUT, "fsdp.pt"))["lp"]).abs().max())
     if rank == 0:
         with open(os.path.join(OUT, "checks.json"), "w") as f:
             json.dump(checks, f)
