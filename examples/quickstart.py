@@ -1,0 +1,307 @@
+"""Quickstart: asynchronous GRPO on CPU that learns to beat its teacher.
+
+The task is two-digit addition (``37+48=`` -> ``85``). The labelled demonstrations come from a
+sloppy teacher who forgets to carry in ``task.teacher_carry_drop`` of its answers (``37+48=`` ->
+``75``), while the reward is an exact verifier. A tiny model is built locally and warmed up with a
+short SFT on the teacher's demonstrations: it learns addition, and the teacher's habit of dropping
+carries with it. GRPO with the verifier then trains it past its teacher; held-out greedy accuracy is
+measured before and after RL.
+
+This is the situation RL is for: checking an answer is cheap and exact, labelled solutions are
+imperfect. (More SFT on correct labels would also fix this task; the point is that RL needs no
+correct labels, only the checker.)
+
+Run it with the launcher, which starts our SGLang-protocol rollout server when
+``launcher.backend=areal`` and runs this script (``make demo`` does exactly this):
+
+    python -m areal_lite.launcher.local examples/quickstart.py --config configs/quickstart.yaml
+
+The training loop below is the whole algorithm: nothing is hidden in a trainer class.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+from tensordict import TensorDict
+
+from areal_lite.actors.ppo import PPOActor
+from areal_lite.actors.sft import SFTActor
+from areal_lite.api.config import (
+    BaseExperimentConfig,
+    InferenceEngineConfig,
+    LocalEngineConfig,
+    PPOActorConfig,
+    TrainEngineConfig,
+    load_config,
+)
+from areal_lite.api.engine import InferenceEngine
+from areal_lite.api.io import FinetuneSpec, GenerationConfig, SaveLoadMeta, WeightUpdateMeta
+from areal_lite.engines import make_train_engine
+from areal_lite.rewards.runner import RewardRunner
+from areal_lite.utils.dataloader import stateful_dataloader
+from areal_lite.utils.recover import RecoverHandler
+from areal_lite.utils.saver import Saver
+from areal_lite.utils.stats import StatsTracker
+from areal_lite.utils.stats_logger import StatsLogger
+from areal_lite.utils.step import StepInfo
+from areal_lite.utils.tiny import build_tiny_model
+from areal_lite.workflows.rlvr import RLVRWorkflow
+
+
+@dataclass
+class TaskConfig:
+    """The synthetic task and the SFT warm-up."""
+
+    n_digits: int = 2
+    """Digits of each operand."""
+    teacher_carry_drop: float = 0.6
+    """Fraction of the teacher's demonstrations that ignore every carry."""
+    n_train_prompts: int = 16384
+    """Prompts (questions only, no answers) in the RL training set."""
+    n_eval: int = 500
+    """Held-out problems for the before/after accuracy."""
+    sft_steps: int = 1500
+    """At most this many SFT warm-up steps on the teacher's demonstrations."""
+    sft_target_acc: float = 0.4
+    """Stop SFT once greedy accuracy on the dev problems reaches this."""
+    sft_eval_every: int = 50
+    """Measure dev accuracy every this many SFT steps."""
+    n_dev: int = 200
+    """Dev problems for the SFT stopping rule (separate from the held-out evaluation)."""
+    sft_batch_size: int = 128
+    """Demonstrations per SFT step."""
+    sft_lr: float = 1e-3
+    """SFT learning rate."""
+    hidden_size: int = 128
+    """Width of the tiny model."""
+    num_layers: int = 4
+    """Depth of the tiny model."""
+    seed: int = 0
+    """Seed of the model and the data."""
+
+
+@dataclass
+class QuickstartConfig(BaseExperimentConfig):
+    task: TaskConfig = field(default_factory=TaskConfig)
+    actor: PPOActorConfig = field(default_factory=PPOActorConfig)
+    rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
+    local_engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    weight_update: str = "disk"
+    """How weights reach remote servers: disk or distributed (in_process for the embedded engine)."""
+
+
+# ---------------------------------------------------------------------------------- the task
+
+
+def sloppy_sum(a: int, b: int) -> int:
+    """The teacher's mistake: add digit by digit and forget every carry."""
+    out, place = 0, 1
+    while a or b:
+        out += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return out
+
+
+def make_problems(n: int, n_digits: int, rng: random.Random) -> list[dict[str, object]]:
+    hi = 10**n_digits - 1
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, hi), rng.randint(0, hi)
+        out.append({"prompt": f"{a}+{b}=", "answer": str(a + b), "a": a, "b": b})
+    return out
+
+
+def exact_answer_reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], answer: str, **_: object) -> float:
+    """1 for exactly the right number, else 0 (the verifier)."""
+    return float(completion.strip() == answer)
+
+
+def teacher_batch(tokenizer, problems: list[dict[str, object]], drop: float, rng: random.Random) -> TensorDict:
+    """SFT demonstrations: prompt tokens (not trained on) + the teacher's answer + eos."""
+    rows, masks = [], []
+    for p in problems:
+        answer = str(sloppy_sum(p["a"], p["b"])) if rng.random() < drop else p["answer"]  # type: ignore[arg-type]
+        prompt_ids = tokenizer(p["prompt"])["input_ids"]
+        answer_ids = tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(prompt_ids + answer_ids)
+        masks.append([0] * len(prompt_ids) + [1] * len(answer_ids))
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    loss_mask = torch.zeros(len(rows), width, dtype=torch.int32)
+    attn = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (r, m) in enumerate(zip(rows, masks)):
+        ids[i, : len(r)] = torch.tensor(r)
+        loss_mask[i, : len(m)] = torch.tensor(m, dtype=torch.int32)
+        attn[i, : len(r)] = True
+    return TensorDict({"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}, batch_size=[len(rows)])
+
+
+def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str) -> None:
+    """Build the tiny model and imitate the sloppy teacher until greedy accuracy on a dev set
+    reaches ``task.sft_target_acc`` (checked every ``task.sft_eval_every`` steps through the
+    embedded engine) or ``task.sft_steps`` steps pass. Stopping on a measured accuracy, not a step
+    count, gives RL the same starting point on any machine."""
+    task = cfg.task
+    if not os.path.exists(os.path.join(base_dir, "config.json")):
+        build_tiny_model(
+            base_dir,
+            hidden_size=task.hidden_size,
+            num_layers=task.num_layers,
+            num_heads=4,
+            num_kv_heads=4,
+            vocab_size=0,  # byte level, no merges: one token per character
+            max_position_embeddings=64,
+            seed=task.seed,
+        )
+    from transformers import AutoTokenizer
+
+    from areal_lite.engines.local import LocalInferenceEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
+    engine_cfg.optimizer = replace(cfg.actor.optimizer, lr=task.sft_lr, lr_scheduler_type="constant", warmup_steps_proportion=0.0)
+    engine = make_train_engine(engine_cfg)
+    engine.initialize(FinetuneSpec(1, task.sft_steps * task.sft_batch_size, task.sft_batch_size))
+    sft = SFTActor(engine_cfg, engine)
+
+    rng = random.Random(task.seed + 1)
+    dev = make_problems(task.n_dev, task.n_digits, random.Random(task.seed + 3))
+    judge = LocalInferenceEngine(replace(cfg.local_engine, path=base_dir), replace(cfg.rollout, max_head_offpolicyness=0))
+    judge.initialize()
+    engine.connect_engine(judge, WeightUpdateMeta(type="in_process"))
+    greedy = RLVRWorkflow(
+        RewardRunner(exact_answer_reward, mode="thread", num_workers=1),
+        replace(cfg.gconfig, n_samples=1, greedy=True, stop_token_ids=[tokenizer.eos_token_id]),
+        tokenizer,
+        use_chat_template=False,
+    )
+    t0 = time.time()
+    for step in range(task.sft_steps):
+        problems = make_problems(task.sft_batch_size, task.n_digits, rng)
+        stats = sft.train_lm(teacher_batch(tokenizer, problems, task.teacher_carry_drop, rng))
+        if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
+            engine.update_weights(WeightUpdateMeta(type="in_process"))
+            acc = evaluate(judge, greedy, dev)
+            print(f"[sft] step {step + 1} loss {stats['loss']:.3f} dev greedy accuracy {acc:.3f} ({time.time() - t0:.0f}s)", flush=True)
+            if acc >= task.sft_target_acc:
+                break
+    judge.destroy()
+    engine.save(SaveLoadMeta(path=sft_dir, weight_format="hf", tokenizer=tokenizer))
+    engine.destroy()
+
+
+# ---------------------------------------------------------------------------------- RL
+
+
+def make_rollout(cfg: QuickstartConfig, model_dir: str) -> tuple[InferenceEngine, WeightUpdateMeta]:
+    """Our rollout servers (launcher.backend=areal/sglang) or the embedded engine (local)."""
+    if cfg.launcher.backend == "local":
+        from areal_lite.engines.local import LocalInferenceEngine
+
+        engine: InferenceEngine = LocalInferenceEngine(replace(cfg.local_engine, path=model_dir), cfg.rollout)
+        meta = WeightUpdateMeta(type="in_process")
+    else:
+        from areal_lite.engines.remote import RemoteSGLangEngine
+
+        engine = RemoteSGLangEngine(cfg.rollout)
+        if cfg.weight_update == "distributed":
+            from areal_lite.utils.distributed import find_free_port
+
+            meta = WeightUpdateMeta(type="distributed", master_port=find_free_port(), world_size=1 + len(cfg.rollout.addresses))
+        else:
+            meta = WeightUpdateMeta(type="disk", path=os.path.join(cfg.output_dir, "weight_update"))
+    engine.initialize()
+    return engine, meta
+
+
+def evaluate(rollout: InferenceEngine, workflow: RLVRWorkflow, problems: list[dict[str, object]]) -> float:
+    """Greedy accuracy on held-out problems (the mean verifier reward)."""
+    batch = rollout.rollout_batch(problems, workflow)
+    return float(batch["rewards"].float().mean())
+
+
+def main(argv: list[str]) -> None:
+    cfg = load_config(argv, QuickstartConfig)
+    t_start = time.time()
+    torch.manual_seed(cfg.seed)
+    base_dir = os.path.join(cfg.output_dir, "base_model")
+    sft_dir = os.path.join(cfg.output_dir, "sft_model")
+    if not os.path.exists(os.path.join(sft_dir, "config.json")):
+        warm_up_with_sft(cfg, base_dir, sft_dir)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
+    rng = random.Random(cfg.task.seed + 2)
+    eval_problems = make_problems(cfg.task.n_eval, cfg.task.n_digits, rng)
+    train_problems = make_problems(cfg.task.n_train_prompts, cfg.task.n_digits, rng)
+    dataloader = stateful_dataloader(train_problems, batch_size=cfg.train_dataset.batch_size, shuffle=True, seed=cfg.seed)
+
+    gconfig = replace(cfg.gconfig, n_samples=cfg.actor.group_size, stop_token_ids=[tokenizer.eos_token_id])
+    # The verifier is a string comparison: run it in a thread rather than a worker process.
+    reward = RewardRunner(exact_answer_reward, mode="thread", num_workers=1)
+    workflow = RLVRWorkflow(reward, gconfig, tokenizer, use_chat_template=False)
+    eval_workflow = RLVRWorkflow(reward, gconfig.new(n_samples=1, greedy=True), tokenizer, use_chat_template=False)
+
+    rollout, weight_meta = make_rollout(cfg, sft_dir)
+    actor_cfg = replace(cfg.actor, path=sft_dir)
+    total_steps = cfg.total_train_steps or cfg.total_train_epochs * len(dataloader)
+    actor = PPOActor(actor_cfg, make_train_engine(actor_cfg))
+    actor.engine.initialize(FinetuneSpec(cfg.total_train_epochs, len(train_problems), cfg.train_dataset.batch_size))
+    actor.engine.connect_engine(rollout, weight_meta)
+
+    saver = Saver(cfg.saver, cfg.output_dir)
+    recover = RecoverHandler(cfg.recover, cfg.output_dir)
+    stats_logger = StatsLogger(cfg.stats_logger, cfg.output_dir, total_steps=total_steps)
+
+    tracker = StatsTracker()
+    # A resumed run pushes the recovered weights to the rollout side and continues after its last step.
+    info = recover.load(actor.engine, dataloader=dataloader, stats_logger=stats_logger, inference_engine=rollout, weight_update_meta=weight_meta)
+    if info is not None:
+        start_step = info.next_step.global_step
+        acc_before = float(info.extra["acc_before"])  # type: ignore[arg-type]
+        print(f"[quickstart] resumed after step {start_step}", flush=True)
+    else:
+        start_step = 0
+        acc_before = evaluate(rollout, eval_workflow, eval_problems)
+        print(f"[quickstart] held-out greedy accuracy after SFT: {acc_before:.3f}", flush=True)
+
+    for global_step in range(start_step, total_steps):
+        step = StepInfo.at(global_step, len(dataloader))
+        with tracker.timer("timing/rollout"):
+            batch = rollout.prepare_batch(dataloader, workflow=workflow)
+        with tracker.timer("timing/train"):
+            batch["prox_logp"] = actor.compute_logp(batch)
+            actor.compute_advantages(batch)
+            stats = actor.ppo_update(batch)
+            actor.step_lr_scheduler()
+        with tracker.timer("timing/weight_sync"):
+            rollout.pause()
+            actor.update_weights(weight_meta)
+            rollout.set_version(global_step + 1)
+            rollout.resume()
+        saver.save(actor.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
+        recover.dump(actor.engine, step, dataloader=dataloader, stats_logger=stats_logger, extra={"acc_before": acc_before})
+        stats_logger.commit(global_step, stats, rollout.executor.stats(), tracker.export())
+
+    acc_after = evaluate(rollout, eval_workflow, eval_problems)
+    minutes = (time.time() - t_start) / 60
+    stats_logger.close()
+    rollout.destroy()
+    actor.engine.destroy()
+    print()
+    print(f"{'held-out greedy accuracy':<28}{'value':>8}")
+    print(f"{'after SFT (before RL)':<28}{acc_before:>8.3f}")
+    print(f"{'after RL':<28}{acc_after:>8.3f}")
+    print(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f} minutes={minutes:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
