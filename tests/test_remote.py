@@ -34,11 +34,17 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("remote") / "m"), hidden_size=32, num_layers=2, vocab_size=260)
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def servers(model_path: str):
+    """Two servers shared by the module (starting one costs seconds); tests reset their weights,
+    and the test that kills one runs last."""
     procs, addresses = start_servers(model_path, 2)
     yield procs, addresses
     stop_servers(procs)
+
+
+def reset_weights(engine: RemoteSGLangEngine, model_path: str) -> None:
+    engine.update_weights(WeightUpdateMeta(type="disk", path=model_path, version=0)).result()
 
 
 def client(addresses: list[str]) -> RemoteSGLangEngine:
@@ -73,6 +79,7 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, model_pa
     engine = client(addresses)
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     try:
+        reset_weights(engine, model_path)
         reqs = [ModelRequest(input_ids=[3 + i, 50, 7 + i], gconfig=GenerationConfig(max_new_tokens=5 + i, ignore_eos=True)) for i in range(12)]
 
         async def first_round():
@@ -116,6 +123,35 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, model_pa
         engine.destroy()
 
 
+def test_weight_updates_from_torchrun_fsdp_trainer(servers, model_path: str, tmp_path) -> None:
+    _, addresses = servers
+    engine = client(addresses)
+    try:
+        reset_weights(engine, model_path)
+    finally:
+        engine.destroy()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
+        str(TRAINER), model_path, ",".join(addresses), str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-6000:]
+    report = json.loads((tmp_path / "trainer.json").read_text())
+    assert report["before"]["versions"] == [0] and report["before"]["max_err"] < 1e-4
+    assert report["disk"]["versions"] == [1] and report["disk"]["max_err"] < 1e-4
+    assert report["broadcast"]["versions"] == [2] and report["broadcast"]["max_err"] < 1e-4
+
+
 def test_server_killed_mid_run_loses_no_request(servers) -> None:
     procs, addresses = servers
     engine = client(addresses)
@@ -137,27 +173,3 @@ def test_server_killed_mid_run_loses_no_request(servers) -> None:
         assert {engine.assigned_server(r.rid) for r in reqs} == {addresses[1]}  # all finished on the survivor
     finally:
         engine.destroy()
-
-
-def test_weight_updates_from_torchrun_fsdp_trainer(servers, model_path: str, tmp_path) -> None:
-    _, addresses = servers
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
-        str(TRAINER), model_path, ",".join(addresses), str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-6000:]
-    report = json.loads((tmp_path / "trainer.json").read_text())
-    assert report["before"]["versions"] == [0] and report["before"]["max_err"] < 1e-4
-    assert report["disk"]["versions"] == [1] and report["disk"]["max_err"] < 1e-4
-    assert report["broadcast"]["versions"] == [2] and report["broadcast"]["max_err"] < 1e-4

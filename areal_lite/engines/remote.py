@@ -115,7 +115,10 @@ class RemoteSGLangEngine(InferenceEngine):
             self.executor.destroy()
             self.executor = None
         for loop, session in list(self._sessions.items()):
-            if loop.is_running() and not loop.is_closed():
+            # A session can only be closed on its own loop; one whose loop has ended is dropped.
+            if loop is self._admin_loop:
+                asyncio.run_coroutine_threadsafe(session.close(), loop).result()
+            elif loop.is_running():
                 asyncio.run_coroutine_threadsafe(session.close(), loop)
         self._sessions.clear()
         if self._admin_loop is not None:

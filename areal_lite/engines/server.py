@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=1.0)
 
 
 if __name__ == "__main__":
