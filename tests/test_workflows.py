@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse
@@ -23,6 +24,7 @@ from areal_lite.workflows import (
     RLVRWorkflow,
     check_trajectory,
     encode_chat,
+    rewards_differ,
 )
 
 GCONFIG = GenerationConfig(n_samples=3, max_new_tokens=12)
@@ -74,6 +76,22 @@ def test_rlvr_groups_follow_the_contract(engine) -> None:
         assert batch["rewards"][row].item() == n_out  # each sample's reward is its own
         assert (batch["versions"][row][: len(ids)][trained] == 3).all()
     engine.set_version(0)
+
+
+def test_dynamic_sampling_drops_groups_without_signal(engine) -> None:
+    """Rewards are the parity of the first sampled token: groups where all agree are dropped."""
+
+    def parity(prompt, completion, prompt_ids, completion_ids, **data) -> float:
+        return float(completion_ids[0] % 2)
+
+    flat = TensorDict({"rewards": torch.tensor([1.0, 1.0, 1.0])}, batch_size=[3])
+    assert not rewards_differ(flat) and rewards_differ(TensorDict({"rewards": torch.tensor([1.0, 0.0, 1.0])}, batch_size=[3]))
+    wf = RLVRWorkflow(RewardRunner(parity, mode="thread"), GenerationConfig(n_samples=4, max_new_tokens=2), engine.tokenizer)
+    rejected_before = engine.executor.n_rejected
+    batch = engine.rollout_batch(ITEMS * 4, wf, should_accept=rewards_differ)
+    n_groups = batch.batch_size[0] // 4
+    assert all(rewards_differ(batch[4 * g : 4 * g + 4]) for g in range(n_groups))
+    assert n_groups + engine.executor.n_rejected - rejected_before == 8
 
 
 def test_rlvr_raw_prompt_without_chat_template(engine) -> None:
@@ -201,6 +219,17 @@ def test_multi_turn_requests_are_exactly_the_trajectory_so_far(engine) -> None:
     assert "first try<|im_end|>\n<|im_start|>user" in text  # the model's eos is not written twice
     assert "cut off<|im_end|>\n<|im_start|>user" in text  # a reply cut by length is closed
     assert_decodes_to_conversation(tok, ids, mask, "Go.", ["observation 1", "observation 2"], "user")
+
+
+def test_multi_turn_stops_before_the_context_limit(engine) -> None:
+    tok = engine.tokenizer
+    scripted = ScriptedEngine(tok, ["a<|im_end|>", "b<|im_end|>", "c<|im_end|>"])
+    first = encode_chat(tok, [{"role": "user", "content": "Go."}])
+    limit = len(first) + 2 + 8 + 10  # room for one reply and a little, not for a second turn
+    wf = MultiTurnWorkflow(RecordingEnv, GenerationConfig(max_new_tokens=8), tok, max_turns=3, max_context_tokens=limit)
+    traj = run(wf, scripted, {"prompt": "Go."})
+    check_trajectory(traj)
+    assert traj["num_turns"].item() == 1 and len(scripted.requests) == 1
 
 
 def test_math_feedback_env_retries_with_a_discount(engine) -> None:

@@ -4,7 +4,7 @@ environments; `trajectory` builds and checks the data contract's tensors."""
 from areal_lite.workflows.envs import CalculatorEnv, MathFeedbackEnv, calculate
 from areal_lite.workflows.multi_turn import ChatTurnGlue, Environment, MultiTurnWorkflow
 from areal_lite.workflows.remax import ReMaxWorkflow
-from areal_lite.workflows.rlvr import RLVRWorkflow
+from areal_lite.workflows.rlvr import RLVRWorkflow, rewards_differ
 from areal_lite.workflows.trajectory import TokenTrace, check_trajectory, encode_chat, from_response
 
 __all__ = [
@@ -20,4 +20,5 @@ __all__ = [
     "check_trajectory",
     "encode_chat",
     "from_response",
+    "rewards_differ",
 ]

@@ -87,6 +87,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
         tokenizer: a HF tokenizer with a chat template.
         max_turns: turn limit; the episode ends after this many model replies.
         turn_discount: weight of turn t's reward is ``turn_discount ** t``.
+        max_context_tokens: end the episode before a turn whose prompt plus ``max_new_tokens``
+            would exceed this (None = no limit; the engine rejects prompts beyond its context).
         template_kwargs: passed to the chat template (e.g. ``enable_thinking=False``).
     """
 
@@ -97,6 +99,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         tokenizer: object,
         max_turns: int = 3,
         turn_discount: float = 0.9,
+        max_context_tokens: int | None = None,
         **template_kwargs: object,
     ) -> None:
         if max_turns < 1:
@@ -107,6 +110,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.tokenizer = tokenizer
         self.max_turns = max_turns
         self.turn_discount = turn_discount
+        self.max_context_tokens = max_context_tokens
         self.template_kwargs = template_kwargs
         self.glue = ChatTurnGlue(tokenizer, **template_kwargs)
 
@@ -127,6 +131,9 @@ class MultiTurnWorkflow(RolloutWorkflow):
             total += weight * reward
             if done or turn == self.max_turns - 1:
                 break
-            trace.add_context(self.glue.ids_after_reply(resp, env.observation_role, observation))
+            context = self.glue.ids_after_reply(resp, env.observation_role, observation)
+            if self.max_context_tokens and len(trace.input_ids) + len(context) + self.gconfig.max_new_tokens > self.max_context_tokens:
+                break
+            trace.add_context(context)
             weight *= self.turn_discount
         return trace.to_tensordict(total, num_turns=float(turn + 1))

@@ -36,6 +36,13 @@ async def score(
     return await reward(prompt, completion, resp.input_tokens, resp.output_tokens, **extra)
 
 
+def rewards_differ(traj: TensorDict) -> bool:
+    """``should_accept`` for dynamic sampling (DAPO): keep a group only if its rewards are not all
+    equal, since a group-normalised advantage is zero everywhere otherwise."""
+    rewards = traj["rewards"]
+    return bool((rewards != rewards[0]).any())
+
+
 class RLVRWorkflow(RolloutWorkflow):
     """GRPO groups: ``gconfig.n_samples`` completions of one prompt with their rewards.
 
