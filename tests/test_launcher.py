@@ -219,6 +219,19 @@ def test_ray_placement_and_commands() -> None:
     assert trainer_bundles(cpu) == [{"CPU": 1}]
 
 
+def test_areal_servers_are_up_for_the_trainer_and_stopped_after_a_failure(tmp_path) -> None:
+    from areal_lite.utils.tiny import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "model"), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    rc, records = _launch(tmp_path, "launcher.backend=areal", "launcher.n_servers=2", f"launcher.server_model_path={model}",
+                          "probe.fail_attempts=1")
+    assert rc == 1, "torchrun turns the trainer's failure into exit code 1"
+    servers = json.loads((tmp_path / "areal-lite" / "trial0" / "logs" / "servers.json").read_text())
+    assert [r["addresses"] for r in records] == [[s["address"] for s in servers]]
+    assert records[0]["healthy"] == [True, True], "the trainer starts once every server is healthy"
+    assert not any(_alive(s["pid"]) for s in servers), "the servers are stopped when the trainer fails"
+
+
 def test_training_completes_when_a_rollout_server_dies(tmp_path) -> None:
     """backend=areal with 2 of our servers: the launcher starts them and passes their addresses;
     after the second step, with rollouts in flight on both, one server is SIGKILLed; the run (requests

@@ -1,5 +1,5 @@
 """A trainer stand-in for the launcher tests: records how it was started (arguments, attempt,
-CPU affinity, the parsed server addresses) to ``probe.out`` and then fails, waits for a signal, or
+CPU affinity, the parsed server addresses and whether they answer /health) to ``probe.out`` and then fails, waits for a signal, or
 exits 0, as the config asks."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from areal_lite.api.config import BaseExperimentConfig, InferenceEngineConfig, load_config
+from areal_lite.launcher.local import is_healthy
 
 
 @dataclass
@@ -31,9 +32,11 @@ class Config(BaseExperimentConfig):
 
 
 cfg = load_config(sys.argv[1:], Config, save=False)
+healthy = [is_healthy(a) for a in cfg.rollout.addresses]
 attempt = int(os.environ.get("AREAL_LITE_ATTEMPT", "-1"))
 record = {"argv": sys.argv[1:], "attempt": attempt, "pid": os.getpid(), "affinity": sorted(os.sched_getaffinity(0)),
-          "addresses": cfg.rollout.addresses, "rank": os.environ.get("RANK"), "tag": cfg.probe.tag}
+          "addresses": cfg.rollout.addresses, "rank": os.environ.get("RANK"), "tag": cfg.probe.tag,
+          "healthy": healthy}
 with open(cfg.probe.out, "a") as f:
     f.write(json.dumps(record) + "\n")
 if attempt < cfg.probe.fail_attempts:
