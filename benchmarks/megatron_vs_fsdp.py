@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from tensordict import TensorDict
@@ -43,11 +45,11 @@ def n_tokens(mb: PackedBatch) -> float:
     return float(mb["loss_mask"].sum())  # type: ignore[union-attr]
 
 
-def timed(fn: object, repeats: int) -> float:
-    fn()  # type: ignore[operator]
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    fn()
     start = time.perf_counter()
     for _ in range(repeats):
-        fn()  # type: ignore[operator]
+        fn()
     return (time.perf_counter() - start) / repeats
 
 
@@ -61,16 +63,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = build_tiny_model(tempfile.mkdtemp(), hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2)
+    model = build_tiny_model(
+        tempfile.mkdtemp(), hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2
+    )
     batch = make_batch(args.batch, args.prompt, args.completion)
     tokens = int(batch["attention_mask"].sum())
     rows = []
     for backend in ("fsdp", "megatron"):
-        cfg = TrainEngineConfig(path=model, backend=backend, optimizer=OptimizerConfig(lr=1e-4), mb_spec=MicroBatchSpec(n_mbs=2))
+        cfg = TrainEngineConfig(
+            path=model, backend=backend, optimizer=OptimizerConfig(lr=1e-4), mb_spec=MicroBatchSpec(n_mbs=2)
+        )
         engine = make_train_engine(cfg)
         engine.initialize(FinetuneSpec(1, 10 * args.batch, args.batch))
-        fwd = timed(lambda: engine.forward(batch), args.repeats)
-        train = timed(lambda: engine.train_batch(batch, nll, n_tokens), args.repeats)
+        fwd = timed(partial(engine.forward, batch), args.repeats)
+        train = timed(partial(engine.train_batch, batch, nll, n_tokens), args.repeats)
         engine.destroy()
         rows.append((backend, fwd, train))
     print(f"{args.batch} sequences, {tokens} tokens, hidden {args.hidden}, {args.layers} layers, 1 thread")
@@ -78,7 +84,9 @@ def main() -> None:
     for backend, fwd, train in rows:
         print(f"{backend:10s} {fwd:10.3f} {train:10.3f} {tokens / train:12.0f}")
     (_, ff, ft), (_, mf, mt) = rows
-    print(f"RESULT fsdp_train_s={ft:.3f} megatron_train_s={mt:.3f} megatron_over_fsdp_train={mt / ft:.2f} megatron_over_fsdp_forward={mf / ff:.2f}")
+    print(
+        f"RESULT fsdp_train_s={ft:.3f} megatron_train_s={mt:.3f} megatron_over_fsdp_train={mt / ft:.2f} megatron_over_fsdp_forward={mf / ff:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -10,14 +10,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from areal_lite.engines.mcore_convert import ArchSpec, hf_to_mcore, mcore_param_names, mcore_split_dim, mcore_state_to_hf
+from areal_lite.engines.mcore_convert import (
+    ArchSpec,
+    hf_to_mcore,
+    mcore_param_names,
+    mcore_split_dim,
+    mcore_state_to_hf,
+)
 
 
 def tiny_hf(arch: str, tie: bool) -> torch.nn.Module:
-    common = dict(
-        vocab_size=301, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=tie,
-    )  # fmt: skip
+    common = {
+        "vocab_size": 301, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "max_position_embeddings": 64, "tie_word_embeddings": tie,
+    }  # fmt: skip
     config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)
@@ -60,7 +66,10 @@ def test_critic_round_trip_is_exact(tp: int) -> None:
     spec = ArchSpec.from_hf_config(config, tp, is_critic=True)
     ranks = [hf_to_mcore(hf, spec, r, tp) for r in range(tp)]
     assert "output_layer.weight" not in ranks[0] and ranks[0]["value_head.weight"].shape == (1, 32)
-    shards = {n: [ranks[r][n] for r in range(tp)] if mcore_split_dim(n) is not None else [ranks[0][n]] for n in mcore_param_names(spec)}
+    shards = {
+        n: [ranks[r][n] for r in range(tp)] if mcore_split_dim(n) is not None else [ranks[0][n]]
+        for n in mcore_param_names(spec)
+    }
     back = mcore_state_to_hf(shards, spec)
     assert back.keys() == hf.keys()
     assert all(torch.equal(back[k], hf[k]) for k in hf)
@@ -77,7 +86,11 @@ def test_tp_shards_are_slices_of_the_full_layout() -> None:
     assert full[qkv].shape == ((8 + 2 * 4) * 4, 32)
     assert torch.equal(torch.cat([h[qkv] for h in halves]), full[qkv])
     # group 0: its two query heads, then its key head, then its value head
-    q, k, v = hf["model.layers.0.self_attn.q_proj.weight"], hf["model.layers.0.self_attn.k_proj.weight"], hf["model.layers.0.self_attn.v_proj.weight"]
+    q, k, v = (
+        hf["model.layers.0.self_attn.q_proj.weight"],
+        hf["model.layers.0.self_attn.k_proj.weight"],
+        hf["model.layers.0.self_attn.v_proj.weight"],
+    )
     assert torch.equal(full[qkv][:16], torch.cat([q[:8], k[:4], v[:4]]))
     fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
     gate, up = hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"]
@@ -96,4 +109,6 @@ def test_unsupported_models_are_refused() -> None:
     with pytest.raises(ValueError, match="num_key_value_heads"):
         ArchSpec.from_hf_config(Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2), tp_size=4)
     with pytest.raises(ValueError, match="rope scaling"):
-        ArchSpec.from_hf_config(LlamaConfig(hidden_size=32, num_attention_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0}))
+        ArchSpec.from_hf_config(
+            LlamaConfig(hidden_size=32, num_attention_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0})
+        )

@@ -74,7 +74,10 @@ class ArchSpec:
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"MegatronEngine converts {SUPPORTED_MODEL_TYPES} models, not {model_type!r}")
-        g = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+
+        def g(name: str, default: object = None) -> object:
+            return getattr(config, name, default)
+
         rope_scaling = g("rope_scaling")
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
             raise ValueError(f"rope scaling {rope_scaling} is not supported by the megatron conversion")
@@ -174,7 +177,9 @@ def _qkv_to_hf(qkv: torch.Tensor, arch: ArchSpec) -> tuple[torch.Tensor, torch.T
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def hf_to_mcore(hf: Mapping[str, torch.Tensor], arch: ArchSpec, tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
+def hf_to_mcore(
+    hf: Mapping[str, torch.Tensor], arch: ArchSpec, tp_rank: int = 0, tp_size: int = 1
+) -> dict[str, torch.Tensor]:
     """This tensor-parallel rank's megatron-core parameters from full HF tensors.
 
     ``hf`` maps HF names to tensors (a state dict, or a lazy mapping over safetensors files);

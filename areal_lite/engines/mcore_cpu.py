@@ -42,7 +42,7 @@ def _is_cuda(device: object) -> bool:
 class _CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA device arguments to the CPU for every torch call made inside it."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]

@@ -46,6 +46,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -62,6 +63,9 @@ from areal_lite.utils.data import pack_batch, split_microbatches, unpack_sequenc
 from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +89,7 @@ class _SafetensorsDir(Mapping[str, torch.Tensor]):
         self._where: dict[str, str] = {}
         for f in files:
             with safe_open(f, framework="pt") as h:
-                for k in h.keys():
+                for k in h.keys():  # noqa: SIM118 (the handle is not iterable)
                     self._where[k] = f
         self._extra = extra or {}
 
@@ -104,6 +108,11 @@ class _SafetensorsDir(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(set(self._where) | set(self._extra))
+
+
+def _sub_optimizers(opt: MegatronOptimizer) -> list[MegatronOptimizer]:
+    """The optimizers inside megatron's `ChainedOptimizer` (dense / expert parameter groups)."""
+    return list(getattr(opt, "chained_optimizers", [opt]))
 
 
 def _new_value_head(path: str, seed: int) -> dict[str, torch.Tensor]:
@@ -130,7 +139,11 @@ def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> to
         def _postprocess(self, hidden_states: torch.Tensor, **kwargs: object) -> torch.Tensor:
             return hidden_states
 
-    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if cfg.gradient_checkpointing else {}
+    recompute = (
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        if cfg.gradient_checkpointing
+        else {}
+    )
     tcfg = TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -193,8 +206,8 @@ class MegatronEngine(TrainEngine):
         self.arch: ArchSpec | None = None
         self._hf_config: object | None = None
         self.model: torch.nn.Module | None = None
-        self.optimizer: object | None = None
-        self.lr_factor = None
+        self.optimizer: MegatronOptimizer | None = None
+        self.lr_factor: Callable[[int], float] | None = None
         self._lr_step = 0
         self._global_step = 0
         self._version = 0
@@ -221,7 +234,9 @@ class MegatronEngine(TrainEngine):
             self.device = torch.device("cuda", torch.cuda.current_device())
         tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
         if dist.get_world_size() % (tp * pp) != 0:
-            raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tensor x pipeline parallel size {tp} x {pp}")
+            raise ValueError(
+                f"world size {dist.get_world_size()} is not a multiple of tensor x pipeline parallel size {tp} x {pp}"
+            )
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
             self._owns_model_parallel = True
@@ -254,7 +269,9 @@ class MegatronEngine(TrainEngine):
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        ddp_cfg = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
+        )
         with cpu_compat():
             return DistributedDataParallel(model.config, ddp_cfg, model)
 
@@ -281,16 +298,20 @@ class MegatronEngine(TrainEngine):
         # wd_mult=0, as FSDPEngine exempts them; `_set_lr` applies wd_mult, which megatron leaves
         # to its own scheduler.
         with cpu_compat():
-            self.optimizer = get_megatron_optimizer(ocfg, [self.model], config_overrides=get_standard_config_overrides(ocfg))
+            self.optimizer = get_megatron_optimizer(
+                ocfg, [self.model], config_overrides=get_standard_config_overrides(ocfg)
+            )
         total = ft_spec.total_train_steps
-        self.lr_factor = lr_multiplier(opt.lr_scheduler_type, total, int(opt.warmup_steps_proportion * total), opt.min_lr_ratio)
+        self.lr_factor = lr_multiplier(
+            opt.lr_scheduler_type, total, int(opt.warmup_steps_proportion * total), opt.min_lr_ratio
+        )
         self._set_lr()
 
     def _set_lr(self) -> None:
         assert self.optimizer is not None and self.lr_factor is not None
         opt = self.config.optimizer
         lr = opt.lr * self.lr_factor(self._lr_step)
-        for group in self.optimizer.param_groups:  # type: ignore[attr-defined]
+        for group in self.optimizer.param_groups:
             group["lr"] = lr
             group["weight_decay"] = opt.weight_decay * group.get("wd_mult", 1.0)
 
@@ -375,7 +396,9 @@ class MegatronEngine(TrainEngine):
             w = gather_from_tensor_model_parallel_region(w.t()).t()
         return w[: self.arch.vocab_size]
 
-    def _token_outputs(self, hidden: torch.Tensor, padded: TensorDict, packed: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_outputs(
+        self, hidden: torch.Tensor, padded: TensorDict, packed: PackedBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-aligned log-probabilities (values, for a critic) and entropies (zeros, for a
         critic) ``[T]`` from the last stage's hidden states ``[s, b, h]``."""
         mask = padded["attention_mask"].to(self.device).bool()
@@ -398,7 +421,9 @@ class MegatronEngine(TrainEngine):
         entropy = align_to_tokens(entropy, cu) if entropy is not None else torch.zeros_like(logp)
         return logp, entropy
 
-    def _schedule(self, mbs: list[MicroBatch], head: Callable[..., tuple], forward_only: bool) -> list[dict[str, torch.Tensor]]:
+    def _schedule(
+        self, mbs: list[MicroBatch], head: Callable[..., tuple], forward_only: bool
+    ) -> list[dict[str, torch.Tensor]]:
         """Run every micro-batch through megatron's schedule; ``head(padded, packed, weight,
         hidden)`` runs on the last stage and returns what megatron's loss function returns. Returns
         the heads' result dicts in micro-batch order (on the last stage; empty elsewhere)."""
@@ -435,7 +460,9 @@ class MegatronEngine(TrainEngine):
         return box[0]
 
     @torch.no_grad()
-    def forward(self, batch: TensorDict, *, with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, batch: TensorDict, *, with_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         model = self._module()
         model.eval()
         seqlen = batch["attention_mask"].shape[1]
@@ -470,7 +497,9 @@ class MegatronEngine(TrainEngine):
             raise ValueError("loss_weight_fn gave a total weight of 0 over the whole batch (no trained tokens?)")
         return weights, float(total.item())
 
-    def _weighted_stats(self, store: list[dict[str, torch.Tensor]], weights: list[float], total: float) -> dict[str, float]:
+    def _weighted_stats(
+        self, store: list[dict[str, torch.Tensor]], weights: list[float], total: float
+    ) -> dict[str, float]:
         """Loss and stats averaged with the loss weights, over micro-batches and data-parallel ranks."""
         from megatron.core import parallel_state as ps
 
@@ -511,13 +540,17 @@ class MegatronEngine(TrainEngine):
         weights, total = self._weights([p for _, p in mbs], loss_weight_fn)
         with cpu_compat():
             model.zero_grad_buffer()
-            self.optimizer.zero_grad()  # type: ignore[attr-defined]
-            store = self._schedule([(p, k, w) for (p, k), w in zip(mbs, weights)], self._loss_head(loss_fn, total, True), forward_only=False)
+            self.optimizer.zero_grad()
+            store = self._schedule(
+                [(p, k, w) for (p, k), w in zip(mbs, weights)],
+                self._loss_head(loss_fn, total, True),
+                forward_only=False,
+            )
             # data-parallel reduce-scatter, and the tied-embedding gradient sum across stages
             finalize_model_grads([model])
             grad_norm, ok = self._optimizer_step()
         result = self._weighted_stats(store, weights, total)
-        lr = float(self.optimizer.param_groups[0]["lr"])  # type: ignore[attr-defined]
+        lr = float(self.optimizer.param_groups[0]["lr"])
         result.update(grad_norm=grad_norm, lr=lr, update_successful=float(ok))
         return result
 
@@ -527,19 +560,19 @@ class MegatronEngine(TrainEngine):
 
         opt = self.optimizer
         assert opt is not None
-        opt.prepare_grads()  # type: ignore[attr-defined]
-        grad_norm = float(opt.get_grad_norm())  # type: ignore[attr-defined]
+        opt.prepare_grads()
+        grad_norm = float(opt.get_grad_norm())
         if not np.isfinite(grad_norm):
             logger.warning("non-finite gradient norm %s at step %d: skipping the update", grad_norm, self._global_step)
-            opt.zero_grad()  # type: ignore[attr-defined]
+            opt.zero_grad()
             return grad_norm, False
         clip = self.config.optimizer.gradient_clipping
         if clip > 0:
-            for sub in opt.chained_optimizers:  # type: ignore[attr-defined]
+            for sub in _sub_optimizers(opt):
                 params = sub.get_parameters()
                 if params:
                     clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=grad_norm)
-        opt.step_with_ready_grads()  # type: ignore[attr-defined]
+        opt.step_with_ready_grads()
         self._global_step += 1
         return grad_norm, True
 
@@ -550,7 +583,11 @@ class MegatronEngine(TrainEngine):
         mbs, _ = self._microbatches(batch)
         weights, total = self._weights([p for _, p in mbs], loss_weight_fn)
         with cpu_compat():
-            store = self._schedule([(p, k, w) for (p, k), w in zip(mbs, weights)], self._loss_head(loss_fn, total, False), forward_only=True)
+            store = self._schedule(
+                [(p, k, w) for (p, k), w in zip(mbs, weights)],
+                self._loss_head(loss_fn, total, False),
+                forward_only=True,
+            )
         return self._weighted_stats(store, weights, total)
 
     # ---------------------------------------------------------------- weights in HF form
@@ -569,7 +606,9 @@ class MegatronEngine(TrainEngine):
         from megatron.core import parallel_state as ps
 
         assert self.arch is not None
-        full = hf_to_mcore(hf, self.arch, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+        full = hf_to_mcore(
+            hf, self.arch, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        )
         for name, p in getattr(gpt, "module", gpt).named_parameters():
             source = "embedding.word_embeddings.weight" if self._is_tied_copy(name) else self._global_name(name)
             if source not in full:
@@ -638,12 +677,16 @@ class MegatronEngine(TrainEngine):
         if dist.get_rank() != 0:
             return
         os.makedirs(path, exist_ok=True)
-        for stale in glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.safetensors.index.json")):
+        for stale in glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(
+            os.path.join(path, "*.safetensors.index.json")
+        ):
             os.remove(stale)
         hf_config = copy.deepcopy(self._hf_config)
         hf_config.dtype = self.config.dtype
         if self.config.is_critic:
-            hf_config.architectures = [a.replace("ForCausalLM", "ForTokenClassification") for a in hf_config.architectures or []]
+            hf_config.architectures = [
+                a.replace("ForCausalLM", "ForTokenClassification") for a in hf_config.architectures or []
+            ]
         hf_config.save_pretrained(path)
         try:
             GenerationConfig.from_pretrained(self.config.path).save_pretrained(path)
@@ -669,18 +712,22 @@ class MegatronEngine(TrainEngine):
             with cpu_compat():
                 self._copy_hf_into(self._gpt(), _SafetensorsDir(meta.path))
                 if self.optimizer is not None:
-                    self.optimizer.reload_model_params()  # type: ignore[attr-defined]
+                    self.optimizer.reload_model_params()
         else:
             self._load_state(meta.path)
         dist.barrier()
 
     def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
         assert self.optimizer is not None
-        return [sub.optimizer for sub in self.optimizer.chained_optimizers]  # type: ignore[attr-defined]
+        return [sub.optimizer for sub in _sub_optimizers(self.optimizer)]
 
     def _layout(self) -> dict[str, int]:
         cfg = self.config
-        return {"world_size": dist.get_world_size(), "tensor_parallel_size": cfg.tensor_parallel_size, "pipeline_parallel_size": cfg.pipeline_parallel_size}
+        return {
+            "world_size": dist.get_world_size(),
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "pipeline_parallel_size": cfg.pipeline_parallel_size,
+        }
 
     def _save_state(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
@@ -695,7 +742,9 @@ class MegatronEngine(TrainEngine):
             inner = self._inner_optimizers()
             # The optimizer's own parameters are the (fp32 master) shards it updates.
             state["optim"] = [o.state_dict() for o in inner]
-            state["main_params"] = [[p.detach().cpu().clone() for g in o.param_groups for p in g["params"]] for o in inner]
+            state["main_params"] = [
+                [p.detach().cpu().clone() for g in o.param_groups for p in g["params"]] for o in inner
+            ]
         torch.save(state, os.path.join(path, f"megatron_rank{dist.get_rank()}.pt"))
         if dist.get_rank() == 0:
             with open(os.path.join(path, "megatron_layout.json"), "w") as f:
@@ -734,9 +783,16 @@ class MegatronEngine(TrainEngine):
             meta.master_port = find_free_port(meta.master_address)
         fut = engine.init_weights_update_group(meta)
         if meta.world_size < 2:
-            raise ValueError(f"WeightUpdateMeta.world_size must count rank 0 and the server ranks, got {meta.world_size}")
+            raise ValueError(
+                f"WeightUpdateMeta.world_size must count rank 0 and the server ranks, got {meta.world_size}"
+            )
         self._weight_group = init_custom_process_group(
-            meta.backend, meta.master_address, meta.master_port, rank=0, world_size=meta.world_size, group_name=meta.group_name
+            meta.backend,
+            meta.master_address,
+            meta.master_port,
+            rank=0,
+            world_size=meta.world_size,
+            group_name=meta.group_name,
         )
         fut.result()
 
@@ -768,7 +824,9 @@ class MegatronEngine(TrainEngine):
         rank = dist.get_rank()
         if rank == 0 and self._weight_group is None:
             raise RuntimeError("a distributed weight update needs connect_engine() with a distributed meta first")
-        send_device = torch.device("cuda", torch.cuda.current_device()) if meta.backend == "nccl" else torch.device("cpu")
+        send_device = (
+            torch.device("cuda", torch.cuda.current_device()) if meta.backend == "nccl" else torch.device("cpu")
+        )
         chunk: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, tensor in self._hf_tensors():

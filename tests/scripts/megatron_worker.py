@@ -192,8 +192,12 @@ def tied_embeddings(checks: dict[str, object]) -> None:
         e.save(SaveLoadMeta(path=saved))
         e.destroy()
         if dist.get_rank() == 0:
-            checks[f"tied_{tag}_initial_err"] = float((before - padded_logprobs(AutoModelForCausalLM.from_pretrained(path), batch)).abs().max())
-            checks[f"tied_{tag}_saved_err"] = float((after - padded_logprobs(AutoModelForCausalLM.from_pretrained(saved), batch)).abs().max())
+            checks[f"tied_{tag}_initial_err"] = float(
+                (before - padded_logprobs(AutoModelForCausalLM.from_pretrained(path), batch)).abs().max()
+            )
+            checks[f"tied_{tag}_saved_err"] = float(
+                (after - padded_logprobs(AutoModelForCausalLM.from_pretrained(saved), batch)).abs().max()
+            )
             checks[f"tied_{tag}_moved"] = float((after - before).abs().max())
 
 
@@ -237,7 +241,18 @@ def main() -> None:
         lp_after = e.forward(full)
         e.save(SaveLoadMeta(path=os.path.join(OUT, f"{tag}_hf")))
         if rank == 0:
-            torch.save({"batch": full.to_dict(), "lp": lp, "ent": ent, "stats": stats, "eval_stats": eval_stats, "lp_after": lp_after, "type": type(e).__name__}, os.path.join(OUT, f"{tag}.pt"))
+            torch.save(
+                {
+                    "batch": full.to_dict(),
+                    "lp": lp,
+                    "ent": ent,
+                    "stats": stats,
+                    "eval_stats": eval_stats,
+                    "lp_after": lp_after,
+                    "type": type(e).__name__,
+                },
+                os.path.join(OUT, f"{tag}.pt"),
+            )
         if tag == "mcore_tp2":
             weight_updates(e, checks)
             before = e.forward(full)
