@@ -67,7 +67,9 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def run(addresses: list[str], tokenizer: object, eta: int, steps: int, train_seconds: float) -> tuple[float, float, float]:
+def run(
+    addresses: list[str], tokenizer: object, eta: int, steps: int, train_seconds: float
+) -> tuple[float, float, float]:
     """Returns (trajectories/s, seconds per step, mean staleness) over ``steps`` after a warm-up step."""
     cfg = InferenceEngineConfig(
         addresses=addresses,
@@ -81,7 +83,9 @@ def run(addresses: list[str], tokenizer: object, eta: int, steps: int, train_sec
     engine.set_version(0)  # the servers outlive the engine between runs
     gconfig = GenerationConfig(n_samples=SAMPLES, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     workflow = RLVRWorkflow(RewardRunner(boxed_format_reward, mode="thread"), gconfig, tokenizer)
-    data = [[{"prompt": f"What is {i} + {j}?", "answer": str(i + j)} for j in range(PROMPTS_PER_BATCH)] for i in range(50)]
+    data = [
+        [{"prompt": f"What is {i} + {j}?", "answer": str(i + j)} for j in range(PROMPTS_PER_BATCH)] for i in range(50)
+    ]
     try:
         n_traj, staleness = 0, []
         t0 = 0.0

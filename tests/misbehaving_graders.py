@@ -8,7 +8,9 @@ import os
 import threading
 
 
-def misbehaving_grader(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], *, kind: str) -> float:
+def misbehaving_grader(
+    prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], *, kind: str
+) -> float:
     """1.0 for ``ok``; raises, hangs forever, returns NaN or kills its process for the other kinds."""
     if kind == "raise":
         raise RuntimeError("grader bug")

@@ -240,15 +240,17 @@ def test_eta_zero_is_synchronous() -> None:
 def test_prepare_batch_refills_the_pipeline_before_returning() -> None:
     """Even when a full batch is already waiting, prepare_batch first submits what the bound
     admits at the new version, so rollout goes on while the caller trains."""
-    engine = GatedEngine(seed=2)
-    ex = make(engine, consumer_batch_size=2, max_head_offpolicyness=2, max_concurrent_rollouts=16)
+    engine = GatedEngine(spare_oldest=0.0)
+    ex = make(engine, consumer_batch_size=1, max_head_offpolicyness=1, max_concurrent_rollouts=4)
     try:
-        data = loader(200, 2)
-        for step in range(4):
-            ex.prepare_batch(data, OneShot())
-            s = ex.stats()
-            assert s["rollout/accepted"] + s["rollout/running"] + s["rollout/queued"] == (2 + step + 1) * 2
-            engine.set_version(step + 1)
+        data = loader(200, 1)
+        ex.prepare_batch(data, OneShot())  # admits 2 at version 0, returns 1
+        with ex._cond:  # the second one finishes too: a full batch is waiting
+            ex._cond.wait_for(lambda: len(ex._ready) == 1 and ex.staleness.running == 0)
+        engine.set_version(1)
+        ex.prepare_batch(data, OneShot())
+        s = ex.stats()
+        assert s["rollout/accepted"] + s["rollout/running"] + s["rollout/queued"] == (1 + 1 + 1) * 1
     finally:
         engine.close()
         ex.destroy()

@@ -7,6 +7,7 @@ import asyncio
 import threading
 
 import pytest
+from misbehaving_graders import misbehaving_grader
 
 from areal_lite.api.io import ModelRequest, ModelResponse
 from areal_lite.rewards import (
@@ -18,7 +19,6 @@ from areal_lite.rewards import (
     think_format_reward,
 )
 from areal_lite.utils.tiny import build_tokenizer
-from misbehaving_graders import misbehaving_grader
 
 
 def score_all(runner: RewardRunner, kinds: list[str]) -> list[float]:
@@ -138,7 +138,9 @@ def test_llm_judge_asks_the_engine_and_parses_the_verdict() -> None:
     runner = RewardRunner(LLMJudgeGrader(engine, tok), timeout=10.0)
 
     async def go() -> list[float]:
-        return await asyncio.gather(runner("What is 6*7?", "42", [], [], answer="42"), runner("What is 6*7?", "41", [], []))
+        return await asyncio.gather(
+            runner("What is 6*7?", "42", [], [], answer="42"), runner("What is 6*7?", "41", [], [])
+        )
 
     assert asyncio.run(go()) == [1.0, 0.0]
     assert "Question: What is 6*7?" in engine.prompts[0] and "Reference answer: 42" in engine.prompts[0]

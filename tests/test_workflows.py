@@ -28,10 +28,15 @@ from areal_lite.workflows import (
 )
 
 GCONFIG = GenerationConfig(n_samples=3, max_new_tokens=12)
-ITEMS = [{"prompt": "What is 6 * 7?", "answer": "42"}, {"messages": [{"role": "user", "content": "1 + 1 = ?"}], "answer": "2"}]
+ITEMS = [
+    {"prompt": "What is 6 * 7?", "answer": "42"},
+    {"messages": [{"role": "user", "content": "1 + 1 = ?"}], "answer": "2"},
+]
 
 
-def length_reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object) -> float:
+def length_reward(
+    prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object
+) -> float:
     return float(len(completion_ids))
 
 
@@ -85,8 +90,12 @@ def test_dynamic_sampling_drops_groups_without_signal(engine) -> None:
         return float(completion_ids[0] % 2)
 
     flat = TensorDict({"rewards": torch.tensor([1.0, 1.0, 1.0])}, batch_size=[3])
-    assert not rewards_differ(flat) and rewards_differ(TensorDict({"rewards": torch.tensor([1.0, 0.0, 1.0])}, batch_size=[3]))
-    wf = RLVRWorkflow(RewardRunner(parity, mode="thread"), GenerationConfig(n_samples=4, max_new_tokens=2), engine.tokenizer)
+    assert not rewards_differ(flat) and rewards_differ(
+        TensorDict({"rewards": torch.tensor([1.0, 0.0, 1.0])}, batch_size=[3])
+    )
+    wf = RLVRWorkflow(
+        RewardRunner(parity, mode="thread"), GenerationConfig(n_samples=4, max_new_tokens=2), engine.tokenizer
+    )
     rejected_before = engine.executor.n_rejected
     batch = engine.rollout_batch(ITEMS * 4, wf, should_accept=rewards_differ)
     n_groups = batch.batch_size[0] // 4
@@ -95,7 +104,12 @@ def test_dynamic_sampling_drops_groups_without_signal(engine) -> None:
 
 
 def test_rlvr_raw_prompt_without_chat_template(engine) -> None:
-    wf = RLVRWorkflow(RewardRunner(length_reward, mode="thread"), GenerationConfig(n_samples=2, max_new_tokens=4), engine.tokenizer, use_chat_template=False)
+    wf = RLVRWorkflow(
+        RewardRunner(length_reward, mode="thread"),
+        GenerationConfig(n_samples=2, max_new_tokens=4),
+        engine.tokenizer,
+        use_chat_template=False,
+    )
     batch = engine.rollout_batch([{"prompt": "12+30="}], wf)
     check_trajectory(batch)
     raw = engine.tokenizer("12+30=", add_special_tokens=False)["input_ids"]
@@ -115,7 +129,9 @@ def test_rlvr_default_runner_grades_math_in_worker_processes(engine) -> None:
 
 
 def test_rlvr_through_prepare_batch(engine) -> None:
-    wf = RLVRWorkflow(RewardRunner(length_reward, mode="thread"), GenerationConfig(n_samples=2, max_new_tokens=4), engine.tokenizer)
+    wf = RLVRWorkflow(
+        RewardRunner(length_reward, mode="thread"), GenerationConfig(n_samples=2, max_new_tokens=4), engine.tokenizer
+    )
     loader = [[ITEMS[0], ITEMS[1]], [ITEMS[1], ITEMS[0]]]
     batch = engine.prepare_batch(loader, wf)
     check_trajectory(batch)
@@ -123,7 +139,9 @@ def test_rlvr_through_prepare_batch(engine) -> None:
 
 
 def test_remax_returns_samples_with_the_greedy_baseline(engine) -> None:
-    wf = ReMaxWorkflow(RewardRunner(length_reward, mode="thread"), GenerationConfig(n_samples=2, max_new_tokens=10), engine.tokenizer)
+    wf = ReMaxWorkflow(
+        RewardRunner(length_reward, mode="thread"), GenerationConfig(n_samples=2, max_new_tokens=10), engine.tokenizer
+    )
     batch = engine.rollout_batch(ITEMS[:1], wf)
     check_trajectory(batch)
     assert batch.batch_size[0] == 2 and batch["baseline_rewards"].dtype == torch.float32
@@ -150,7 +168,9 @@ class RecordingEnv(Environment):
         return f"observation {len(self.replies)}", 0.5, False
 
 
-def assert_decodes_to_conversation(tokenizer, row_ids: list[int], loss_mask: list[int], first: str, observations, role: str) -> None:
+def assert_decodes_to_conversation(
+    tokenizer, row_ids: list[int], loss_mask: list[int], first: str, observations, role: str
+) -> None:
     """Rebuild the conversation from the trained segments (the model's replies) and the
     environment's messages; its chat-template rendering must equal the decoded tokens."""
     eos = tokenizer.eos_token_id
@@ -174,7 +194,9 @@ def test_multi_turn_with_the_engine_decodes_to_the_conversation(engine) -> None:
         envs.append(RecordingEnv())
         return envs[-1]
 
-    wf = MultiTurnWorkflow(factory, GenerationConfig(n_samples=2, max_new_tokens=8), engine.tokenizer, max_turns=3, turn_discount=0.5)
+    wf = MultiTurnWorkflow(
+        factory, GenerationConfig(n_samples=2, max_new_tokens=8), engine.tokenizer, max_turns=3, turn_discount=0.5
+    )
     batch = engine.rollout_batch([{"prompt": "Count with me."}], wf)
     check_trajectory(batch)
     assert batch["rewards"].tolist() == [0.5 + 0.25 + 0.125] * 2 and batch["num_turns"].tolist() == [3.0, 3.0]
@@ -182,7 +204,9 @@ def test_multi_turn_with_the_engine_decodes_to_the_conversation(engine) -> None:
         n = int(batch["attention_mask"][row].sum())
         ids, mask = batch["input_ids"][row, :n].tolist(), batch["loss_mask"][row, :n].tolist()
         assert [v for v, _, _ in segments(mask)] == [0, 1, 0, 1, 0, 1]
-        assert_decodes_to_conversation(engine.tokenizer, ids, mask, "Count with me.", ["observation 1", "observation 2"], "user")
+        assert_decodes_to_conversation(
+            engine.tokenizer, ids, mask, "Count with me.", ["observation 1", "observation 2"], "user"
+        )
 
 
 class ScriptedEngine:
@@ -236,7 +260,9 @@ def test_math_feedback_env_retries_with_a_discount(engine) -> None:
     tok = engine.tokenizer
     grader = RewardRunner(math_answer_reward, mode="thread")
     scripted = ScriptedEngine(tok, ["\\boxed{41}<|im_end|>", "\\boxed{42}<|im_end|>", "unused"])
-    wf = MultiTurnWorkflow(lambda: MathFeedbackEnv(grader), GenerationConfig(max_new_tokens=8), tok, max_turns=3, turn_discount=0.9)
+    wf = MultiTurnWorkflow(
+        lambda: MathFeedbackEnv(grader), GenerationConfig(max_new_tokens=8), tok, max_turns=3, turn_discount=0.9
+    )
     traj = run(wf, scripted, {"prompt": "What is 6 * 7?", "answer": "42"})
     check_trajectory(traj)
     assert traj["rewards"].item() == pytest.approx(0.9) and traj["num_turns"].item() == 2
@@ -247,7 +273,9 @@ def test_calculator_env_tool_call_then_answer(engine) -> None:
     tok = engine.tokenizer
     grader = RewardRunner(math_answer_reward, mode="thread")
     scripted = ScriptedEngine(tok, ["<calc>6*(3+4)</calc><|im_end|>", "\\boxed{42}<|im_end|>"])
-    wf = MultiTurnWorkflow(lambda: CalculatorEnv(grader), GenerationConfig(max_new_tokens=16), tok, max_turns=4, turn_discount=1.0)
+    wf = MultiTurnWorkflow(
+        lambda: CalculatorEnv(grader), GenerationConfig(max_new_tokens=16), tok, max_turns=4, turn_discount=1.0
+    )
     traj = run(wf, scripted, {"question": "What is 6*(3+4)?", "answer": "42"})
     check_trajectory(traj)
     assert traj["rewards"].item() == 1.0 and traj["num_turns"].item() == 2

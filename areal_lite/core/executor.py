@@ -401,7 +401,7 @@ class WorkflowExecutor:
         self._loop = loop
         try:
             loop.run_until_complete(self._main())
-        except BaseException as e:  # noqa: BLE001 - reported to every waiter
+        except BaseException as e:
             self._loop_error = e
             logger.exception("rollout executor loop died")
         finally:
@@ -483,4 +483,3 @@ class WorkflowExecutor:
             self._cond.notify_all()
         assert self._wake is not None
         self._wake.set()
-

@@ -28,9 +28,14 @@ class CombinedGrader:
         self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object
     ) -> dict[str, float]:
         """Each grader's score by name, and ``total``, the weighted sum."""
-        scores = {name: float(fn(prompt, completion, prompt_ids, completion_ids, **data)) for name, (fn, _) in self.graders.items()}
+        scores = {
+            name: float(fn(prompt, completion, prompt_ids, completion_ids, **data))
+            for name, (fn, _) in self.graders.items()
+        }
         scores["total"] = sum(w * scores[name] for name, (_, w) in self.graders.items())
         return scores
 
-    def __call__(self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object) -> float:
+    def __call__(
+        self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object
+    ) -> float:
         return self.named_scores(prompt, completion, prompt_ids, completion_ids, **data)["total"]

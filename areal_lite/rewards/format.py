@@ -24,13 +24,17 @@ def safe_in_thread(fn: F) -> F:
 
 
 @safe_in_thread
-def boxed_format_reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object) -> float:
+def boxed_format_reward(
+    prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object
+) -> float:
     """1.0 when the completion puts an answer in ``\\boxed{...}``, else 0.0."""
     return 1.0 if _BOXED.search(completion) else 0.0
 
 
 @safe_in_thread
-def think_format_reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object) -> float:
+def think_format_reward(
+    prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object
+) -> float:
     """1.0 for ``<think>reasoning</think> answer`` (one think block, then a non-empty answer), else 0.0."""
     m = _THINK.match(completion)
     if m is None or "<think>" in m.group("think") or "</think>" in m.group("answer"):

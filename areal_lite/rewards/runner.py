@@ -117,9 +117,14 @@ class RewardRunner:
     """
 
     def __init__(
-        self, fn: Callable[..., object], *, mode: RunnerMode = "auto", timeout: float = 15.0, num_workers: int | None = None
+        self,
+        fn: Callable[..., object],
+        *,
+        mode: RunnerMode = "auto",
+        timeout: float = 15.0,
+        num_workers: int | None = None,
     ) -> None:
-        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
         if mode == "auto":
             mode = "async" if is_async else ("thread" if getattr(fn, "safe_in_thread", False) else "process")
         if mode not in ("process", "thread", "async"):
@@ -152,7 +157,9 @@ class RewardRunner:
                 outcome = await loop.run_in_executor(self._pool(), self._call_in_worker, kwargs)
             else:
                 try:
-                    value = await asyncio.wait_for(loop.run_in_executor(self._pool(), partial(_invoke, self.fn, kwargs)), self.timeout)
+                    value = await asyncio.wait_for(
+                        loop.run_in_executor(self._pool(), partial(_invoke, self.fn, kwargs)), self.timeout
+                    )
                     outcome = ("ok", value)
                 except asyncio.TimeoutError:
                     outcome = ("timeout", None)

@@ -73,8 +73,7 @@ class ChatTurnGlue:
         if resp.stop_reason == "stop" and last in self.special_ids:
             # The model already closed its turn with a special token (eos) the template also writes.
             own = self.tokenizer.decode([last])  # type: ignore[attr-defined]
-            if text.startswith(own):
-                text = text[len(own) :]
+            text = text.removeprefix(own)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
 
 
@@ -132,7 +131,10 @@ class MultiTurnWorkflow(RolloutWorkflow):
             if done or turn == self.max_turns - 1:
                 break
             context = self.glue.ids_after_reply(resp, env.observation_role, observation)
-            if self.max_context_tokens and len(trace.input_ids) + len(context) + self.gconfig.max_new_tokens > self.max_context_tokens:
+            if (
+                self.max_context_tokens
+                and len(trace.input_ids) + len(context) + self.gconfig.max_new_tokens > self.max_context_tokens
+            ):
                 break
             trace.add_context(context)
             weight *= self.turn_discount

@@ -35,4 +35,6 @@ class ReMaxWorkflow(RLVRWorkflow):
         baseline, *rewards = await asyncio.gather(
             *(score(self.reward, self.tokenizer, prompt, r, data) for r in [greedy, *sampled])
         )
-        return concat_padded([from_response(r, reward, baseline_rewards=baseline) for r, reward in zip(sampled, rewards)])
+        return concat_padded(
+            [from_response(r, reward, baseline_rewards=baseline) for r, reward in zip(sampled, rewards)]
+        )

@@ -97,7 +97,7 @@ def check_trajectory(batch: TensorDict) -> None:
     """Raise ValueError naming the first way ``batch`` breaks the data contract (keys, dtypes,
     shapes, right padding, masks, logprobs and versions off the trained tokens, finite rewards)."""
     for key, dtype in CONTRACT_DTYPES.items():
-        if key not in batch.keys():
+        if key not in batch:
             raise ValueError(f"trajectory lacks key {key!r}")
         if batch[key].dtype != dtype:
             raise ValueError(f"{key} has dtype {batch[key].dtype}, the contract says {dtype}")
