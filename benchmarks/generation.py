@@ -69,7 +69,9 @@ def bench_hf(path: str, requests: list[tuple[list[int], int]]) -> float:
 
     def run() -> None:
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=True, top_k=0)
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=True, top_k=0
+            )
 
     run()  # warm-up
     t0 = time.perf_counter()
@@ -82,7 +84,9 @@ def bench_sync(workdir: str) -> tuple[int, float, float]:
     """Build a ~100M-parameter model; time a disk update and a broadcast update into an engine."""
     from transformers import AutoModelForCausalLM
 
-    path = build_tiny_model(f"{workdir}/big", hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, vocab_size=512)
+    path = build_tiny_model(
+        f"{workdir}/big", hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, vocab_size=512
+    )
     trainer = AutoModelForCausalLM.from_pretrained(path)
     n_params = sum(p.numel() for p in trainer.parameters())
     engine = LocalInferenceEngine(LocalEngineConfig(path=path, max_running_requests=4))
@@ -95,7 +99,9 @@ def bench_sync(workdir: str) -> tuple[int, float, float]:
 
     meta = WeightUpdateMeta(type="distributed", master_port=find_free_port(), version=2)
     joined = engine.init_weights_update_group(meta)
-    group = init_custom_process_group("gloo", meta.master_address, meta.master_port, 0, meta.world_size, meta.group_name)
+    group = init_custom_process_group(
+        "gloo", meta.master_address, meta.master_port, 0, meta.world_size, meta.group_name
+    )
     joined.result()
     state = trainer.state_dict()
     t0 = time.perf_counter()

@@ -68,11 +68,19 @@ def test_logprobs_equal_hf_forward(arch: str, tmp_path) -> None:
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     eng = make_engine(path, max_running_requests=4)  # fewer slots than requests: rows get reused
     try:
-        jobs = [([3 + i, 40 + 2 * i, 7] * (1 + i % 4), SamplingParams(max_new_tokens=4 + 5 * i, ignore_eos=True)) for i in range(7)]
+        jobs = [
+            ([3 + i, 40 + 2 * i, 7] * (1 + i % 4), SamplingParams(max_new_tokens=4 + 5 * i, ignore_eos=True))
+            for i in range(7)
+        ]
         results = generate_all(eng, jobs)
         for (prompt, sp), r in zip(jobs, results):
-            assert len(r.output_ids) == sp.max_new_tokens and r.finish_reason == {"type": "length", "length": sp.max_new_tokens}
-            torch.testing.assert_close(torch.tensor(r.output_logprobs), hf_logprobs(model, prompt, r.output_ids), atol=1e-4, rtol=0)
+            assert len(r.output_ids) == sp.max_new_tokens and r.finish_reason == {
+                "type": "length",
+                "length": sp.max_new_tokens,
+            }
+            torch.testing.assert_close(
+                torch.tensor(r.output_logprobs), hf_logprobs(model, prompt, r.output_ids), atol=1e-4, rtol=0
+            )
             assert r.output_versions == [0] * len(r.output_ids)
     finally:
         eng.destroy()
@@ -80,7 +88,9 @@ def test_logprobs_equal_hf_forward(arch: str, tmp_path) -> None:
 
 def test_greedy_equals_hf_generate(engine: LocalInferenceEngine, hf: torch.nn.Module) -> None:
     prompts = [[5, 9, 11, 20], [100, 3], list(range(30, 60))]
-    results = generate_all(engine, [(p, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)) for p in prompts])
+    results = generate_all(
+        engine, [(p, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)) for p in prompts]
+    )
     for p, r in zip(prompts, results):
         expected = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, len(p) :]
         assert r.output_ids == expected.tolist()
@@ -100,7 +110,9 @@ def test_prompt_logprobs_equal_hf_forward(engine: LocalInferenceEngine, hf: torc
 
 def test_sampling_parameters(engine: LocalInferenceEngine, model_path: str) -> None:
     prompt = [5, 9, 11, 20]
-    greedy = generate_all(engine, [(prompt, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))])[0].output_ids
+    greedy = generate_all(engine, [(prompt, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))])[
+        0
+    ].output_ids
     stop_at = 3
     stop_tok = greedy[stop_at]
     first = greedy.index(stop_tok)
@@ -112,7 +124,12 @@ def test_sampling_parameters(engine: LocalInferenceEngine, model_path: str) -> N
         (prompt, SamplingParams(max_new_tokens=12, temperature=1.0, top_k=1, ignore_eos=True)),
         (prompt, SamplingParams(max_new_tokens=12, temperature=0.7, top_p=1e-6, ignore_eos=True)),
         (prompt, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop_tok], ignore_eos=True)),
-        (prompt, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop_tok], min_new_tokens=first + 2, ignore_eos=True)),
+        (
+            prompt,
+            SamplingParams(
+                max_new_tokens=12, temperature=0.0, stop_token_ids=[stop_tok], min_new_tokens=first + 2, ignore_eos=True
+            ),
+        ),
         (prompt, SamplingParams(max_new_tokens=12, temperature=0.0, stop=[stop_str], ignore_eos=True)),
         (prompt, SamplingParams(max_new_tokens=5, temperature=1.3, top_k=20, top_p=0.9, ignore_eos=True)),
     ]
@@ -130,7 +147,9 @@ def test_top_k_keeps_only_k_tokens(engine: LocalInferenceEngine, hf: torch.nn.Mo
     prompt = [5, 9, 11, 20]
     with torch.no_grad():
         top3 = set(hf(torch.tensor([prompt])).logits[0, -1].topk(3).indices.tolist())
-    results = generate_all(engine, [(prompt, SamplingParams(max_new_tokens=1, temperature=5.0, top_k=3)) for _ in range(40)])
+    results = generate_all(
+        engine, [(prompt, SamplingParams(max_new_tokens=1, temperature=5.0, top_k=3)) for _ in range(40)]
+    )
     firsts = {r.output_ids[0] for r in results}
     assert firsts <= top3 and len(firsts) > 1
 
@@ -138,7 +157,9 @@ def test_top_k_keeps_only_k_tokens(engine: LocalInferenceEngine, hf: torch.nn.Mo
 def test_eos_stops_unless_ignored(tmp_path) -> None:
     path = build_tiny_model(str(tmp_path / "m"), hidden_size=64, num_layers=2)
     model = AutoModelForCausalLM.from_pretrained(path)
-    greedy = model.generate(torch.tensor([[5, 6]]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, 2:].tolist()
+    greedy = model.generate(torch.tensor([[5, 6]]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[
+        0, 2:
+    ].tolist()
     eos = greedy[2]  # declare a token the model produces early to be its eos
     model.generation_config.eos_token_id = eos
     model.save_pretrained(path)
@@ -161,7 +182,9 @@ def test_eos_stops_unless_ignored(tmp_path) -> None:
 def test_short_requests_leave_before_the_long_one(engine: LocalInferenceEngine) -> None:
     async def run() -> tuple[bool, int]:
         long = asyncio.ensure_future(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=300, ignore_eos=True)))
-        shorts = await asyncio.gather(*[engine.generate([4 + i], SamplingParams(max_new_tokens=4, ignore_eos=True)) for i in range(6)])
+        shorts = await asyncio.gather(
+            *[engine.generate([4 + i], SamplingParams(max_new_tokens=4, ignore_eos=True)) for i in range(6)]
+        )
         long_running = not long.done()
         r = await long
         return long_running and all(len(s.output_ids) == 4 for s in shorts), len(r.output_ids)
@@ -194,7 +217,9 @@ def test_in_process_update_mid_generation_tags_both_versions(model_path: str, hf
     try:
 
         async def run():
-            task = asyncio.ensure_future(eng.generate([1, 2, 3], SamplingParams(max_new_tokens=120, ignore_eos=True), rid="long"))
+            task = asyncio.ensure_future(
+                eng.generate([1, 2, 3], SamplingParams(max_new_tokens=120, ignore_eos=True), rid="long")
+            )
             await _wait_tokens(eng, "long", 5)
             meta = WeightUpdateMeta(type="in_process", named_tensors=new_state, version=1)
             await asyncio.wrap_future(eng.update_weights(meta))
@@ -223,13 +248,17 @@ def test_disk_and_broadcast_updates(model_path: str, hf: torch.nn.Module, tmp_pa
         eng.update_weights(WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"), version=1)).result()
         r = generate_all(eng, [(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True))])[0]
         assert r.output_versions == [1] * 10
-        torch.testing.assert_close(torch.tensor(r.output_logprobs), hf_logprobs(disk_model, prompt, r.output_ids), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(r.output_logprobs), hf_logprobs(disk_model, prompt, r.output_ids), atol=1e-4, rtol=0
+        )
 
         bcast_state = perturbed_state(hf, seed=3)
         meta = WeightUpdateMeta(type="distributed", master_port=find_free_port(), version=2)
         joined = eng.init_weights_update_group(meta)
         assert meta.world_size == 2
-        group = init_custom_process_group("gloo", meta.master_address, meta.master_port, 0, meta.world_size, meta.group_name, timeout=60)
+        group = init_custom_process_group(
+            "gloo", meta.master_address, meta.master_port, 0, meta.world_size, meta.group_name, timeout=60
+        )
         joined.result(timeout=60)
         names = list(bcast_state)
         for chunk in (names[: len(names) // 2], names[len(names) // 2 :]):
@@ -242,7 +271,9 @@ def test_disk_and_broadcast_updates(model_path: str, hf: torch.nn.Module, tmp_pa
         bcast_model.load_state_dict(bcast_state)
         r = generate_all(eng, [(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True))])[0]
         assert r.output_versions == [2] * 10
-        torch.testing.assert_close(torch.tensor(r.output_logprobs), hf_logprobs(bcast_model, prompt, r.output_ids), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(r.output_logprobs), hf_logprobs(bcast_model, prompt, r.output_ids), atol=1e-4, rtol=0
+        )
     finally:
         eng.destroy()
 
@@ -253,14 +284,20 @@ def test_pause_holds_requests_and_abort_returns_partial_output(model_path: str, 
 
         async def run():
             eng.pause_generation("in_place")
-            held = asyncio.ensure_future(eng.generate([1, 2], SamplingParams(max_new_tokens=3, ignore_eos=True), rid="held"))
+            held = asyncio.ensure_future(
+                eng.generate([1, 2], SamplingParams(max_new_tokens=3, ignore_eos=True), rid="held")
+            )
             await asyncio.sleep(0)
             # A command runs while paused (the scheduler is alive), yet the request was not admitted.
-            await asyncio.wrap_future(eng.update_weights(WeightUpdateMeta(type="in_process", named_tensors={}, version=None)))
+            await asyncio.wrap_future(
+                eng.update_weights(WeightUpdateMeta(type="in_process", named_tensors={}, version=None))
+            )
             assert eng.generated_tokens("held") is None and not held.done()
             eng.continue_generation()
             r_held = await held
-            long = asyncio.ensure_future(eng.generate([1, 2], SamplingParams(max_new_tokens=400, ignore_eos=True), rid="long-1"))
+            long = asyncio.ensure_future(
+                eng.generate([1, 2], SamplingParams(max_new_tokens=400, ignore_eos=True), rid="long-1")
+            )
             await _wait_tokens(eng, "long-1", 3)
             eng.abort("long-")
             return r_held, await long
@@ -278,7 +315,9 @@ def test_pause_modes_abort_and_retract(model_path: str, hf: torch.nn.Module) -> 
     try:
 
         async def run():
-            a = asyncio.ensure_future(eng.generate([1, 2], SamplingParams(max_new_tokens=400, ignore_eos=True), rid="a"))
+            a = asyncio.ensure_future(
+                eng.generate([1, 2], SamplingParams(max_new_tokens=400, ignore_eos=True), rid="a")
+            )
             await _wait_tokens(eng, "a", 2)
             await asyncio.get_running_loop().run_in_executor(None, eng.pause_generation, "abort")
             ra = await a
@@ -294,7 +333,9 @@ def test_pause_modes_abort_and_retract(model_path: str, hf: torch.nn.Module) -> 
         assert ra.finish_reason == {"type": "abort", "message": "paused"} and len(ra.output_ids) >= 2
         assert len(rb.output_ids) == 60
         # Re-prefilled after the retract: every token still scores as under the one policy.
-        torch.testing.assert_close(torch.tensor(rb.output_logprobs), hf_logprobs(hf, [1, 2], rb.output_ids), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(rb.output_logprobs), hf_logprobs(hf, [1, 2], rb.output_ids), atol=1e-4, rtol=0
+        )
     finally:
         eng.destroy()
 
@@ -306,12 +347,14 @@ def test_bad_requests_raise(engine: LocalInferenceEngine) -> None:
         engine.validate_request([1] * engine.context_len, SamplingParams())
     with pytest.raises(ValueError, match="token ids"):
         engine.validate_request([10**6], SamplingParams())
-    for bad in (dict(max_new_tokens=-1), dict(top_p=0.0), dict(top_k=0), dict(temperature=-1.0), dict(min_new_tokens=-2)):
+    for bad in ({"max_new_tokens": -1}, {"top_p": 0.0}, {"top_k": 0}, {"temperature": -1.0}, {"min_new_tokens": -2}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="unknown parameter"):
         engine.update_weights(WeightUpdateMeta(type="in_process", named_tensors={"nope": torch.zeros(1)})).result()
     with pytest.raises(ValueError, match="shape"):
-        engine.update_weights(WeightUpdateMeta(type="in_process", named_tensors={"lm_head.weight": torch.zeros(1)})).result()
+        engine.update_weights(
+            WeightUpdateMeta(type="in_process", named_tensors={"lm_head.weight": torch.zeros(1)})
+        ).result()
     r = generate_all(engine, [([1, 2], SamplingParams(max_new_tokens=2))])[0]  # still serving
     assert len(r.output_ids) <= 2 and threading.active_count() > 1

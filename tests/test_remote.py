@@ -24,7 +24,7 @@ from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-from inference_servers import start_servers, stop_servers  # noqa: E402
+from inference_servers import start_servers, stop_servers
 
 TRAINER = Path(__file__).parent / "scripts" / "inference_trainer.py"
 
@@ -69,9 +69,9 @@ async def running_on(address: str) -> bool:
 
 async def probe(address: str) -> None:
     """A one-token request: admitted after everything queued before it (FIFO)."""
-    async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://{address}/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}) as r:
-            assert r.status == 200
+    body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}
+    async with aiohttp.ClientSession() as s, s.post(f"http://{address}/generate", json=body) as r:
+        assert r.status == 200
 
 
 def test_generation_logprobs_routing_and_mid_generation_update(servers, model_path: str, tmp_path) -> None:
@@ -80,7 +80,10 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, model_pa
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     try:
         reset_weights(engine, model_path)
-        reqs = [ModelRequest(input_ids=[3 + i, 50, 7 + i], gconfig=GenerationConfig(max_new_tokens=5 + i, ignore_eos=True)) for i in range(12)]
+        reqs = [
+            ModelRequest(input_ids=[3 + i, 50, 7 + i], gconfig=GenerationConfig(max_new_tokens=5 + i, ignore_eos=True))
+            for i in range(12)
+        ]
 
         async def first_round():
             return await asyncio.gather(*[engine.agenerate(r) for r in reqs])
@@ -88,7 +91,12 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, model_pa
         for req, resp in zip(reqs, asyncio.run(first_round())):
             assert resp.output_len == req.gconfig.max_new_tokens and resp.stop_reason == "length"
             assert resp.output_versions == [0] * resp.output_len
-            torch.testing.assert_close(torch.tensor(resp.output_logprobs), hf_logprobs(model, req.input_ids, resp.output_tokens), atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(resp.output_logprobs),
+                hf_logprobs(model, req.input_ids, resp.output_tokens),
+                atol=1e-4,
+                rtol=0,
+            )
         assert {engine.assigned_server(r.rid) for r in reqs} == set(addresses)  # least loaded spreads them
         again = ModelRequest(input_ids=[1, 2], gconfig=GenerationConfig(max_new_tokens=2), rid=reqs[0].rid)
         asyncio.run(engine.agenerate(again))
@@ -100,7 +108,10 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, model_pa
             for p in new_model.parameters():
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
         new_model.save_pretrained(str(tmp_path / "v1"))
-        long = [ModelRequest(input_ids=[9, 10 + i], gconfig=GenerationConfig(max_new_tokens=300, ignore_eos=True)) for i in range(4)]
+        long = [
+            ModelRequest(input_ids=[9, 10 + i], gconfig=GenerationConfig(max_new_tokens=300, ignore_eos=True))
+            for i in range(4)
+        ]
 
         async def update_mid_generation():
             tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in long]
@@ -116,8 +127,12 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, model_pa
             switch = resp.output_versions.index(1)
             assert 0 < switch < 300 and resp.output_versions == [0] * switch + [1] * (300 - switch)
             lp = torch.tensor(resp.output_logprobs)
-            torch.testing.assert_close(lp[:switch], hf_logprobs(model, req.input_ids, resp.output_tokens)[:switch], atol=1e-4, rtol=0)
-            torch.testing.assert_close(lp[switch:], hf_logprobs(new_model, req.input_ids, resp.output_tokens)[switch:], atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                lp[:switch], hf_logprobs(model, req.input_ids, resp.output_tokens)[:switch], atol=1e-4, rtol=0
+            )
+            torch.testing.assert_close(
+                lp[switch:], hf_logprobs(new_model, req.input_ids, resp.output_tokens)[switch:], atol=1e-4, rtol=0
+            )
         assert engine.get_version() == 1
     finally:
         engine.destroy()
@@ -156,7 +171,10 @@ def test_server_killed_mid_run_loses_no_request(servers) -> None:
     procs, addresses = servers
     engine = client(addresses)
     try:
-        reqs = [ModelRequest(input_ids=[4, 5 + i], gconfig=GenerationConfig(max_new_tokens=150, ignore_eos=True)) for i in range(16)]
+        reqs = [
+            ModelRequest(input_ids=[4, 5 + i], gconfig=GenerationConfig(max_new_tokens=150, ignore_eos=True))
+            for i in range(16)
+        ]
 
         async def scenario():
             tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs]

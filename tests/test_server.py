@@ -18,7 +18,7 @@ from areal_lite.utils.distributed import find_free_port, init_custom_process_gro
 from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-from inference_servers import start_servers, stop_servers  # noqa: E402
+from inference_servers import start_servers, stop_servers
 
 KEY = "secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -37,7 +37,14 @@ def server(model_path: str):
     stop_servers(procs)
 
 
-async def call(url: str, path: str, body: object = None, method: str = "POST", raw: bytes | None = None, headers: dict | None = None):
+async def call(
+    url: str,
+    path: str,
+    body: object = None,
+    method: str = "POST",
+    raw: bytes | None = None,
+    headers: dict | None = None,
+):
     """(status, decoded body) of one call."""
     async with aiohttp.ClientSession(headers=AUTH if headers is None else headers) as s:
         data = raw if raw is not None else (json.dumps(body) if body is not None else None)
@@ -62,7 +69,13 @@ def hf_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int]) ->
 
 def check_logprobs(url: str, model: torch.nn.Module, version: str) -> None:
     prompt = [11, 12, 13, 14]
-    status, out = run(call(url, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}, "return_logprob": True}))
+    status, out = run(
+        call(
+            url,
+            "/generate",
+            {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}, "return_logprob": True},
+        )
+    )
     assert status == 200 and out["meta_info"]["weight_version"] == version
     lps = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
     assert [x[1] for x in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
@@ -72,13 +85,28 @@ def check_logprobs(url: str, model: torch.nn.Module, version: str) -> None:
 def test_generate_matches_hf_and_protocol_shapes(server: str, model_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     check_logprobs(server, model, "0")
-    body = {"input_ids": [[5, 6, 7], [8]], "rid": ["a", "b"], "sampling_params": {"max_new_tokens": 3, "temperature": 0}, "return_logprob": True, "logprob_start_len": 0}
+    body = {
+        "input_ids": [[5, 6, 7], [8]],
+        "rid": ["a", "b"],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
     status, out = run(call(server, "/generate", body))
     assert status == 200 and [o["meta_info"]["id"] for o in out] == ["a", "b"]
     first = out[0]["meta_info"]
-    assert first["prompt_tokens"] == 3 and first["completion_tokens"] == 3 and first["finish_reason"] == {"type": "length", "length": 3}
+    assert (
+        first["prompt_tokens"] == 3
+        and first["completion_tokens"] == 3
+        and first["finish_reason"] == {"type": "length", "length": 3}
+    )
     assert first["input_token_logprobs"][0][0] is None and len(first["input_token_logprobs"]) == 3
-    torch.testing.assert_close(torch.tensor([x[0] for x in first["input_token_logprobs"][1:]]), hf_logprobs(model, [5], [6, 7]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([x[0] for x in first["input_token_logprobs"][1:]]),
+        hf_logprobs(model, [5], [6, 7]),
+        atol=1e-4,
+        rtol=0,
+    )
     status, out = run(call(server, "/generate", {"text": "What is", "sampling_params": {"max_new_tokens": 2, "n": 3}}))
     assert status == 200 and len(out) == 3 and all(isinstance(o["text"], str) for o in out)
 
@@ -109,12 +137,32 @@ BAD_INPUTS = [
     ("/generate", {"text": "a", "input_ids": [1]}, "exactly one"),
     ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
     ("/generate", {"input_ids": [1], "sampling_params": {"repetition_penalty": 1.3}}, "not supported"),
-    ("/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1, 2]]}, "shape"),
-    ("/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["floaty"], "shapes": [[1, 2]]}, "dtype"),
-    ("/update_weights_from_distributed", {"names": ["nope"], "dtypes": ["float32"], "shapes": [[1]]}, "unknown parameter"),
-    ("/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1], [2]]}, "length"),
+    (
+        "/update_weights_from_distributed",
+        {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1, 2]]},
+        "shape",
+    ),
+    (
+        "/update_weights_from_distributed",
+        {"names": ["lm_head.weight"], "dtypes": ["floaty"], "shapes": [[1, 2]]},
+        "dtype",
+    ),
+    (
+        "/update_weights_from_distributed",
+        {"names": ["nope"], "dtypes": ["float32"], "shapes": [[1]]},
+        "unknown parameter",
+    ),
+    (
+        "/update_weights_from_distributed",
+        {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1], [2]]},
+        "length",
+    ),
     ("/update_weights_from_disk", {"model_path": "/nonexistent/dir"}, "safetensors"),
-    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "nccl"}, "nccl"),
+    (
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "nccl"},
+        "nccl",
+    ),
     ("/pause_generation", {"mode": "sideways"}, "mode"),
     ("/update_weight_version", {"new_version": "v-two"}, "integers"),
 ]
@@ -140,14 +188,20 @@ async def wait_running(url: str, task: asyncio.Future) -> None:
 
 def test_abort_request_and_pause_hold(server: str) -> None:
     async def scenario():
-        long_body = {"input_ids": [1, 2], "rid": "long-7", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        long_body = {
+            "input_ids": [1, 2],
+            "rid": "long-7",
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+        }
         task = asyncio.ensure_future(call(server, "/generate", long_body))
         await wait_running(server, task)
         # Frozen in place first, so that the abort cannot lose a race with the request's end.
         await call(server, "/pause_generation", {"mode": "in_place"})
         assert (await call(server, "/abort_request", {"rid": "long-"}))[0] == 200
         aborted = await task
-        held = asyncio.ensure_future(call(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}}))
+        held = asyncio.ensure_future(
+            call(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})
+        )
         await wait_running(server, held)  # queued while paused
         assert not held.done()
         await call(server, "/continue_generation", {})
@@ -161,7 +215,13 @@ def test_abort_request_and_pause_hold(server: str) -> None:
 
 def test_pause_abort_returns_partial_output(server: str) -> None:
     async def scenario():
-        task = asyncio.ensure_future(call(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
+        task = asyncio.ensure_future(
+            call(
+                server,
+                "/generate",
+                {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}},
+            )
+        )
         await wait_running(server, task)
         await call(server, "/pause_generation", {"mode": "in_place"})
         await call(server, "/pause_generation", {"mode": "abort"})
@@ -182,7 +242,9 @@ def test_weight_updates_disk_and_broadcast(server: str, model_path: str, tmp_pat
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     model.save_pretrained(str(tmp_path / "v1"))
-    status, out = run(call(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "v1"), "weight_version": "1"}))
+    status, out = run(
+        call(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "v1"), "weight_version": "1"})
+    )
     assert status == 200 and out["success"] is True
     check_logprobs(server, model, "1")
 
@@ -192,7 +254,20 @@ def test_weight_updates_disk_and_broadcast(server: str, model_path: str, tmp_pat
     port = find_free_port()
 
     async def broadcast() -> None:
-        joined = asyncio.ensure_future(call(server, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": "g", "backend": "gloo"}))
+        joined = asyncio.ensure_future(
+            call(
+                server,
+                "/init_weights_update_group",
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "group_name": "g",
+                    "backend": "gloo",
+                },
+            )
+        )
         group = await asyncio.to_thread(init_custom_process_group, "gloo", "127.0.0.1", port, 0, 2, "g", 60)
         assert (await joined)[0] == 200
         state = model.state_dict()
@@ -200,7 +275,13 @@ def test_weight_updates_disk_and_broadcast(server: str, model_path: str, tmp_pat
         for i, chunk in enumerate((names[:5], names[5:])):
             if i == 0:  # SGLang >= 0.5.21 wraps updates in a session; older versions do not
                 assert (await call(server, "/begin_weight_update", {"selector": "all"}))[0] == 200
-            body = {"names": chunk, "dtypes": ["float32"] * len(chunk), "shapes": [list(state[n].shape) for n in chunk], "group_name": "g", "weight_version": "2"}
+            body = {
+                "names": chunk,
+                "dtypes": ["float32"] * len(chunk),
+                "shapes": [list(state[n].shape) for n in chunk],
+                "group_name": "g",
+                "weight_version": "2",
+            }
             fut = asyncio.ensure_future(call(server, "/update_weights_from_distributed", body))
             for n in chunk:
                 await asyncio.to_thread(group.broadcast, state[n].clone())

@@ -234,8 +234,10 @@ class LocalEngineConfig:
     """float32 or bfloat16."""
     device: str = "cpu"
     """cpu or cuda."""
-    max_running_requests: int = 64
-    """Requests decoded together in one continuous batch."""
+    max_running_requests: int = 128
+    """Requests decoded together in one continuous batch (KV-cache rows; the cache grows with the
+    longest running request). On a 2-core CPU, 256 requests of 10-30 tokens on a 4-layer,
+    hidden-128 model ran 1.5x faster with 128 rows than with 64, and no faster with 256."""
     max_total_tokens: int = 0
     """Context limit per request (0 = the model's max_position_embeddings)."""
     seed: int = 0

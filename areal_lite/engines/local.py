@@ -119,8 +119,8 @@ class _Seq:
     """A request inside the scheduler (plain attributes: touched once per token)."""
 
     __slots__ = (
-        "rid", "prompt", "params", "deliver", "out", "logprobs", "versions", "stop_ids", "want_input_logprobs",
-        "input_logprobs", "t0", "ttft", "abort_message",
+        "abort_message", "deliver", "input_logprobs", "logprobs", "out", "params", "prompt", "rid", "stop_ids", "t0",
+        "ttft", "versions", "want_input_logprobs",
     )  # fmt: skip
 
     def __init__(
@@ -175,7 +175,9 @@ class _ModelRunner:
     def __init__(self, model: torch.nn.Module, max_rows: int, context_len: int, seed: int) -> None:
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"LocalInferenceEngine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}")
+            raise ValueError(
+                f"LocalInferenceEngine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}"
+            )
         self.model = model
         self.base = model.model
         self.layers = list(self.base.layers)
@@ -218,7 +220,11 @@ class _ModelRunner:
         return x * cos + _rotate_half(x) * sin
 
     def _layers_forward(
-        self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Run every decoder layer on ``h`` [B, T, H]; ``write(layer, k, v)`` stores the new keys
         and values in the cache and returns the keys and values to attend over."""
@@ -236,7 +242,9 @@ class _ModelRunner:
             q = self._rope(q.transpose(1, 2), cos, sin)
             k = self._rope(k.transpose(1, 2), cos, sin)
             keys, values = write(i, k, v)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
+            o = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
+            )
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.base.norm(h)
@@ -259,7 +267,9 @@ class _ModelRunner:
         lens = torch.tensor(lengths, device=self.device)
         pos = torch.arange(width, device=self.device)
         allowed = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, None, :] < lens[:, None, None])
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))[:, None]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))[
+            :, None
+        ]
         rows = slice(start, start + n)
 
         def write(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,7 +303,9 @@ class _ModelRunner:
         self._ensure_capacity(needed)
         ar = torch.arange(b, device=self.device)
         visible = torch.arange(needed, device=self.device)[None, :] <= pos[:, None]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))[:, None, None]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))[
+            :, None, None
+        ]
 
         def write(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             kc, vc = self.k_cache[i], self.v_cache[i]
@@ -326,7 +338,9 @@ class _ModelRunner:
             probs = torch.softmax(scores, dim=-1)
             race = torch.rand(probs.shape, generator=self.generator, device=probs.device).log_().neg_()
             sampled = (probs / race).argmax(dim=-1)
-            tokens = sampled if not any(greedy) else torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
+            tokens = (
+                sampled if not any(greedy) else torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
+            )
         self.last[rows] = tokens
         chosen = logp.gather(1, tokens[:, None])[:, 0]
         for s, t, lp in zip(seqs, tokens.tolist(), chosen.tolist()):
@@ -362,7 +376,7 @@ class _ModelRunner:
 def _top_k_top_p(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask (to -inf) the tokens outside each row's top-k and top-p nucleus."""
     sorted_scores, order = scores.sort(dim=-1, descending=True)
-    n, vocab = scores.shape
+    vocab = scores.shape[-1]
     ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=scores.device)
     ps = torch.tensor([p.top_p for p in params], device=scores.device)
     rank = torch.arange(vocab, device=scores.device)[None]
@@ -374,15 +388,30 @@ def _top_k_top_p(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return torch.empty_like(scores).scatter_(1, order, sorted_scores)
 
 
+def _complete(fut: Future, fn: Callable[[], object]) -> None:
+    """Run ``fn`` and put its result, or the exception it raised, into ``fut``."""
+    try:
+        fut.set_result(fn())
+    except Exception as e:  # noqa: BLE001 - whoever waits on the future gets it
+        fut.set_exception(e)
+
+
 def _set_future(fut: asyncio.Future, value: GenerationResult) -> None:
     if not fut.done():
         fut.set_result(value)
 
 
+_DTYPES = {
+    n: getattr(torch, n)
+    for n in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
+}
+
+
 def _dtype_of(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
+    """A torch dtype from its name (``float32`` or ``torch.float32``); ValueError when unknown."""
+    dtype = _DTYPES.get(name.removeprefix("torch."))
+    if dtype is None:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(_DTYPES)}")
     return dtype
 
 
@@ -437,7 +466,11 @@ class LocalInferenceEngine(InferenceEngine):
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.path)
         except (OSError, ValueError):
             logger.warning("no tokenizer in %s: stop strings and text prompts are unavailable", cfg.path)
-        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else model.config.eos_token_id
+        eos = (
+            model.generation_config.eos_token_id
+            if model.generation_config.eos_token_id is not None
+            else model.config.eos_token_id
+        )
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         max_pos = model.config.max_position_embeddings
         context_len = min(cfg.max_total_tokens, max_pos) if cfg.max_total_tokens > 0 else max_pos
@@ -485,7 +518,9 @@ class LocalInferenceEngine(InferenceEngine):
         if not input_ids:
             raise ValueError("the prompt is empty")
         if len(input_ids) >= self._runner.context_len:
-            raise ValueError(f"the prompt has {len(input_ids)} tokens; the context length is {self._runner.context_len}")
+            raise ValueError(
+                f"the prompt has {len(input_ids)} tokens; the context length is {self._runner.context_len}"
+            )
         vocab = self._runner.model.config.vocab_size
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab})")
@@ -610,10 +645,7 @@ class LocalInferenceEngine(InferenceEngine):
                     admitted, self._waiting = self._waiting[:free], self._waiting[free:]
                     self._admitting = admitted
             for fn, fut in commands:
-                try:
-                    fut.set_result(fn())
-                except Exception as e:  # noqa: BLE001 - handed to whoever waits on the command
-                    fut.set_exception(e)
+                _complete(fut, fn)
             if abort_pending:  # also while paused: aborted requests return at once
                 self._finish_aborted()
             if self._paused:
@@ -638,7 +670,7 @@ class LocalInferenceEngine(InferenceEngine):
                         if len(s.out) > n:
                             s.versions.append(version)
                     self._finish_done()
-            except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
+            except Exception as e:  # fail the requests, keep serving
                 logger.exception("generation step failed")
                 for s in runner.clear():
                     s.deliver(s.result({"type": "abort", "message": f"internal error: {e}"}))
@@ -689,10 +721,7 @@ class LocalInferenceEngine(InferenceEngine):
         """Run ``fn`` in the scheduler thread between two steps; its result comes in the future."""
         fut: Future = Future()
         if self._thread is None or threading.current_thread() is self._thread:
-            try:
-                fut.set_result(fn())
-            except Exception as e:  # noqa: BLE001
-                fut.set_exception(e)
+            _complete(fut, fn)
             return fut
         with self._cond:
             self._commands.append((fn, fut))
@@ -744,16 +773,12 @@ class LocalInferenceEngine(InferenceEngine):
         fut: Future[None] = Future()
 
         def join() -> None:
-            try:
-                self._group = init_custom_process_group(
-                    meta.backend, meta.master_address, meta.master_port, rank, meta.world_size, meta.group_name
-                )
-                self._group_backend = meta.backend
-                fut.set_result(None)
-            except Exception as e:  # noqa: BLE001
-                fut.set_exception(e)
+            self._group = init_custom_process_group(
+                meta.backend, meta.master_address, meta.master_port, rank, meta.world_size, meta.group_name
+            )
+            self._group_backend = meta.backend
 
-        threading.Thread(target=join, name="weight-group-join", daemon=True).start()
+        threading.Thread(target=_complete, args=(fut, join), name="weight-group-join", daemon=True).start()
         return fut
 
     def destroy_weights_update_group(self) -> None:
@@ -772,7 +797,9 @@ class LocalInferenceEngine(InferenceEngine):
             if tuple(shape) != tuple(params[name].shape):
                 raise ValueError(f"parameter {name!r} has shape {tuple(params[name].shape)}, got {tuple(shape)}")
 
-    def receive_broadcast(self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None) -> None:
+    def receive_broadcast(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None
+    ) -> None:
         """Receive the announced tensors from rank 0 in order, then load them (blocking)."""
         if self._group is None:
             raise ValueError("no weight-update group: call init_weights_update_group first")
@@ -798,13 +825,11 @@ class LocalInferenceEngine(InferenceEngine):
         fut: Future[None] = Future()
 
         def receive() -> None:
-            try:
-                self.receive_broadcast([s.name for s in specs], [s.dtype for s in specs], [list(s.shape) for s in specs], meta.version)
-                fut.set_result(None)
-            except Exception as e:  # noqa: BLE001
-                fut.set_exception(e)
+            self.receive_broadcast(
+                [s.name for s in specs], [s.dtype for s in specs], [list(s.shape) for s in specs], meta.version
+            )
 
-        threading.Thread(target=receive, name="weight-receive", daemon=True).start()
+        threading.Thread(target=_complete, args=(fut, receive), name="weight-receive", daemon=True).start()
         return fut
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
@@ -848,7 +873,9 @@ class LocalInferenceEngine(InferenceEngine):
     ) -> TensorDict:
         return self._executor().rollout_batch(data, workflow, should_accept)
 
-    def prepare_batch(self, dataloader: object, workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> TensorDict:
+    def prepare_batch(
+        self, dataloader: object, workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
+    ) -> TensorDict:
         return self._executor().prepare_batch(dataloader, workflow, should_accept)
 
 

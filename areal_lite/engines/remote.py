@@ -140,11 +140,15 @@ class RemoteSGLangEngine(InferenceEngine):
             self._sessions[loop] = session
         return session
 
-    async def _request(self, idx: int, path: str, payload: dict[str, object] | None, timeout: float, method: str = "POST") -> object:
+    async def _request(
+        self, idx: int, path: str, payload: dict[str, object] | None, timeout: float, method: str = "POST"
+    ) -> object:
         """One call to server ``idx``; returns the decoded JSON body (or text). Raises ServerError
         for a non-200 answer and aiohttp / timeout errors for transport failures."""
         url = self.addresses[idx] + path
-        async with self._session().request(method, url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with self._session().request(
+            method, url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
             if resp.content_type == "application/json":
                 body: object = await resp.json()
             else:
@@ -154,7 +158,9 @@ class RemoteSGLangEngine(InferenceEngine):
                 raise ServerError(self.addresses[idx], resp.status, str(message))
             return body
 
-    async def _fanout(self, path: str, payloads: list[dict[str, object]] | dict[str, object], timeout: float | None = None) -> list[object]:
+    async def _fanout(
+        self, path: str, payloads: list[dict[str, object]] | dict[str, object], timeout: float | None = None
+    ) -> list[object]:
         """Send one call to every server concurrently (``payloads`` per server, or one for all)."""
         timeout = timeout if timeout is not None else self.config.request_timeout
         each = payloads if isinstance(payloads, list) else [payloads] * len(self.addresses)
@@ -176,7 +182,9 @@ class RemoteSGLangEngine(InferenceEngine):
                     break
                 except (aiohttp.ClientError, asyncio.TimeoutError, ServerError) as e:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"server {address} not healthy after {self.config.setup_timeout}s: {e}") from e
+                        raise TimeoutError(
+                            f"server {address} not healthy after {self.config.setup_timeout}s: {e}"
+                        ) from e
                     await asyncio.sleep(0.5)
 
     # ----- routing -------------------------------------------------------------------------
@@ -190,7 +198,11 @@ class RemoteSGLangEngine(InferenceEngine):
                 self._sticky.move_to_end(rid)
                 idx = sticky
             else:
-                candidates = up or [i for i in range(len(self.addresses)) if i not in exclude] or list(range(len(self.addresses)))
+                candidates = (
+                    up
+                    or [i for i in range(len(self.addresses)) if i not in exclude]
+                    or list(range(len(self.addresses)))
+                )
                 idx = min(candidates, key=lambda i: (self._inflight[i], self._down_until[i]))
                 self._sticky[rid] = idx
                 if len(self._sticky) > STICKY_RIDS:
@@ -229,7 +241,12 @@ class RemoteSGLangEngine(InferenceEngine):
             params = g.to_sglang()
             params["max_new_tokens"] = remaining
             params["min_new_tokens"] = max(0, g.min_new_tokens - len(out_ids))
-            payload = {"input_ids": list(req.input_ids) + out_ids, "sampling_params": params, "return_logprob": True, "rid": req.rid}
+            payload = {
+                "input_ids": list(req.input_ids) + out_ids,
+                "sampling_params": params,
+                "return_logprob": True,
+                "rid": req.rid,
+            }
             idx = self._choose(req.rid, failed_on)
             try:
                 data = await self._request(idx, "/generate", payload, self.config.request_timeout)
@@ -314,7 +331,12 @@ class RemoteSGLangEngine(InferenceEngine):
             if meta.type == "disk":
                 await self._fanout_checked(
                     "/update_weights_from_disk",
-                    {"model_path": meta.path, "weight_version": version, "abort_all_requests": False, "flush_cache": True},
+                    {
+                        "model_path": meta.path,
+                        "weight_version": version,
+                        "abort_all_requests": False,
+                        "flush_cache": True,
+                    },
                 )
             else:
                 session = await self._optional_fanout("/begin_weight_update", {"selector": "all"})
@@ -351,7 +373,9 @@ class RemoteSGLangEngine(InferenceEngine):
     def set_version(self, version: int) -> None:
         """Tag tokens generated from now on with ``version`` (on every server too)."""
         self._version = version
-        self._control(self._fanout("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})).result()
+        self._control(
+            self._fanout("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+        ).result()
 
     def get_version(self) -> int:
         return self._version
@@ -388,5 +412,7 @@ class RemoteSGLangEngine(InferenceEngine):
     ) -> TensorDict:
         return self._executor().rollout_batch(data, workflow, should_accept)
 
-    def prepare_batch(self, dataloader: object, workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> TensorDict:
+    def prepare_batch(
+        self, dataloader: object, workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
+    ) -> TensorDict:
         return self._executor().prepare_batch(dataloader, workflow, should_accept)

@@ -60,7 +60,17 @@ SAMPLING_DEFAULTS: dict[str, object] = {
 }
 """Every key SGLang accepts in ``sampling_params`` with its default; any other key is a 400."""
 
-UNSUPPORTED_SAMPLING = ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "sampling_seed", "json_schema", "regex", "ebnf", "logit_bias")
+UNSUPPORTED_SAMPLING = (
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "sampling_seed",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "logit_bias",
+)
 """Keys this server accepts only at their default (no-op) value."""
 
 
@@ -148,7 +158,7 @@ class ServerArgs:
     api_key: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    max_running_requests: int = 64
+    max_running_requests: int = 128
     context_length: int = 0
     random_seed: int = 0
     weight_version: str = "0"
@@ -193,9 +203,12 @@ class Server:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         key = self.args.api_key
-        if key and not request.path.startswith(OPEN_PATHS):
-            if request.headers.get("Authorization", "") != f"Bearer {key}":
-                return error_response("Unauthorized", status=401)
+        if (
+            key
+            and not request.path.startswith(OPEN_PATHS)
+            and request.headers.get("Authorization", "") != f"Bearer {key}"
+        ):
+            return error_response("Unauthorized", status=401)
         return await handler(request)
 
     @web.middleware
@@ -206,7 +219,7 @@ class Server:
             return error_response(str(e))
         except web.HTTPException:
             raise
-        except Exception as e:  # noqa: BLE001 - one bad request must not take the server down
+        except Exception as e:  # one bad request must not take the server down
             logger.exception("request to %s failed", request.path)
             return error_response(f"internal error: {e}", status=500)
 
@@ -317,7 +330,9 @@ class Server:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
             if r.input_logprobs is not None:
                 start = max(start_len, 0)
-                meta["input_token_logprobs"] = [[lp, t, None] for lp, t in list(zip(r.input_logprobs, r.input_ids))[start:]]
+                meta["input_token_logprobs"] = [
+                    [lp, t, None] for lp, t in list(zip(r.input_logprobs, r.input_ids))[start:]
+                ]
         return {"text": text, "output_ids": r.output_ids, "meta_info": meta}
 
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -426,7 +441,9 @@ class Server:
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not isinstance(names, list) or not isinstance(dtypes, list) or not isinstance(shapes, list):
             raise BadRequest("names, dtypes and shapes must be lists")
-        if not all(isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in s) for s in shapes):
+        if not all(
+            isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in s) for s in shapes
+        ):
             raise BadRequest("shapes must be lists of integers")
         if not all(isinstance(x, str) for x in names + dtypes):
             raise BadRequest("names and dtypes must be strings")
@@ -469,7 +486,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (except /health*)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-running-requests", type=int, default=128)
     p.add_argument("--context-length", type=int, default=0, help="0 = the model's max_position_embeddings")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="0", help="initial weight version (an integer)")

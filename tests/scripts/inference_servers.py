@@ -14,16 +14,27 @@ import urllib.request
 from areal_lite.utils.distributed import find_free_port
 
 
-def start_servers(model_path: str, n: int, extra_args: list[str] | None = None, timeout: float = 180.0) -> tuple[list[subprocess.Popen], list[str]]:
+def start_servers(
+    model_path: str, n: int, extra_args: list[str] | None = None, timeout: float = 180.0
+) -> tuple[list[subprocess.Popen], list[str]]:
     """Start ``n`` servers and wait until each answers /health. Returns (processes, host:port list)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs, addresses, logs = [], [], []
     try:
         for _ in range(n):
             port = find_free_port()
-            cmd = [sys.executable, "-m", "areal_lite.engines.server", "--model-path", model_path, "--port", str(port), *(extra_args or [])]
+            cmd = [
+                sys.executable,
+                "-m",
+                "areal_lite.engines.server",
+                "--model-path",
+                model_path,
+                "--port",
+                str(port),
+                *(extra_args or []),
+            ]
             # A file, not a pipe: nobody reads the log while the server runs.
-            log = tempfile.TemporaryFile()
+            log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
             logs.append(log)
             addresses.append(f"127.0.0.1:{port}")

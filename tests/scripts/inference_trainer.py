@@ -36,7 +36,14 @@ def nll(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Te
 def train_step(engine: FSDPEngine, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 200, (4, 16), generator=g)
-    batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool), "loss_mask": torch.ones_like(ids, dtype=torch.int32)}, batch_size=[4])
+    batch = TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+            "loss_mask": torch.ones_like(ids, dtype=torch.int32),
+        },
+        batch_size=[4],
+    )
     engine.train_batch(batch[dist.get_rank() :: 2], nll, lambda mb: float(mb["loss_mask"].sum()))  # type: ignore[union-attr]
 
 
