@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import torch
+from misbehaving_graders import misbehaving_grader
 from tensordict import TensorDict
 
 from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
@@ -126,6 +127,21 @@ def test_rlvr_default_runner_grades_math_in_worker_processes(engine) -> None:
         assert stats["reward/samples"] == 2 and stats["reward/errors"] == 0 and stats["reward/timeouts"] == 0
     finally:
         wf.reward.close()
+
+
+def test_rlvr_batch_completes_despite_bad_graders(engine) -> None:
+    """Graders that raise, hang and return NaN score 0 inside an RLVR batch; the batch completes."""
+    runner = RewardRunner(misbehaving_grader, mode="process", timeout=2.0, num_workers=2)
+    wf = RLVRWorkflow(runner, GenerationConfig(n_samples=2, max_new_tokens=3), engine.tokenizer)
+    try:
+        items = [{"prompt": f"q{k}", "kind": k} for k in ("ok", "raise", "hang", "nan", "ok")]
+        batch = engine.rollout_batch(items, wf)
+        check_trajectory(batch)
+        assert batch["rewards"].tolist() == [1.0, 1.0] + [0.0] * 6 + [1.0, 1.0]
+        s = runner.stats()
+        assert (s["reward/errors"], s["reward/timeouts"], s["reward/nonfinite"]) == (2, 2, 2)
+    finally:
+        runner.close()
 
 
 def test_rlvr_through_prepare_batch(engine) -> None:
