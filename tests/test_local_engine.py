@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ParamSpec, WeightUpdateMeta
-from areal_lite.engines.local import LocalInferenceEngine, SamplingParams
+from areal_lite.engines.local import GenerationError, LocalInferenceEngine, SamplingParams
 from areal_lite.utils.distributed import find_free_port, init_custom_process_group
 from areal_lite.utils.tiny import build_tiny_model
 
@@ -358,3 +358,25 @@ def test_bad_requests_raise(engine: LocalInferenceEngine) -> None:
         ).result()
     r = generate_all(engine, [([1, 2], SamplingParams(max_new_tokens=2))])[0]  # still serving
     assert len(r.output_ids) <= 2 and threading.active_count() > 1
+
+
+def test_engine_failure_fails_the_running_requests_and_keeps_serving(model_path: str, monkeypatch) -> None:
+    eng = make_engine(model_path)
+    try:
+        runner = eng._runner
+        real_decode = runner.decode
+        calls = {"n": 0}
+
+        def flaky_decode() -> None:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected failure")
+            real_decode()
+
+        monkeypatch.setattr(runner, "decode", flaky_decode)
+        with pytest.raises(GenerationError, match="injected failure"):
+            generate_all(eng, [([1, 2], SamplingParams(max_new_tokens=50, ignore_eos=True))])
+        r = generate_all(eng, [([1, 2], SamplingParams(max_new_tokens=5, ignore_eos=True))])[0]
+        assert len(r.output_ids) == 5
+    finally:
+        eng.destroy()

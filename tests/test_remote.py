@@ -167,6 +167,38 @@ def test_weight_updates_from_torchrun_fsdp_trainer(servers, model_path: str, tmp
     assert report["broadcast"]["versions"] == [2] and report["broadcast"]["max_err"] < 1e-4
 
 
+def test_timed_out_request_moves_to_another_server(servers, model_path: str) -> None:
+    _, addresses = servers
+    engine = RemoteSGLangEngine(InferenceEngineConfig(addresses=addresses, request_timeout=2.0, setup_timeout=60))
+    engine.start_control()
+    engine.wait_healthy()
+
+    async def post(address: str, path: str, body: dict) -> int:
+        async with aiohttp.ClientSession() as s, s.post(f"http://{address}{path}", json=body) as r:
+            return r.status
+
+    try:
+        reset_weights(engine, model_path)
+        # The first server holds every request (paused); the idle client's first pick is the first server.
+        assert asyncio.run(post(addresses[0], "/pause_generation", {"mode": "in_place"})) == 200
+        req = ModelRequest(input_ids=[3, 4], gconfig=GenerationConfig(max_new_tokens=6, ignore_eos=True))
+        resp = asyncio.run(engine.agenerate(req))
+        assert resp.output_len == 6 and engine.assigned_server(req.rid) == addresses[1]
+
+        async def abandoned_request_dropped() -> None:
+            # The server drops the request whose client went away: nothing stays queued there.
+            for _ in range(3000):
+                if not await running_on(addresses[0]):
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("the abandoned request is still queued on the paused server")
+
+        asyncio.run(abandoned_request_dropped())
+        assert asyncio.run(post(addresses[0], "/continue_generation", {})) == 200
+    finally:
+        engine.destroy()
+
+
 def test_server_killed_mid_run_loses_no_request(servers) -> None:
     procs, addresses = servers
     engine = client(addresses)

@@ -113,6 +113,12 @@ class GenerationResult:
     only when asked for."""
     latency: float
     ttft: float
+    error: str | None = None
+    """Set when the engine failed while running the request (`generate` raises it)."""
+
+
+class GenerationError(RuntimeError):
+    """The engine failed while running a request (not the request's fault)."""
 
 
 class _Seq:
@@ -558,10 +564,13 @@ class LocalInferenceEngine(InferenceEngine):
             input_ids, params, lambda r: loop.call_soon_threadsafe(_set_future, fut, r), rid, return_input_logprobs
         )
         try:
-            return await fut
+            res = await fut
         except asyncio.CancelledError:
             self.abort(rid, message="the caller cancelled the request")
             raise
+        if res.error is not None:
+            raise GenerationError(f"request {rid} failed in the engine: {res.error}")
+        return res
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         res = await self.generate(req.input_ids, SamplingParams.from_gconfig(req.gconfig), rid=req.rid)
@@ -672,8 +681,13 @@ class LocalInferenceEngine(InferenceEngine):
                     self._finish_done()
             except Exception as e:  # fail the requests, keep serving
                 logger.exception("generation step failed")
-                for s in runner.clear():
-                    s.deliver(s.result({"type": "abort", "message": f"internal error: {e}"}))
+                with self._cond:
+                    failed, self._admitting = runner.clear(), []
+                failed += [s for s in admitted if all(s is not r for r in failed)]
+                for s in failed:
+                    res = s.result({"type": "abort", "message": f"internal error: {e}"})
+                    res.error = f"{type(e).__name__}: {e}"
+                    s.deliver(res)
 
     def _finish_aborted(self) -> None:
         runner = self._runner
@@ -879,4 +893,4 @@ class LocalInferenceEngine(InferenceEngine):
         return self._executor().prepare_batch(dataloader, workflow, should_accept)
 
 
-__all__ = ["GenerationResult", "LocalInferenceEngine", "SamplingParams"]
+__all__ = ["GenerationError", "GenerationResult", "LocalInferenceEngine", "SamplingParams"]

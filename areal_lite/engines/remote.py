@@ -259,7 +259,9 @@ class RemoteSGLangEngine(InferenceEngine):
                 failed_on.add(idx)
                 if len(failed_on) == len(self.addresses):
                     failed_on.clear()
-                logger.warning("generation on %s failed (%s); retrying elsewhere", self.addresses[idx], e)
+                logger.warning(
+                    "generation on %s failed (%s: %s); retrying elsewhere", self.addresses[idx], type(e).__name__, e
+                )
                 if failures >= self.config.request_retries:
                     raise RuntimeError(f"request {req.rid} failed {failures} times; last error: {e}") from e
                 continue

@@ -521,7 +521,16 @@ def main(argv: list[str] | None = None) -> None:
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=1.0)
+    # handler_cancellation: a client that goes away (timeout, failover) aborts its generation.
+    web.run_app(
+        app,
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        shutdown_timeout=1.0,
+        handler_cancellation=True,
+    )
 
 
 if __name__ == "__main__":
