@@ -112,3 +112,32 @@ def test_unsupported_models_are_refused() -> None:
         ArchSpec.from_hf_config(
             LlamaConfig(hidden_size=32, num_attention_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0})
         )
+
+
+def test_llama3_rope_scaling_maps_to_megatron_frequencies() -> None:
+    """Llama 3.x rope scaling: megatron's scaled inverse frequencies equal HF's exactly (the
+    end-to-end check in test_megatron.py cannot tell them apart on short sequences)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    }  # fmt: skip
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=16384, rope_parameters=rope)
+    spec = ArchSpec.from_hf_config(config)
+    assert spec.llama3_rope_factor == 8.0
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    mcore = RotaryEmbedding(
+        kv_channels=spec.head_dim, rotary_percent=1.0, rotary_base=int(spec.rope_theta),
+        rope_scaling=True, rope_scaling_factor=spec.llama3_rope_factor, use_cpu_initialization=True,
+    )  # fmt: skip
+    assert torch.equal(mcore.inv_freq, hf_inv_freq)
+    unscaled = RotaryEmbedding(
+        kv_channels=spec.head_dim, rotary_percent=1.0, rotary_base=int(spec.rope_theta), use_cpu_initialization=True
+    )
+    assert not torch.equal(unscaled.inv_freq, hf_inv_freq)
+    with pytest.raises(ValueError, match="llama3"):
+        ArchSpec.from_hf_config(
+            LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters={**rope, "high_freq_factor": 2.0})
+        )

@@ -63,6 +63,8 @@ class ArchSpec:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
+    llama3_rope_factor: float | None
+    """Llama 3.x rope scaling factor (None: no scaling)."""
     tie_word_embeddings: bool
     qkv_bias: bool
     is_critic: bool = False
@@ -78,9 +80,23 @@ class ArchSpec:
         def g(name: str, default: object = None) -> object:
             return getattr(config, name, default)
 
-        rope_scaling = g("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
-            raise ValueError(f"rope scaling {rope_scaling} is not supported by the megatron conversion")
+        rope = g("rope_parameters") or g("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        llama3_factor = None
+        if rope_type == "llama3":
+            # megatron-core implements Llama 3.x scaling with these constants only
+            fixed = (
+                rope.get("low_freq_factor"),
+                rope.get("high_freq_factor"),
+                rope.get("original_max_position_embeddings"),
+            )
+            if fixed != (1.0, 4.0, 8192):
+                raise ValueError(f"llama3 rope scaling {rope} differs from megatron-core's (1, 4, 8192)")
+            llama3_factor = float(rope["factor"])
+        elif rope_type != "default":
+            raise ValueError(f"rope scaling {rope} is not supported by the megatron conversion")
+        if g("use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported by the megatron conversion")
         num_heads = g("num_attention_heads")
         num_kv_heads = g("num_key_value_heads") or num_heads
         hidden = g("hidden_size")
@@ -90,7 +106,7 @@ class ArchSpec:
         vocab = g("vocab_size")
         rope_theta = g("rope_theta")
         if rope_theta is None:  # transformers 5 keeps it in rope_parameters
-            rope_theta = (g("rope_parameters") or {}).get("rope_theta", 10000.0)
+            rope_theta = rope.get("rope_theta", 10000.0)
         qkv_bias = model_type == "qwen2" or bool(g("attention_bias", False))
         if model_type == "llama" and g("mlp_bias", False):
             raise ValueError("Llama with mlp_bias is not supported by the megatron conversion")
@@ -107,6 +123,7 @@ class ArchSpec:
             max_position_embeddings=g("max_position_embeddings"),
             rms_norm_eps=g("rms_norm_eps"),
             rope_theta=float(rope_theta),
+            llama3_rope_factor=llama3_factor,
             tie_word_embeddings=bool(g("tie_word_embeddings", False)) and not is_critic,
             qkv_bias=qkv_bias,
             is_critic=is_critic,

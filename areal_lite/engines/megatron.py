@@ -187,6 +187,8 @@ def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> to
         max_sequence_length=arch.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
+        rope_scaling=arch.llama3_rope_factor is not None,
+        rope_scaling_factor=arch.llama3_rope_factor or 8.0,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),

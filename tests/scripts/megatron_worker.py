@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch, TrainEngine
@@ -172,13 +172,21 @@ def padded_logprobs(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
 
 
 def tied_embeddings(checks: dict[str, object]) -> None:
-    """A tied Llama at TP=2 and at PP=2 (where the last stage holds a synced copy of the
-    embedding): after one step, the saved HF model must reproduce the engine's log-probabilities."""
+    """A tied Llama (with Llama 3.x rope scaling) at TP=2 and at PP=2, where the last stage holds a
+    synced copy of the embedding: before and after one step, the engine must reproduce HF's
+    log-probabilities of the initial and of the saved model."""
     from areal_lite.utils.tiny import build_tiny_model
 
     path = os.path.join(OUT, "tied_model")
     if dist.get_rank() == 0:
         build_tiny_model(path, arch="llama", hidden_size=32, num_layers=2, vocab_size=301, tie_word_embeddings=True)
+        # Llama 3.x rope scaling; with head_dim 8 the lowest frequencies are the scaled ones
+        hf_config = AutoConfig.from_pretrained(path)
+        hf_config.rope_parameters = {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        }  # fmt: skip
+        hf_config.save_pretrained(path)
     dist.barrier()
     batch = make_batch(3)
     for tag, kw in (("tp2", {"tensor_parallel_size": 2}), ("pp2", {"pipeline_parallel_size": 2})):
