@@ -14,7 +14,7 @@ rollout-only rate. Reports trajectories/s and the mean staleness of consumed tra
 On a shared 2-core machine two servers compete for the same cores as the client; the 1 -> 2
 server figure measures the client's fan-out overhead there more than scaling.
 
-    .venv/bin/python benchmarks/rollout.py [--steps 8]
+    .venv/bin/python benchmarks/rollout.py [--steps 20]
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def run(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -123,7 +123,7 @@ def main() -> None:
             rows.append(("1 server, no training", 4, one, 0.0))
             two, _, _ = run(addresses, tokenizer, eta=4, steps=args.steps, train_seconds=0.0)
             rows.append(("2 servers, no training", 4, two, 0.0))
-            _, step_s, _ = run(addresses[:1], tokenizer, eta=0, steps=2, train_seconds=0.0)
+            _, step_s, _ = run(addresses[:1], tokenizer, eta=0, steps=5, train_seconds=0.0)
             train_s = step_s
             sync, _, sync_stale = run(addresses[:1], tokenizer, eta=0, steps=args.steps, train_seconds=train_s)
             rows.append((f"1 server, train {train_s:.2f}s", 0, sync, sync_stale))
