@@ -223,8 +223,8 @@ class WorkflowExecutor:
         """Block until ``count`` accepted pipeline trajectories are ready and return them padded and
         concatenated, oldest submission first. Raises TimeoutError after ``timeout`` seconds and
         `WorkflowError` when a workflow failed (``on_workflow_error=raise``)."""
-        if count < 1:
-            raise ValueError(f"wait needs count >= 1, got {count}")
+        if not 1 <= count <= self.staleness.queue_size:
+            raise ValueError(f"wait needs 1 <= count <= queue_size ({self.staleness.queue_size}), got {count}")
         deadline = None if timeout is None else time.monotonic() + timeout
         self._wake_loop()
         with self._cond:
