@@ -141,3 +141,19 @@ def test_llama3_rope_scaling_maps_to_megatron_frequencies() -> None:
         ArchSpec.from_hf_config(
             LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters={**rope, "high_freq_factor": 2.0})
         )
+
+
+def test_a_pipeline_stage_reads_only_its_tensors() -> None:
+    class Recording(dict):
+        def __getitem__(self, key: str) -> torch.Tensor:
+            read.add(key)
+            return super().__getitem__(key)
+
+    read: set[str] = set()
+    model = tiny_hf("qwen2", tie=False)
+    spec = ArchSpec.from_hf_config(model.config, 2)
+    last_stage = [n for n in mcore_param_names(spec) if n.startswith("decoder.layers.1.")]
+    last_stage += ["decoder.final_layernorm.weight", "output_layer.weight"]
+    out = hf_to_mcore(Recording(hf_state(model)), spec, 1, 2, names=last_stage)
+    assert set(out) == set(last_stage)
+    assert read and all(k.startswith("model.layers.1.") or k in ("model.norm.weight", "lm_head.weight") for k in read)

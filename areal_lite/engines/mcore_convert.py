@@ -37,7 +37,7 @@ parameter (as gathered by the engine) and returns the HF tensors it holds.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -195,37 +195,49 @@ def _qkv_to_hf(qkv: torch.Tensor, arch: ArchSpec) -> tuple[torch.Tensor, torch.T
 
 
 def hf_to_mcore(
-    hf: Mapping[str, torch.Tensor], arch: ArchSpec, tp_rank: int = 0, tp_size: int = 1
+    hf: Mapping[str, torch.Tensor],
+    arch: ArchSpec,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    names: Iterable[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """This tensor-parallel rank's megatron-core parameters from full HF tensors.
 
     ``hf`` maps HF names to tensors (a state dict, or a lazy mapping over safetensors files);
-    only the names the model needs are read. ``lm_head.weight`` is not needed when tied, nor by a
-    critic, which needs ``score.weight`` and ``score.bias`` instead.
+    only the HF tensors that the requested megatron ``names`` (default: all of
+    `mcore_param_names`) need are read, so a pipeline stage reads only its own layers.
+    ``lm_head.weight`` is not needed when tied, nor by a critic, which needs ``score.weight`` and
+    ``score.bias`` instead.
     """
-    out: dict[str, torch.Tensor] = {}
-    embed = _pad_vocab(hf["model.embed_tokens.weight"], arch)
-    out["embedding.word_embeddings.weight"] = _split(embed, 0, tp_rank, tp_size)
-    for i in range(arch.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for msuffix, hsuffix in _SIMPLE_LAYER.items():
-            dim = _SPLIT_DIM[msuffix]
-            t = hf[h + hsuffix]
-            out[m + msuffix] = t.clone() if dim is None else _split(t, dim, tp_rank, tp_size)
-        kinds = ["weight", "bias"] if arch.qkv_bias else ["weight"]
-        for kind in kinds:
-            qkv = _qkv_to_mcore(*(hf[f"{h}self_attn.{p}_proj.{kind}"] for p in "qkv"), arch)
-            out[f"{m}self_attention.linear_qkv.{kind}"] = _split(qkv, 0, tp_rank, tp_size)
+    return {name: _one_to_mcore(name, hf, arch, tp_rank, tp_size) for name in (names or mcore_param_names(arch))}
+
+
+def _one_to_mcore(
+    name: str, hf: Mapping[str, torch.Tensor], arch: ArchSpec, tp_rank: int, tp_size: int
+) -> torch.Tensor:
+    if name == "embedding.word_embeddings.weight":
+        return _split(_pad_vocab(hf["model.embed_tokens.weight"], arch), 0, tp_rank, tp_size)
+    if name == "output_layer.weight":
+        return _split(_pad_vocab(hf["lm_head.weight"], arch), 0, tp_rank, tp_size)
+    if name == "decoder.final_layernorm.weight":
+        return hf["model.norm.weight"].clone()
+    if name.startswith("value_head."):
+        return hf["score." + name.removeprefix("value_head.")].clone()
+    match = _LAYER.fullmatch(name)
+    if match is None or match.group(2) not in _SPLIT_DIM:
+        raise KeyError(f"not a megatron parameter of a Qwen2/Llama model: {name}")
+    h, suffix = f"model.layers.{match.group(1)}.", match.group(2)
+    if suffix in _SIMPLE_LAYER:
+        t = hf[h + _SIMPLE_LAYER[suffix]]
+        dim = _SPLIT_DIM[suffix]
+        return t.clone() if dim is None else _split(t, dim, tp_rank, tp_size)
+    if suffix == "mlp.linear_fc1.weight":
         gate = _split(hf[h + "mlp.gate_proj.weight"], 0, tp_rank, tp_size)
         up = _split(hf[h + "mlp.up_proj.weight"], 0, tp_rank, tp_size)
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
-    if arch.is_critic:
-        out["value_head.weight"] = hf["score.weight"].clone()
-        out["value_head.bias"] = hf["score.bias"].clone()
-    elif not arch.tie_word_embeddings:
-        out["output_layer.weight"] = _split(_pad_vocab(hf["lm_head.weight"], arch), 0, tp_rank, tp_size)
-    return out
+        return torch.cat([gate, up])
+    kind = suffix.rsplit(".", 1)[1]
+    qkv = _qkv_to_mcore(*(hf[f"{h}self_attn.{p}_proj.{kind}"] for p in "qkv"), arch)
+    return _split(qkv, 0, tp_rank, tp_size)
 
 
 def mcore_split_dim(name: str) -> int | None:

@@ -608,14 +608,15 @@ class MegatronEngine(TrainEngine):
         from megatron.core import parallel_state as ps
 
         assert self.arch is not None
-        full = hf_to_mcore(
-            hf, self.arch, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-        )
-        for name, p in getattr(gpt, "module", gpt).named_parameters():
-            source = "embedding.word_embeddings.weight" if self._is_tied_copy(name) else self._global_name(name)
-            if source not in full:
-                raise RuntimeError(f"megatron parameter {name} has no counterpart in the conversion")
-            p.copy_(full[source].to(p.dtype))
+        params = dict(getattr(gpt, "module", gpt).named_parameters())
+        sources = {
+            name: "embedding.word_embeddings.weight" if self._is_tied_copy(name) else self._global_name(name)
+            for name in params
+        }
+        tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        converted = hf_to_mcore(hf, self.arch, tp_rank, tp, names=set(sources.values()))
+        for name, p in params.items():
+            p.copy_(converted[sources[name]].to(p.dtype))
 
     def _stage_param_specs(self) -> list[list[tuple[str, list[tuple[str, tuple[int, ...]]]]]]:
         """For every pipeline stage: its local parameter names and the HF tensors (names, shapes)
