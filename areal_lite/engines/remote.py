@@ -9,6 +9,9 @@ budget, keeping every token's log-probability and version. When a server fails (
 error, timeout, 5xx) the request is resent from its last known state to another server, so a
 server dying loses no request and returns none twice.
 
+A stop string that straddles two parts of a resumed generation is not seen (each part is checked
+on its own), as with SGLang-based AReaL.
+
 Control: pause / resume, weight updates (disk or distributed) and version updates fan out to every
 server from a private event loop in a background thread; weight updates pause generation around
 them unless the caller already did.
@@ -111,16 +114,22 @@ class RemoteSGLangEngine(InferenceEngine):
         self._control(self._await_healthy()).result()
 
     def destroy(self) -> None:
+        # Sessions close on their own loops, so before the executor stops its loop; a session
+        # whose loop has already ended (e.g. one of asyncio.run) is dropped.
+        try:
+            current = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        for loop, session in list(self._sessions.items()):
+            if loop.is_running() and loop is not current:
+                try:
+                    asyncio.run_coroutine_threadsafe(session.close(), loop).result(timeout=10)
+                except (TimeoutError, RuntimeError):
+                    logger.warning("could not close an HTTP session of a busy event loop")
+        self._sessions.clear()
         if self.executor is not None:
             self.executor.destroy()
             self.executor = None
-        for loop, session in list(self._sessions.items()):
-            # A session can only be closed on its own loop; one whose loop has ended is dropped.
-            if loop is self._admin_loop:
-                asyncio.run_coroutine_threadsafe(session.close(), loop).result()
-            elif loop.is_running():
-                asyncio.run_coroutine_threadsafe(session.close(), loop)
-        self._sessions.clear()
         if self._admin_loop is not None:
             self._admin_loop.call_soon_threadsafe(self._admin_loop.stop)
             if self._admin_thread is not None:
