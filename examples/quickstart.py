@@ -45,6 +45,7 @@ from areal_lite.api.io import FinetuneSpec, GenerationConfig, SaveLoadMeta, Weig
 from areal_lite.engines import make_train_engine
 from areal_lite.rewards.runner import RewardRunner
 from areal_lite.utils.dataloader import stateful_dataloader
+from areal_lite.utils.evaluator import Evaluator
 from areal_lite.utils.recover import RecoverHandler
 from areal_lite.utils.saver import Saver
 from areal_lite.utils.stats import StatsTracker
@@ -84,6 +85,8 @@ class TaskConfig:
     """Depth of the tiny model."""
     seed: int = 0
     """Seed of the model and the data."""
+    prepare_only: bool = False
+    """Build and SFT the model, then exit (the launcher's prepare run, before servers start)."""
 
 
 @dataclass
@@ -235,6 +238,8 @@ def main(argv: list[str]) -> None:
     sft_dir = os.path.join(cfg.output_dir, "sft_model")
     if not os.path.exists(os.path.join(sft_dir, "config.json")):
         warm_up_with_sft(cfg, base_dir, sft_dir)
+    if cfg.task.prepare_only:
+        return
 
     from transformers import AutoTokenizer
 
@@ -258,6 +263,7 @@ def main(argv: list[str]) -> None:
     actor.engine.connect_engine(rollout, weight_meta)
 
     saver = Saver(cfg.saver, cfg.output_dir)
+    evaluator = Evaluator(cfg.evaluator)
     recover = RecoverHandler(cfg.recover, cfg.output_dir)
     stats_logger = StatsLogger(cfg.stats_logger, cfg.output_dir, total_steps=total_steps)
 
@@ -273,6 +279,7 @@ def main(argv: list[str]) -> None:
         acc_before = evaluate(rollout, eval_workflow, eval_problems)
         print(f"[quickstart] held-out greedy accuracy after SFT: {acc_before:.3f}", flush=True)
 
+    t_rl = time.time()
     for global_step in range(start_step, total_steps):
         step = StepInfo.at(global_step, len(dataloader))
         with tracker.timer("timing/rollout"):
@@ -289,8 +296,11 @@ def main(argv: list[str]) -> None:
             rollout.resume()
         saver.save(actor.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
         recover.dump(actor.engine, step, dataloader=dataloader, stats_logger=stats_logger, extra={"acc_before": acc_before})
-        stats_logger.commit(global_step, stats, rollout.executor.stats(), tracker.export())
+        acc = evaluator.evaluate(lambda: evaluate(rollout, eval_workflow, eval_problems), step)
+        tracker.dist("rollout/staleness", rollout.executor.last_batch_staleness)
+        stats_logger.commit(global_step, stats, rollout.executor.stats(), tracker.export(), {} if acc is None else {"eval/accuracy": acc})
 
+    print(f"[quickstart] RL: {total_steps - start_step} steps in {time.time() - t_rl:.1f}s", flush=True)
     acc_after = evaluate(rollout, eval_workflow, eval_problems)
     minutes = (time.time() - t_start) / 60
     stats_logger.close()

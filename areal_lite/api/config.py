@@ -302,15 +302,15 @@ class StatsLoggerConfig:
     """Also write tensorboard event files."""
     console: bool = True
     """Print a line per step and a progress bar."""
-    reward_std_key: str = "reward/std"
+    reward_std_key: str = "reward_std"
     """The statistic watched for a collapsing reward spread (all samples of a group scoring alike)."""
     collapse_steps: int = 5
     """Warn once the reward std has been 0 for this many consecutive steps (0 = never)."""
-    kl_key: str = "kl"
+    kl_key: str = "approx_kl"
     """The statistic watched for an exploding KL divergence to the behaviour/reference policy."""
     kl_max: float = 1.0
     """Warn when the watched KL exceeds this (nats per token)."""
-    plot_keys: list[str] = field(default_factory=lambda: ["reward/mean", "eval/accuracy"])
+    plot_keys: list[str] = field(default_factory=lambda: ["reward_mean", "eval/accuracy"])
     """Statistics drawn, one panel each, in ``output_dir/curves.png`` when the logger closes."""
 
 
