@@ -154,6 +154,45 @@ def test_rlvr_through_prepare_batch(engine) -> None:
     assert batch.batch_size[0] == 2 * 2  # consumer_batch_size groups of n_samples
 
 
+def test_async_training_loop_with_weight_updates_keeps_the_bound(engine) -> None:
+    """The executor over the real engine with eta = 1: weights are updated (in place, the same
+    tensors) and the version bumped after every batch while groups are mid-generation; every
+    consumed batch holds tokens of versions >= step - 1."""
+    from areal_lite.api.io import WeightUpdateMeta
+    from areal_lite.core import WorkflowExecutor
+
+    ex = WorkflowExecutor(
+        InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=1, max_concurrent_rollouts=4), engine
+    )
+    ex.initialize()
+    weights = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    wf = RLVRWorkflow(
+        RewardRunner(length_reward, mode="thread"), GenerationConfig(n_samples=2, max_new_tokens=24), engine.tokenizer
+    )
+    loader = [[{"prompt": f"{a} + {a} = ?"}, {"prompt": f"{a} * 2 = ?"}] for a in range(40)]
+    try:
+        engine.set_version(0)
+        for step in range(5):
+            batch = ex.prepare_batch(loader, wf)
+            check_trajectory(batch)
+            produced = batch["versions"][batch["loss_mask"].bool()]
+            assert int(produced.min()) >= step - 1
+            ex.pause()
+            engine.pause_generation("in_place")
+            engine.update_weights(WeightUpdateMeta(type="in_process", named_tensors=weights, version=step + 1)).result()
+            engine.set_version(step + 1)
+            engine.continue_generation()
+            ex.resume()
+        ex.pause()
+        with ex._cond:  # let the rollouts in flight finish before the loop they wait on closes
+            ex._cond.wait_for(lambda: ex.staleness.running == 0)
+    finally:
+        ex.destroy()
+        engine.set_version(0)
+    # Step 0 admitted 2 batches at version 0; the second was consumed at version 1.
+    assert max(ex.staleness_histogram) == 1
+
+
 def test_remax_returns_samples_with_the_greedy_baseline(engine) -> None:
     wf = ReMaxWorkflow(
         RewardRunner(length_reward, mode="thread"), GenerationConfig(n_samples=2, max_new_tokens=10), engine.tokenizer
