@@ -166,6 +166,11 @@ class _Seq:
         )
 
 
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A HF RMSNorm module's computation in one fused op."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -209,6 +214,32 @@ class _ModelRunner:
         self.last = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.rows: list[_Seq] = []
         self._ensure_capacity(min(256, context_len))
+        self.fused = [self._fuse(layer) for layer in self.layers]
+
+    @staticmethod
+    def _fuse(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One matmul for q/k/v and one for gate/up instead of five (fewer ops per step).
+
+        The HF modules' parameters become views into the fused tensors, so a weight update that
+        copies into the model's parameters (as every update here does) updates both at once.
+        """
+
+        def fuse(linears: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
+            parts = [getattr(m, attr) for m in linears]
+            if parts[0] is None:
+                return None
+            fused = torch.cat([p.data for p in parts])
+            start = 0
+            for m, p in zip(linears, parts):
+                getattr(m, attr).data = fused[start : start + p.shape[0]]
+                start += p.shape[0]
+            return fused
+
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        gate_up = fuse([mlp.gate_proj, mlp.up_proj], "weight")
+        assert gate_up is not None
+        return fuse(qkv, "weight"), fuse(qkv, "bias"), gate_up  # type: ignore[return-value]
 
     def _ensure_capacity(self, needed: int) -> None:
         """Grow the cache (doubling, capped at the context length) to hold ``needed`` positions."""
@@ -237,12 +268,15 @@ class _ModelRunner:
         b, t, _ = h.shape
         cos = self.cos[positions][:, None]  # [B, 1, T, D]
         sin = self.sin[positions][:, None]
+        nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-            k = attn.k_proj(x).view(b, t, self.n_kv, self.head_dim)
-            v = attn.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            attn, mlp = layer.self_attn, layer.mlp
+            w_qkv, b_qkv, w_gate_up = self.fused[i]
+            x = _rms_norm(layer.input_layernorm, h)
+            q, k, v = F.linear(x, w_qkv, b_qkv).split([nq, nkv, nkv], dim=-1)
+            q = q.view(b, t, self.n_heads, self.head_dim)
+            k = k.view(b, t, self.n_kv, self.head_dim)
+            v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
             if self.has_qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = self._rope(q.transpose(1, 2), cos, sin)
@@ -252,8 +286,9 @@ class _ModelRunner:
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
             )
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.base.norm(h)
+            gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, h), w_gate_up).chunk(2, dim=-1)
+            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+        return _rms_norm(self.base.norm, h)
 
     @torch.no_grad()
     def prefill(self, seqs: list[_Seq]) -> list[_Seq]:
