@@ -86,6 +86,39 @@ def test_logprobs_equal_hf_forward(arch: str, tmp_path) -> None:
         eng.destroy()
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "llama-biases"])
+def test_logprobs_equal_hf_forward_other_layouts(kind: str, tmp_path) -> None:
+    """Qwen3 (q/k norms) and Llama with biases on attention and MLP, from configs (no tokenizer)."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = {
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    }
+    if kind == "qwen3":
+        config = Qwen3Config(**common, num_key_value_heads=2, head_dim=16)
+    else:
+        config = LlamaConfig(**common, num_key_value_heads=4, attention_bias=True, mlp_bias=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # random biases, so that dropping one would show
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(str(tmp_path / kind))
+    eng = make_engine(str(tmp_path / kind))
+    try:
+        jobs = [([3 + i, 40, 7] * (1 + i), SamplingParams(max_new_tokens=6 + i, ignore_eos=True)) for i in range(3)]
+        for (prompt, _), r in zip(jobs, generate_all(eng, jobs)):
+            expected = hf_logprobs(model, prompt, r.output_ids)
+            torch.testing.assert_close(torch.tensor(r.output_logprobs), expected, atol=1e-4, rtol=0)
+    finally:
+        eng.destroy()
+
+
 def test_greedy_equals_hf_generate(engine: LocalInferenceEngine, hf: torch.nn.Module) -> None:
     prompts = [[5, 9, 11, 20], [100, 3], list(range(30, 60))]
     results = generate_all(

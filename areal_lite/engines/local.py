@@ -185,6 +185,10 @@ class _ModelRunner:
 
     def __init__(self, model: torch.nn.Module, max_rows: int, context_len: int, seed: int) -> None:
         cfg = model.config
+        rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+        if "dynamic" in rope_type:
+            # Rotary tables are computed once for all positions; dynamic scaling depends on length.
+            raise ValueError(f"LocalInferenceEngine does not support rope_type {rope_type!r}")
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"LocalInferenceEngine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}"
@@ -217,7 +221,7 @@ class _ModelRunner:
         self.fused = [self._fuse(layer) for layer in self.layers]
 
     @staticmethod
-    def _fuse(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _fuse(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """One matmul for q/k/v and one for gate/up instead of five (fewer ops per step).
 
         The HF modules' parameters become views into the fused tensors, so a weight update that
@@ -236,10 +240,8 @@ class _ModelRunner:
             return fused
 
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        gate_up = fuse([mlp.gate_proj, mlp.up_proj], "weight")
-        assert gate_up is not None
-        return fuse(qkv, "weight"), fuse(qkv, "bias"), gate_up  # type: ignore[return-value]
+        qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+        return fuse(qkv, "weight"), fuse(qkv, "bias"), fuse(gate_up, "weight"), fuse(gate_up, "bias")  # type: ignore[return-value]
 
     def _ensure_capacity(self, needed: int) -> None:
         """Grow the cache (doubling, capped at the context length) to hold ``needed`` positions."""
@@ -271,7 +273,7 @@ class _ModelRunner:
         nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            w_qkv, b_qkv, w_gate_up = self.fused[i]
+            w_qkv, b_qkv, w_gate_up, b_gate_up = self.fused[i]
             x = _rms_norm(layer.input_layernorm, h)
             q, k, v = F.linear(x, w_qkv, b_qkv).split([nq, nkv, nkv], dim=-1)
             q = q.view(b, t, self.n_heads, self.head_dim)
@@ -286,7 +288,7 @@ class _ModelRunner:
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
             )
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-            gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, h), w_gate_up).chunk(2, dim=-1)
+            gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, h), w_gate_up, b_gate_up).chunk(2, dim=-1)
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
         return _rms_norm(self.base.norm, h)
 
@@ -515,6 +517,10 @@ class LocalInferenceEngine(InferenceEngine):
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         max_pos = model.config.max_position_embeddings
         context_len = min(cfg.max_total_tokens, max_pos) if cfg.max_total_tokens > 0 else max_pos
+        window = getattr(model.config, "sliding_window", None)
+        if window and (model.config.model_type == "mistral" or getattr(model.config, "use_sliding_window", False)):
+            # The runner attends over the whole cache; within one window that is exact.
+            context_len = min(context_len, window)
         self.model = model
         self._runner = _ModelRunner(model, cfg.max_running_requests, context_len, cfg.seed)
         self._stopping = False
