@@ -119,6 +119,31 @@ def test_logprobs_equal_hf_forward_other_layouts(kind: str, tmp_path) -> None:
         eng.destroy()
 
 
+def test_split_prefill_gives_the_same_logprobs(model_path: str, hf: torch.nn.Module, monkeypatch) -> None:
+    monkeypatch.setattr("areal_lite.engines.local.PREFILL_MASK_ELEMENTS", 200)  # split any batch
+    eng = make_engine(model_path)
+    real_prefill, calls = eng._runner.prefill, []
+    monkeypatch.setattr(eng._runner, "prefill", lambda seqs: calls.append(len(seqs)) or real_prefill(seqs))
+    jobs = [(list(range(5, 5 + 3 * (i + 1))), SamplingParams(max_new_tokens=5, ignore_eos=True)) for i in range(5)]
+
+    async def run():
+        eng.pause_generation("in_place")  # queue all five, then admit them in one prefill
+        tasks = [asyncio.ensure_future(eng.generate(p, sp)) for p, sp in jobs]
+        await asyncio.sleep(0)
+        eng.continue_generation()
+        return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(run())
+        assert calls[0] == 5 and len(calls) > 5  # the batch of five was split down
+        for (prompt, _), r in zip(jobs, results):
+            torch.testing.assert_close(
+                torch.tensor(r.output_logprobs), hf_logprobs(hf, prompt, r.output_ids), atol=1e-4, rtol=0
+            )
+    finally:
+        eng.destroy()
+
+
 def test_greedy_equals_hf_generate(engine: LocalInferenceEngine, hf: torch.nn.Module) -> None:
     prompts = [[5, 9, 11, 20], [100, 3], list(range(30, 60))]
     results = generate_all(

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+PREFILL_MASK_ELEMENTS = 32 * 1024 * 1024
+"""A batched prefill is split when its attention mask would hold more elements than this."""
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures below this mean greedy decoding (SGLang's convention)."""
 
@@ -299,10 +301,14 @@ class _ModelRunner:
         retract) caches all but its last token, which becomes the next one fed."""
         if not seqs:
             return []
-        start = len(self.rows)
         tokens = [s.prompt + s.out[:-1] if s.out else s.prompt for s in seqs]
         lengths = [len(t) for t in tokens]
         n, width = len(seqs), max(lengths)
+        if n > 1 and n * width * width > PREFILL_MASK_ELEMENTS:
+            # The mask is [n, width, width]: split long batches, shortest and longest apart.
+            ordered = [seqs[j] for j in sorted(range(n), key=lengths.__getitem__)]
+            return self.prefill(ordered[: n // 2]) + self.prefill(ordered[n // 2 :])
+        start = len(self.rows)
         self._ensure_capacity(width + 1)
         ids = torch.zeros(n, width, dtype=torch.long, device=self.device)
         for j, t in enumerate(tokens):
