@@ -65,6 +65,7 @@ class ArchSpec:
     rope_theta: float
     llama3_rope_factor: float | None
     """Llama 3.x rope scaling factor (None: no scaling)."""
+    attention_dropout: float
     tie_word_embeddings: bool
     qkv_bias: bool
     is_critic: bool = False
@@ -124,6 +125,7 @@ class ArchSpec:
             rms_norm_eps=g("rms_norm_eps"),
             rope_theta=float(rope_theta),
             llama3_rope_factor=llama3_factor,
+            attention_dropout=float(g("attention_dropout", 0.0) or 0.0),
             tie_word_embeddings=bool(g("tie_word_embeddings", False)) and not is_critic,
             qkv_bias=qkv_bias,
             is_critic=is_critic,

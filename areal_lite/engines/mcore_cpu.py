@@ -1,7 +1,7 @@
 """Run megatron-core on CPU (gloo): the one place that papers over its hard-coded CUDA calls.
 
 megatron-core 0.16 assumes a GPU in a few spots that our configuration reaches: tensors created
-with ``device="cuda"`` (optimizer flags, gradient-norm buffers, the default causal mask),
+with ``device="cuda"`` (optimizer flags, gradient-norm buffers, the schedule's token counter),
 ``torch.cuda.current_device()`` as a device argument (buffers, rotary embeddings, all-gathers)
 and the CUDA RNG behind its tensor-parallel RNG tracker. Without CUDA every one of those calls
 raises, so mapping them to the CPU changes nothing that could otherwise run:

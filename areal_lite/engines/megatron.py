@@ -7,20 +7,20 @@ actor's config swaps them through `make_train_engine`), built on megatron-core's
 data-parallel ranks), and megatron's RNG tracker. Weights come from and go to HF directories and
 HF-named tensors through `areal_lite.engines.mcore_convert`.
 
-Packed sequences, deliberately not THD: megatron-core's packed-sequence attention (``THD`` with
-``cu_seqlens``) exists only in Transformer Engine. Each micro-batch instead runs as its sequences
-right-padded to the longest one, ``[b, s]``, under megatron's causal mask; with right padding a real
-token only ever attends to earlier real tokens of its own sequence, and rotary positions restart
-per row, so the result is exact. Hidden states of the real tokens are then gathered into the
-packed 1-D layout, scored chunk by chunk (`areal_lite.utils.logprob`, as in FSDPEngine), and the
-loss function sees the same packed micro-batch as with FSDP. The balanced micro-batch split keeps
-the padding small.
+Packed sequences: each micro-batch runs as one packed row of ``T`` tokens in megatron's ``THD``
+format (``PackedSeqParams`` with the micro-batch's ``cu_seqlens``), so rotary positions restart per
+sequence (megatron's own THD rotary code). megatron-core's packed attention kernels exist only in
+Transformer Engine and its local attention refuses packing, so the layers get our core attention,
+`_PackedCoreAttention`: causal SDPA within each sequence (`areal_lite.utils.varlen_attention`, the
+function FSDPEngine uses), ``sum(L_i^2)`` work and never across sequences. The last stage's hidden
+states ``[T, h]`` are scored chunk by chunk (`areal_lite.utils.logprob`, as in FSDPEngine), and the
+loss function sees the same packed micro-batch as with FSDP.
 
 Parallelism: ``tensor_parallel_size`` ranks split every layer, ``pipeline_parallel_size`` stages
 split the layers; the remaining factor of the world size is data parallel. The ranks of one
 model-parallel group (TP x PP) must train on the same data, so the batch of its first rank is
 broadcast to the others. Micro-batches run through megatron's own schedule (1F1B across pipeline
-stages; variable sequence lengths, so padded micro-batches of any shape pass between stages); the
+stages; variable sequence lengths, so packed micro-batches of any length pass between stages); the
 head, the log-probabilities and the loss run on the last stage, whose results are broadcast to the
 other stages. Gradients are summed (not averaged) over data-parallel ranks, because each
 micro-batch loss already carries its ``weight / total`` share of the global batch. At TP > 1 the
@@ -63,6 +63,7 @@ from areal_lite.utils.data import pack_batch, split_microbatches, unpack_sequenc
 from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
+from areal_lite.utils.varlen_attention import varlen_sdpa_attention
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -72,8 +73,8 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
 
-MicroBatch = tuple[TensorDict, PackedBatch, float]
-"""A micro-batch as the schedule sees it: padded ``[b, s]``, packed, and its loss weight."""
+MicroBatch = tuple[PackedBatch, float]
+"""A micro-batch as the schedule sees it: packed, and its loss weight."""
 
 
 class _SafetensorsDir(Mapping[str, torch.Tensor]):
@@ -125,6 +126,43 @@ def _new_value_head(path: str, seed: int) -> dict[str, torch.Tensor]:
     return {f"score.{k}": v.detach().clone() for k, v in hf.score.state_dict().items()}
 
 
+class _PackedCoreAttention(torch.nn.Module):
+    """megatron core attention over THD-packed sequences: causal SDPA within each sequence.
+
+    Takes the place of the local spec's `DotProductAttention` (which refuses packed sequences);
+    receives ``query [T, heads, dim]`` and ``key``/``value [T, kv_heads, dim]`` of this
+    tensor-parallel rank and returns ``[T, heads * dim]``. Attention dropout, when configured, draws
+    from the default generator rather than megatron's tensor-parallel RNG fork.
+    """
+
+    def __init__(self, config: object, softmax_scale: float | None = None, **kwargs: object) -> None:
+        super().__init__()
+        self.dropout = float(config.attention_dropout)  # type: ignore[attr-defined]
+        self.scale = softmax_scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: object = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: object = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is None or attention_bias is not None:
+            raise ValueError("MegatronEngine's attention runs THD-packed sequences only, without attention bias")
+        out, _ = varlen_sdpa_attention(
+            self,
+            *(t.transpose(0, 1).unsqueeze(0) for t in (query, key, value)),
+            None,
+            dropout=self.dropout,
+            scaling=self.scale,
+            cu_seq_lens_q=packed_seq_params.cu_seqlens_q,  # type: ignore[attr-defined]
+        )
+        return out.reshape(out.shape[1], -1)
+
+
 def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> torch.nn.Module:
     """megatron-core GPTModel (local layers) for ``arch``: this pipeline stage's layers, whose
     forward returns hidden states ``[s, b, h]`` instead of logits (the engine applies the head
@@ -139,6 +177,8 @@ def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> to
         def _postprocess(self, hidden_states: torch.Tensor, **kwargs: object) -> torch.Tensor:
             return hidden_states
 
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = _PackedCoreAttention
     recompute = (
         {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
         if cfg.gradient_checkpointing
@@ -158,7 +198,7 @@ def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> to
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
         hidden_dropout=0.0,
-        attention_dropout=0.0,
+        attention_dropout=arch.attention_dropout,
         tensor_model_parallel_size=cfg.tensor_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_parallel_size,
         params_dtype=dtype,
@@ -175,14 +215,14 @@ def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> to
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        # micro-batches are padded to their own longest sequence: stages exchange shapes first
+        # micro-batches differ in length: pipeline stages exchange shapes first
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # no experts here; the default refuses variable lengths
         **recompute,
     )
     gpt = HiddenStatesGPT(
         config=tcfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=arch.padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         position_embedding_type="rope",
@@ -381,10 +421,10 @@ class MegatronEngine(TrainEngine):
         assert isinstance(data, dict)
         return TensorDict(data, batch_size=[data["attention_mask"].shape[0]])
 
-    def _microbatches(self, batch: TensorDict) -> tuple[list[tuple[TensorDict, PackedBatch]], torch.Tensor]:
-        """(padded, packed) micro-batches of this rank's data, and the order-restoring permutation."""
+    def _microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], torch.Tensor]:
+        """Packed micro-batches of this rank's data, and the order-restoring permutation."""
         split = split_microbatches(self._same_batch_in_model_parallel_group(batch), self.config.mb_spec)
-        return [(mb, pack_batch(mb)) for mb in split.mbs], split.restore_order
+        return [pack_batch(mb) for mb in split.mbs], split.restore_order
 
     def _output_weight(self) -> torch.Tensor:
         """The full ``[vocab, hidden]`` LM head weight (gathered over tensor-parallel ranks, with
@@ -399,12 +439,11 @@ class MegatronEngine(TrainEngine):
         return w[: self.arch.vocab_size]
 
     def _token_outputs(
-        self, hidden: torch.Tensor, padded: TensorDict, packed: PackedBatch, with_entropy: bool
+        self, hidden: torch.Tensor, packed: PackedBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-aligned log-probabilities (values, for a critic) and entropies (zeros, for a
-        critic) ``[T]`` from the last stage's hidden states ``[s, b, h]``."""
-        mask = padded["attention_mask"].to(self.device).bool()
-        hidden = hidden.transpose(0, 1)[mask]  # [T, h], pack_batch's order
+        critic) ``[T]`` from the last stage's hidden states ``[T, 1, h]``."""
+        hidden = hidden.squeeze(1)
         ids, cu = packed["input_ids"], packed["cu_seqlens"]
         assert isinstance(ids, torch.Tensor) and isinstance(cu, torch.Tensor)
         if self.config.is_critic:
@@ -426,27 +465,31 @@ class MegatronEngine(TrainEngine):
     def _schedule(
         self, mbs: list[MicroBatch], head: Callable[..., tuple], forward_only: bool
     ) -> list[dict[str, torch.Tensor]]:
-        """Run every micro-batch through megatron's schedule; ``head(padded, packed, weight,
-        hidden)`` runs on the last stage and returns what megatron's loss function returns. Returns
-        the heads' result dicts in micro-batch order (on the last stage; empty elsewhere)."""
+        """Run every micro-batch through megatron's schedule; ``head(packed, weight, hidden)`` runs
+        on the last stage and returns what megatron's loss function returns. Returns the heads'
+        result dicts in micro-batch order (on the last stage; empty elsewhere)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def step(data: Iterator[MicroBatch], model: torch.nn.Module) -> tuple[torch.Tensor, Callable[..., tuple]]:
-            padded, packed, w = next(data)
-            ids = padded["input_ids"].to(self.device)
-            s = ids.shape[1]
-            pos = torch.arange(s, device=self.device).expand_as(ids)
-            # True = masked; given explicitly because megatron's default causal mask is CUDA-only
-            causal = torch.ones(s, s, dtype=torch.bool, device=self.device).triu(1)[None, None]
-            return model(ids, pos, causal), partial(head, padded, packed, w)
+            packed, w = next(data)
+            ids, pos, cu = packed["input_ids"], packed["position_ids"], packed["cu_seqlens"]
+            assert isinstance(ids, torch.Tensor) and isinstance(pos, torch.Tensor) and isinstance(cu, torch.Tensor)
+            cu = cu.to(self.device)
+            max_len = int(packed["max_seqlen"])
+            thd = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
+            )
+            hidden = model(ids.to(self.device)[None], pos.to(self.device)[None], None, packed_seq_params=thd)
+            return hidden, partial(head, packed, w)
 
         return get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=iter(mbs),
             model=[self._module()],
             num_microbatches=len(mbs),
-            seq_length=max(p["attention_mask"].shape[1] for p, _, _ in mbs),
-            micro_batch_size=max(p["attention_mask"].shape[0] for p, _, _ in mbs),
+            seq_length=max(int(p["cu_seqlens"][-1]) for p, _ in mbs),  # type: ignore[index]
+            micro_batch_size=1,
             forward_only=forward_only,
         )
 
@@ -470,16 +513,16 @@ class MegatronEngine(TrainEngine):
         seqlen = batch["attention_mask"].shape[1]
         mbs, order = self._microbatches(batch)
 
-        def head(padded: TensorDict, packed: PackedBatch, w: float, hidden: torch.Tensor) -> tuple:
-            logp, ent = self._token_outputs(hidden, padded, packed, with_entropy)
+        def head(packed: PackedBatch, w: float, hidden: torch.Tensor) -> tuple:
+            logp, ent = self._token_outputs(hidden, packed, with_entropy)
             return logp.sum() * 0.0, {"logp": logp, "ent": ent}
 
         with cpu_compat():
-            store = self._schedule([(p, k, 0.0) for p, k in mbs], head, forward_only=True)
+            store = self._schedule([(p, 0.0) for p in mbs], head, forward_only=True)
         result = None
         if store:
             outs, ents = [], []
-            for (_, packed), out in zip(mbs, store):
+            for packed, out in zip(mbs, store):
                 cu = packed["cu_seqlens"]
                 assert isinstance(cu, torch.Tensor)
                 outs.append(unpack_sequences(out["logp"].float().cpu(), cu, seqlen))
@@ -516,8 +559,8 @@ class MegatronEngine(TrainEngine):
         return dict(zip(keys, vec.tolist()))
 
     def _loss_head(self, loss_fn: LossFn, total: float, train: bool) -> Callable[..., tuple]:
-        def head(padded: TensorDict, packed: PackedBatch, w: float, hidden: torch.Tensor) -> tuple:
-            out, ent = self._token_outputs(hidden, padded, packed, with_entropy=True)
+        def head(packed: PackedBatch, w: float, hidden: torch.Tensor) -> tuple:
+            out, ent = self._token_outputs(hidden, packed, with_entropy=True)
             loss, stats = loss_fn(out, ent, packed)
             # copies: megatron rescales the returned loss in place
             reported = {"loss": loss.detach().clone(), **{k: v.detach().clone() for k, v in stats.items()}}
@@ -539,12 +582,12 @@ class MegatronEngine(TrainEngine):
             raise RuntimeError("train_batch needs an optimizer: initialize the engine with a FinetuneSpec")
         model.train()
         mbs, _ = self._microbatches(batch)
-        weights, total = self._weights([p for _, p in mbs], loss_weight_fn)
+        weights, total = self._weights(mbs, loss_weight_fn)
         with cpu_compat():
             model.zero_grad_buffer()
             self.optimizer.zero_grad()
             store = self._schedule(
-                [(p, k, w) for (p, k), w in zip(mbs, weights)],
+                list(zip(mbs, weights)),
                 self._loss_head(loss_fn, total, True),
                 forward_only=False,
             )
@@ -583,10 +626,10 @@ class MegatronEngine(TrainEngine):
         model = self._module()
         model.eval()
         mbs, _ = self._microbatches(batch)
-        weights, total = self._weights([p for _, p in mbs], loss_weight_fn)
+        weights, total = self._weights(mbs, loss_weight_fn)
         with cpu_compat():
             store = self._schedule(
-                [(p, k, w) for (p, k), w in zip(mbs, weights)],
+                list(zip(mbs, weights)),
                 self._loss_head(loss_fn, total, False),
                 forward_only=True,
             )
