@@ -199,7 +199,7 @@ def test_timed_out_request_moves_to_another_server(servers, model_path: str) -> 
         engine.destroy()
 
 
-def test_server_killed_mid_run_loses_no_request(servers) -> None:
+def test_server_killed_mid_run_loses_no_request(servers, model_path: str) -> None:
     procs, addresses = servers
     engine = client(addresses)
     try:
@@ -221,5 +221,14 @@ def test_server_killed_mid_run_loses_no_request(servers) -> None:
         assert all(r.output_len == 150 and r.stop_reason == "length" for r in results)
         assert all(len(r.output_logprobs) == len(r.output_versions) == 150 for r in results)
         assert {engine.assigned_server(r.rid) for r in reqs} == {addresses[1]}  # all finished on the survivor
+        # Control calls skip the dead server: the training loop's weight sync carries on.
+        engine.pause()
+        engine.update_weights(WeightUpdateMeta(type="disk", path=model_path, version=3)).result()
+        engine.set_version(3)
+        engine.resume()
+        after = asyncio.run(
+            engine.agenerate(ModelRequest(input_ids=[4], gconfig=GenerationConfig(max_new_tokens=3, ignore_eos=True)))
+        )
+        assert after.output_versions == [3] * after.output_len
     finally:
         engine.destroy()

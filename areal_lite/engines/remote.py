@@ -7,7 +7,9 @@ server with the fewest requests in flight. A generation that comes back aborted 
 paused for a weight update) is resubmitted as prompt + generated tokens with the remaining token
 budget, keeping every token's log-probability and version. When a server fails (connection
 error, timeout, 5xx) the request is resent from its last known state to another server, so a
-server dying loses no request and returns none twice.
+server dying loses no request and returns none twice. A server that refuses connections is
+dead: it gets no more generation or control calls, and the rest of the fleet carries on (a
+distributed weight update cannot: its process group counted the dead server).
 
 A stop string that straddles two parts of a resumed generation is not seen (each part is checked
 on its own), as with SGLang-based AReaL.
@@ -76,6 +78,7 @@ class RemoteSGLangEngine(InferenceEngine):
         self._lock = threading.Lock()
         self._inflight = [0] * len(self.addresses)
         self._down_until = [0.0] * len(self.addresses)
+        self._dead: set[int] = set()
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
         self._admin_loop: asyncio.AbstractEventLoop | None = None
@@ -169,11 +172,33 @@ class RemoteSGLangEngine(InferenceEngine):
 
     async def _fanout(
         self, path: str, payloads: list[dict[str, object]] | dict[str, object], timeout: float | None = None
-    ) -> list[object]:
-        """Send one call to every server concurrently (``payloads`` per server, or one for all)."""
+    ) -> list[tuple[int, object]]:
+        """Send one call to every live server concurrently (``payloads`` per server, or one for
+        all); returns (server index, answer) of each. A server that refuses connections is dead:
+        it gets no more calls of any kind (the rest of the fleet carries on)."""
         timeout = timeout if timeout is not None else self.config.request_timeout
         each = payloads if isinstance(payloads, list) else [payloads] * len(self.addresses)
-        return await asyncio.gather(*[self._request(i, path, p, timeout) for i, p in enumerate(each)])
+        live = [i for i in range(len(self.addresses)) if i not in self._dead]
+        answers = await asyncio.gather(
+            *[self._request(i, path, each[i], timeout) for i in live], return_exceptions=True
+        )
+        out: list[tuple[int, object]] = []
+        for i, answer in zip(live, answers):
+            if isinstance(answer, aiohttp.ClientConnectorError):
+                self._mark_dead(i, answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                out.append((i, answer))
+        if not out:
+            raise RuntimeError(f"no rollout server is reachable (calling {path})")
+        return out
+
+    def _mark_dead(self, idx: int, error: BaseException) -> None:
+        with self._lock:
+            if idx not in self._dead:
+                logger.error("server %s is unreachable (%s); it gets no more requests", self.addresses[idx], error)
+            self._dead.add(idx)
 
     def _control(self, coro: Coroutine[object, object, object]) -> Future:
         """Run ``coro`` on the control loop; the returned future completes with its result."""
@@ -201,17 +226,16 @@ class RemoteSGLangEngine(InferenceEngine):
     def _choose(self, rid: str, exclude: set[int]) -> int:
         with self._lock:
             now = time.monotonic()
-            up = [i for i in range(len(self.addresses)) if self._down_until[i] <= now and i not in exclude]
+            alive = [i for i in range(len(self.addresses)) if i not in self._dead]
+            if not alive:
+                raise RuntimeError("every rollout server is unreachable")
+            up = [i for i in alive if self._down_until[i] <= now and i not in exclude]
             sticky = self._sticky.get(rid)
             if sticky is not None and sticky in up:
                 self._sticky.move_to_end(rid)
                 idx = sticky
             else:
-                candidates = (
-                    up
-                    or [i for i in range(len(self.addresses)) if i not in exclude]
-                    or list(range(len(self.addresses)))
-                )
+                candidates = up or [i for i in alive if i not in exclude] or alive
                 idx = min(candidates, key=lambda i: (self._inflight[i], self._down_until[i]))
                 self._sticky[rid] = idx
                 if len(self._sticky) > STICKY_RIDS:
@@ -264,6 +288,8 @@ class RemoteSGLangEngine(InferenceEngine):
                     self._release(idx, failed=False)
                     raise
                 self._release(idx, failed=True)
+                if isinstance(e, aiohttp.ClientConnectorError):
+                    self._mark_dead(idx, e)
                 failures += 1
                 failed_on.add(idx)
                 if len(failed_on) == len(self.addresses):
@@ -324,9 +350,9 @@ class RemoteSGLangEngine(InferenceEngine):
         self._control(self._fanout_checked("/destroy_weights_update_group", {"group_name": meta.group_name})).result()
 
     async def _fanout_checked(self, path: str, payloads: list[dict[str, object]] | dict[str, object]) -> None:
-        for address, body in zip(self.addresses, await self._fanout(path, payloads)):
+        for idx, body in await self._fanout(path, payloads):
             if isinstance(body, dict) and body.get("success") is False:
-                raise RuntimeError(f"{path} failed on {address}: {body.get('message')}")
+                raise RuntimeError(f"{path} failed on {self.addresses[idx]}: {body.get('message')}")
 
     def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
         if meta.type == "in_process":
