@@ -1,11 +1,11 @@
 """Quickstart: asynchronous GRPO on CPU that learns to beat its teacher.
 
-The task is two-digit addition (``37+48=`` -> ``85``). The labelled demonstrations come from a
-sloppy teacher who forgets to carry in ``task.teacher_carry_drop`` of its answers (``37+48=`` ->
-``75``), while the reward is an exact verifier. A tiny model is built locally and warmed up with a
-short SFT on the teacher's demonstrations: it learns addition, and the teacher's habit of dropping
-carries with it. GRPO with the verifier then trains it past its teacher; held-out greedy accuracy is
-measured before and after RL.
+The task is two-digit addition (``57+68=`` -> ``125``). The labelled demonstrations come from a
+sloppy teacher who, in ``task.teacher_carry_drop`` of the sums that have one, forgets the final
+carry (``57+68=`` -> ``25``), while the reward is an exact verifier. A tiny model is built locally
+and warmed up with a short SFT on the teacher's demonstrations: it learns addition, and the
+teacher's habit of dropping the final carry with it. GRPO with the verifier then trains it past its
+teacher; held-out greedy accuracy is measured before and after RL.
 
 This is the situation RL is for: checking an answer is cheap and exact, labelled solutions are
 imperfect. (More SFT on correct labels would also fix this task; the point is that RL needs no
@@ -62,7 +62,7 @@ class TaskConfig:
     n_digits: int = 2
     """Digits of each operand."""
     teacher_carry_drop: float = 0.6
-    """Fraction of the teacher's demonstrations that ignore every carry."""
+    """How often the teacher forgets the final carry of a sum that has one."""
     n_train_prompts: int = 16384
     """Prompts (questions only, no answers) in the RL training set."""
     n_eval: int = 500
@@ -103,13 +103,10 @@ class QuickstartConfig(BaseExperimentConfig):
 # ---------------------------------------------------------------------------------- the task
 
 
-def sloppy_sum(a: int, b: int) -> int:
-    """The teacher's mistake: add digit by digit and forget every carry."""
-    out, place = 0, 1
-    while a or b:
-        out += ((a % 10 + b % 10) % 10) * place
-        a, b, place = a // 10, b // 10, place * 10
-    return out
+def sloppy_answer(a: int, b: int, n_digits: int) -> str:
+    """The teacher's mistake: it forgets the final carry, writing ``57+68=25`` for 125."""
+    total = a + b
+    return str(total)[1:] if total >= 10**n_digits else str(total)
 
 
 def make_problems(n: int, n_digits: int, rng: random.Random) -> list[dict[str, object]]:
@@ -126,11 +123,11 @@ def exact_answer_reward(prompt: str, completion: str, prompt_ids: list[int], com
     return float(completion.strip() == answer)
 
 
-def teacher_batch(tokenizer, problems: list[dict[str, object]], drop: float, rng: random.Random) -> TensorDict:
+def teacher_batch(tokenizer, problems: list[dict[str, object]], drop: float, n_digits: int, rng: random.Random) -> TensorDict:
     """SFT demonstrations: prompt tokens (not trained on) + the teacher's answer + eos."""
     rows, masks = [], []
     for p in problems:
-        answer = str(sloppy_sum(p["a"], p["b"])) if rng.random() < drop else p["answer"]  # type: ignore[arg-type]
+        answer = sloppy_answer(p["a"], p["b"], n_digits) if rng.random() < drop else p["answer"]  # type: ignore[arg-type]
         prompt_ids = tokenizer(p["prompt"])["input_ids"]
         answer_ids = tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(prompt_ids + answer_ids)
@@ -188,7 +185,7 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str) -> None
     t0 = time.time()
     for step in range(task.sft_steps):
         problems = make_problems(task.sft_batch_size, task.n_digits, rng)
-        stats = sft.train_lm(teacher_batch(tokenizer, problems, task.teacher_carry_drop, rng))
+        stats = sft.train_lm(teacher_batch(tokenizer, problems, task.teacher_carry_drop, task.n_digits, rng))
         if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
             engine.update_weights(WeightUpdateMeta(type="in_process"))
             acc = evaluate(judge, greedy, dev)
@@ -273,6 +270,7 @@ def main(argv: list[str]) -> None:
     if info is not None:
         start_step = info.next_step.global_step
         acc_before = float(info.extra["acc_before"])  # type: ignore[arg-type]
+        rollout.executor.load_state_dict(info.extra["rollout"])  # replay prompts that were in flight
         print(f"[quickstart] resumed after step {start_step}", flush=True)
     else:
         start_step = 0
@@ -291,11 +289,12 @@ def main(argv: list[str]) -> None:
             actor.step_lr_scheduler()
         with tracker.timer("timing/weight_sync"):
             rollout.pause()
+            actor.engine.set_version(global_step + 1)  # the pushed weights carry their version
             actor.update_weights(weight_meta)
             rollout.set_version(global_step + 1)
             rollout.resume()
         saver.save(actor.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
-        recover.dump(actor.engine, step, dataloader=dataloader, stats_logger=stats_logger, extra={"acc_before": acc_before})
+        recover.dump(actor.engine, step, dataloader=dataloader, stats_logger=stats_logger, extra={"acc_before": acc_before, "rollout": rollout.executor.state_dict()})
         acc = evaluator.evaluate(lambda: evaluate(rollout, eval_workflow, eval_problems), step)
         tracker.dist("rollout/staleness", rollout.executor.last_batch_staleness)
         stats_logger.commit(global_step, stats, rollout.executor.stats(), tracker.export(), {} if acc is None else {"eval/accuracy": acc})

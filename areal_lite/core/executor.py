@@ -172,6 +172,10 @@ class WorkflowExecutor:
         self._paused = False
         self._stopping = False
         self._seq = itertools.count()
+        self._drawn: dict[int, dict[str, object]] = {}
+        """Items `prepare_batch` drew from the dataloader whose trajectories are not consumed yet."""
+        self._replay: deque[dict[str, object]] = deque()
+        """Items of a recovered run that were in flight at its checkpoint; drawn before new data."""
         self._data_source: Iterable[list[dict[str, object]]] | None = None
         self._data_iter: Iterator[list[dict[str, object]]] | None = None
         self.n_rejected = 0
@@ -214,10 +218,29 @@ class WorkflowExecutor:
 
     def submit(self, data: dict[str, object], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> None:
         """Queue one pipeline rollout; it starts when the staleness bound admits it."""
+        self._submit(data, workflow, should_accept, drawn=False)
+
+    def _submit(self, data: dict[str, object], workflow: RolloutWorkflow, should_accept: AcceptFn | None, drawn: bool) -> None:
         self._check_alive()
         with self._cond:
-            self._pending.append(_Task(next(self._seq), data, workflow, should_accept, ticket=None))
+            task = _Task(next(self._seq), data, workflow, should_accept, ticket=None)
+            if drawn:
+                self._drawn[task.seq] = data
+            self._pending.append(task)
         self._wake_loop()
+
+    def state_dict(self) -> dict[str, object]:
+        """What a recover checkpoint needs besides the dataloader's position: the items
+        `prepare_batch` drew whose trajectories were not consumed yet (queued, running or ready).
+        With rollouts running ahead of training (eta > 0) these would otherwise be lost in a crash;
+        `load_state_dict` replays them, so every item is consumed exactly once."""
+        with self._cond:
+            return {"unconsumed": list(self._replay) + [self._drawn[k] for k in sorted(self._drawn)]}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Replay the unconsumed items of a checkpoint before drawing from the dataloader again."""
+        with self._cond:
+            self._replay.extend(state.get("unconsumed", []))  # type: ignore[arg-type]
 
     def wait(self, count: int, timeout: float | None = None) -> TensorDict:
         """Block until ``count`` accepted pipeline trajectories are ready and return them padded and
@@ -241,6 +264,8 @@ class WorkflowExecutor:
                 self._cond.wait(left)
             taken = self._ready[:count]
             del self._ready[:count]
+            for seq, _ in taken:
+                self._drawn.pop(seq, None)
         self._wake_loop()
         return self._consume(taken)
 
@@ -304,9 +329,9 @@ class WorkflowExecutor:
                     continue
             # Pull outside the lock: a dataloader may be slow (worker processes, disk).
             while need > 0:
-                items = self._next_items(dataloader)
+                items = [self._replay.popleft()] if self._replay else self._next_items(dataloader)
                 for item in items:
-                    self.submit(item, workflow, should_accept)
+                    self._submit(item, workflow, should_accept, drawn=True)
                 need -= len(items)
         return self.wait(bs)
 
@@ -480,6 +505,8 @@ class WorkflowExecutor:
                 self._ready.append((task.seq, traj))
             else:
                 task.ticket.results.append((task.seq, traj))
+            if traj is None and (error is None or self.config.on_workflow_error == "skip"):
+                self._drawn.pop(task.seq, None)  # used up (rejected or skipped): never replayed
             self._cond.notify_all()
         assert self._wake is not None
         self._wake.set()
