@@ -546,6 +546,9 @@ class LocalInferenceEngine(InferenceEngine):
         for seq in self._waiting + (self._runner.clear() if self._runner else []):
             seq.deliver(seq.result({"type": "abort", "message": "engine stopped"}))
         self._waiting.clear()
+        for _, fut in self._commands:
+            fut.set_exception(RuntimeError("the engine was destroyed before this command ran"))
+        self._commands.clear()
         self._group = None
         self.model = None
         self._runner = None

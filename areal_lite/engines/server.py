@@ -418,7 +418,10 @@ class Server:
         rank = _int(body, "rank_offset", 1)
         if not 0 < rank < meta.world_size:
             raise BadRequest(f"rank_offset {rank} must be in [1, world_size={meta.world_size})")
-        await asyncio.wrap_future(self.engine.join_weights_update_group(meta, rank))
+        try:
+            await asyncio.wrap_future(self.engine.join_weights_update_group(meta, rank))
+        except (RuntimeError, ValueError, OSError) as e:  # e.g. the trainer never came: the store timed out
+            return web.json_response({"success": False, "message": f"could not join the group: {e}"}, status=400)
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
