@@ -172,7 +172,6 @@ class Server:
         self.engine = engine
         self.weight_version = args.weight_version
         self.ready = False
-        self.in_weight_session = False
 
     # ----- plumbing ------------------------------------------------------------------------
 
@@ -430,13 +429,14 @@ class Server:
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
+        """SGLang >= 0.5.21 brackets distributed updates with begin/end. Here each update call is
+        applied between two decode steps on its own, so the session needs no state; both calls
+        are accepted so that clients of either SGLang generation work."""
         await self._body(request)
-        self.in_weight_session = True
         return web.json_response({"success": True, "message": "Weight update session started."})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         await self._body(request)
-        self.in_weight_session = False
         return web.json_response({"success": True, "message": "Weight update session ended."})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
