@@ -227,9 +227,20 @@ def evaluate(rollout: InferenceEngine, workflow: RLVRWorkflow, problems: list[di
     return float(batch["rewards"].float().mean())
 
 
+def job_start_time(output_dir: str) -> float:
+    """When this run began, across the launcher's prepare run, restarts and recoveries."""
+    path = os.path.join(output_dir, "started_at")
+    if not os.path.exists(path):
+        os.makedirs(output_dir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(repr(time.time()))
+    with open(path) as f:
+        return float(f.read())
+
+
 def main(argv: list[str]) -> None:
     cfg = load_config(argv, QuickstartConfig)
-    t_start = time.time()
+    t_start = job_start_time(cfg.output_dir)
     torch.manual_seed(cfg.seed)
     base_dir = os.path.join(cfg.output_dir, "base_model")
     sft_dir = os.path.join(cfg.output_dir, "sft_model")

@@ -458,3 +458,15 @@ def test_recovery_replays_unconsumed_items_exactly_once() -> None:
     stream = [int(d["i"]) for _ in range(2) for batch in reference for d in batch]
     drawn = first + rest + in_flight
     assert Counter(drawn) == Counter(stream[: len(drawn)])
+
+
+def test_staleness_ignores_padding() -> None:
+    from areal_lite.core.executor import trajectory_staleness
+    from areal_lite.utils.data import concat_padded
+
+    short = from_response(ModelResponse(input_tokens=[1], output_tokens=[5], output_logprobs=[-1.0], output_versions=[7]), 0.0)
+    long = from_response(
+        ModelResponse(input_tokens=[1], output_tokens=[5, 6, 7], output_logprobs=[-1.0] * 3, output_versions=[6, 7, 7]), 0.0
+    )
+    batch = concat_padded([short, long])  # the short row is padded with version 0
+    assert trajectory_staleness(batch, 8) == [1, 2]

@@ -132,11 +132,11 @@ class _Task:
 
 
 def trajectory_staleness(traj: TensorDict, version: int) -> list[int]:
-    """``version`` minus the oldest token version of each row (rows without generated tokens skipped)."""
-    versions = traj["versions"]
+    """``version`` minus the oldest version among the generated tokens (``loss_mask`` 1) of each
+    row; rows without generated tokens are skipped. Padding carries version 0 and is not counted."""
     out = []
-    for row in versions:
-        produced = row[row >= 0]
+    for row, generated in zip(traj["versions"], traj["loss_mask"].bool()):
+        produced = row[generated & (row >= 0)]
         if produced.numel():
             out.append(version - int(produced.min()))
     return out
