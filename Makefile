@@ -29,8 +29,11 @@ test: $(STAMP)
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "" $(PYTEST_ARGS)
 
+# A fresh run each time (recover.mode=auto would otherwise resume the previous demo). One thread
+# per process: the trainer and the rollout server share the cores.
 demo: $(STAMP)
-	$(PY) -m areal_lite.launcher.local examples/quickstart.py --config configs/quickstart.yaml
+	rm -rf outputs/quickstart/demo
+	OMP_NUM_THREADS=1 $(PY) -m areal_lite.launcher.local examples/quickstart.py --config configs/quickstart.yaml
 
 clean:
 	rm -rf $(VENV) outputs

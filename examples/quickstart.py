@@ -1,15 +1,15 @@
-"""Quickstart: asynchronous GRPO on CPU that learns to beat its teacher.
+"""Quickstart: asynchronous GRPO on CPU, from a tiny model built here to a measured gain.
 
-The task is two-digit addition (``57+68=`` -> ``125``). The labelled demonstrations come from a
-sloppy teacher who, in ``task.teacher_carry_drop`` of the sums that have one, forgets the final
-carry (``57+68=`` -> ``25``), while the reward is an exact verifier. A tiny model is built locally
-and warmed up with a short SFT on the teacher's demonstrations: it learns addition, and the
-teacher's habit of dropping the final carry with it. GRPO with the verifier then trains it past its
-teacher; held-out greedy accuracy is measured before and after RL.
+The task is two-digit addition (``57+68=`` -> ``125``) with an exact verifier as the reward. A
+tiny model (byte-level tokenizer, about 1M parameters) is built locally and warmed up with SFT
+until its greedy accuracy on a dev set reaches ``task.sft_target_acc``: it has learnt the format
+and part of the skill. Then asynchronous GRPO (rollouts up to ``rollout.max_head_offpolicyness``
+versions ahead of training, decoupled PPO loss) trains it against the verifier alone, and greedy
+accuracy on held-out problems is measured before and after RL.
 
-This is the situation RL is for: checking an answer is cheap and exact, labelled solutions are
-imperfect. (More SFT on correct labels would also fix this task; the point is that RL needs no
-correct labels, only the checker.)
+Deliberate simplification: this task has cheap correct labels, so more SFT would also solve it
+(FINDINGS measured that); the demo shows the RL machinery end to end in minutes on a CPU. The same
+loop, pointed at a HF model directory, GSM8K and SGLang servers, is examples/gsm8k_grpo.py.
 
 Run it with the launcher, which starts our SGLang-protocol rollout server when
 ``launcher.backend=areal`` and runs this script (``make demo`` does exactly this):
@@ -61,17 +61,15 @@ class TaskConfig:
 
     n_digits: int = 2
     """Digits of each operand."""
-    teacher_carry_drop: float = 0.6
-    """How often the teacher forgets the final carry of a sum that has one."""
     n_train_prompts: int = 16384
     """Prompts (questions only, no answers) in the RL training set."""
     n_eval: int = 500
     """Held-out problems for the before/after accuracy."""
     sft_steps: int = 1500
-    """At most this many SFT warm-up steps on the teacher's demonstrations."""
-    sft_target_acc: float = 0.4
+    """At most this many SFT warm-up steps on labelled problems."""
+    sft_target_acc: float = 0.3
     """Stop SFT once greedy accuracy on the dev problems reaches this."""
-    sft_eval_every: int = 50
+    sft_eval_every: int = 25
     """Measure dev accuracy every this many SFT steps."""
     n_dev: int = 200
     """Dev problems for the SFT stopping rule (separate from the held-out evaluation)."""
@@ -103,12 +101,6 @@ class QuickstartConfig(BaseExperimentConfig):
 # ---------------------------------------------------------------------------------- the task
 
 
-def sloppy_answer(a: int, b: int, n_digits: int) -> str:
-    """The teacher's mistake: it forgets the final carry, writing ``57+68=25`` for 125."""
-    total = a + b
-    return str(total)[1:] if total >= 10**n_digits else str(total)
-
-
 def make_problems(n: int, n_digits: int, rng: random.Random) -> list[dict[str, object]]:
     hi = 10**n_digits - 1
     out = []
@@ -123,13 +115,12 @@ def exact_answer_reward(prompt: str, completion: str, prompt_ids: list[int], com
     return float(completion.strip() == answer)
 
 
-def teacher_batch(tokenizer, problems: list[dict[str, object]], drop: float, n_digits: int, rng: random.Random) -> TensorDict:
-    """SFT demonstrations: prompt tokens (not trained on) + the teacher's answer + eos."""
+def sft_batch(tokenizer, problems: list[dict[str, object]]) -> TensorDict:
+    """SFT demonstrations: prompt tokens (not trained on) + the answer + eos."""
     rows, masks = [], []
     for p in problems:
-        answer = sloppy_answer(p["a"], p["b"], n_digits) if rng.random() < drop else p["answer"]  # type: ignore[arg-type]
         prompt_ids = tokenizer(p["prompt"])["input_ids"]
-        answer_ids = tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id]
+        answer_ids = tokenizer(p["answer"])["input_ids"] + [tokenizer.eos_token_id]
         rows.append(prompt_ids + answer_ids)
         masks.append([0] * len(prompt_ids) + [1] * len(answer_ids))
     width = max(map(len, rows))
@@ -144,7 +135,7 @@ def teacher_batch(tokenizer, problems: list[dict[str, object]], drop: float, n_d
 
 
 def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str) -> None:
-    """Build the tiny model and imitate the sloppy teacher until greedy accuracy on a dev set
+    """Build the tiny model and train it on labelled problems until greedy accuracy on a dev set
     reaches ``task.sft_target_acc`` (checked every ``task.sft_eval_every`` steps through the
     embedded engine) or ``task.sft_steps`` steps pass. Stopping on a measured accuracy, not a step
     count, gives RL the same starting point on any machine."""
@@ -185,7 +176,7 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str) -> None
     t0 = time.time()
     for step in range(task.sft_steps):
         problems = make_problems(task.sft_batch_size, task.n_digits, rng)
-        stats = sft.train_lm(teacher_batch(tokenizer, problems, task.teacher_carry_drop, task.n_digits, rng))
+        stats = sft.train_lm(sft_batch(tokenizer, problems))
         if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
             engine.update_weights(WeightUpdateMeta(type="in_process"))
             acc = evaluate(judge, greedy, dev)
