@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -45,12 +44,14 @@ from torch.distributed.tensor import DTensor
 
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedBatch, TrainEngine
-from areal_lite.api.io import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
+from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatches, unpack_sequences
-from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
+from areal_lite.utils.distributed import init_default_group
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
+from areal_lite.utils.recover import rng_state, set_rng_state
 from areal_lite.utils.varlen_attention import register_varlen_sdpa
+from areal_lite.utils.weight_sync import WeightSender
 
 logger = logging.getLogger(__name__)
 
@@ -101,40 +102,6 @@ class _PackedModel(nn.Module):
         return logp, entropy
 
 
-def _init_default_group() -> bool:
-    """Join torchrun's group, or create a one-process group; True when this call created it."""
-    if dist.is_initialized():
-        return False
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-    else:
-        port = find_free_port()
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    return True
-
-
-def _rng_state() -> dict[str, object]:
-    state: dict[str, object] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, object]) -> None:
-    torch.set_rng_state(state["torch"])  # type: ignore[arg-type]
-    random.setstate(state["python"])  # type: ignore[arg-type]
-    np.random.set_state(state["numpy"])  # type: ignore[arg-type]
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])  # type: ignore[arg-type]
-
-
 class FSDPEngine(TrainEngine):
     """FSDP2 train engine. See the module docstring; the methods follow `TrainEngine`."""
 
@@ -147,8 +114,7 @@ class FSDPEngine(TrainEngine):
         self._version = 0
         self._global_step = 0
         self._owns_group = False
-        self._inference_engine: InferenceEngine | None = None
-        self._weight_group: CustomGroup | None = None
+        self._sender = WeightSender()
 
     # ---------------------------------------------------------------- setup
 
@@ -156,7 +122,7 @@ class FSDPEngine(TrainEngine):
         cfg = self.config
         if cfg.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
-        self._owns_group = _init_default_group()
+        self._owns_group = init_default_group()
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.manual_seed(cfg.seed)
@@ -221,8 +187,7 @@ class FSDPEngine(TrainEngine):
         self.model = None
         self.optimizer = None
         self.lr_scheduler = None
-        self._weight_group = None
-        self._inference_engine = None
+        self._sender = WeightSender()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
@@ -426,7 +391,7 @@ class FSDPEngine(TrainEngine):
             "version": self._version,
             "global_step": self._global_step,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "rng": _rng_state(),
+            "rng": rng_state(),
         }
         torch.save(extra, os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt"))
 
@@ -459,34 +424,14 @@ class FSDPEngine(TrainEngine):
         self._global_step = extra["global_step"]
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        _set_rng_state(extra["rng"])
+        set_rng_state(extra["rng"])
 
     # ---------------------------------------------------------------- weight updates
 
     def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
-        """Remember ``engine``. For distributed updates rank 0 also builds the weight-update group:
-        a ``master_port`` of 0 is replaced (in ``meta``, in place) by a free port before the engine
-        is asked to join, and ``meta.world_size`` (trainer rank 0 + server ranks) must be set by
-        the caller or by ``engine.init_weights_update_group``."""
-        self._inference_engine = engine
-        if meta.type != "distributed" or dist.get_rank() != 0:
-            return
-        if meta.master_port == 0:
-            meta.master_port = find_free_port(meta.master_address)
-        fut = engine.init_weights_update_group(meta)
-        if meta.world_size < 2:
-            raise ValueError(
-                f"WeightUpdateMeta.world_size must count rank 0 and the server ranks, got {meta.world_size}"
-            )
-        self._weight_group = init_custom_process_group(
-            meta.backend,
-            meta.master_address,
-            meta.master_port,
-            rank=0,
-            world_size=meta.world_size,
-            group_name=meta.group_name,
-        )
-        fut.result()
+        """Remember ``engine``; for distributed updates rank 0 also builds the weight-update group
+        (`WeightSender.connect`: a ``master_port`` of 0 is replaced in ``meta`` by a free port)."""
+        self._sender.connect(engine, meta)
 
     def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors with HF names, one at a time, cast to the configured dtype, as copies that
@@ -503,55 +448,7 @@ class FSDPEngine(TrainEngine):
             yield name, full.detach().to(dtype, copy=True)
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
-        rank = dist.get_rank()
-        if rank == 0 and self._inference_engine is None:
-            raise RuntimeError("update_weights needs connect_engine() first")
-        meta = replace(meta, version=self._version if meta.version is None else meta.version)
-        if meta.type == "distributed":
-            self._update_distributed(meta)
-        elif meta.type == "disk":
-            assert meta.path is not None
-            self._save_hf(meta.path, None)
-            if rank == 0:
-                self._engine().update_weights(meta).result()
-        else:
-            tensors = {name: t.cpu() for name, t in self._full_tensors()}
-            if rank == 0:
-                self._engine().update_weights(replace(meta, named_tensors=tensors)).result()
-        dist.barrier()
-
-    def _engine(self) -> InferenceEngine:
-        assert self._inference_engine is not None
-        return self._inference_engine
-
-    def _update_distributed(self, meta: WeightUpdateMeta) -> None:
-        rank = dist.get_rank()
-        if rank == 0 and self._weight_group is None:
-            raise RuntimeError("a distributed weight update needs connect_engine() with a distributed meta first")
-        send_device = (
-            torch.device("cuda", torch.cuda.current_device()) if meta.backend == "nccl" else torch.device("cpu")
-        )
-        chunk: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in self._full_tensors():
-            if rank != 0:
-                continue
-            nbytes = tensor.numel() * tensor.element_size()
-            if chunk and size + nbytes > meta.chunk_bytes:
-                self._send_chunk(chunk, meta)
-                chunk, size = [], 0
-            chunk.append((name, tensor.to(send_device)))
-            size += nbytes
-        if rank == 0 and chunk:
-            self._send_chunk(chunk, meta)
-
-    def _send_chunk(self, chunk: list[tuple[str, torch.Tensor]], meta: WeightUpdateMeta) -> None:
-        assert self._weight_group is not None
-        specs = [ParamSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in chunk]
-        fut = self._engine().update_weights(replace(meta, param_specs=specs))
-        for _, t in chunk:
-            self._weight_group.broadcast(t.contiguous())
-        fut.result()
+        self._sender.send(meta, self._version, self._full_tensors, lambda path: self._save_hf(path, None))
 
 
 __all__ = ["FSDPEngine"]

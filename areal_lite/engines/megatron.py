@@ -44,7 +44,6 @@ import logging
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -55,15 +54,16 @@ from tensordict import TensorDict
 
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedBatch, TrainEngine
-from areal_lite.api.io import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
-from areal_lite.engines.fsdp import _init_default_group, _rng_state, _set_rng_state
+from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.engines.mcore_convert import ArchSpec, hf_to_mcore, mcore_split_dim, mcore_to_hf
 from areal_lite.engines.mcore_cpu import cpu_compat, cpu_mode, install_cpu_rng_tracker
 from areal_lite.utils.data import pack_batch, split_microbatches, unpack_sequences
-from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
+from areal_lite.utils.distributed import init_default_group
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
+from areal_lite.utils.recover import rng_state, set_rng_state
 from areal_lite.utils.varlen_attention import varlen_sdpa_attention
+from areal_lite.utils.weight_sync import WeightSender
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -255,8 +255,7 @@ class MegatronEngine(TrainEngine):
         self._version = 0
         self._owns_group = False
         self._owns_model_parallel = False
-        self._inference_engine: InferenceEngine | None = None
-        self._weight_group: CustomGroup | None = None
+        self._sender = WeightSender()
         self._layer_ids: list[int] = []
         self._stage_specs: list[list[tuple[str, list[tuple[str, tuple[int, ...]]]]]] | None = None
         self.device = torch.device("cpu")
@@ -271,7 +270,7 @@ class MegatronEngine(TrainEngine):
         cfg = self.config
         if cfg.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
-        self._owns_group = _init_default_group()
+        self._owns_group = init_default_group()
         if not cpu_mode():
             self.device = torch.device("cuda", torch.cuda.current_device())
         tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
@@ -362,8 +361,7 @@ class MegatronEngine(TrainEngine):
 
         self.model = None
         self.optimizer = None
-        self._weight_group = None
-        self._inference_engine = None
+        self._sender = WeightSender()
         if self._owns_model_parallel:
             ps.destroy_model_parallel()
             self._owns_model_parallel = False
@@ -782,7 +780,7 @@ class MegatronEngine(TrainEngine):
             "version": self._version,
             "global_step": self._global_step,
             "lr_step": self._lr_step,
-            "rng": _rng_state(),
+            "rng": rng_state(),
         }
         if self.optimizer is not None:
             inner = self._inner_optimizers()
@@ -815,85 +813,19 @@ class MegatronEngine(TrainEngine):
         self._lr_step = state["lr_step"]
         if self.optimizer is not None:
             self._set_lr()
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
 
     # ---------------------------------------------------------------- weight updates
 
     def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
         """Remember ``engine``; for distributed updates global rank 0 also builds the weight-update
         group (a ``master_port`` of 0 is replaced in ``meta`` by a free port), as in FSDPEngine."""
-        self._inference_engine = engine
-        if meta.type != "distributed" or dist.get_rank() != 0:
-            return
-        if meta.master_port == 0:
-            meta.master_port = find_free_port(meta.master_address)
-        fut = engine.init_weights_update_group(meta)
-        if meta.world_size < 2:
-            raise ValueError(
-                f"WeightUpdateMeta.world_size must count rank 0 and the server ranks, got {meta.world_size}"
-            )
-        self._weight_group = init_custom_process_group(
-            meta.backend,
-            meta.master_address,
-            meta.master_port,
-            rank=0,
-            world_size=meta.world_size,
-            group_name=meta.group_name,
-        )
-        fut.result()
+        self._sender.connect(engine, meta)
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         """Full HF-named tensors gathered over tensor-parallel ranks; only global rank 0 sends.
         Data-parallel replicas hold identical weights, so only the tensor-parallel gathers run."""
-        rank = dist.get_rank()
-        if rank == 0 and self._inference_engine is None:
-            raise RuntimeError("update_weights needs connect_engine() first")
-        meta = replace(meta, version=self._version if meta.version is None else meta.version)
-        if meta.type == "disk":
-            assert meta.path is not None
-            self._save_hf(meta.path, None)
-            if rank == 0:
-                self._engine().update_weights(meta).result()
-        elif meta.type == "distributed":
-            self._update_distributed(meta)
-        else:
-            tensors = {name: t.cpu() for name, t in self._hf_tensors()}
-            if rank == 0:
-                self._engine().update_weights(replace(meta, named_tensors=tensors)).result()
-        dist.barrier()
-
-    def _engine(self) -> InferenceEngine:
-        assert self._inference_engine is not None
-        return self._inference_engine
-
-    def _update_distributed(self, meta: WeightUpdateMeta) -> None:
-        rank = dist.get_rank()
-        if rank == 0 and self._weight_group is None:
-            raise RuntimeError("a distributed weight update needs connect_engine() with a distributed meta first")
-        send_device = (
-            torch.device("cuda", torch.cuda.current_device()) if meta.backend == "nccl" else torch.device("cpu")
-        )
-        chunk: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in self._hf_tensors():
-            if rank != 0:
-                continue
-            nbytes = tensor.numel() * tensor.element_size()
-            if chunk and size + nbytes > meta.chunk_bytes:
-                self._send_chunk(chunk, meta)
-                chunk, size = [], 0
-            chunk.append((name, tensor.to(send_device)))
-            size += nbytes
-        if rank == 0 and chunk:
-            self._send_chunk(chunk, meta)
-
-    def _send_chunk(self, chunk: list[tuple[str, torch.Tensor]], meta: WeightUpdateMeta) -> None:
-        assert self._weight_group is not None
-        specs = [ParamSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in chunk]
-        fut = self._engine().update_weights(replace(meta, param_specs=specs))
-        for _, t in chunk:
-            self._weight_group.broadcast(t.contiguous())
-        fut.result()
+        self._sender.send(meta, self._version, self._hf_tensors, lambda path: self._save_hf(path, None))
 
 
 __all__ = ["MegatronEngine"]

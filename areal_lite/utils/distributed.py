@@ -1,5 +1,5 @@
-"""Process groups outside the default one: the weight-update group shared by trainer rank 0 and
-the rollout servers.
+"""Process groups: the trainer's default group (`init_default_group`, shared by the train engines)
+and, outside it, the weight-update group shared by trainer rank 0 and the rollout servers.
 
 The trainer's default group (torchrun) and each server's process know nothing of each other, so
 the weight-update group is built directly on a TCP store: rank 0 (the trainer) hosts the store,
@@ -11,10 +11,26 @@ collectives.
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+def init_default_group() -> bool:
+    """Join torchrun's group, or create a one-process group; True when this call created it."""
+    if dist.is_initialized():
+        return False
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    else:
+        port = find_free_port()
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return True
 
 
 def init_custom_process_group(

@@ -1,0 +1,110 @@
+"""The sending side of weight updates, shared by the train engines (`FSDPEngine`, `MegatronEngine`).
+
+An engine only knows how to produce its full HF-named tensors (a collective iteration over its own
+shards) and how to write a HF directory; `WeightSender` does the rest of
+`TrainEngine.connect_engine` / `TrainEngine.update_weights`: trainer rank 0 builds the weight-update
+group and talks to the inference engine, and every rank runs the engine's collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from areal_lite.api.engine import InferenceEngine
+from areal_lite.api.io import ParamSpec, WeightUpdateMeta
+from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
+
+NamedTensors = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+"""Full HF-named tensors, one at a time; collective: every trainer rank iterates to the end."""
+
+
+class WeightSender:
+    """The connected inference engine and, for distributed updates, the weight-update group."""
+
+    def __init__(self) -> None:
+        self.engine: InferenceEngine | None = None
+        self.group: CustomGroup | None = None
+
+    def connect(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
+        """Remember ``engine``. For distributed updates rank 0 also builds the weight-update group:
+        a ``master_port`` of 0 is replaced (in ``meta``, in place) by a free port before the engine
+        is asked to join, and ``meta.world_size`` (trainer rank 0 + server ranks) must be set by
+        the caller or by ``engine.init_weights_update_group``."""
+        self.engine = engine
+        if meta.type != "distributed" or dist.get_rank() != 0:
+            return
+        if meta.master_port == 0:
+            meta.master_port = find_free_port(meta.master_address)
+        fut = engine.init_weights_update_group(meta)
+        if meta.world_size < 2:
+            raise ValueError(
+                f"WeightUpdateMeta.world_size must count rank 0 and the server ranks, got {meta.world_size}"
+            )
+        self.group = init_custom_process_group(
+            meta.backend,
+            meta.master_address,
+            meta.master_port,
+            rank=0,
+            world_size=meta.world_size,
+            group_name=meta.group_name,
+        )
+        fut.result()
+
+    def send(self, meta: WeightUpdateMeta, version: int, tensors: NamedTensors, save_hf: Callable[[str], None]) -> None:
+        """Send the weights and wait until the engine has loaded them; collective over the
+        trainer's ranks. ``meta.version`` defaults to ``version``; ``save_hf(path)`` writes the HF
+        directory of a disk update (collective, rank 0 writes)."""
+        rank = dist.get_rank()
+        if rank == 0 and self.engine is None:
+            raise RuntimeError("update_weights needs connect_engine() first")
+        meta = replace(meta, version=version if meta.version is None else meta.version)
+        if meta.type == "distributed":
+            self._send_distributed(meta, tensors())
+        elif meta.type == "disk":
+            assert meta.path is not None
+            save_hf(meta.path)
+            if rank == 0:
+                self._engine().update_weights(meta).result()
+        else:
+            named = {name: t.cpu() for name, t in tensors()}
+            if rank == 0:
+                self._engine().update_weights(replace(meta, named_tensors=named)).result()
+        dist.barrier()
+
+    def _engine(self) -> InferenceEngine:
+        assert self.engine is not None
+        return self.engine
+
+    def _send_distributed(self, meta: WeightUpdateMeta, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        rank = dist.get_rank()
+        if rank == 0 and self.group is None:
+            raise RuntimeError("a distributed weight update needs connect_engine() with a distributed meta first")
+        send_device = (
+            torch.device("cuda", torch.cuda.current_device()) if meta.backend == "nccl" else torch.device("cpu")
+        )
+        chunk: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in tensors:
+            if rank != 0:
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if chunk and size + nbytes > meta.chunk_bytes:
+                self._send_chunk(chunk, meta)
+                chunk, size = [], 0
+            chunk.append((name, tensor.to(send_device)))
+            size += nbytes
+        if rank == 0 and chunk:
+            self._send_chunk(chunk, meta)
+
+    def _send_chunk(self, chunk: list[tuple[str, torch.Tensor]], meta: WeightUpdateMeta) -> None:
+        """Announce the chunk's specs, broadcast its tensors in that order, wait for the load."""
+        assert self.group is not None
+        specs = [ParamSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in chunk]
+        fut = self._engine().update_weights(replace(meta, param_specs=specs))
+        for _, t in chunk:
+            self.group.broadcast(t.contiguous())
+        fut.result()
