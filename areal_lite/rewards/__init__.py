@@ -2,7 +2,7 @@
 that scores samples off the event loop with timeouts."""
 
 from areal_lite.rewards.combined import CombinedGrader, RewardFn
-from areal_lite.rewards.format import boxed_format_reward, safe_in_thread, think_format_reward
+from areal_lite.rewards.format import boxed_format_reward, exact_answer_reward, safe_in_thread, think_format_reward
 from areal_lite.rewards.judge import LLMJudgeGrader
 from areal_lite.rewards.math import math_answer_reward
 from areal_lite.rewards.runner import RewardRunner
@@ -13,6 +13,7 @@ __all__ = [
     "RewardFn",
     "RewardRunner",
     "boxed_format_reward",
+    "exact_answer_reward",
     "math_answer_reward",
     "safe_in_thread",
     "think_format_reward",

@@ -1,4 +1,5 @@
-"""Format graders: does a completion follow the answer format the prompt asked for?
+"""Format graders: does a completion follow the answer format the prompt asked for? And the
+exact-match grader of synthetic tasks, whose answers have one spelling.
 
 They are pure regular expressions over short strings: fast and unable to hang, so the
 `RewardRunner` may run them in a thread instead of a worker process (``safe_in_thread``).
@@ -40,3 +41,11 @@ def think_format_reward(
     if m is None or "<think>" in m.group("think") or "</think>" in m.group("answer"):
         return 0.0
     return 1.0
+
+
+@safe_in_thread
+def exact_answer_reward(
+    prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], *, answer: object, **data: object
+) -> float:
+    """1.0 when the completion, stripped of surrounding whitespace, is exactly ``answer``, else 0.0."""
+    return float(completion.strip() == str(answer))
