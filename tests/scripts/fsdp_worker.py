@@ -21,32 +21,20 @@ from __future__ import annotations
 import json
 import os
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
+from engine_checks import WeightReceiver, make_batch, n_tokens, nll
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
-from areal_lite.api.engine import InferenceEngine, PackedBatch
+from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
 
 CHECKS, MODEL, OUT = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
 FT = FinetuneSpec(total_train_epochs=1, dataset_size=80, train_batch_size=8)
-
-
-def make_batch(seed: int, n: int = 8, max_len: int = 24) -> TensorDict:
-    """A fixed batch with long-tailed lengths; the first third of each sequence is the prompt."""
-    g = torch.Generator().manual_seed(seed)
-    lens = (torch.rand(n, generator=g) ** 3 * (max_len - 3)).long() + 3
-    ar = torch.arange(max_len).unsqueeze(0)
-    am = ar < lens.unsqueeze(1)
-    ids = torch.randint(1, 250, (n, max_len), generator=g) * am
-    loss_mask = (ar >= (lens // 3).unsqueeze(1)) & am
-    return TensorDict({"input_ids": ids, "attention_mask": am, "loss_mask": loss_mask.int()}, batch_size=[n])
 
 
 def shard(batch: TensorDict) -> TensorDict:
@@ -66,15 +54,6 @@ def max_over_ranks(x: float) -> float:
     t = torch.tensor([x])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
-
-
-def nll(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    m = mb["loss_mask"].float()  # type: ignore[union-attr]
-    return -(out * m).sum() / m.sum(), {"entropy": (ent * m).sum() / m.sum()}
-
-
-def n_tokens(mb: PackedBatch) -> float:
-    return float(mb["loss_mask"].sum())  # type: ignore[union-attr]
 
 
 def engine(n_mbs: int = 1, lr: float = 1e-3, ft: FinetuneSpec | None = FT, **kw: object) -> FSDPEngine:
@@ -100,85 +79,6 @@ def hf_padded_logprobs(model: torch.nn.Module, batch: TensorDict) -> tuple[torch
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
-class FakeReceiver(InferenceEngine):
-    """The receiving side of weight updates, reduced to what the sender exercises: it applies
-    received tensors to a HF model. Generation methods are not part of this test."""
-
-    def __init__(self) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(MODEL)
-        self.pool = ThreadPoolExecutor(1)
-        self.group: CustomGroup | None = None
-        self.version = -1
-        self.chunks = 0
-
-    def params(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.named_parameters()}
-
-    def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]:
-        meta.world_size = 2  # trainer rank 0 + this receiver, as a server announces its ranks
-        addr, port, name = meta.master_address, meta.master_port, meta.group_name
-
-        def join() -> None:
-            self.group = init_custom_process_group("gloo", addr, port, rank=1, world_size=2, group_name=name)
-
-        return self.pool.submit(join)
-
-    def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
-        return self.pool.submit(self._receive, meta)
-
-    def _receive(self, meta: WeightUpdateMeta) -> None:
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            if meta.type == "in_process":
-                assert meta.named_tensors is not None and meta.named_tensors.keys() == params.keys()
-                for k, v in meta.named_tensors.items():
-                    params[k].copy_(v)
-            elif meta.type == "disk":
-                loaded = AutoModelForCausalLM.from_pretrained(meta.path).state_dict()
-                self.model.load_state_dict(loaded)
-            else:
-                assert self.group is not None
-                for spec in meta.param_specs:
-                    t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
-                    self.group.broadcast(t)
-                    params[spec.name].copy_(t)
-                self.chunks += 1
-        self.version = meta.version if meta.version is not None else -1
-
-    def set_version(self, version: int) -> None:
-        self.version = version
-
-    def get_version(self) -> int:
-        return self.version
-
-    def initialize(self) -> None:
-        raise NotImplementedError("FakeReceiver only receives weights")
-
-    def destroy(self) -> None:
-        self.pool.shutdown()
-
-    async def agenerate(self, req):  # type: ignore[no-untyped-def]
-        raise NotImplementedError("FakeReceiver only receives weights")
-
-    def pause(self) -> None:
-        raise NotImplementedError("FakeReceiver only receives weights")
-
-    def resume(self) -> None:
-        raise NotImplementedError("FakeReceiver only receives weights")
-
-    def submit(self, data, workflow, should_accept=None):  # type: ignore[no-untyped-def]
-        raise NotImplementedError("FakeReceiver only receives weights")
-
-    def wait(self, count, timeout=None):  # type: ignore[no-untyped-def]
-        raise NotImplementedError("FakeReceiver only receives weights")
-
-    def rollout_batch(self, data, workflow, should_accept=None):  # type: ignore[no-untyped-def]
-        raise NotImplementedError("FakeReceiver only receives weights")
-
-    def prepare_batch(self, dataloader, workflow, should_accept=None):  # type: ignore[no-untyped-def]
-        raise NotImplementedError("FakeReceiver only receives weights")
 
 
 def check_logprobs(res: dict[str, object]) -> None:
@@ -253,7 +153,7 @@ def check_checkpoint_and_updates(res: dict[str, object]) -> None:
         res["hf_tokenizer_saved"] = os.path.exists(os.path.join(hf_dir, "tokenizer.json"))
 
     # Weight updates: after each kind, the receiver holds exactly the engine's weights.
-    receiver = FakeReceiver() if rank0 else None
+    receiver = WeightReceiver(MODEL) if rank0 else None
     dist_meta = WeightUpdateMeta(type="distributed", chunk_bytes=20_000)
     e.connect_engine(receiver, dist_meta)  # type: ignore[arg-type]
     for i, meta in enumerate(

@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from engine_checks import WeightReceiver, make_batch, n_tokens, nll
 from tensordict import TensorDict
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -31,34 +31,13 @@ from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch, TrainEngine
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.engines import make_train_engine
-from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
 
 MODEL, OUT = sys.argv[1], sys.argv[2]
 FT = FinetuneSpec(total_train_epochs=1, dataset_size=80, train_batch_size=8)
 
 
-def make_batch(seed: int, n: int = 8, max_len: int = 24) -> TensorDict:
-    """A fixed batch with long-tailed lengths; the first third of each sequence is the prompt."""
-    g = torch.Generator().manual_seed(seed)
-    lens = (torch.rand(n, generator=g) ** 3 * (max_len - 3)).long() + 3
-    ar = torch.arange(max_len).unsqueeze(0)
-    am = ar < lens.unsqueeze(1)
-    ids = torch.randint(1, 250, (n, max_len), generator=g) * am
-    loss_mask = (ar >= (lens // 3).unsqueeze(1)) & am
-    return TensorDict({"input_ids": ids, "attention_mask": am, "loss_mask": loss_mask.int()}, batch_size=[n])
-
-
-def nll(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    m = mb["loss_mask"].float()  # type: ignore[union-attr]
-    return -(out * m).sum() / m.sum(), {"entropy": (ent * m).sum() / m.sum()}
-
-
 def nan_loss(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return out.sum() * float("nan"), {}
-
-
-def n_tokens(mb: PackedBatch) -> float:
-    return float(mb["loss_mask"].sum())  # type: ignore[union-attr]
 
 
 def config(backend: str, **kw: object) -> TrainEngineConfig:
@@ -71,48 +50,6 @@ def config(backend: str, **kw: object) -> TrainEngineConfig:
 
 def my_share(batch: TensorDict, e: TrainEngine) -> TensorDict:
     return batch[e.data_parallel_rank :: e.data_parallel_world_size]
-
-
-class Receiver:
-    """The receiving side of weight updates, applied to a HF model (duck-typed InferenceEngine)."""
-
-    def __init__(self) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(MODEL)
-        self.pool = ThreadPoolExecutor(1)
-        self.group: CustomGroup | None = None
-        self.names: set[str] = set()
-
-    def params(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-    def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]:
-        meta.world_size = 2
-        addr, port, name = meta.master_address, meta.master_port, meta.group_name
-
-        def join() -> None:
-            self.group = init_custom_process_group("gloo", addr, port, rank=1, world_size=2, group_name=name)
-
-        return self.pool.submit(join)
-
-    def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
-        return self.pool.submit(self._receive, meta)
-
-    def _receive(self, meta: WeightUpdateMeta) -> None:
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            if meta.type == "in_process":
-                assert meta.named_tensors is not None
-                self.names = set(meta.named_tensors)
-                for k, v in meta.named_tensors.items():
-                    params[k].copy_(v)
-            elif meta.type == "disk":
-                self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(meta.path).state_dict())
-            else:
-                assert self.group is not None
-                for spec in meta.param_specs:
-                    t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
-                    self.group.broadcast(t)
-                    params[spec.name].copy_(t)
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -134,7 +71,7 @@ def weight_updates(e: TrainEngine, checks: dict[str, object]) -> None:
         WeightUpdateMeta(type="distributed", chunk_bytes=20_000),
     ]
     for meta in metas:
-        receiver = Receiver() if rank == 0 else None
+        receiver = WeightReceiver(MODEL) if rank == 0 else None
         e.connect_engine(receiver, meta)  # type: ignore[arg-type]
         e.update_weights(meta)
         if receiver is not None:
