@@ -1,6 +1,8 @@
 """Generation throughput of the embedded engine against HF ``model.generate``, and weight-sync time.
 
-Part 1: 64 requests of mixed prompt (8-64) and output (8-128) lengths on the same tiny model.
+Part 1: 64 requests of mixed prompt (8-64) and output (8-128) lengths on the same tiny model
+(hidden 128, 4 layers), and the CPU demo's RL step: 256 requests of 10-20 prompt and 10-30 output
+tokens.
 The engine serves them concurrently through its continuous-batching scheduler; HF generates them as
 one left-padded batch (its fastest mode: one call, every request decoded until the longest ends).
 Both sample at temperature 1 with eos ignored, so both produce exactly the requested tokens, and
@@ -23,6 +25,7 @@ import asyncio
 import random
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -32,19 +35,23 @@ from areal_lite.engines.local import LocalInferenceEngine, SamplingParams
 from areal_lite.utils.distributed import find_free_port, init_custom_process_group
 from areal_lite.utils.tiny import build_tiny_model
 
-REPEATS = 3
-"""Each throughput is the best of this many runs (the machine is shared; the best run is the least
-disturbed one)."""
+REPEATS = 5
+"""Each throughput is the best of this many runs, the engine's and HF's alternating (the machine is
+shared: the best run is the least disturbed one, and alternation exposes both to the same load)."""
 
 
-def make_requests(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+def make_requests(
+    n: int, seed: int, vocab: int, prompt_len: tuple[int, int], output_len: tuple[int, int]
+) -> list[tuple[list[int], int]]:
+    """``n`` random prompts and output lengths, uniform in the given inclusive ranges."""
     rng = random.Random(seed)
-    return [([rng.randrange(3, vocab) for _ in range(rng.randint(8, 64))], rng.randint(8, 128)) for _ in range(n)]
+    return [
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len)) for _ in range(n)
+    ]
 
 
-def bench_engine(path: str, requests: list[tuple[list[int], int]]) -> float:
-    engine = LocalInferenceEngine(LocalEngineConfig(path=path, max_running_requests=64))
-    engine.load_model()
+def engine_runner(engine: LocalInferenceEngine, requests: list[tuple[list[int], int]]) -> Callable[[], int]:
+    """One pass of the engine over ``requests``; returns the tokens generated."""
 
     async def run() -> int:
         results = await asyncio.gather(
@@ -52,20 +59,11 @@ def bench_engine(path: str, requests: list[tuple[list[int], int]]) -> float:
         )
         return sum(len(r.output_ids) for r in results)
 
-    asyncio.run(run())  # warm-up
-    best = 0.0
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        tokens = asyncio.run(run())
-        best = max(best, tokens / (time.perf_counter() - t0))
-    engine.destroy()
-    return best
+    return lambda: asyncio.run(run())
 
 
-def bench_hf(path: str, requests: list[tuple[list[int], int]]) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+def hf_runner(model: torch.nn.Module, requests: list[tuple[list[int], int]]) -> Callable[[], int]:
+    """One left-padded ``model.generate`` call over ``requests``; returns the requested tokens."""
     pad = model.generation_config.pad_token_id
     width = max(len(p) for p, _ in requests)
     ids = torch.full((len(requests), width), pad)
@@ -75,18 +73,26 @@ def bench_hf(path: str, requests: list[tuple[list[int], int]]) -> float:
         mask[i, width - len(p) :] = 1
     max_new = max(m for _, m in requests)
 
-    def run() -> None:
+    def run() -> int:
         with torch.no_grad():
             model.generate(
                 ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=True, top_k=0
             )
+        return sum(m for _, m in requests)
 
-    run()  # warm-up
-    best = 0.0
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
+    return run
+
+
+def best_throughputs(runners: list[Callable[[], int]]) -> list[float]:
+    """Tokens/s of each runner: best of REPEATS alternating runs, after one warm-up run each."""
+    best = [0.0] * len(runners)
+    for run in runners:
         run()
-        best = max(best, sum(m for _, m in requests) / (time.perf_counter() - t0))
+    for _ in range(REPEATS):
+        for i, run in enumerate(runners):
+            t0 = time.perf_counter()
+            tokens = run()
+            best[i] = max(best[i], tokens / (time.perf_counter() - t0))
     return best
 
 
@@ -134,13 +140,27 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         path = build_tiny_model(f"{workdir}/model", hidden_size=args.hidden, num_layers=args.layers, vocab_size=512)
-        requests = make_requests(args.requests, seed=0, vocab=400)
-        engine_tps = bench_engine(path, requests)
-        hf_tps = bench_hf(path, requests)
-        print(f"{'generator':<28}{'tokens/s':>12}")
-        print(f"{'LocalInferenceEngine':<28}{engine_tps:>12.0f}")
-        print(f"{'HF model.generate (padded)':<28}{hf_tps:>12.0f}")
-        result = f"RESULT engine_over_hf_generate={engine_tps / hf_tps:.2f} engine_tokens_per_s={engine_tps:.0f} hf_tokens_per_s={hf_tps:.0f}"
+        from transformers import AutoModelForCausalLM
+
+        engine = LocalInferenceEngine(LocalEngineConfig(path=path))
+        engine.load_model()
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        requests = make_requests(args.requests, seed=0, vocab=400, prompt_len=(8, 64), output_len=(8, 128))
+        # The CPU demo's RL step: many short requests.
+        rl_requests = make_requests(256, seed=1, vocab=400, prompt_len=(10, 20), output_len=(10, 30))
+        engine_tps, hf_tps = best_throughputs([engine_runner(engine, requests), hf_runner(model, requests)])
+        rl_engine_tps, rl_hf_tps = best_throughputs([engine_runner(engine, rl_requests), hf_runner(model, rl_requests)])
+        engine.destroy()
+        print(f"{'tokens/s':<28}{'engine':>10}{'HF generate':>13}{'ratio':>8}")
+        for name, e, h in [
+            (f"{args.requests} mixed requests", engine_tps, hf_tps),
+            ("256 short (RL step)", rl_engine_tps, rl_hf_tps),
+        ]:
+            print(f"{name:<28}{e:>10.0f}{h:>13.0f}{e / h:>8.2f}")
+        result = (
+            f"RESULT engine_over_hf_generate={engine_tps / hf_tps:.2f} engine_tokens_per_s={engine_tps:.0f} "
+            f"hf_tokens_per_s={hf_tps:.0f} rl_step_engine_over_hf={rl_engine_tps / rl_hf_tps:.2f}"
+        )
         if not args.skip_sync:
             n_params, disk_s, broadcast_s = bench_sync(workdir)
             print(f"{'weight sync':<28}{'seconds':>12}   ({n_params / 1e6:.0f}M parameters, fp32)")

@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 PREFILL_MASK_ELEMENTS = 32 * 1024 * 1024
 """A batched prefill is split when its attention mask would hold more elements than this."""
+ADMIT_BATCH = 16
+"""While requests are decoding, waiting ones are admitted once this many rows (or all they need)
+are free."""
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures below this mean greedy decoding (SGLang's convention)."""
 
@@ -277,14 +280,13 @@ class _ModelRunner:
             attn, mlp = layer.self_attn, layer.mlp
             w_qkv, b_qkv, w_gate_up, b_gate_up = self.fused[i]
             x = _rms_norm(layer.input_layernorm, h)
-            q, k, v = F.linear(x, w_qkv, b_qkv).split([nq, nkv, nkv], dim=-1)
-            q = q.view(b, t, self.n_heads, self.head_dim)
-            k = k.view(b, t, self.n_kv, self.head_dim)
+            qk, v = F.linear(x, w_qkv, b_qkv).split([nq + nkv, nkv], dim=-1)
+            qk = qk.view(b, t, self.n_heads + self.n_kv, self.head_dim)
             v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
             if self.has_qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = self._rope(q.transpose(1, 2), cos, sin)
-            k = self._rope(k.transpose(1, 2), cos, sin)
+                qk = torch.cat([attn.q_norm(qk[:, :, : self.n_heads]), attn.k_norm(qk[:, :, self.n_heads :])], dim=2)
+            # Rotary embedding on queries and keys in one go.
+            q, k = self._rope(qk.transpose(1, 2), cos, sin).split([self.n_heads, self.n_kv], dim=1)
             keys, values = write(i, k, v)
             o = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
@@ -699,8 +701,10 @@ class LocalInferenceEngine(InferenceEngine):
                 commands, self._commands = self._commands, []
                 abort_pending, self._abort_pending = self._abort_pending, False
                 admitted: list[_Seq] = []
-                if not self._paused:
-                    free = runner.max_rows - len(runner.rows)
+                free = runner.max_rows - len(runner.rows)
+                # While others decode, wait until a batch's worth of rows is free: one prefill of
+                # many requests costs about what one of a few does.
+                if not self._paused and (not runner.rows or free >= min(len(self._waiting), ADMIT_BATCH)):
                     admitted, self._waiting = self._waiting[:free], self._waiting[free:]
                     self._admitting = admitted
             for fn, fut in commands:
