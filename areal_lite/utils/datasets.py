@@ -60,7 +60,7 @@ def demonstration_ids(
     chat template), or ``prompt`` and ``completion_key`` (raw text, or one user turn through the
     chat template when ``use_chat_template``).
     """
-    if "messages" in item:
+    if item.get("messages"):  # files mixing both layouts give the missing field as None
         messages = list(item["messages"])  # type: ignore[call-overload]
         prompt_msgs, completion = messages[:-1], str(messages[-1]["content"])
         prompt_text = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True)  # type: ignore[attr-defined]
