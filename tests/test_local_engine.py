@@ -5,7 +5,6 @@ land between steps with every token tagged by the version that produced it."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -414,8 +413,8 @@ def test_bad_requests_raise(engine: LocalInferenceEngine) -> None:
         engine.update_weights(
             WeightUpdateMeta(type="in_process", named_tensors={"lm_head.weight": torch.zeros(1)})
         ).result()
-    r = generate_all(engine, [([1, 2], SamplingParams(max_new_tokens=2))])[0]  # still serving
-    assert len(r.output_ids) <= 2 and threading.active_count() > 1
+    r = generate_all(engine, [([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True))])[0]  # still serving
+    assert len(r.output_ids) == 2
 
 
 def test_engine_failure_fails_the_running_requests_and_keeps_serving(model_path: str, monkeypatch) -> None:
