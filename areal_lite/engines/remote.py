@@ -1,8 +1,8 @@
 """The client of a fleet of SGLang-protocol servers (real SGLang on GPU nodes, or ours on CPU).
 
 Generation: one async HTTP request per `agenerate` call (PROTOCOL.md, ``/generate`` with
-``input_ids``), over pooled connections (one aiohttp session per event loop, since a session must
-not cross loops). A request whose rid was seen before goes to the same server; others go to the
+``input_ids``), over pooled connections. Every HTTP call runs on the client's own event loop in a
+background thread (an aiohttp session must not cross loops), whatever loop awaits `agenerate`. A request whose rid was seen before goes to the same server; others go to the
 server with the fewest requests in flight. A generation that comes back aborted (the servers
 paused for a weight update) is resubmitted as prompt + generated tokens with the remaining token
 budget, keeping every token's log-probability and version. When a server fails (connection
@@ -15,8 +15,7 @@ A stop string that straddles two parts of a resumed generation is not seen (each
 on its own), as with SGLang-based AReaL.
 
 Control: pause / resume, weight updates (disk or distributed) and version updates fan out to every
-server from a private event loop in a background thread; weight updates pause generation around
-them unless the caller already did.
+server; weight updates pause generation around them unless the caller already did.
 """
 
 from __future__ import annotations
@@ -80,24 +79,26 @@ class RemoteSGLangEngine(InferenceEngine):
         self._down_until = [0.0] * len(self.addresses)
         self._dead: set[int] = set()
         self._sticky: OrderedDict[str, int] = OrderedDict()
-        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
-        self._admin_loop: asyncio.AbstractEventLoop | None = None
-        self._admin_thread: threading.Thread | None = None
+        self._session: aiohttp.ClientSession | None = None
+        """The one HTTP session; it lives on (and is only used from) the client loop."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
 
     # ----- lifecycle -----------------------------------------------------------------------
 
     def initialize(self) -> None:
-        """Start the control loop, wait until every server is healthy, start the executor."""
-        self.start_control()
+        """Start the client loop, wait until every server is healthy, start the executor."""
+        self.start_client()
         self.wait_healthy()
         from areal_lite.core.executor import WorkflowExecutor
 
         self.executor = WorkflowExecutor(self.config, self)
         self.executor.initialize()
 
-    def start_control(self) -> None:
-        """Start the background event loop that runs control calls (no executor)."""
-        if self._admin_loop is not None:
+    def start_client(self) -> None:
+        """Start the client's event loop in a background thread (everything but the executor).
+        Every HTTP call runs there, whatever loop or thread asked for it."""
+        if self._loop is not None:
             return
         loop = asyncio.new_event_loop()
         ready = threading.Event()
@@ -107,50 +108,38 @@ class RemoteSGLangEngine(InferenceEngine):
             loop.call_soon(ready.set)
             loop.run_forever()
 
-        self._admin_thread = threading.Thread(target=run, name="remote-engine-control", daemon=True)
-        self._admin_thread.start()
+        self._loop_thread = threading.Thread(target=run, name="remote-engine-client", daemon=True)
+        self._loop_thread.start()
         ready.wait()
-        self._admin_loop = loop
+        self._loop = loop
 
     def wait_healthy(self) -> None:
         """Block until every server answers ``/health`` with 200 (``config.setup_timeout``)."""
-        self._control(self._await_healthy()).result()
+        self._call(self._await_healthy()).result()
 
     def destroy(self) -> None:
-        # Sessions close on their own loops, so before the executor stops its loop; a session
-        # whose loop has already ended (e.g. one of asyncio.run) is dropped.
-        try:
-            current = asyncio.get_running_loop()
-        except RuntimeError:
-            current = None
-        for loop, session in list(self._sessions.items()):
-            if loop.is_running() and loop is not current:
-                try:
-                    asyncio.run_coroutine_threadsafe(session.close(), loop).result(timeout=10)
-                except (TimeoutError, RuntimeError):
-                    logger.warning("could not close an HTTP session of a busy event loop")
-        self._sessions.clear()
         if self.executor is not None:
             self.executor.destroy()
             self.executor = None
-        if self._admin_loop is not None:
-            self._admin_loop.call_soon_threadsafe(self._admin_loop.stop)
-            if self._admin_thread is not None:
-                self._admin_thread.join()
-            self._admin_loop.close()
-            self._admin_loop = None
+        if self._loop is not None:
+            if self._session is not None:
+                self._call(self._session.close()).result()
+                self._session = None
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._loop_thread is not None:
+                self._loop_thread.join()
+            self._loop.close()
+            self._loop = None
 
     # ----- HTTP ----------------------------------------------------------------------------
 
-    def _session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        session = self._sessions.get(loop)
-        if session is None or session.closed:
+    def _http(self) -> aiohttp.ClientSession:
+        """The session (created on first use, on the client loop)."""
+        if self._session is None:
             headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
             # limit=0: the executor's admission already bounds concurrency; the pool reuses sockets.
-            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
-            self._sessions[loop] = session
-        return session
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
+        return self._session
 
     async def _request(
         self, idx: int, path: str, payload: dict[str, object] | None, timeout: float, method: str = "POST"
@@ -158,7 +147,7 @@ class RemoteSGLangEngine(InferenceEngine):
         """One call to server ``idx``; returns the decoded JSON body (or text). Raises ServerError
         for a non-200 answer and aiohttp / timeout errors for transport failures."""
         url = self.addresses[idx] + path
-        async with self._session().request(
+        async with self._http().request(
             method, url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as resp:
             if resp.content_type == "application/json":
@@ -200,12 +189,12 @@ class RemoteSGLangEngine(InferenceEngine):
                 logger.error("server %s is unreachable (%s); it gets no more requests", self.addresses[idx], error)
             self._dead.add(idx)
 
-    def _control(self, coro: Coroutine[object, object, object]) -> Future:
-        """Run ``coro`` on the control loop; the returned future completes with its result."""
-        if self._admin_loop is None:
-            self.start_control()
-        assert self._admin_loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self._admin_loop)
+    def _call(self, coro: Coroutine[object, object, object]) -> Future:
+        """Run ``coro`` on the client loop; the returned future completes with its result."""
+        if self._loop is None:
+            self.start_client()
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _await_healthy(self) -> None:
         deadline = time.monotonic() + self.config.setup_timeout
@@ -258,6 +247,10 @@ class RemoteSGLangEngine(InferenceEngine):
     # ----- generation ----------------------------------------------------------------------
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        # Runs on the client loop, awaited from the caller's (cancelling one cancels the other).
+        return await asyncio.wrap_future(self._call(self._generate(req)))
+
+    async def _generate(self, req: ModelRequest) -> ModelResponse:
         g = req.gconfig
         t0 = time.monotonic()
         out_ids: list[int] = []
@@ -344,10 +337,10 @@ class RemoteSGLangEngine(InferenceEngine):
             }
             for i in range(len(self.addresses))
         ]
-        return self._control(self._fanout_checked("/init_weights_update_group", payloads))
+        return self._call(self._fanout_checked("/init_weights_update_group", payloads))
 
     def destroy_weights_update_group(self, meta: WeightUpdateMeta) -> None:
-        self._control(self._fanout_checked("/destroy_weights_update_group", {"group_name": meta.group_name})).result()
+        self._call(self._fanout_checked("/destroy_weights_update_group", {"group_name": meta.group_name})).result()
 
     async def _fanout_checked(self, path: str, payloads: list[dict[str, object]] | dict[str, object]) -> None:
         for idx, body in await self._fanout(path, payloads):
@@ -357,7 +350,7 @@ class RemoteSGLangEngine(InferenceEngine):
     def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
         if meta.type == "in_process":
             raise ValueError("remote servers cannot take in_process weight updates: use disk or distributed")
-        return self._control(self._update_weights(meta))
+        return self._call(self._update_weights(meta))
 
     async def _update_weights(self, meta: WeightUpdateMeta) -> None:
         pause_here = not self._paused
@@ -410,7 +403,7 @@ class RemoteSGLangEngine(InferenceEngine):
     def set_version(self, version: int) -> None:
         """Tag tokens generated from now on with ``version`` (on every server too)."""
         self._version = version
-        self._control(
+        self._call(
             self._fanout("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
         ).result()
 
@@ -424,11 +417,11 @@ class RemoteSGLangEngine(InferenceEngine):
         resumed later, or frozen, per ``config.pause_mode``)."""
         if self.executor is not None:
             self.executor.pause()
-        self._control(self._fanout("/pause_generation", {"mode": self.config.pause_mode})).result()
+        self._call(self._fanout("/pause_generation", {"mode": self.config.pause_mode})).result()
         self._paused = True
 
     def resume(self) -> None:
-        self._control(self._fanout("/continue_generation", {})).result()
+        self._call(self._fanout("/continue_generation", {})).result()
         self._paused = False
         if self.executor is not None:
             self.executor.resume()

@@ -83,7 +83,7 @@ def main() -> None:
     rollout = None
     if rank == 0:
         rollout = RemoteSGLangEngine(InferenceEngineConfig(addresses=ADDRESSES, request_timeout=120, setup_timeout=120))
-        rollout.start_control()
+        rollout.start_client()
         rollout.wait_healthy()
     engine = FSDPEngine(TrainEngineConfig(path=MODEL, optimizer=OptimizerConfig(lr=1e-2)))
     engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=16, train_batch_size=4))
