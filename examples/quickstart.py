@@ -246,7 +246,6 @@ def main(argv: list[str]) -> None:
     rng = random.Random(cfg.task.seed + 2)
     eval_problems = make_problems(cfg.task.n_eval, cfg.task.n_digits, rng)
     train_problems = make_problems(cfg.task.n_train_prompts, cfg.task.n_digits, rng)
-    dataloader = stateful_dataloader(train_problems, batch_size=cfg.train_dataset.batch_size, shuffle=True, seed=cfg.seed)
 
     gconfig = replace(cfg.gconfig, n_samples=cfg.actor.group_size, stop_token_ids=[tokenizer.eos_token_id])
     # The verifier is a string comparison: run it in a thread rather than a worker process.
@@ -256,10 +255,18 @@ def main(argv: list[str]) -> None:
 
     rollout, weight_meta = make_rollout(cfg, sft_dir)
     actor_cfg = replace(cfg.actor, path=sft_dir)
-    total_steps = cfg.total_train_steps or cfg.total_train_epochs * len(dataloader)
     actor = PPOActor(actor_cfg, make_train_engine(actor_cfg))
     actor.engine.initialize(FinetuneSpec(cfg.total_train_epochs, len(train_problems), cfg.train_dataset.batch_size))
     actor.engine.connect_engine(rollout, weight_meta)
+    # Each data-parallel rank rolls out and trains on its own share of the prompts.
+    dataloader = stateful_dataloader(
+        train_problems,
+        batch_size=cfg.train_dataset.batch_size,
+        seed=cfg.seed,
+        rank=actor.engine.data_parallel_rank,
+        world_size=actor.engine.data_parallel_world_size,
+    )
+    total_steps = cfg.total_train_steps or cfg.total_train_epochs * len(dataloader)
 
     saver = Saver(cfg.saver, cfg.output_dir)
     evaluator = Evaluator(cfg.evaluator)
