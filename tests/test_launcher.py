@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from areal_lite.api.config import ConfigError, LauncherConfig, RecoverConfig
-from areal_lite.launcher.local import LaunchPlan, read_plan, server_command, trainer_command
+from areal_lite.launcher.local import LaunchPlan, read_plan, server_command, trainer_command, trainer_gpus
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROBE = os.path.join(HERE, "scripts", "launcher_probe.py")
@@ -81,6 +81,15 @@ def test_trainer_command_lines() -> None:
     assert cmd[:3] == ["py", "-m", "torch.distributed.run"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[cmd.index("--master-port") + 1] == "7000"
     assert cmd[-5:] == ["train.py", "--config", "cfg.yaml", "a.b=1", 'rollout.addresses=["127.0.0.1:1","127.0.0.1:2"]']
+
+
+def test_trainer_gets_the_gpus_after_the_sglang_servers() -> None:
+    cfg = LauncherConfig(backend="sglang", n_servers=2, server_tp_size=2, trainer_nproc=4)
+    assert trainer_gpus(cfg, None) == "4,5,6,7"
+    assert trainer_gpus(cfg, "7,6,5,4,3,2,1,0") == "3,2,1,0", "positions in the launcher's own list"
+    with pytest.raises(ConfigError, match="do not fit"):
+        trainer_gpus(cfg, "0,1,2,3,4,5")
+    assert trainer_gpus(LauncherConfig(backend="areal", trainer_nproc=2), "0,1") is None
 
 
 def _launch(tmp_path, *overrides: str, timeout: float = 120) -> tuple[int, list[dict]]:

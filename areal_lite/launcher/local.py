@@ -157,6 +157,21 @@ def trainer_command(plan: LaunchPlan, addresses: list[str], master_port: int, *,
     return torchrun_command(plan, addresses, master_addr="127.0.0.1", master_port=master_port, prepare=prepare)
 
 
+def trainer_gpus(launcher: LauncherConfig, visible: str | None) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` of the trainer when SGLang servers on this node hold the first
+    ``n_servers * server_tp_size`` GPUs (of ``visible``, the launcher's own list, when set): the
+    next ``trainer_nproc``, so that trainer ranks (``cuda:LOCAL_RANK``) do not share the servers'
+    GPUs. None for other backends (nothing to change)."""
+    if launcher.backend != "sglang":
+        return None
+    first = launcher.n_servers * launcher.server_tp_size
+    ids = visible.split(",") if visible else [str(i) for i in range(first + launcher.trainer_nproc)]
+    chosen = ids[first : first + launcher.trainer_nproc]
+    if len(chosen) < launcher.trainer_nproc:
+        raise ConfigError(f"{first} server GPUs and {launcher.trainer_nproc} trainer GPUs do not fit in CUDA_VISIBLE_DEVICES={visible}")
+    return ",".join(chosen)
+
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -314,7 +329,11 @@ class LocalLauncher:
         cfg = self.plan.launcher
         cmd = trainer_command(self.plan, self.addresses, find_free_port(), prepare=prepare)
         logger.info("%s: %s", "prepare" if prepare else f"attempt {attempt}", " ".join(cmd))
-        self.trainer = spawn(cmd, cores=cfg.trainer_cores, env=self._env(attempt))
+        env = self._env(attempt)
+        gpus = trainer_gpus(cfg, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+        self.trainer = spawn(cmd, cores=cfg.trainer_cores, env=env)
         while True:
             try:
                 rc = self.trainer.wait(timeout=0.5)
