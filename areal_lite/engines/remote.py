@@ -274,26 +274,31 @@ class RemoteSGLangEngine(InferenceEngine):
                 "rid": req.rid,
             }
             idx = self._choose(req.rid, failed_on)
+            error: BaseException | None = None
             try:
                 data = await self._request(idx, "/generate", payload, self.config.request_timeout)
             except (aiohttp.ClientError, asyncio.TimeoutError, ServerError) as e:
                 if isinstance(e, ServerError) and e.status < 500:
-                    self._release(idx, failed=False)
-                    raise
-                self._release(idx, failed=True)
-                if isinstance(e, aiohttp.ClientConnectorError):
-                    self._mark_dead(idx, e)
+                    raise  # the request itself is bad: no other server would take it
+                error = e
+            finally:  # also when cancelled
+                self._release(idx, failed=error is not None)
+            if error is not None:
+                if isinstance(error, aiohttp.ClientConnectorError):
+                    self._mark_dead(idx, error)
                 failures += 1
                 failed_on.add(idx)
                 if len(failed_on) == len(self.addresses):
                     failed_on.clear()
                 logger.warning(
-                    "generation on %s failed (%s: %s); retrying elsewhere", self.addresses[idx], type(e).__name__, e
+                    "generation on %s failed (%s: %s); retrying elsewhere",
+                    self.addresses[idx],
+                    type(error).__name__,
+                    error,
                 )
                 if failures >= self.config.request_retries:
-                    raise RuntimeError(f"request {req.rid} failed {failures} times; last error: {e}") from e
+                    raise RuntimeError(f"request {req.rid} failed {failures} times; last error: {error}") from error
                 continue
-            self._release(idx, failed=False)
             assert isinstance(data, dict)
             meta = data["meta_info"]
             new_ids = list(data["output_ids"])
