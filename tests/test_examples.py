@@ -53,7 +53,7 @@ def test_quickstart(tmp_path: Path) -> None:
         "quickstart.py", "quickstart.yaml", f"cluster.fileroot={tmp_path}", "launcher.backend=local",
         "task.sft_steps=10", "task.sft_eval_every=5", "task.sft_batch_size=16", "task.n_dev=8", "task.n_eval=8",
         "task.n_train_prompts=64", "task.hidden_size=32", "task.num_layers=1", "total_train_steps=2",
-        "train_dataset.batch_size=4", "rollout.consumer_batch_size=4", *QUIET, launcher=True,
+        "train_dataset.batch_size=4", *QUIET, launcher=True,
     )
     assert re.search(r"RESULT acc_before=[\d.]+ acc_after=[\d.]+ minutes=", out)
 
@@ -65,8 +65,8 @@ def test_gsm8k_grpo_with_a_rollout_server(tmp_path: Path, tiny: str) -> None:
     out = run(
         "gsm8k_grpo.py", "gsm8k_grpo.yaml", f"cluster.fileroot={tmp_path}", f"actor.path={tiny}",
         f"train_dataset.path={data}", f"valid_dataset.path={data}", "n_eval=4", "total_train_steps=2",
-        "train_dataset.batch_size=2", "rollout.consumer_batch_size=2", "actor.group_size=2", "actor.dtype=float32",
-        "actor.gradient_checkpointing=false", "gconfig.max_new_tokens=8", "actor.max_new_tokens=8", "reward_workers=1",
+        "train_dataset.batch_size=2", "actor.group_size=2", "actor.dtype=float32",
+        "actor.gradient_checkpointing=false", "gconfig.max_new_tokens=8", "reward_workers=1",
         "weight_update=disk", "launcher.backend=areal", "launcher.n_servers=1", "launcher.trainer_nproc=1",
         "launcher.server_args=[]", "stats_logger.wandb_mode=disabled", *QUIET, launcher=True,
     )
@@ -79,21 +79,21 @@ RL_TINY = ["total_train_steps=2", "task.n_eval=4", "task.n_train_prompts=32", "g
 
 def test_remax(tmp_path: Path, tiny: str) -> None:
     out = run("remax.py", "remax.yaml", f"cluster.fileroot={tmp_path}", f"actor.path={tiny}", *RL_TINY,
-              "train_dataset.batch_size=4", "rollout.consumer_batch_size=4", *QUIET)
+              "train_dataset.batch_size=4", *QUIET)
     assert re.search(r"RESULT acc_before=[\d.]+ acc_after=[\d.]+", out)
     assert final_checkpoint(tmp_path / "remax" / "trial0", 2).exists()
 
 
 def test_ppo_critic(tmp_path: Path, tiny: str) -> None:
     out = run("ppo_critic.py", "ppo_critic.yaml", f"cluster.fileroot={tmp_path}", f"actor.path={tiny}", *RL_TINY,
-              "train_dataset.batch_size=4", "rollout.consumer_batch_size=4", *QUIET)
+              "train_dataset.batch_size=4", *QUIET)
     assert re.search(r"RESULT acc_before=[\d.]+ acc_after=[\d.]+", out)
     assert final_checkpoint(tmp_path / "ppo-critic" / "trial0", 2).exists()
 
 
 def test_multi_turn(tmp_path: Path, tiny: str) -> None:
     out = run("multi_turn.py", "multi_turn.yaml", f"cluster.fileroot={tmp_path}", f"actor.path={tiny}", *RL_TINY,
-              "train_dataset.batch_size=2", "actor.group_size=2", "rollout.consumer_batch_size=2", *QUIET)
+              "train_dataset.batch_size=2", "actor.group_size=2", *QUIET)
     assert re.search(r"RESULT reward_before=[\d.]+ reward_after=[\d.]+", out)
     assert final_checkpoint(tmp_path / "multi-turn" / "trial0", 2).exists()
 
