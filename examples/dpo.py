@@ -85,8 +85,16 @@ def main(argv: list[str]) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
     task = cfg.task
-    train_pairs = load_rows(cfg.train_dataset.path) if cfg.train_dataset.path else addition_pairs(task.n_train_pairs, task.n_digits, task.seed + 2)
-    eval_pairs = load_rows(cfg.valid_dataset.path) if cfg.valid_dataset.path else addition_pairs(task.n_eval, task.n_digits, task.seed + 1)
+    train_pairs = (
+        load_rows(cfg.train_dataset.path)
+        if cfg.train_dataset.path
+        else addition_pairs(task.n_train_pairs, task.n_digits, task.seed + 2)
+    )
+    eval_pairs = (
+        load_rows(cfg.valid_dataset.path)
+        if cfg.valid_dataset.path
+        else addition_pairs(task.n_eval, task.n_digits, task.seed + 1)
+    )
     eval_batch = preference_batch(tokenizer, eval_pairs[: task.n_eval], task.use_chat_template)
     dataloader = stateful_dataloader(
         train_pairs,
@@ -120,7 +128,9 @@ def main(argv: list[str]) -> None:
         saver.save(dpo.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
         recover.dump(dpo.engine, step, dataloader=dataloader, stats_logger=stats_logger)
         held_out = evaluator.evaluate(lambda: dpo.evaluate_dpo(eval_batch), step)
-        stats_logger.commit(global_step, stats, {} if held_out is None else {f"eval/{k}": v for k, v in held_out.items()})
+        stats_logger.commit(
+            global_step, stats, {} if held_out is None else {f"eval/{k}": v for k, v in held_out.items()}
+        )
 
     after = dpo.evaluate_dpo(eval_batch)
     stats_logger.close()

@@ -70,7 +70,9 @@ def load_gsm8k(path: str, tokenizer: object, max_length: int | None, enable_thin
     items = [gsm8k_item(row) for row in load_rows(path)]
     if max_length is None:
         return items
-    return [it for it in items if len(encode_chat(tokenizer, it["messages"], enable_thinking=enable_thinking)) <= max_length]  # type: ignore[arg-type]
+    return [
+        it for it in items if len(encode_chat(tokenizer, it["messages"], enable_thinking=enable_thinking)) <= max_length
+    ]  # type: ignore[arg-type]
 
 
 def evaluate(rollout: InferenceEngine, workflow: RLVRWorkflow, items: list[dict[str, object]]) -> float:
@@ -85,16 +87,24 @@ def main(argv: list[str]) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
     train_items = load_gsm8k(cfg.train_dataset.path, tokenizer, cfg.train_dataset.max_length, cfg.enable_thinking)
-    eval_items = load_gsm8k(cfg.valid_dataset.path, tokenizer, None, cfg.enable_thinking) if cfg.valid_dataset.path else []
+    eval_items = (
+        load_gsm8k(cfg.valid_dataset.path, tokenizer, None, cfg.enable_thinking) if cfg.valid_dataset.path else []
+    )
     eval_items = eval_items[: cfg.n_eval] if cfg.n_eval else eval_items
-    dataloader = stateful_dataloader(train_items, batch_size=cfg.train_dataset.batch_size, shuffle=cfg.train_dataset.shuffle, seed=cfg.seed)
+    dataloader = stateful_dataloader(
+        train_items, batch_size=cfg.train_dataset.batch_size, shuffle=cfg.train_dataset.shuffle, seed=cfg.seed
+    )
 
     gconfig = replace(cfg.gconfig, n_samples=cfg.actor.group_size, stop_token_ids=[tokenizer.eos_token_id])
     reward = RewardRunner(math_answer_reward, num_workers=cfg.reward_workers)
     workflow = RLVRWorkflow(reward, gconfig, tokenizer, enable_thinking=cfg.enable_thinking)
-    eval_workflow = RLVRWorkflow(reward, gconfig.new(n_samples=1, greedy=True), tokenizer, enable_thinking=cfg.enable_thinking)
+    eval_workflow = RLVRWorkflow(
+        reward, gconfig.new(n_samples=1, greedy=True), tokenizer, enable_thinking=cfg.enable_thinking
+    )
 
-    rollout, weight_meta = make_rollout(cfg.launcher.backend, cfg.rollout, cfg.local_engine, cfg.actor.path, cfg.weight_update, cfg.output_dir)
+    rollout, weight_meta = make_rollout(
+        cfg.launcher.backend, cfg.rollout, cfg.local_engine, cfg.actor.path, cfg.weight_update, cfg.output_dir
+    )
     total_steps = cfg.total_train_steps or cfg.total_train_epochs * len(dataloader)
     ref = None
     if cfg.actor.kl_ctl > 0:  # a frozen copy of the initial policy for the KL penalty
@@ -107,10 +117,18 @@ def main(argv: list[str]) -> None:
     saver = Saver(cfg.saver, cfg.output_dir)
     evaluator = Evaluator(cfg.evaluator)
     recover = RecoverHandler(cfg.recover, cfg.output_dir)
-    stats_logger = StatsLogger(cfg.stats_logger, cfg.output_dir, total_steps=total_steps, run_name=cfg.experiment_name, run_config=cfg)
+    stats_logger = StatsLogger(
+        cfg.stats_logger, cfg.output_dir, total_steps=total_steps, run_name=cfg.experiment_name, run_config=cfg
+    )
     tracker = StatsTracker()
 
-    info = recover.load(actor.engine, dataloader=dataloader, stats_logger=stats_logger, inference_engine=rollout, weight_update_meta=weight_meta)
+    info = recover.load(
+        actor.engine,
+        dataloader=dataloader,
+        stats_logger=stats_logger,
+        inference_engine=rollout,
+        weight_update_meta=weight_meta,
+    )
     start_step = 0 if info is None else info.next_step.global_step
     if info is not None:
         rollout.executor.load_state_dict(info.extra["rollout"])  # replay prompts that were in flight
@@ -131,10 +149,22 @@ def main(argv: list[str]) -> None:
             rollout.set_version(global_step + 1)
             rollout.resume()
         saver.save(actor.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
-        recover.dump(actor.engine, step, dataloader=dataloader, stats_logger=stats_logger, extra={"rollout": rollout.executor.state_dict()})
+        recover.dump(
+            actor.engine,
+            step,
+            dataloader=dataloader,
+            stats_logger=stats_logger,
+            extra={"rollout": rollout.executor.state_dict()},
+        )
         acc = evaluator.evaluate(lambda: evaluate(rollout, eval_workflow, eval_items), step) if eval_items else None
         tracker.dist("rollout/staleness", rollout.executor.last_batch_staleness)
-        stats_logger.commit(global_step, stats, rollout.executor.stats(), tracker.export(), {} if acc is None else {"eval/accuracy": acc})
+        stats_logger.commit(
+            global_step,
+            stats,
+            rollout.executor.stats(),
+            tracker.export(),
+            {} if acc is None else {"eval/accuracy": acc},
+        )
 
     final_acc = evaluate(rollout, eval_workflow, eval_items) if eval_items else float("nan")
     stats_logger.close()

@@ -95,9 +95,13 @@ def main(argv: list[str]) -> None:
     gconfig = replace(cfg.gconfig, n_samples=cfg.actor.group_size, stop_token_ids=[tokenizer.eos_token_id])
     turns = {"max_turns": cfg.task.max_turns, "turn_discount": cfg.task.turn_discount}
     workflow = MultiTurnWorkflow(lambda: MathFeedbackEnv(grader), gconfig, tokenizer, **turns)
-    eval_workflow = MultiTurnWorkflow(lambda: MathFeedbackEnv(grader), gconfig.new(n_samples=1, greedy=True), tokenizer, **turns)
+    eval_workflow = MultiTurnWorkflow(
+        lambda: MathFeedbackEnv(grader), gconfig.new(n_samples=1, greedy=True), tokenizer, **turns
+    )
 
-    rollout, weight_meta = make_rollout(cfg.launcher.backend, cfg.rollout, cfg.local_engine, cfg.actor.path, cfg.weight_update, cfg.output_dir)
+    rollout, weight_meta = make_rollout(
+        cfg.launcher.backend, cfg.rollout, cfg.local_engine, cfg.actor.path, cfg.weight_update, cfg.output_dir
+    )
     total_steps = cfg.total_train_steps or cfg.total_train_epochs * len(dataloader)
     actor = PPOActor(cfg.actor, make_train_engine(cfg.actor))
     actor.engine.initialize(FinetuneSpec(cfg.total_train_epochs, len(train_problems), cfg.train_dataset.batch_size))
@@ -108,7 +112,13 @@ def main(argv: list[str]) -> None:
     recover = RecoverHandler(cfg.recover, cfg.output_dir)
     stats_logger = StatsLogger(cfg.stats_logger, cfg.output_dir, total_steps=total_steps, run_name=cfg.experiment_name)
 
-    info = recover.load(actor.engine, dataloader=dataloader, stats_logger=stats_logger, inference_engine=rollout, weight_update_meta=weight_meta)
+    info = recover.load(
+        actor.engine,
+        dataloader=dataloader,
+        stats_logger=stats_logger,
+        inference_engine=rollout,
+        weight_update_meta=weight_meta,
+    )
     if info is None:
         start_step, reward_before = 0, evaluate(rollout, eval_workflow, eval_problems)
     else:
@@ -131,9 +141,17 @@ def main(argv: list[str]) -> None:
 
         stats["num_turns_mean"] = float(batch["num_turns"].mean())
         saver.save(actor.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
-        recover.dump(actor.engine, step, dataloader=dataloader, stats_logger=stats_logger, extra={"reward_before": reward_before, "rollout": rollout.executor.state_dict()})
+        recover.dump(
+            actor.engine,
+            step,
+            dataloader=dataloader,
+            stats_logger=stats_logger,
+            extra={"reward_before": reward_before, "rollout": rollout.executor.state_dict()},
+        )
         score = evaluator.evaluate(lambda: evaluate(rollout, eval_workflow, eval_problems), step)
-        stats_logger.commit(global_step, stats, rollout.executor.stats(), {} if score is None else {"eval/reward": score})
+        stats_logger.commit(
+            global_step, stats, rollout.executor.stats(), {} if score is None else {"eval/reward": score}
+        )
 
     reward_after = evaluate(rollout, eval_workflow, eval_problems)
     stats_logger.close()

@@ -89,7 +89,9 @@ def main(argv: list[str]) -> None:
     workflow = ReMaxWorkflow(reward, gconfig, tokenizer, use_chat_template=False)
     eval_workflow = RLVRWorkflow(reward, gconfig.new(n_samples=1, greedy=True), tokenizer, use_chat_template=False)
 
-    rollout, weight_meta = make_rollout(cfg.launcher.backend, cfg.rollout, cfg.local_engine, cfg.actor.path, cfg.weight_update, cfg.output_dir)
+    rollout, weight_meta = make_rollout(
+        cfg.launcher.backend, cfg.rollout, cfg.local_engine, cfg.actor.path, cfg.weight_update, cfg.output_dir
+    )
     total_steps = cfg.total_train_steps or cfg.total_train_epochs * len(dataloader)
     actor = ReinforceActor(cfg.actor, make_train_engine(cfg.actor))
     actor.engine.initialize(FinetuneSpec(cfg.total_train_epochs, len(train_problems), cfg.train_dataset.batch_size))
@@ -100,7 +102,13 @@ def main(argv: list[str]) -> None:
     recover = RecoverHandler(cfg.recover, cfg.output_dir)
     stats_logger = StatsLogger(cfg.stats_logger, cfg.output_dir, total_steps=total_steps, run_name=cfg.experiment_name)
 
-    info = recover.load(actor.engine, dataloader=dataloader, stats_logger=stats_logger, inference_engine=rollout, weight_update_meta=weight_meta)
+    info = recover.load(
+        actor.engine,
+        dataloader=dataloader,
+        stats_logger=stats_logger,
+        inference_engine=rollout,
+        weight_update_meta=weight_meta,
+    )
     if info is None:
         start_step, acc_before = 0, evaluate(rollout, eval_workflow, eval_problems)
     else:
@@ -122,7 +130,13 @@ def main(argv: list[str]) -> None:
 
         stats["baseline_reward_mean"] = float(batch["baseline_rewards"].mean())
         saver.save(actor.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
-        recover.dump(actor.engine, step, dataloader=dataloader, stats_logger=stats_logger, extra={"acc_before": acc_before, "rollout": rollout.executor.state_dict()})
+        recover.dump(
+            actor.engine,
+            step,
+            dataloader=dataloader,
+            stats_logger=stats_logger,
+            extra={"acc_before": acc_before, "rollout": rollout.executor.state_dict()},
+        )
         acc = evaluator.evaluate(lambda: evaluate(rollout, eval_workflow, eval_problems), step)
         stats_logger.commit(global_step, stats, rollout.executor.stats(), {} if acc is None else {"eval/accuracy": acc})
 

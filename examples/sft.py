@@ -84,8 +84,16 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(cfg.seed)
     task = cfg.task
     if task.tiny_model and not os.path.exists(os.path.join(cfg.actor.path, "config.json")):
-        build_tiny_model(cfg.actor.path, hidden_size=task.hidden_size, num_layers=task.num_layers, num_heads=4,
-                         num_kv_heads=4, vocab_size=0, max_position_embeddings=64, seed=task.seed)
+        build_tiny_model(
+            cfg.actor.path,
+            hidden_size=task.hidden_size,
+            num_layers=task.num_layers,
+            num_heads=4,
+            num_kv_heads=4,
+            vocab_size=0,
+            max_position_embeddings=64,
+            seed=task.seed,
+        )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
@@ -122,12 +130,17 @@ def main(argv: list[str]) -> None:
         saver.save(sft.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
         recover.dump(sft.engine, step, dataloader=dataloader, stats_logger=stats_logger)
         held_out = evaluator.evaluate(lambda: sft.evaluate_lm(eval_batch), step)
-        stats_logger.commit(global_step, stats, {} if held_out is None else {f"eval/{k}": v for k, v in held_out.items()})
+        stats_logger.commit(
+            global_step, stats, {} if held_out is None else {f"eval/{k}": v for k, v in held_out.items()}
+        )
 
     after = sft.evaluate_lm(eval_batch)
     stats_logger.close()
     sft.engine.destroy()
-    print(f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} ppl_after={after['ppl']:.2f}", flush=True)
+    print(
+        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} ppl_after={after['ppl']:.2f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

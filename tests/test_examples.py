@@ -25,7 +25,9 @@ QUIET = ["stats_logger.console=false", "stats_logger.tensorboard=false", "recove
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tiny") / "model"
-    return build_tiny_model(str(path), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=256)
+    return build_tiny_model(
+        str(path), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=256
+    )
 
 
 def write_jsonl(path: Path, rows: list[dict[str, object]]) -> str:
@@ -50,25 +52,55 @@ def final_checkpoint(output_dir: Path, steps: int) -> Path:
 
 def test_quickstart(tmp_path: Path) -> None:
     out = run(
-        "quickstart.py", "quickstart.yaml", f"cluster.fileroot={tmp_path}", "launcher.backend=local",
-        "task.sft_steps=10", "task.sft_eval_every=5", "task.sft_batch_size=16", "task.n_dev=8", "task.n_eval=8",
-        "task.n_train_prompts=64", "task.hidden_size=32", "task.num_layers=1", "total_train_steps=2",
-        "train_dataset.batch_size=4", *QUIET, launcher=True,
+        "quickstart.py",
+        "quickstart.yaml",
+        f"cluster.fileroot={tmp_path}",
+        "launcher.backend=local",
+        "task.sft_steps=10",
+        "task.sft_eval_every=5",
+        "task.sft_batch_size=16",
+        "task.n_dev=8",
+        "task.n_eval=8",
+        "task.n_train_prompts=64",
+        "task.hidden_size=32",
+        "task.num_layers=1",
+        "total_train_steps=2",
+        "train_dataset.batch_size=4",
+        *QUIET,
+        launcher=True,
     )
     assert re.search(r"RESULT acc_before=[\d.]+ acc_after=[\d.]+ minutes=", out)
 
 
 def test_gsm8k_grpo_with_a_rollout_server(tmp_path: Path, tiny: str) -> None:
-    rows = [{"question": f"Tom has {i} apples and buys 3 more. How many?", "answer": f"{i} + 3 = {i + 3}\n#### {i + 3}"}
-            for i in range(8)]
+    rows = [
+        {"question": f"Tom has {i} apples and buys 3 more. How many?", "answer": f"{i} + 3 = {i + 3}\n#### {i + 3}"}
+        for i in range(8)
+    ]
     data = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
     out = run(
-        "gsm8k_grpo.py", "gsm8k_grpo.yaml", f"cluster.fileroot={tmp_path}", f"actor.path={tiny}",
-        f"train_dataset.path={data}", f"valid_dataset.path={data}", "n_eval=4", "total_train_steps=2",
-        "train_dataset.batch_size=2", "actor.group_size=2", "actor.dtype=float32",
-        "actor.gradient_checkpointing=false", "gconfig.max_new_tokens=8", "reward_workers=1",
-        "weight_update=disk", "launcher.backend=areal", "launcher.n_servers=1", "launcher.trainer_nproc=1",
-        "launcher.server_args=[]", "stats_logger.wandb_mode=disabled", *QUIET, launcher=True,
+        "gsm8k_grpo.py",
+        "gsm8k_grpo.yaml",
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={tiny}",
+        f"train_dataset.path={data}",
+        f"valid_dataset.path={data}",
+        "n_eval=4",
+        "total_train_steps=2",
+        "train_dataset.batch_size=2",
+        "actor.group_size=2",
+        "actor.dtype=float32",
+        "actor.gradient_checkpointing=false",
+        "gconfig.max_new_tokens=8",
+        "reward_workers=1",
+        "weight_update=disk",
+        "launcher.backend=areal",
+        "launcher.n_servers=1",
+        "launcher.trainer_nproc=1",
+        "launcher.server_args=[]",
+        "stats_logger.wandb_mode=disabled",
+        *QUIET,
+        launcher=True,
     )
     assert re.search(r"RESULT steps=2 eval_accuracy=[\d.]+", out)
     assert final_checkpoint(tmp_path / "gsm8k-grpo" / "trial0", 2).exists()
@@ -78,22 +110,44 @@ RL_TINY = ["total_train_steps=2", "task.n_eval=4", "task.n_train_prompts=32", "g
 
 
 def test_remax(tmp_path: Path, tiny: str) -> None:
-    out = run("remax.py", "remax.yaml", f"cluster.fileroot={tmp_path}", f"actor.path={tiny}", *RL_TINY,
-              "train_dataset.batch_size=4", *QUIET)
+    out = run(
+        "remax.py",
+        "remax.yaml",
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={tiny}",
+        *RL_TINY,
+        "train_dataset.batch_size=4",
+        *QUIET,
+    )
     assert re.search(r"RESULT acc_before=[\d.]+ acc_after=[\d.]+", out)
     assert final_checkpoint(tmp_path / "remax" / "trial0", 2).exists()
 
 
 def test_ppo_critic(tmp_path: Path, tiny: str) -> None:
-    out = run("ppo_critic.py", "ppo_critic.yaml", f"cluster.fileroot={tmp_path}", f"actor.path={tiny}", *RL_TINY,
-              "train_dataset.batch_size=4", *QUIET)
+    out = run(
+        "ppo_critic.py",
+        "ppo_critic.yaml",
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={tiny}",
+        *RL_TINY,
+        "train_dataset.batch_size=4",
+        *QUIET,
+    )
     assert re.search(r"RESULT acc_before=[\d.]+ acc_after=[\d.]+", out)
     assert final_checkpoint(tmp_path / "ppo-critic" / "trial0", 2).exists()
 
 
 def test_multi_turn(tmp_path: Path, tiny: str) -> None:
-    out = run("multi_turn.py", "multi_turn.yaml", f"cluster.fileroot={tmp_path}", f"actor.path={tiny}", *RL_TINY,
-              "train_dataset.batch_size=2", "actor.group_size=2", *QUIET)
+    out = run(
+        "multi_turn.py",
+        "multi_turn.yaml",
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={tiny}",
+        *RL_TINY,
+        "train_dataset.batch_size=2",
+        "actor.group_size=2",
+        *QUIET,
+    )
     assert re.search(r"RESULT reward_before=[\d.]+ reward_after=[\d.]+", out)
     assert final_checkpoint(tmp_path / "multi-turn" / "trial0", 2).exists()
 
@@ -101,8 +155,18 @@ def test_multi_turn(tmp_path: Path, tiny: str) -> None:
 def test_dpo_on_local_pairs(tmp_path: Path, tiny: str) -> None:
     pairs = [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(8)]
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
-    out = run("dpo.py", "dpo.yaml", f"cluster.fileroot={tmp_path}", f"actor.path={tiny}", f"train_dataset.path={data}",
-              f"valid_dataset.path={data}", "total_train_steps=3", "train_dataset.batch_size=2", "task.n_eval=4", *QUIET)
+    out = run(
+        "dpo.py",
+        "dpo.yaml",
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={tiny}",
+        f"train_dataset.path={data}",
+        f"valid_dataset.path={data}",
+        "total_train_steps=3",
+        "train_dataset.batch_size=2",
+        "task.n_eval=4",
+        *QUIET,
+    )
     assert re.search(r"RESULT loss_before=0\.693 loss_after=[\d.]+ reward_accuracy_after=[\d.]+", out), out
     assert final_checkpoint(tmp_path / "dpo" / "trial0", 3).exists()
 
@@ -111,16 +175,36 @@ def test_sft_on_a_local_jsonl(tmp_path: Path, tiny: str) -> None:
     rows = [{"prompt": f"{i}+2=", "completion": str(i + 2)} for i in range(6)]
     rows.append({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
     data = write_jsonl(tmp_path / "sft.jsonl", rows)
-    out = run("sft.py", "sft.yaml", f"cluster.fileroot={tmp_path}", f"actor.path={tiny}", "task.tiny_model=false",
-              f"train_dataset.path={data}", f"valid_dataset.path={data}", "total_train_steps=3",
-              "train_dataset.batch_size=2", "task.n_eval=4", *QUIET)
+    out = run(
+        "sft.py",
+        "sft.yaml",
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={tiny}",
+        "task.tiny_model=false",
+        f"train_dataset.path={data}",
+        f"valid_dataset.path={data}",
+        "total_train_steps=3",
+        "train_dataset.batch_size=2",
+        "task.n_eval=4",
+        *QUIET,
+    )
     before, after = map(float, re.search(r"RESULT loss_before=([\d.]+) loss_after=([\d.]+)", out).groups())  # type: ignore[union-attr]
     assert after < before, "three steps on the evaluated data lower its loss"
     assert final_checkpoint(tmp_path / "sft" / "trial0", 3).exists()
 
 
 def test_sft_default_config_builds_its_model(tmp_path: Path) -> None:
-    out = run("sft.py", "sft.yaml", f"cluster.fileroot={tmp_path}", "task.hidden_size=32", "task.num_layers=1",
-              "task.n_train=64", "task.n_eval=8", "total_train_steps=2", "train_dataset.batch_size=8", *QUIET)
+    out = run(
+        "sft.py",
+        "sft.yaml",
+        f"cluster.fileroot={tmp_path}",
+        "task.hidden_size=32",
+        "task.num_layers=1",
+        "task.n_train=64",
+        "task.n_eval=8",
+        "total_train_steps=2",
+        "train_dataset.batch_size=8",
+        *QUIET,
+    )
     assert "RESULT loss_before=" in out
     assert (tmp_path / "sft" / "trial0" / "base_model" / "config.json").exists()

@@ -37,7 +37,9 @@ def make_rollout(
         if weight_update == "distributed":
             from areal_lite.utils.distributed import find_free_port
 
-            meta = WeightUpdateMeta(type="distributed", master_port=find_free_port(), world_size=1 + len(rollout.addresses))
+            meta = WeightUpdateMeta(
+                type="distributed", master_port=find_free_port(), world_size=1 + len(rollout.addresses)
+            )
         elif weight_update == "disk":
             meta = WeightUpdateMeta(type="disk", path=os.path.join(output_dir, "weight_update"))
         else:
