@@ -211,22 +211,29 @@ def test_top_k_keeps_only_k_tokens(engine: LocalInferenceEngine, hf: torch.nn.Mo
     assert firsts <= top3 and len(firsts) > 1
 
 
-def test_sampling_follows_the_tempered_truncated_distribution(model_path: str, hf: torch.nn.Module) -> None:
+@pytest.mark.parametrize("top_k,top_p", [(4, 1.0), (-1, 0.8)])
+def test_sampling_follows_the_tempered_truncated_distribution(
+    model_path: str, hf: torch.nn.Module, top_k: int, top_p: float
+) -> None:
     prompt, n, temperature = [5, 9, 11, 20], 3000, 0.02
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt])).logits[0, -1]
-    top = logits.topk(4)
-    expected = torch.softmax(top.values / temperature, dim=-1)
+        probs = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / temperature, dim=-1)
+    sorted_probs, order = probs.sort(descending=True)
+    keep = (sorted_probs.cumsum(0) - sorted_probs) < top_p  # the nucleus: mass before the token < top_p
+    if top_k > 0:
+        keep[top_k:] = False
+    expected = torch.zeros_like(probs)
+    expected[order[keep]] = sorted_probs[keep] / sorted_probs[keep].sum()
+    assert 1 < int(keep.sum()) <= 4  # a distribution worth testing
     eng = make_engine(model_path, max_running_requests=512, seed=1)
     try:
-        results = generate_all(eng, [(prompt, SamplingParams(max_new_tokens=1, temperature=temperature, top_k=4))] * n)
+        params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+        results = generate_all(eng, [(prompt, params)] * n)
     finally:
         eng.destroy()
-    counts = torch.zeros(4)
-    for r in results:
-        counts[top.indices.tolist().index(r.output_ids[0])] += 1
+    freq = torch.bincount(torch.tensor([r.output_ids[0] for r in results]), minlength=len(probs)) / n
     # 4 standard deviations of a frequency estimated from 3000 draws is at most 0.037
-    torch.testing.assert_close(counts / n, expected, atol=0.037, rtol=0)
+    torch.testing.assert_close(freq, expected, atol=0.037, rtol=0)
 
 
 def test_eos_stops_unless_ignored(tmp_path) -> None:
