@@ -108,7 +108,8 @@ def main(argv: list[str]) -> None:
     ref = make_train_engine(cfg.ref)
     ref.initialize()  # no FinetuneSpec: frozen, forward only
     dpo = DPOActor(cfg.actor, make_train_engine(cfg.actor), ref)
-    dpo.engine.initialize(FinetuneSpec(cfg.total_train_epochs, len(train_pairs), cfg.train_dataset.batch_size))
+    # The LR schedule spans this run's steps (total_train_steps may end it before or after the epochs).
+    dpo.engine.initialize(FinetuneSpec(1, total_steps * cfg.train_dataset.batch_size, cfg.train_dataset.batch_size))
 
     saver = Saver(cfg.saver, cfg.output_dir)
     evaluator = Evaluator(cfg.evaluator)
@@ -116,8 +117,10 @@ def main(argv: list[str]) -> None:
     stats_logger = StatsLogger(cfg.stats_logger, cfg.output_dir, total_steps=total_steps, run_name=cfg.experiment_name)
 
     info = recover.load(dpo.engine, dataloader=dataloader, stats_logger=stats_logger)
-    start_step = 0 if info is None else info.next_step.global_step
-    before = dpo.evaluate_dpo(eval_batch)  # at the start: the policy equals the reference
+    if info is None:
+        start_step, before = 0, dpo.evaluate_dpo(eval_batch)  # the policy equals the reference: loss log 2
+    else:
+        start_step, before = info.next_step.global_step, info.extra["before"]
 
     data = batches(dataloader)
     for global_step in range(start_step, total_steps):
@@ -126,7 +129,7 @@ def main(argv: list[str]) -> None:
         dpo.step_lr_scheduler()
 
         saver.save(dpo.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
-        recover.dump(dpo.engine, step, dataloader=dataloader, stats_logger=stats_logger)
+        recover.dump(dpo.engine, step, dataloader=dataloader, stats_logger=stats_logger, extra={"before": before})
         held_out = evaluator.evaluate(lambda: dpo.evaluate_dpo(eval_batch), step)
         stats_logger.commit(
             global_step, stats, {} if held_out is None else {f"eval/{k}": v for k, v in held_out.items()}

@@ -111,7 +111,8 @@ def main(argv: list[str]) -> None:
         ref = make_train_engine(cfg.actor)
         ref.initialize()
     actor = PPOActor(cfg.actor, make_train_engine(cfg.actor), ref_engine=ref)
-    actor.engine.initialize(FinetuneSpec(cfg.total_train_epochs, len(train_items), cfg.train_dataset.batch_size))
+    # The LR schedule spans this run's steps (total_train_steps may end it before or after the epochs).
+    actor.engine.initialize(FinetuneSpec(1, total_steps * cfg.train_dataset.batch_size, cfg.train_dataset.batch_size))
     actor.engine.connect_engine(rollout, weight_meta)
 
     saver = Saver(cfg.saver, cfg.output_dir)

@@ -95,7 +95,8 @@ def main(argv: list[str]) -> None:
         cfg.launcher.backend, cfg.rollout, cfg.local_engine, cfg.actor.path, cfg.weight_update, cfg.output_dir
     )
     total_steps = cfg.total_train_steps or cfg.total_train_epochs * len(dataloader)
-    ft_spec = FinetuneSpec(cfg.total_train_epochs, len(train_problems), cfg.train_dataset.batch_size)
+    # The LR schedule spans this run's steps (total_train_steps may end it before or after the epochs).
+    ft_spec = FinetuneSpec(1, total_steps * cfg.train_dataset.batch_size, cfg.train_dataset.batch_size)
     actor = PPOActor(cfg.actor, make_train_engine(cfg.actor))
     actor.engine.initialize(ft_spec)
     actor.engine.connect_engine(rollout, weight_meta)

@@ -110,7 +110,8 @@ def main(argv: list[str]) -> None:
 
     total_steps = cfg.total_train_steps or cfg.total_train_epochs * len(dataloader)
     sft = SFTActor(cfg.actor, make_train_engine(cfg.actor))
-    sft.engine.initialize(FinetuneSpec(cfg.total_train_epochs, len(train_items), cfg.train_dataset.batch_size))
+    # The LR schedule spans this run's steps (total_train_steps may end it before or after the epochs).
+    sft.engine.initialize(FinetuneSpec(1, total_steps * cfg.train_dataset.batch_size, cfg.train_dataset.batch_size))
 
     saver = Saver(cfg.saver, cfg.output_dir)
     evaluator = Evaluator(cfg.evaluator)
@@ -118,8 +119,10 @@ def main(argv: list[str]) -> None:
     stats_logger = StatsLogger(cfg.stats_logger, cfg.output_dir, total_steps=total_steps, run_name=cfg.experiment_name)
 
     info = recover.load(sft.engine, dataloader=dataloader, stats_logger=stats_logger)
-    start_step = 0 if info is None else info.next_step.global_step
-    before = sft.evaluate_lm(eval_batch)
+    if info is None:
+        start_step, before = 0, sft.evaluate_lm(eval_batch)
+    else:
+        start_step, before = info.next_step.global_step, info.extra["before"]
 
     data = batches(dataloader)
     for global_step in range(start_step, total_steps):
@@ -128,7 +131,7 @@ def main(argv: list[str]) -> None:
         sft.step_lr_scheduler()
 
         saver.save(sft.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
-        recover.dump(sft.engine, step, dataloader=dataloader, stats_logger=stats_logger)
+        recover.dump(sft.engine, step, dataloader=dataloader, stats_logger=stats_logger, extra={"before": before})
         held_out = evaluator.evaluate(lambda: sft.evaluate_lm(eval_batch), step)
         stats_logger.commit(
             global_step, stats, {} if held_out is None else {f"eval/{k}": v for k, v in held_out.items()}
