@@ -56,7 +56,7 @@ def main() -> None:
     fileroot = tempfile.mkdtemp(prefix="areal_async_")
     try:
         # One SFT warm-up shared by both runs (the quickstart skips SFT when sft_model exists).
-        run_quickstart(fileroot, "sft", ["launcher.backend=local", "total_train_steps=0", "task.n_eval=8"])
+        run_quickstart(fileroot, "sft", ["launcher.backend=local", "task.prepare_only=true"])
         rates = {}
         for eta in (0, 2):
             trial = f"eta{eta}"

@@ -266,7 +266,7 @@ def main(argv: list[str]) -> None:
         rank=actor.engine.data_parallel_rank,
         world_size=actor.engine.data_parallel_world_size,
     )
-    total_steps = cfg.total_train_steps or cfg.total_train_epochs * len(dataloader)
+    total_steps = cfg.total_train_epochs * len(dataloader) if cfg.total_train_steps is None else cfg.total_train_steps
 
     saver = Saver(cfg.saver, cfg.output_dir)
     evaluator = Evaluator(cfg.evaluator)
