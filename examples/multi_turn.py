@@ -1,11 +1,12 @@
 """Multi-turn GRPO: the model answers, hears whether it was right, and may try again.
 
 `MultiTurnWorkflow` runs ``actor.group_size`` episodes per question against `MathFeedbackEnv`
-(areal_lite/workflows/envs.py): a wrong answer gets "That is not right. Try again." and another
-turn, up to ``max_turns``; a right answer on turn t earns ``turn_discount**t``. The trajectory is
-the whole conversation as the model saw it, token for token; only the model's own tokens are
-trained on (the feedback and the chat-template glue have ``loss_mask`` 0). Group-normalised
-advantages over the episodes of a question and the decoupled PPO loss, as in the quickstart.
+(areal_lite/workflows/envs.py): a wrong answer gets ``task.retry_message`` and another turn, up to
+``max_turns`` (fewer when the conversation would outgrow the model's context); a right answer on
+turn t earns ``turn_discount**t``. The trajectory is the whole conversation as the model saw it,
+token for token; only the model's own tokens are trained on (the feedback and the chat-template
+glue have ``loss_mask`` 0). Group-normalised advantages over the episodes of a question and the
+decoupled PPO loss, as in the quickstart.
 
 The questions are the quickstart's additions asked in a chat (``57+68=`` as a user turn). By
 default it starts from the quickstart's SFT checkpoint (``make demo`` first), which was trained
@@ -61,6 +62,8 @@ class TaskConfig:
     """Attempts per episode."""
     turn_discount: float = 0.5
     """A right answer on attempt t (from 0) earns this to the power t."""
+    retry_message: str = "Wrong."
+    """The environment's reply to a wrong answer (short: the quickstart's model has 64 positions)."""
 
 
 @dataclass
@@ -83,21 +86,25 @@ def evaluate(rollout: InferenceEngine, workflow: MultiTurnWorkflow, problems: li
 def main(argv: list[str]) -> None:
     cfg = load_config(argv, MultiTurnConfig)
     torch.manual_seed(cfg.seed)
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
     eval_problems = addition_problems(cfg.task.n_eval, cfg.task.n_digits, seed=cfg.task.seed + 1)
     train_problems = addition_problems(cfg.task.n_train_prompts, cfg.task.n_digits, seed=cfg.task.seed + 2)
     dataloader = stateful_dataloader(train_problems, batch_size=cfg.train_dataset.batch_size, seed=cfg.seed)
 
-    # One grader for every episode; each episode gets its own environment.
+    # One grader serves every episode.
     grader = RewardRunner(exact_answer_reward, num_workers=1)
     gconfig = replace(cfg.gconfig, n_samples=cfg.actor.group_size, stop_token_ids=[tokenizer.eos_token_id])
-    turns = {"max_turns": cfg.task.max_turns, "turn_discount": cfg.task.turn_discount}
-    workflow = MultiTurnWorkflow(lambda: MathFeedbackEnv(grader), gconfig, tokenizer, **turns)
-    eval_workflow = MultiTurnWorkflow(
-        lambda: MathFeedbackEnv(grader), gconfig.new(n_samples=1, greedy=True), tokenizer, **turns
-    )
+    # An episode ends early rather than overflow the model's context.
+    context = AutoConfig.from_pretrained(cfg.actor.path).max_position_embeddings
+    turns = {"max_turns": cfg.task.max_turns, "turn_discount": cfg.task.turn_discount, "max_context_tokens": context}
+
+    def env() -> MathFeedbackEnv:  # a new environment per episode
+        return MathFeedbackEnv(grader, retry_message=cfg.task.retry_message)
+
+    workflow = MultiTurnWorkflow(env, gconfig, tokenizer, **turns)
+    eval_workflow = MultiTurnWorkflow(env, gconfig.new(n_samples=1, greedy=True), tokenizer, **turns)
 
     rollout, weight_meta = make_rollout(
         cfg.launcher.backend, cfg.rollout, cfg.local_engine, cfg.actor.path, cfg.weight_update, cfg.output_dir
