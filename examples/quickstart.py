@@ -22,13 +22,11 @@ The training loop below is the whole algorithm: nothing is hidden in a trainer c
 from __future__ import annotations
 
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
-from tensordict import TensorDict
 
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.actors.sft import SFTActor
@@ -43,10 +41,13 @@ from areal_lite.api.config import (
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import FinetuneSpec, GenerationConfig, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.engines import make_train_engine
+from areal_lite.rewards.format import exact_answer_reward
 from areal_lite.rewards.runner import RewardRunner
 from areal_lite.utils.dataloader import stateful_dataloader
+from areal_lite.utils.datasets import addition_problems, sft_batch
 from areal_lite.utils.evaluator import Evaluator
 from areal_lite.utils.recover import RecoverHandler
+from areal_lite.utils.rollout import make_rollout
 from areal_lite.utils.saver import Saver
 from areal_lite.utils.stats import StatsTracker
 from areal_lite.utils.stats_logger import StatsLogger
@@ -101,40 +102,24 @@ class QuickstartConfig(BaseExperimentConfig):
 # ---------------------------------------------------------------------------------- the task
 
 
-def make_problems(n: int, n_digits: int, rng: random.Random) -> list[dict[str, object]]:
-    hi = 10**n_digits - 1
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(0, hi), rng.randint(0, hi)
-        out.append({"prompt": f"{a}+{b}=", "answer": str(a + b), "a": a, "b": b})
-    return out
+def held_out_problems(task: TaskConfig) -> list[dict[str, object]]:
+    """The evaluation problems; no other split contains their prompts."""
+    return addition_problems(task.n_eval, task.n_digits, seed=task.seed + 1)
 
 
-def exact_answer_reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], answer: str, **_: object) -> float:
-    """1 for exactly the right number, else 0 (the verifier)."""
-    return float(completion.strip() == answer)
+def problems_except(n: int, task: TaskConfig, seed: int, exclude: set[str]) -> list[dict[str, object]]:
+    """``n`` problems whose prompts are not in ``exclude``."""
+    draw = addition_problems(2 * n + 64, task.n_digits, seed=seed)
+    kept = [p for p in draw if p["prompt"] not in exclude][:n]
+    assert len(kept) == n, "the problem space is too small for the held-out set"
+    return kept
 
 
-def sft_batch(tokenizer, problems: list[dict[str, object]]) -> TensorDict:
-    """SFT demonstrations: prompt tokens (not trained on) + the answer + eos."""
-    rows, masks = [], []
-    for p in problems:
-        prompt_ids = tokenizer(p["prompt"])["input_ids"]
-        answer_ids = tokenizer(p["answer"])["input_ids"] + [tokenizer.eos_token_id]
-        rows.append(prompt_ids + answer_ids)
-        masks.append([0] * len(prompt_ids) + [1] * len(answer_ids))
-    width = max(map(len, rows))
-    ids = torch.zeros(len(rows), width, dtype=torch.int64)
-    loss_mask = torch.zeros(len(rows), width, dtype=torch.int32)
-    attn = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, (r, m) in enumerate(zip(rows, masks)):
-        ids[i, : len(r)] = torch.tensor(r)
-        loss_mask[i, : len(m)] = torch.tensor(m, dtype=torch.int32)
-        attn[i, : len(r)] = True
-    return TensorDict({"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}, batch_size=[len(rows)])
+def as_demonstrations(problems: list[dict[str, object]]) -> list[dict[str, object]]:
+    return [{"prompt": p["prompt"], "completion": p["answer"]} for p in problems]
 
 
-def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str) -> None:
+def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_out: set[str]) -> None:
     """Build the tiny model and train it on labelled problems until greedy accuracy on a dev set
     reaches ``task.sft_target_acc`` (checked every ``task.sft_eval_every`` steps through the
     embedded engine) or ``task.sft_steps`` steps pass. Stopping on a measured accuracy, not a step
@@ -162,8 +147,7 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str) -> None
     engine.initialize(FinetuneSpec(1, task.sft_steps * task.sft_batch_size, task.sft_batch_size))
     sft = SFTActor(engine_cfg, engine)
 
-    rng = random.Random(task.seed + 1)
-    dev = make_problems(task.n_dev, task.n_digits, random.Random(task.seed + 3))
+    dev = problems_except(task.n_dev, task, task.seed + 2, held_out)
     judge = LocalInferenceEngine(replace(cfg.local_engine, path=base_dir), replace(cfg.rollout, max_head_offpolicyness=0))
     judge.initialize()
     engine.connect_engine(judge, WeightUpdateMeta(type="in_process"))
@@ -175,8 +159,8 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str) -> None
     )
     t0 = time.time()
     for step in range(task.sft_steps):
-        problems = make_problems(task.sft_batch_size, task.n_digits, rng)
-        stats = sft.train_lm(sft_batch(tokenizer, problems))
+        problems = problems_except(task.sft_batch_size, task, task.seed + 1000 + step, held_out)
+        stats = sft.train_lm(sft_batch(tokenizer, as_demonstrations(problems)))
         if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
             engine.update_weights(WeightUpdateMeta(type="in_process"))
             acc = evaluate(judge, greedy, dev)
@@ -189,27 +173,6 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str) -> None
 
 
 # ---------------------------------------------------------------------------------- RL
-
-
-def make_rollout(cfg: QuickstartConfig, model_dir: str) -> tuple[InferenceEngine, WeightUpdateMeta]:
-    """Our rollout servers (launcher.backend=areal/sglang) or the embedded engine (local)."""
-    if cfg.launcher.backend == "local":
-        from areal_lite.engines.local import LocalInferenceEngine
-
-        engine: InferenceEngine = LocalInferenceEngine(replace(cfg.local_engine, path=model_dir), cfg.rollout)
-        meta = WeightUpdateMeta(type="in_process")
-    else:
-        from areal_lite.engines.remote import RemoteSGLangEngine
-
-        engine = RemoteSGLangEngine(cfg.rollout)
-        if cfg.weight_update == "distributed":
-            from areal_lite.utils.distributed import find_free_port
-
-            meta = WeightUpdateMeta(type="distributed", master_port=find_free_port(), world_size=1 + len(cfg.rollout.addresses))
-        else:
-            meta = WeightUpdateMeta(type="disk", path=os.path.join(cfg.output_dir, "weight_update"))
-    engine.initialize()
-    return engine, meta
 
 
 def evaluate(rollout: InferenceEngine, workflow: RLVRWorkflow, problems: list[dict[str, object]]) -> float:
@@ -235,17 +198,17 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(cfg.seed)
     base_dir = os.path.join(cfg.output_dir, "base_model")
     sft_dir = os.path.join(cfg.output_dir, "sft_model")
+    eval_problems = held_out_problems(cfg.task)
+    held_out = {str(p["prompt"]) for p in eval_problems}
     if not os.path.exists(os.path.join(sft_dir, "config.json")):
-        warm_up_with_sft(cfg, base_dir, sft_dir)
+        warm_up_with_sft(cfg, base_dir, sft_dir, held_out)
     if cfg.task.prepare_only:
         return
 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
-    rng = random.Random(cfg.task.seed + 2)
-    eval_problems = make_problems(cfg.task.n_eval, cfg.task.n_digits, rng)
-    train_problems = make_problems(cfg.task.n_train_prompts, cfg.task.n_digits, rng)
+    train_problems = problems_except(cfg.task.n_train_prompts, cfg.task, cfg.task.seed + 3, held_out)
 
     gconfig = replace(cfg.gconfig, n_samples=cfg.actor.group_size, stop_token_ids=[tokenizer.eos_token_id])
     # The verifier is a string comparison: run it in a thread rather than a worker process.
@@ -253,10 +216,12 @@ def main(argv: list[str]) -> None:
     workflow = RLVRWorkflow(reward, gconfig, tokenizer, use_chat_template=False)
     eval_workflow = RLVRWorkflow(reward, gconfig.new(n_samples=1, greedy=True), tokenizer, use_chat_template=False)
 
-    rollout, weight_meta = make_rollout(cfg, sft_dir)
+    rollout, weight_meta = make_rollout(cfg.launcher.backend, cfg.rollout, cfg.local_engine, sft_dir, cfg.weight_update, cfg.output_dir)
     actor_cfg = replace(cfg.actor, path=sft_dir)
     actor = PPOActor(actor_cfg, make_train_engine(actor_cfg))
-    actor.engine.initialize(FinetuneSpec(cfg.total_train_epochs, len(train_problems), cfg.train_dataset.batch_size))
+    bs = cfg.train_dataset.batch_size
+    planned = cfg.total_train_epochs * (len(train_problems) // bs) if cfg.total_train_steps is None else cfg.total_train_steps
+    actor.engine.initialize(FinetuneSpec(1, max(planned, 1) * bs, bs))  # the LR schedule spans the steps run
     actor.engine.connect_engine(rollout, weight_meta)
     # Each data-parallel rank rolls out and trains on its own share of the prompts.
     dataloader = stateful_dataloader(
@@ -289,14 +254,14 @@ def main(argv: list[str]) -> None:
     t_rl = time.time()
     for global_step in range(start_step, total_steps):
         step = StepInfo.at(global_step, len(dataloader))
-        with tracker.timer("timing/rollout"):
+        with tracker.timer("rollout"):
             batch = rollout.prepare_batch(dataloader, workflow=workflow)
-        with tracker.timer("timing/train"):
+        with tracker.timer("train"):
             batch["prox_logp"] = actor.compute_logp(batch)
             actor.compute_advantages(batch)
             stats = actor.ppo_update(batch)
             actor.step_lr_scheduler()
-        with tracker.timer("timing/weight_sync"):
+        with tracker.timer("weight_sync"):
             rollout.pause()
             actor.engine.set_version(global_step + 1)  # the pushed weights carry their version
             actor.update_weights(weight_meta)
