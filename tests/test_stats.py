@@ -70,16 +70,16 @@ def _config(**kw: object) -> StatsLoggerConfig:
 def test_warnings_on_a_failing_run(tmp_path) -> None:
     log = StatsLogger(_config(collapse_steps=3, kl_max=0.5), str(tmp_path))
     for step in range(5):
-        log.commit(step, {"reward/std": 0.0, "kl": 0.01})
-    collapse = [w for w in log.warnings if "reward/std" in w]
+        log.commit(step, {"reward_std": 0.0, "approx_kl": 0.01})
+    collapse = [w for w in log.warnings if "reward_std" in w]
     assert len(collapse) == 1 and collapse[0].startswith("step 3:"), log.warnings
-    log.commit(5, {"reward/std": 0.3, "kl": 2.0})
-    log.commit(6, {"reward/std": 0.3, "kl": float("nan")})
-    assert any("kl=2" in w for w in log.warnings)
-    assert any("non-finite" in w and "kl" in w for w in log.warnings)
+    log.commit(5, {"reward_std": 0.3, "approx_kl": 2.0})
+    log.commit(6, {"reward_std": 0.3, "approx_kl": float("nan")})
+    assert any("approx_kl=2" in w for w in log.warnings)
+    assert any("non-finite" in w and "approx_kl" in w for w in log.warnings)
     healthy = StatsLogger(_config(collapse_steps=3), str(tmp_path / "ok"))
     for step in range(5):
-        healthy.commit(step, {"reward/std": 0.0 if step % 2 else 0.4, "kl": 0.01})
+        healthy.commit(step, {"reward_std": 0.0 if step % 2 else 0.4, "approx_kl": 0.01})
     assert healthy.warnings == []
 
 
@@ -108,11 +108,11 @@ def test_console_tensorboard_wandb_and_curves(tmp_path, capsys) -> None:
 
 def test_state_dict_keeps_the_curves_across_a_resume(tmp_path) -> None:
     first = StatsLogger(_config(collapse_steps=2), str(tmp_path))
-    first.commit(0, {"reward/mean": 0.5, "reward/std": 0.0})
+    first.commit(0, {"reward_mean": 0.5, "reward_std": 0.0})
     state = first.state_dict()
     resumed = StatsLogger(_config(collapse_steps=2), str(tmp_path))
     resumed.load_state_dict(json.loads(json.dumps(state)))
-    resumed.commit(1, {"reward/mean": 0.7, "reward/std": 0.0})
-    assert resumed.history["reward/mean"] == [(0, 0.5), (1, 0.7)]
+    resumed.commit(1, {"reward_mean": 0.7, "reward_std": 0.0})
+    assert resumed.history["reward_mean"] == [(0, 0.5), (1, 0.7)]
     assert len(resumed.warnings) == 1, "the collapse streak continues across the resume"
     assert resumed.close() is not None
