@@ -90,7 +90,8 @@ def main(argv: list[str]) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
     eval_problems = addition_problems(cfg.task.n_eval, cfg.task.n_digits, seed=cfg.task.seed + 1)
-    train_problems = addition_problems(cfg.task.n_train_prompts, cfg.task.n_digits, seed=cfg.task.seed + 2)
+    held_out = {str(p["prompt"]) for p in eval_problems}
+    train_problems = addition_problems(cfg.task.n_train_prompts, cfg.task.n_digits, seed=cfg.task.seed + 2, exclude=held_out)
     dataloader = stateful_dataloader(train_problems, batch_size=cfg.train_dataset.batch_size, seed=cfg.seed)
 
     # One grader serves every episode.

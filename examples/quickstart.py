@@ -107,14 +107,6 @@ def held_out_problems(task: TaskConfig) -> list[dict[str, object]]:
     return addition_problems(task.n_eval, task.n_digits, seed=task.seed + 1)
 
 
-def problems_except(n: int, task: TaskConfig, seed: int, exclude: set[str]) -> list[dict[str, object]]:
-    """``n`` problems whose prompts are not in ``exclude``."""
-    draw = addition_problems(2 * n + 64, task.n_digits, seed=seed)
-    kept = [p for p in draw if p["prompt"] not in exclude][:n]
-    assert len(kept) == n, "the problem space is too small for the held-out set"
-    return kept
-
-
 def as_demonstrations(problems: list[dict[str, object]]) -> list[dict[str, object]]:
     return [{"prompt": p["prompt"], "completion": p["answer"]} for p in problems]
 
@@ -147,7 +139,7 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
     engine.initialize(FinetuneSpec(1, task.sft_steps * task.sft_batch_size, task.sft_batch_size))
     sft = SFTActor(engine_cfg, engine)
 
-    dev = problems_except(task.n_dev, task, task.seed + 2, held_out)
+    dev = addition_problems(task.n_dev, task.n_digits, task.seed + 2, exclude=held_out)
     judge = LocalInferenceEngine(replace(cfg.local_engine, path=base_dir), replace(cfg.rollout, max_head_offpolicyness=0))
     judge.initialize()
     engine.connect_engine(judge, WeightUpdateMeta(type="in_process"))
@@ -159,7 +151,7 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
     )
     t0 = time.time()
     for step in range(task.sft_steps):
-        problems = problems_except(task.sft_batch_size, task, task.seed + 1000 + step, held_out)
+        problems = addition_problems(task.sft_batch_size, task.n_digits, task.seed + 1000 + step, exclude=held_out)
         stats = sft.train_lm(sft_batch(tokenizer, as_demonstrations(problems)))
         if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
             engine.update_weights(WeightUpdateMeta(type="in_process"))
@@ -208,7 +200,7 @@ def main(argv: list[str]) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
-    train_problems = problems_except(cfg.task.n_train_prompts, cfg.task, cfg.task.seed + 3, held_out)
+    train_problems = addition_problems(cfg.task.n_train_prompts, cfg.task.n_digits, cfg.task.seed + 3, exclude=held_out)
 
     gconfig = replace(cfg.gconfig, n_samples=cfg.actor.group_size, stop_token_ids=[tokenizer.eos_token_id])
     # The verifier is a string comparison: run it in a thread rather than a worker process.

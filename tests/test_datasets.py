@@ -65,3 +65,12 @@ def test_preference_batch_puts_chosen_before_rejected(tokenizer) -> None:
     batch = preference_batch(tokenizer, [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 2)
     answers = [tokenizer.decode(row[mask.bool()]) for row, mask in zip(batch["input_ids"], batch["loss_mask"])]
     assert answers == ["2<|im_end|>", "3<|im_end|>"] * 2
+
+
+def test_addition_problems_exclude_held_out_prompts() -> None:
+    from areal_lite.utils.datasets import addition_problems
+
+    held_out = {str(p["prompt"]) for p in addition_problems(500, 1, seed=0)}  # most of the 100 one-digit sums
+    drawn = addition_problems(300, 1, seed=1, exclude=held_out - {"3+4="})
+    assert {p["prompt"] for p in drawn} <= {"3+4="} | ({f"{a}+{b}=" for a in range(10) for b in range(10)} - held_out)
+    assert all(p["answer"] == str(eval(str(p["prompt"])[:-1])) for p in drawn)

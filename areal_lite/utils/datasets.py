@@ -8,6 +8,8 @@ data_files=...)``. Batches follow the data contract (`areal_lite.api.engine`): r
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import glob
 import os
 import random
@@ -39,14 +41,19 @@ def gsm8k_item(row: dict[str, object], instruction: str = GSM8K_INSTRUCTION) -> 
     return {"messages": [{"role": "user", "content": f"{row['question']}\n{instruction}"}], "answer": final}
 
 
-def addition_problems(n: int, n_digits: int, seed: int) -> list[dict[str, object]]:
-    """``n`` problems ``{"prompt": "57+68=", "answer": "125"}`` with ``n_digits``-digit operands."""
+def addition_problems(n: int, n_digits: int, seed: int, exclude: Collection[str] = ()) -> list[dict[str, object]]:
+    """``n`` problems ``{"prompt": "57+68=", "answer": "125"}`` with ``n_digits``-digit operands,
+    none of whose prompts is in ``exclude`` (e.g. the held-out evaluation prompts)."""
     rng = random.Random(seed)
     hi = 10**n_digits - 1
+    if len(set(exclude)) >= (hi + 1) ** 2:
+        raise ValueError(f"every {n_digits}-digit problem is excluded")
     out: list[dict[str, object]] = []
-    for _ in range(n):
+    while len(out) < n:
         a, b = rng.randint(0, hi), rng.randint(0, hi)
-        out.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+        prompt = f"{a}+{b}="
+        if prompt not in exclude:
+            out.append({"prompt": prompt, "answer": str(a + b)})
     return out
 
 
