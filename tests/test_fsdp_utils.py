@@ -3,6 +3,8 @@ states, token alignment of packed predictions, and LR schedules."""
 
 from __future__ import annotations
 
+import itertools
+
 import math
 
 import pytest
@@ -48,16 +50,21 @@ def test_alignment_to_the_token() -> None:
     assert align_to_tokens(pred, cu).tolist() == [0.0, 1.0, 2.0, 0.0, 4.0]
 
 
-def test_varlen_attention_equals_block_causal_mask() -> None:
+@pytest.mark.parametrize("lens", [[5, 1, 9, 3], [7, 8, 6, 8, 7], [30, 2, 3]], ids=["loop", "padded", "long-tail"])
+def test_varlen_attention_equals_block_causal_mask(lens: list[int]) -> None:
+    # [7, 8, 6, 8, 7] takes the padded single-call path, the others the per-sequence loop.
     torch.manual_seed(0)
-    lens = [5, 1, 9, 3]
-    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
-    q, k, v = torch.randn(1, 4, 18, 8), torch.randn(1, 2, 18, 8), torch.randn(1, 2, 18, 8)
+    t = sum(lens)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    q, k, v = (torch.randn(1, h, t, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
     seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    allowed = (seq[:, None] == seq[None, :]) & torch.ones(18, 18, dtype=torch.bool).tril()
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    allowed = (seq[:, None] == seq[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True).transpose(1, 2)
     out, _ = varlen_sdpa_attention(torch.nn.Module().eval(), q, k, v, None, cu_seq_lens_q=cu)
-    torch.testing.assert_close(out, ref.transpose(1, 2))
+    torch.testing.assert_close(out, ref)
+    w = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="cu_seq_lens_q"):
         varlen_sdpa_attention(torch.nn.Module(), q, k, v, None)
 

@@ -5,7 +5,10 @@ Packed micro-batches hold many sequences in one row. transformers' built-in ``sd
 mask over the whole row, so attention costs ``T^2`` for ``T`` packed tokens. This attention
 function instead runs ``scaled_dot_product_attention`` (causal, no mask) on each sequence's slice,
 which costs ``sum(L_i^2)`` and cannot attend across sequences whatever the position ids. It is
-what flash-attention's varlen kernel does on CUDA, written with PyTorch ops.
+what flash-attention's varlen kernel does on CUDA, written with PyTorch ops. When the sequences
+are of similar length (padding them to the longest wastes at most ``PAD_WASTE`` x the work), they
+are gathered into one padded batch and run as a single masked SDPA call instead: many short
+sequences (RL completions on CPU) would otherwise cost one Python-level call each per layer.
 
 It needs the sequence boundaries as the ``cu_seq_lens_q`` keyword that transformers forwards from
 the model call to every attention layer (the name its flash-attention path uses). Registering
@@ -20,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 VARLEN_SDPA = "areal_varlen_sdpa"
+PAD_WASTE = 2.0
+"""Largest ``B * max(L)^2 / sum(L^2)`` for which the padded single-call path is used."""
 
 
 def varlen_sdpa_attention(
@@ -43,6 +48,10 @@ def varlen_sdpa_attention(
     gqa = query.shape[1] != key.shape[1]
     p = dropout if module.training else 0.0
     cu = bounds.tolist()
+    lens = [e - s for s, e in itertools.pairwise(cu)]
+    if len(lens) > 1 and len(lens) * max(lens) ** 2 <= PAD_WASTE * sum(n * n for n in lens):
+        out = _padded_sdpa(query, key, value, cu, lens, p, scaling, gqa)
+        return out.unsqueeze(0), None
     outs = [
         F.scaled_dot_product_attention(
             query[:, :, s:e],
@@ -56,6 +65,36 @@ def varlen_sdpa_attention(
         for s, e in itertools.pairwise(cu)
     ]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _padded_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu: list[int],
+    lens: list[int],
+    dropout_p: float,
+    scaling: float | None,
+    gqa: bool,
+) -> torch.Tensor:
+    """All sequences in one SDPA call over a ``[B, heads, max(L), dim]`` gather, with a causal mask
+    that also hides each sequence's padding keys (padding queries still see their sequence's first
+    key, so no row is empty, and are dropped). Returns ``[T, heads, dim]`` in packed order."""
+    device = query.device
+    width = max(lens)
+    pos = torch.arange(width, device=device)
+    lens_t = torch.tensor(lens, device=device)
+    valid = pos[None, :] < lens_t[:, None]  # [B, W]
+    idx = (torch.tensor(cu[:-1], device=device)[:, None] + pos[None, :]).clamp(max=cu[-1] - 1)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # [1, h, T, d] -> [B, h, W, d]
+        return x[0][:, idx].transpose(0, 1)
+
+    mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [B, W(query), W(key)]
+    out = F.scaled_dot_product_attention(
+        gather(query), gather(key), gather(value), attn_mask=mask[:, None], dropout_p=dropout_p, scale=scaling, enable_gqa=gqa
+    )
+    return out.transpose(1, 2)[valid]
 
 
 def register_varlen_sdpa() -> str:
