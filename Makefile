@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all demo bench clean
+.PHONY: install test test-all demo clean
 
 install: $(STAMP)
 
