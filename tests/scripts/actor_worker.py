@@ -86,6 +86,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save({"delta": delta, "stats": stats}, os.path.join(out, f"ppo_delta_w{dist.get_world_size()}.pt"))
     ppo_delta(model_dir, n_minibatches=2)
+    dist.barrier()  # no rank tears the group down while another still finishes its last collective
     dist.destroy_process_group()
 
 

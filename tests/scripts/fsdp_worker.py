@@ -268,6 +268,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(os.path.join(OUT, f"{'-'.join(CHECKS)}_w{dist.get_world_size()}.json"), "w") as f:
             json.dump(res, f)
+    dist.barrier()  # no rank tears the group down while another still finishes its last collective
     dist.destroy_process_group()
 
 

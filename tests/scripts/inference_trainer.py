@@ -106,7 +106,9 @@ def main() -> None:
             json.dump(report, f)
         rollout.destroy()
     engine.destroy()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears the group down while another still finishes its last collective
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

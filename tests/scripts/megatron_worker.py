@@ -217,6 +217,7 @@ def main() -> None:
     if rank == 0:
         with open(os.path.join(OUT, "checks.json"), "w") as f:
             json.dump(checks, f)
+    dist.barrier()  # no rank tears the group down while another still finishes its last collective
     dist.destroy_process_group()
 
 

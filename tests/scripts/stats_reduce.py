@@ -22,4 +22,5 @@ out = tracker.export()
 if rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump({"scalars": out.scalars, "histograms": out.histograms}, f)
+dist.barrier()  # no rank tears the group down while another still finishes its last collective
 dist.destroy_process_group()
