@@ -68,7 +68,7 @@ class TaskConfig:
     """Held-out problems for the before/after accuracy."""
     sft_steps: int = 1500
     """At most this many SFT warm-up steps on labelled problems."""
-    sft_target_acc: float = 0.3
+    sft_target_acc: float = 0.25
     """Stop SFT once greedy accuracy on the dev problems reaches this."""
     sft_eval_every: int = 25
     """Measure dev accuracy every this many SFT steps."""
