@@ -70,7 +70,7 @@ class TaskConfig:
     """At most this many SFT warm-up steps on labelled problems."""
     sft_target_acc: float = 0.25
     """Stop SFT once greedy accuracy on the dev problems reaches this."""
-    sft_eval_every: int = 25
+    sft_eval_every: int = 10
     """Measure dev accuracy every this many SFT steps."""
     n_dev: int = 200
     """Dev problems for the SFT stopping rule (separate from the held-out evaluation)."""
