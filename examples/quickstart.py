@@ -68,9 +68,9 @@ class TaskConfig:
     """Held-out problems for the before/after accuracy."""
     sft_steps: int = 1500
     """At most this many SFT warm-up steps on labelled problems."""
-    sft_target_acc: float = 0.25
+    sft_target_acc: float = 0.3
     """Stop SFT once greedy accuracy on the dev problems reaches this."""
-    sft_eval_every: int = 10
+    sft_eval_every: int = 25
     """Measure dev accuracy every this many SFT steps."""
     n_dev: int = 200
     """Dev problems for the SFT stopping rule (separate from the held-out evaluation)."""
