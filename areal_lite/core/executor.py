@@ -510,3 +510,32 @@ class WorkflowExecutor:
             self._cond.notify_all()
         assert self._wake is not None
         self._wake.set()
+
+
+class ExecutorRollouts:
+    """The rollout half of `InferenceEngine` (`submit`, `wait`, `rollout_batch`, `prepare_batch`),
+    handed to ``self.executor``, a `WorkflowExecutor` the engine starts in ``initialize``. List it
+    before `InferenceEngine` in an engine's bases."""
+
+    executor: WorkflowExecutor | None = None
+
+    def _executor(self) -> WorkflowExecutor:
+        if self.executor is None:
+            raise RuntimeError("call initialize() before submitting rollouts")
+        return self.executor
+
+    def submit(self, data: dict[str, object], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> None:
+        self._executor().submit(data, workflow, should_accept)
+
+    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
+        return self._executor().wait(count, timeout=timeout)
+
+    def rollout_batch(
+        self, data: list[dict[str, object]], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
+    ) -> TensorDict:
+        return self._executor().rollout_batch(data, workflow, should_accept)
+
+    def prepare_batch(
+        self, dataloader: object, workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
+    ) -> TensorDict:
+        return self._executor().prepare_batch(dataloader, workflow, should_accept)

@@ -32,20 +32,15 @@ import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
-from areal_lite.api.engine import AcceptFn, InferenceEngine
+from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdateMeta
+from areal_lite.core.executor import ExecutorRollouts
 from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
-
-if TYPE_CHECKING:
-    from tensordict import TensorDict
-
-    from areal_lite.api.workflow import RolloutWorkflow
 
 logger = logging.getLogger(__name__)
 
@@ -466,7 +461,7 @@ def _dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
-class LocalInferenceEngine(InferenceEngine):
+class LocalInferenceEngine(ExecutorRollouts, InferenceEngine):
     """Generation in this process on a HF causal LM (CPU or CUDA), with continuous batching.
 
     `agenerate` may be awaited from any event loop and any thread. Rollout orchestration
@@ -925,26 +920,6 @@ class LocalInferenceEngine(InferenceEngine):
         if self.executor is not None:
             self.executor.resume()
 
-    def _executor(self):
-        if self.executor is None:
-            raise RuntimeError("call initialize() before submitting rollouts")
-        return self.executor
-
-    def submit(self, data: dict[str, object], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> None:
-        self._executor().submit(data, workflow, should_accept)
-
-    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
-        return self._executor().wait(count, timeout=timeout)
-
-    def rollout_batch(
-        self, data: list[dict[str, object]], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
-    ) -> TensorDict:
-        return self._executor().rollout_batch(data, workflow, should_accept)
-
-    def prepare_batch(
-        self, dataloader: object, workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
-    ) -> TensorDict:
-        return self._executor().prepare_batch(dataloader, workflow, should_accept)
 
 
 __all__ = ["GenerationError", "GenerationResult", "LocalInferenceEngine", "SamplingParams"]

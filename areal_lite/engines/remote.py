@@ -27,18 +27,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Coroutine
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import aiohttp
 
 from areal_lite.api.config import InferenceEngineConfig
-from areal_lite.api.engine import AcceptFn, InferenceEngine
+from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
-
-if TYPE_CHECKING:
-    from tensordict import TensorDict
-
-    from areal_lite.api.workflow import RolloutWorkflow
+from areal_lite.core.executor import ExecutorRollouts
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +58,7 @@ def _parse_version(value: object, fallback: int) -> int:
         return fallback
 
 
-class RemoteSGLangEngine(InferenceEngine):
+class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
     """`InferenceEngine` over HTTP servers listed in ``config.addresses`` (``host:port``)."""
 
     def __init__(self, config: InferenceEngineConfig) -> None:
@@ -431,23 +426,3 @@ class RemoteSGLangEngine(InferenceEngine):
         if self.executor is not None:
             self.executor.resume()
 
-    def _executor(self):
-        if self.executor is None:
-            raise RuntimeError("call initialize() before submitting rollouts")
-        return self.executor
-
-    def submit(self, data: dict[str, object], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> None:
-        self._executor().submit(data, workflow, should_accept)
-
-    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
-        return self._executor().wait(count, timeout=timeout)
-
-    def rollout_batch(
-        self, data: list[dict[str, object]], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
-    ) -> TensorDict:
-        return self._executor().rollout_batch(data, workflow, should_accept)
-
-    def prepare_batch(
-        self, dataloader: object, workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
-    ) -> TensorDict:
-        return self._executor().prepare_batch(dataloader, workflow, should_accept)

@@ -8,11 +8,10 @@ data_files=...)``. Batches follow the data contract (`areal_lite.api.engine`): r
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
 import glob
 import os
 import random
+from collections.abc import Collection
 
 import torch
 from tensordict import TensorDict
