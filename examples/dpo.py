@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from tensordict import TensorDict
 
 from areal_lite.actors.dpo import DPOActor
 from areal_lite.api.config import BaseExperimentConfig, DPOConfig, TrainEngineConfig, load_config
 from areal_lite.api.io import FinetuneSpec
 from areal_lite.engines import make_train_engine
-from areal_lite.utils.dataloader import stateful_dataloader
+from areal_lite.utils.dataloader import endless, stateful_dataloader
 from areal_lite.utils.datasets import addition_problems, load_rows, preference_batch
 from areal_lite.utils.evaluator import Evaluator
 from areal_lite.utils.recover import RecoverHandler
@@ -70,12 +68,6 @@ def addition_pairs(n: int, n_digits: int, seed: int) -> list[dict[str, object]]:
         wrong = int(p["answer"]) + rng.choice([-10, -1, 1, 10])  # type: ignore[call-overload]
         pairs.append({"prompt": p["prompt"], "chosen": p["answer"], "rejected": str(abs(wrong))})
     return pairs
-
-
-def batches(dataloader: object) -> Iterator[TensorDict]:
-    """The loader's batches, epoch after epoch (a resumed loader continues where it stopped)."""
-    while True:
-        yield from dataloader  # type: ignore[misc]
 
 
 def main(argv: list[str]) -> None:
@@ -122,7 +114,7 @@ def main(argv: list[str]) -> None:
     else:
         start_step, before = info.next_step.global_step, info.extra["before"]
 
-    data = batches(dataloader)
+    data = endless(dataloader)
     for global_step in range(start_step, total_steps):
         step = StepInfo.at(global_step, len(dataloader))
         stats = dpo.train_dpo(next(data))

@@ -31,7 +31,6 @@ from areal_lite.api.config import (
     PPOActorConfig,
     load_config,
 )
-from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import FinetuneSpec, GenerationConfig
 from areal_lite.engines import make_train_engine
 from areal_lite.rewards import RewardRunner, math_answer_reward
@@ -39,7 +38,7 @@ from areal_lite.utils.dataloader import stateful_dataloader
 from areal_lite.utils.datasets import gsm8k_item, load_rows
 from areal_lite.utils.evaluator import Evaluator
 from areal_lite.utils.recover import RecoverHandler
-from areal_lite.utils.rollout import make_rollout
+from areal_lite.utils.rollout import make_rollout, mean_reward
 from areal_lite.utils.saver import Saver
 from areal_lite.utils.stats import StatsTracker
 from areal_lite.utils.stats_logger import StatsLogger
@@ -73,11 +72,6 @@ def load_gsm8k(path: str, tokenizer: object, max_length: int | None, enable_thin
     return [
         it for it in items if len(encode_chat(tokenizer, it["messages"], enable_thinking=enable_thinking)) <= max_length
     ]  # type: ignore[arg-type]
-
-
-def evaluate(rollout: InferenceEngine, workflow: RLVRWorkflow, items: list[dict[str, object]]) -> float:
-    """Greedy accuracy on held-out questions."""
-    return float(rollout.rollout_batch(items, workflow)["rewards"].float().mean())
 
 
 def main(argv: list[str]) -> None:
@@ -157,7 +151,7 @@ def main(argv: list[str]) -> None:
             stats_logger=stats_logger,
             extra={"rollout": rollout.executor.state_dict()},
         )
-        acc = evaluator.evaluate(lambda: evaluate(rollout, eval_workflow, eval_items), step) if eval_items else None
+        acc = evaluator.evaluate(lambda: mean_reward(rollout, eval_workflow, eval_items), step) if eval_items else None
         tracker.dist("rollout/staleness", rollout.executor.last_batch_staleness)
         stats_logger.commit(
             global_step,
@@ -167,7 +161,7 @@ def main(argv: list[str]) -> None:
             {} if acc is None else {"eval/accuracy": acc},
         )
 
-    final_acc = evaluate(rollout, eval_workflow, eval_items) if eval_items else float("nan")
+    final_acc = mean_reward(rollout, eval_workflow, eval_items) if eval_items else float("nan")
     stats_logger.close()
     rollout.destroy()
     actor.engine.destroy()

@@ -30,7 +30,6 @@ from areal_lite.api.config import (
     PPOActorConfig,
     load_config,
 )
-from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import FinetuneSpec, GenerationConfig
 from areal_lite.engines import make_train_engine
 from areal_lite.rewards import RewardRunner, exact_answer_reward
@@ -38,7 +37,7 @@ from areal_lite.utils.dataloader import stateful_dataloader
 from areal_lite.utils.datasets import addition_problems
 from areal_lite.utils.evaluator import Evaluator
 from areal_lite.utils.recover import RecoverHandler
-from areal_lite.utils.rollout import make_rollout
+from areal_lite.utils.rollout import make_rollout, mean_reward
 from areal_lite.utils.saver import Saver
 from areal_lite.utils.stats_logger import StatsLogger
 from areal_lite.utils.step import StepInfo
@@ -76,11 +75,6 @@ class MultiTurnConfig(BaseExperimentConfig):
     """Sampling of each turn (``max_new_tokens`` per turn)."""
     weight_update: str = "disk"
     """How weights reach remote servers: disk or distributed (launcher.backend=local copies in process)."""
-
-
-def evaluate(rollout: InferenceEngine, workflow: MultiTurnWorkflow, problems: list[dict[str, object]]) -> float:
-    """Mean discounted episode reward of greedy answers on held-out questions."""
-    return float(rollout.rollout_batch(problems, workflow)["rewards"].float().mean())
 
 
 def main(argv: list[str]) -> None:
@@ -129,7 +123,7 @@ def main(argv: list[str]) -> None:
         weight_update_meta=weight_meta,
     )
     if info is None:
-        start_step, reward_before = 0, evaluate(rollout, eval_workflow, eval_problems)
+        start_step, reward_before = 0, mean_reward(rollout, eval_workflow, eval_problems)
     else:
         start_step, reward_before = info.next_step.global_step, float(info.extra["reward_before"])  # type: ignore[arg-type]
         rollout.executor.load_state_dict(info.extra["rollout"])
@@ -157,12 +151,12 @@ def main(argv: list[str]) -> None:
             stats_logger=stats_logger,
             extra={"reward_before": reward_before, "rollout": rollout.executor.state_dict()},
         )
-        score = evaluator.evaluate(lambda: evaluate(rollout, eval_workflow, eval_problems), step)
+        score = evaluator.evaluate(lambda: mean_reward(rollout, eval_workflow, eval_problems), step)
         stats_logger.commit(
             global_step, stats, rollout.executor.stats(), {} if score is None else {"eval/reward": score}
         )
 
-    reward_after = evaluate(rollout, eval_workflow, eval_problems)
+    reward_after = mean_reward(rollout, eval_workflow, eval_problems)
     stats_logger.close()
     rollout.destroy()
     actor.engine.destroy()

@@ -38,7 +38,6 @@ from areal_lite.api.config import (
     TrainEngineConfig,
     load_config,
 )
-from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import FinetuneSpec, GenerationConfig, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.engines import make_train_engine
 from areal_lite.rewards.format import exact_answer_reward
@@ -47,7 +46,7 @@ from areal_lite.utils.dataloader import stateful_dataloader
 from areal_lite.utils.datasets import addition_problems, sft_batch
 from areal_lite.utils.evaluator import Evaluator
 from areal_lite.utils.recover import RecoverHandler
-from areal_lite.utils.rollout import make_rollout
+from areal_lite.utils.rollout import make_rollout, mean_reward
 from areal_lite.utils.saver import Saver
 from areal_lite.utils.stats import StatsTracker
 from areal_lite.utils.stats_logger import StatsLogger
@@ -155,7 +154,7 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
         stats = sft.train_lm(sft_batch(tokenizer, as_demonstrations(problems)))
         if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
             engine.update_weights(WeightUpdateMeta(type="in_process"))
-            acc = evaluate(judge, greedy, dev)
+            acc = mean_reward(judge, greedy, dev)
             print(f"[sft] step {step + 1} loss {stats['loss']:.3f} dev greedy accuracy {acc:.3f} ({time.time() - t0:.0f}s)", flush=True)
             if acc >= task.sft_target_acc:
                 break
@@ -165,12 +164,6 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
 
 
 # ---------------------------------------------------------------------------------- RL
-
-
-def evaluate(rollout: InferenceEngine, workflow: RLVRWorkflow, problems: list[dict[str, object]]) -> float:
-    """Greedy accuracy on held-out problems (the mean verifier reward)."""
-    batch = rollout.rollout_batch(problems, workflow)
-    return float(batch["rewards"].float().mean())
 
 
 def job_start_time(output_dir: str) -> float:
@@ -240,7 +233,7 @@ def main(argv: list[str]) -> None:
         print(f"[quickstart] resumed after step {start_step}", flush=True)
     else:
         start_step = 0
-        acc_before = evaluate(rollout, eval_workflow, eval_problems)
+        acc_before = mean_reward(rollout, eval_workflow, eval_problems)
         print(f"[quickstart] held-out greedy accuracy after SFT: {acc_before:.3f}", flush=True)
 
     t_rl = time.time()
@@ -261,12 +254,12 @@ def main(argv: list[str]) -> None:
             rollout.resume()
         saver.save(actor.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
         recover.dump(actor.engine, step, dataloader=dataloader, stats_logger=stats_logger, extra={"acc_before": acc_before, "rollout": rollout.executor.state_dict()})
-        acc = evaluator.evaluate(lambda: evaluate(rollout, eval_workflow, eval_problems), step)
+        acc = evaluator.evaluate(lambda: mean_reward(rollout, eval_workflow, eval_problems), step)
         tracker.dist("rollout/staleness", rollout.executor.last_batch_staleness)
         stats_logger.commit(global_step, stats, rollout.executor.stats(), tracker.export(), {} if acc is None else {"eval/accuracy": acc})
 
     print(f"[quickstart] RL: {total_steps - start_step} steps in {time.time() - t_rl:.1f}s", flush=True)
-    acc_after = evaluate(rollout, eval_workflow, eval_problems)
+    acc_after = mean_reward(rollout, eval_workflow, eval_problems)
     minutes = (time.time() - t_start) / 60
     stats_logger.close()
     rollout.destroy()

@@ -27,7 +27,6 @@ from areal_lite.api.config import (
     PPOActorConfig,
     load_config,
 )
-from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import FinetuneSpec, GenerationConfig
 from areal_lite.engines import make_train_engine
 from areal_lite.rewards import RewardRunner, exact_answer_reward
@@ -35,7 +34,7 @@ from areal_lite.utils.dataloader import stateful_dataloader
 from areal_lite.utils.datasets import addition_problems
 from areal_lite.utils.evaluator import Evaluator
 from areal_lite.utils.recover import RecoverHandler
-from areal_lite.utils.rollout import make_rollout
+from areal_lite.utils.rollout import make_rollout, mean_reward
 from areal_lite.utils.saver import Saver
 from areal_lite.utils.stats_logger import StatsLogger
 from areal_lite.utils.step import StepInfo
@@ -66,11 +65,6 @@ class ReMaxConfig(BaseExperimentConfig):
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     weight_update: str = "disk"
     """How weights reach remote servers: disk or distributed (launcher.backend=local copies in process)."""
-
-
-def evaluate(rollout: InferenceEngine, workflow: RLVRWorkflow, problems: list[dict[str, object]]) -> float:
-    """Greedy accuracy on held-out problems."""
-    return float(rollout.rollout_batch(problems, workflow)["rewards"].float().mean())
 
 
 def main(argv: list[str]) -> None:
@@ -112,7 +106,7 @@ def main(argv: list[str]) -> None:
         weight_update_meta=weight_meta,
     )
     if info is None:
-        start_step, acc_before = 0, evaluate(rollout, eval_workflow, eval_problems)
+        start_step, acc_before = 0, mean_reward(rollout, eval_workflow, eval_problems)
     else:
         start_step, acc_before = info.next_step.global_step, float(info.extra["acc_before"])  # type: ignore[arg-type]
         rollout.executor.load_state_dict(info.extra["rollout"])
@@ -139,10 +133,10 @@ def main(argv: list[str]) -> None:
             stats_logger=stats_logger,
             extra={"acc_before": acc_before, "rollout": rollout.executor.state_dict()},
         )
-        acc = evaluator.evaluate(lambda: evaluate(rollout, eval_workflow, eval_problems), step)
+        acc = evaluator.evaluate(lambda: mean_reward(rollout, eval_workflow, eval_problems), step)
         stats_logger.commit(global_step, stats, rollout.executor.stats(), {} if acc is None else {"eval/accuracy": acc})
 
-    acc_after = evaluate(rollout, eval_workflow, eval_problems)
+    acc_after = mean_reward(rollout, eval_workflow, eval_problems)
     stats_logger.close()
     rollout.destroy()
     actor.engine.destroy()

@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from tensordict import TensorDict
 
 from areal_lite.actors.sft import SFTActor
 from areal_lite.api.config import BaseExperimentConfig, TrainEngineConfig, load_config
 from areal_lite.api.io import FinetuneSpec
 from areal_lite.engines import make_train_engine
-from areal_lite.utils.dataloader import stateful_dataloader
+from areal_lite.utils.dataloader import endless, stateful_dataloader
 from areal_lite.utils.datasets import addition_problems, load_rows, sft_batch
 from areal_lite.utils.evaluator import Evaluator
 from areal_lite.utils.recover import RecoverHandler
@@ -71,12 +69,6 @@ def demonstrations(path: str, n: int, task: TaskConfig, seed: int) -> list[dict[
     if path:
         return load_rows(path)
     return [{"prompt": p["prompt"], "completion": p["answer"]} for p in addition_problems(n, task.n_digits, seed)]
-
-
-def batches(dataloader: object) -> Iterator[TensorDict]:
-    """The loader's batches, epoch after epoch (a resumed loader continues where it stopped)."""
-    while True:
-        yield from dataloader  # type: ignore[misc]
 
 
 def main(argv: list[str]) -> None:
@@ -124,7 +116,7 @@ def main(argv: list[str]) -> None:
     else:
         start_step, before = info.next_step.global_step, info.extra["before"]
 
-    data = batches(dataloader)
+    data = endless(dataloader)
     for global_step in range(start_step, total_steps):
         step = StepInfo.at(global_step, len(dataloader))
         stats = sft.train_lm(next(data))

@@ -11,7 +11,7 @@ all it takes to resume exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
@@ -96,3 +96,9 @@ def stateful_dataloader(
     """
     sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
     return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, collate_fn=collate_fn)
+
+
+def endless(dataloader: Iterable[object]) -> Iterator[object]:
+    """The loader's batches, epoch after epoch (a resumed loader continues where it stopped)."""
+    while True:
+        yield from dataloader

@@ -14,6 +14,7 @@ from dataclasses import replace
 from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import WeightUpdateMeta
+from areal_lite.api.workflow import RolloutWorkflow
 
 
 def make_rollout(
@@ -46,3 +47,9 @@ def make_rollout(
             raise ValueError(f"weight_update must be disk or distributed for remote servers, got {weight_update!r}")
     engine.initialize()
     return engine, meta
+
+
+def mean_reward(rollout: InferenceEngine, workflow: RolloutWorkflow, items: list[dict[str, object]]) -> float:
+    """Mean reward of ``workflow`` over ``items``, run now outside the staleness accounting: with a
+    greedy workflow and a verifier, the held-out accuracy."""
+    return float(rollout.rollout_batch(items, workflow)["rewards"].float().mean())
