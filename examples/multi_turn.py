@@ -131,7 +131,6 @@ def main(argv: list[str]) -> None:
     for global_step in range(start_step, total_steps):
         step = StepInfo.at(global_step, len(dataloader))
         batch = rollout.prepare_batch(dataloader, workflow=workflow)
-        batch["prox_logp"] = actor.compute_logp(batch)
         actor.compute_advantages(batch)
         stats = actor.ppo_update(batch)
         actor.step_lr_scheduler()

@@ -121,7 +121,6 @@ def main(argv: list[str]) -> None:
     for global_step in range(start_step, total_steps):
         step = StepInfo.at(global_step, len(dataloader))
         batch = rollout.prepare_batch(dataloader, workflow=workflow)
-        batch["prox_logp"] = actor.compute_logp(batch)
         batch["values"] = critic.compute_values(batch)
         actor.compute_advantages(batch)  # GAE: adds "advantages" and "returns"
         stats = actor.ppo_update(batch)

@@ -242,7 +242,6 @@ def main(argv: list[str]) -> None:
         with tracker.timer("rollout"):
             batch = rollout.prepare_batch(dataloader, workflow=workflow)
         with tracker.timer("train"):
-            batch["prox_logp"] = actor.compute_logp(batch)
             actor.compute_advantages(batch)
             stats = actor.ppo_update(batch)
             actor.step_lr_scheduler()

@@ -121,6 +121,34 @@ def test_ppo_first_minibatch_equals_policy_gradient(model_dir):
         assert_same_update(deltas(before, e_ppo), deltas(before, e_pg))
 
 
+def test_single_minibatch_takes_the_proximal_logp_from_the_update_itself(model_dir):
+    """With one minibatch, ppo_update without ``prox_logp`` runs no extra forward pass and makes
+    the same update and the same importance-weight statistics as with recomputed ``prox_logp``."""
+    cfg = PPOActorConfig(path=model_dir, optimizer=SGD_LIKE, group_size=4, behav_imp_weight_cap=1.3)
+    with engines(cfg, cfg) as (e_given, e_own):
+        batch = make_batch(8, seed=3)
+        given = PPOActor(cfg, e_given)
+        current = given.compute_logp(batch)
+        noise = 0.4 * torch.randn(current.shape, generator=torch.Generator().manual_seed(0))
+        batch["logprobs"] = current + noise * batch["loss_mask"]  # an older behaviour policy
+        given.compute_advantages(batch)
+        own_batch = batch.clone()
+        batch["prox_logp"] = given.compute_logp(batch)
+        before = params(e_given)
+        stats_given = given.ppo_update(batch)
+
+        def no_forward(*args, **kwargs):
+            raise AssertionError("the proximal log-probs should come from the update's own forward pass")
+
+        e_own.forward = no_forward
+        stats_own = PPOActor(cfg, e_own).ppo_update(own_batch)
+        assert_same_update(deltas(before, e_given), deltas(before, e_own))
+        assert 0 < stats_given["importance_weight_capped_frac"] < 1
+        for key in ("loss", "importance_weight_mean", "importance_weight_max", "importance_weight_min",
+                    "importance_weight_capped_frac", "clip_frac", "approx_kl"):  # fmt: skip
+            assert stats_own[key] == pytest.approx(stats_given[key], rel=1e-5, abs=1e-6), key
+
+
 def test_tangent_update_equals_training_on_the_loss(model_dir):
     cfg = TrainEngineConfig(path=model_dir, optimizer=SGD_LIKE, mb_spec=MicroBatchSpec(n_mbs=3))
     with engines(cfg, cfg) as (e_tan, e_loss):

@@ -6,9 +6,8 @@ and dual clip), GSPO or REINFORCE; with GRPO, Dr. GRPO, RLOO, ReMax, REINFORCE++
 advantages. It calls only ``engine.forward`` and ``engine.train_batch``, so it runs unchanged on
 FSDP and Megatron. The loop it serves (DESIGN.md)::
 
-    batch["prox_logp"] = actor.compute_logp(batch)
     actor.compute_advantages(batch)     # adds "advantages" (and "returns" for GAE) [B, L]
-    stats = actor.ppo_update(batch)
+    stats = actor.ppo_update(batch)     # proximal log-probs: see `PPOActor.ppo_update`
     actor.step_lr_scheduler()
 
 Batch-level statistics (``adv_norm_level="batch"``, REINFORCE++ whitening) are taken over the
@@ -172,6 +171,8 @@ class PPOActor:
         self.advantage_fn = advantage_fn or F.pick(ADVANTAGE_ESTIMATORS, config.adv_estimator, "advantage estimator")
         self.aggregation = F.pick(F.AGGREGATIONS, config.loss_agg, "loss aggregation")
         self.kl_estimator = F.pick(F.KL_ESTIMATORS, config.kl_estimator, "KL estimator")
+        self._importance_weights: list[torch.Tensor] | None = None
+        """Set during ``ppo_update``: exp(prox - behav) of each micro-batch's loss tokens."""
 
     # ---------------------------------------------------------------- before the update
 
@@ -238,7 +239,13 @@ class PPOActor:
         """The per-micro-batch loss given to ``engine.train_batch``."""
         cfg = self.config
         mask, cu = mb["loss_mask"].bool(), mb["cu_seqlens"]  # type: ignore[union-attr]
-        prox, behav = mb["prox_logp"], mb["behav_logp"]
+        if "prox_logp" in mb:
+            prox = mb["prox_logp"]
+        else:  # one optimizer step per batch: the policy being updated is the proximal policy
+            prox = logp.detach()
+        behav = mb["behav_logp"] if "behav_logp" in mb else prox
+        if self._importance_weights is not None:
+            self._importance_weights.append(torch.exp(prox - behav)[mask])
         per_token, token_stats = self.policy_loss(logp, prox, behav, mb["advantages"], mask, cu)
         if cfg.entropy_coeff:
             per_token = per_token - cfg.entropy_coeff * entropy
@@ -257,32 +264,46 @@ class PPOActor:
     def ppo_update(self, batch: TensorDict) -> dict[str, float]:
         """``ppo_n_minibatches`` optimizer steps on a batch with ``advantages``; groups of
         ``group_size`` stay in one minibatch. Returns the statistics of the update (means over
-        minibatches) and of the batch (importance weights, advantages, rewards, tokens)."""
+        minibatches) and of the batch (importance weights, advantages, rewards, tokens).
+
+        The proximal log-probabilities of decoupled PPO are ``batch["prox_logp"]`` when the caller
+        set them; otherwise, with ``recompute_logprob``, the policy's own log-probabilities before
+        the update. With one minibatch those are the log-probabilities of the very forward pass
+        that computes the loss (no optimizer step comes between), so they are taken from it,
+        detached, instead of from a second forward pass over the batch: same values, a third less
+        compute. With several minibatches they are recomputed first (``compute_logp``)."""
         cfg = self.config
         if "advantages" not in batch.keys():
             raise ValueError("ppo_update needs batch['advantages']: call compute_advantages first")
-        if "prox_logp" in batch.keys():
-            prox = batch["prox_logp"]
-        elif cfg.recompute_logprob:
-            prox = self.compute_logp(batch)
-        else:
-            prox = batch["logprobs"]
         data = batch.clone(recurse=False)
-        data["prox_logp"] = prox
-        data["behav_logp"] = batch["logprobs"] if cfg.use_decoupled_loss else prox
-        stats = mean_stats(
-            [
-                self.engine.train_batch(mb, self.loss_fn, self.loss_weight)
-                for mb in minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)
-            ]
-        )
-        stats.update(self.batch_stats(data))
+        if "prox_logp" in batch.keys():
+            pass
+        elif not cfg.recompute_logprob:
+            data["prox_logp"] = batch["logprobs"]
+        elif cfg.ppo_n_minibatches > 1:
+            data["prox_logp"] = self.compute_logp(batch)
+        if cfg.use_decoupled_loss:
+            data["behav_logp"] = batch["logprobs"]
+        elif "prox_logp" in data.keys():
+            data["behav_logp"] = data["prox_logp"]
+        self._importance_weights = []
+        try:
+            stats = mean_stats(
+                [
+                    self.engine.train_batch(mb, self.loss_fn, self.loss_weight)
+                    for mb in minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)
+                ]
+            )
+            weights = torch.cat(self._importance_weights) if self._importance_weights else torch.zeros(0)
+        finally:
+            self._importance_weights = None
+        stats.update(self.batch_stats(data, weights))
         return stats
 
-    def batch_stats(self, data: TensorDict) -> dict[str, float]:
-        """Importance-weight, advantage, reward and token statistics of a prepared batch."""
+    def batch_stats(self, data: TensorDict, w: torch.Tensor) -> dict[str, float]:
+        """Importance-weight (``w``: exp(prox - behav) of the loss tokens), advantage, reward and
+        token statistics of a prepared batch."""
         mask = packed_view(data, "loss_mask").bool()
-        w = torch.exp(packed_view(data, "prox_logp") - packed_view(data, "behav_logp"))[mask]
         adv = packed_view(data, "advantages")
         cap = self.config.behav_imp_weight_cap
         rewards = data["rewards"].float()
