@@ -4,6 +4,7 @@ requests are released by events), dynamic sampling, workflow errors, timeouts, r
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 from collections import Counter
@@ -470,3 +471,32 @@ def test_staleness_ignores_padding() -> None:
     )
     batch = concat_padded([short, long])  # the short row is padded with version 0
     assert trajectory_staleness(batch, 8) == [1, 2]
+
+
+class Affinity(RolloutWorkflow):
+    """Records the cores its episodes run on (the executor's thread and what it started)."""
+
+    seen: list[set[int]] = []
+
+    async def arun_episode(self, engine, data: dict[str, object]) -> TensorDict | None:
+        on_loop = os.sched_getaffinity(0)
+        in_thread = await asyncio.get_running_loop().run_in_executor(None, os.sched_getaffinity, 0)
+        Affinity.seen += [on_loop, in_thread]
+        return await OneShot().arun_episode(engine, data)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread pinning is Linux-only")
+def test_client_cores_pin_the_executor_threads_not_the_caller() -> None:
+    last = (os.cpu_count() or 1) - 1
+    mine = os.sched_getaffinity(0)
+    engine = GatedEngine()
+    ex = make(engine, consumer_batch_size=2, client_cores=[last])
+    try:
+        assert len(ex.rollout_batch([{"i": 0}, {"i": 1}], Affinity())) == 2
+        assert Affinity.seen and all(cores == {last} for cores in Affinity.seen)
+        assert os.sched_getaffinity(0) == mine
+    finally:
+        engine.close()
+        ex.destroy()
+    with pytest.raises(ValueError, match=r"rollout.client_cores=\[99999\]"):
+        make(GatedEngine(), client_cores=[99999])

@@ -74,6 +74,26 @@ async def probe(address: str) -> None:
         assert r.status == 200
 
 
+def perturbed_copy(model_path: str, out: str) -> torch.nn.Module:
+    """A copy of the model with noise added to every weight, saved to ``out``."""
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return model
+
+
+def assert_switched_models(req: ModelRequest, resp, model, new_model, n: int) -> None:
+    """``n`` tokens, the first from version 0 (scored by ``model``), the rest from version 1."""
+    switch = resp.output_versions.index(1)
+    assert 0 < switch < n and resp.output_versions == [0] * switch + [1] * (n - switch)
+    lp = torch.tensor(resp.output_logprobs)
+    torch.testing.assert_close(lp[:switch], hf_logprobs(model, req.input_ids, resp.output_tokens)[:switch], atol=1e-4, rtol=0)
+    torch.testing.assert_close(lp[switch:], hf_logprobs(new_model, req.input_ids, resp.output_tokens)[switch:], atol=1e-4, rtol=0)
+
+
 def test_generation_logprobs_routing_and_mid_generation_update(servers, model_path: str, tmp_path) -> None:
     _, addresses = servers
     engine = client(addresses)
@@ -102,12 +122,7 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, model_pa
         asyncio.run(engine.agenerate(again))
         assert engine.assigned_server(again.rid) == engine.assigned_server(reqs[0].rid)
 
-        new_model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in new_model.parameters():
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-        new_model.save_pretrained(str(tmp_path / "v1"))
+        new_model = perturbed_copy(model_path, str(tmp_path / "v1"))
         long = [
             ModelRequest(input_ids=[9, 10 + i], gconfig=GenerationConfig(max_new_tokens=300, ignore_eos=True))
             for i in range(4)
@@ -124,16 +139,44 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, model_pa
             return await asyncio.gather(*tasks)
 
         for req, resp in zip(long, asyncio.run(update_mid_generation())):
-            switch = resp.output_versions.index(1)
-            assert 0 < switch < 300 and resp.output_versions == [0] * switch + [1] * (300 - switch)
-            lp = torch.tensor(resp.output_logprobs)
-            torch.testing.assert_close(
-                lp[:switch], hf_logprobs(model, req.input_ids, resp.output_tokens)[:switch], atol=1e-4, rtol=0
-            )
-            torch.testing.assert_close(
-                lp[switch:], hf_logprobs(new_model, req.input_ids, resp.output_tokens)[switch:], atol=1e-4, rtol=0
-            )
+            assert_switched_models(req, resp, model, new_model, 300)
         assert engine.get_version() == 1
+    finally:
+        engine.destroy()
+
+
+def test_batch_requests_go_to_one_server_and_resume_across_an_update(servers, model_path: str, tmp_path) -> None:
+    """agenerate_batch (a GRPO group) sends one batch request; its generations, interrupted by a
+    weight update, resume one by one and end with tokens of both versions, each scored right."""
+    _, addresses = servers
+    engine = client(addresses)
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    new_model = perturbed_copy(model_path, str(tmp_path / "v1"))
+    try:
+        reset_weights(engine, model_path)
+        gconfig = GenerationConfig(max_new_tokens=200, ignore_eos=True)
+        groups = [[ModelRequest(input_ids=[6, 20 + g], gconfig=gconfig) for _ in range(4)] for g in range(2)]
+
+        async def update_mid_generation():
+            tasks = [asyncio.ensure_future(engine.agenerate_batch(group)) for group in groups]
+            for a in addresses:
+                while not await running_on(a):
+                    await asyncio.sleep(0.005)
+            await asyncio.gather(*[probe(a) for a in addresses])
+            await asyncio.wrap_future(engine.update_weights(WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"), version=1)))
+            return await asyncio.gather(*tasks)
+
+        results = asyncio.run(update_mid_generation())
+        servers_used = []
+        for group, resps in zip(groups, results):
+            assert [r.rid for r in resps] == [r.rid for r in group]
+            assert len({engine.assigned_server(r.rid) for r in group}) == 1  # one batch, one server
+            servers_used.append(engine.assigned_server(group[0].rid))
+            for req, resp in zip(group, resps):
+                assert resp.stop_reason == "length"
+                assert_switched_models(req, resp, model, new_model, 200)
+        assert sorted(servers_used) == sorted(addresses)  # the second group went to the idle server
+        assert len({tuple(r.output_tokens) for r in results[0]}) > 1  # samples, not copies
     finally:
         engine.destroy()
 
@@ -209,12 +252,14 @@ def test_server_killed_mid_run_loses_no_request(servers, model_path: str) -> Non
         ]
 
         async def scenario():
-            tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs]
+            # Half as single requests, half as two batch requests (GRPO groups of 4).
+            tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs[:8]]
+            batches = [asyncio.ensure_future(engine.agenerate_batch(reqs[i : i + 4])) for i in (8, 12)]
             for a in addresses:
                 while not await running_on(a):
                     await asyncio.sleep(0.005)
             procs[0].send_signal(signal.SIGKILL)
-            return await asyncio.gather(*tasks)
+            return await asyncio.gather(*tasks) + [r for group in await asyncio.gather(*batches) for r in group]
 
         results = asyncio.run(scenario())
         assert sorted(r.rid for r in results) == sorted(r.rid for r in reqs)

@@ -222,6 +222,10 @@ class InferenceEngineConfig:
     """Bearer token for servers started with --api-key."""
     pause_mode: str = "abort"
     """How servers pause for weight updates: abort (resume as prompt + generated) or in_place."""
+    client_cores: list[int] = field(default_factory=list)
+    """CPU cores for the rollout client's threads in the trainer process (executor loop, HTTP
+    client loop, reward threads); empty = no pinning. On a small CPU machine, the rollout
+    server's core keeps them off the training thread's core (benchmarks/async_vs_sync.py)."""
 
 
 @dataclass

@@ -31,6 +31,7 @@ key the caller added, e.g. ``advantages`` or ``prox_logp``) concatenated over re
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -169,6 +170,12 @@ class InferenceEngine(abc.ABC):
         interrupted by one continues (or is resumed as prompt + generated tokens) so the response
         is complete and every token carries the version that produced it. ``stop_reason`` is
         ``length``, ``stop`` or ``abort``."""
+
+    async def agenerate_batch(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        """Generate a completion for each request (e.g. the samples of a GRPO group): the same
+        responses as awaiting `agenerate` on each, which is what this default does. A client of
+        servers overrides it to send them as one batch request."""
+        return list(await asyncio.gather(*(self.agenerate(r) for r in reqs)))
 
     @abc.abstractmethod
     def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]:

@@ -37,6 +37,7 @@ from tensordict import TensorDict
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import AcceptFn, InferenceEngine
 from areal_lite.api.workflow import RolloutWorkflow
+from areal_lite.utils.cpu import check_cores, pin_this_thread
 from areal_lite.utils.data import concat_padded
 
 logger = logging.getLogger(__name__)
@@ -197,6 +198,7 @@ class WorkflowExecutor:
         """Start the background thread and its event loop."""
         if self._thread is not None:
             return
+        check_cores(self.config.client_cores, "rollout.client_cores")
         self._thread = threading.Thread(target=self._thread_main, name="rollout-executor", daemon=True)
         self._thread.start()
         self._loop_ready.wait()
@@ -421,6 +423,7 @@ class WorkflowExecutor:
     # ----------------------------------------------------------------- internals (loop side)
 
     def _thread_main(self) -> None:
+        pin_this_thread(self.config.client_cores)
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self._loop = loop

@@ -1,7 +1,8 @@
 """The client of a fleet of SGLang-protocol servers (real SGLang on GPU nodes, or ours on CPU).
 
 Generation: one async HTTP request per `agenerate` call (PROTOCOL.md, ``/generate`` with
-``input_ids``), over pooled connections. Every HTTP call runs on the client's own event loop in a
+``input_ids``), over pooled connections; `agenerate_batch` (a GRPO group) sends its requests as one
+batch request to one server, which saves most of the per-request cost on both sides. Every HTTP call runs on the client's own event loop in a
 background thread (an aiohttp session must not cross loops), whatever loop awaits `agenerate`. A request whose rid was seen before goes to the same server; others go to the
 server with the fewest requests in flight. A generation that comes back aborted (the servers
 paused for a weight update) is resubmitted as prompt + generated tokens with the remaining token
@@ -27,6 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Coroutine
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -34,6 +36,7 @@ from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
 from areal_lite.core.executor import ExecutorRollouts
+from areal_lite.utils.cpu import check_cores, pin_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +61,55 @@ def _parse_version(value: object, fallback: int) -> int:
         return fallback
 
 
+@dataclass
+class _Partial:
+    """What a generation has produced so far, across resumptions and retries."""
+
+    t0: float = field(default_factory=time.monotonic)
+    out_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    ttft: float = 0.0
+
+    def absorb(self, data: dict[str, object], fallback_version: int) -> str:
+        """Append one ``/generate`` answer; returns its finish reason (``abort`` = resume)."""
+        meta = data["meta_info"]
+        assert isinstance(meta, dict)
+        new_ids = list(data["output_ids"])  # type: ignore[call-overload]
+        if new_ids and not self.out_ids:
+            self.ttft = time.monotonic() - self.t0
+        self.out_ids += new_ids
+        self.logprobs += [float(x[0]) for x in meta["output_token_logprobs"]]
+        server_versions = meta.get("output_token_versions")
+        if server_versions is None or len(server_versions) != len(new_ids):
+            server_versions = [_parse_version(meta.get("weight_version"), fallback_version)] * len(new_ids)
+        self.versions += [int(v) for v in server_versions]
+        return meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
+
+    def response(self, req: ModelRequest, stop_reason: str) -> ModelResponse:
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=self.out_ids,
+            output_logprobs=self.logprobs,
+            output_versions=self.versions,
+            stop_reason=stop_reason,  # type: ignore[arg-type]
+            latency=time.monotonic() - self.t0,
+            ttft=self.ttft,
+            rid=req.rid,
+        )
+
+
+async def _finished(req: ModelRequest, part: _Partial, reason: str) -> ModelResponse:
+    return part.response(req, reason)
+
+
 class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
     """`InferenceEngine` over HTTP servers listed in ``config.addresses`` (``host:port``)."""
 
     def __init__(self, config: InferenceEngineConfig) -> None:
         if not config.addresses:
             raise ValueError("RemoteSGLangEngine needs at least one server address (config.addresses)")
+        check_cores(config.client_cores, "rollout.client_cores")
         self.config = config
         self.addresses = [a if a.startswith("http") else f"http://{a}" for a in config.addresses]
         self.executor = None
@@ -99,6 +145,7 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         ready = threading.Event()
 
         def run() -> None:
+            pin_this_thread(self.config.client_cores)
             asyncio.set_event_loop(loop)
             loop.call_soon(ready.set)
             loop.run_forever()
@@ -207,7 +254,8 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
 
     # ----- routing -------------------------------------------------------------------------
 
-    def _choose(self, rid: str, exclude: set[int]) -> int:
+    def _choose(self, rid: str, exclude: set[int], also: tuple[str, ...] = ()) -> int:
+        """The server for ``rid`` (and the requests ``also`` sent with it in one batch)."""
         with self._lock:
             now = time.monotonic()
             alive = [i for i in range(len(self.addresses)) if i not in self._dead]
@@ -222,9 +270,11 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
                 candidates = up or [i for i in alive if i not in exclude] or alive
                 idx = min(candidates, key=lambda i: (self._inflight[i], self._down_until[i]))
                 self._sticky[rid] = idx
-                if len(self._sticky) > STICKY_RIDS:
-                    self._sticky.popitem(last=False)
-            self._inflight[idx] += 1
+            for other in also:
+                self._sticky[other] = idx
+            while len(self._sticky) > STICKY_RIDS:
+                self._sticky.popitem(last=False)
+            self._inflight[idx] += 1 + len(also)
             return idx
 
     def assigned_server(self, rid: str) -> str | None:
@@ -233,9 +283,9 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
             idx = self._sticky.get(rid)
         return None if idx is None else self.addresses[idx].removeprefix("http://")
 
-    def _release(self, idx: int, failed: bool) -> None:
+    def _release(self, idx: int, failed: bool, count: int = 1) -> None:
         with self._lock:
-            self._inflight[idx] -= 1
+            self._inflight[idx] -= count
             if failed:
                 self._down_until[idx] = time.monotonic() + DOWN_SECONDS
 
@@ -245,33 +295,79 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         # Runs on the client loop, awaited from the caller's (cancelling one cancels the other).
         return await asyncio.wrap_future(self._call(self._generate(req)))
 
-    async def _generate(self, req: ModelRequest) -> ModelResponse:
+    async def agenerate_batch(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        if len(reqs) < 2 or any(r.gconfig != reqs[0].gconfig for r in reqs):
+            return await super().agenerate_batch(reqs)
+        return await asyncio.wrap_future(self._call(self._generate_batch(reqs)))
+
+    def _payload(self, req: ModelRequest, part: _Partial) -> dict[str, object]:
         g = req.gconfig
-        t0 = time.monotonic()
-        out_ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        ttft = 0.0
+        params = g.to_sglang()
+        params["max_new_tokens"] = g.max_new_tokens - len(part.out_ids)
+        params["min_new_tokens"] = max(0, g.min_new_tokens - len(part.out_ids))
+        return {
+            "input_ids": list(req.input_ids) + part.out_ids,
+            "sampling_params": params,
+            "return_logprob": True,
+            "rid": req.rid,
+        }
+
+    async def _generate_batch(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        """One batch ``/generate`` call to one server (SGLang's list forms of ``input_ids`` and
+        ``rid``). A request that comes back aborted continues on its own in `_generate`; if the
+        call fails, every request is retried on its own there (they have produced nothing yet)."""
+        parts = [_Partial() for _ in reqs]
+        payloads = [self._payload(r, p) for r, p in zip(reqs, parts)]
+        payload = {
+            "input_ids": [p["input_ids"] for p in payloads],
+            "sampling_params": payloads[0]["sampling_params"],
+            "return_logprob": True,
+            "rid": [r.rid for r in reqs],
+        }
+        idx = self._choose(reqs[0].rid, set(), also=tuple(r.rid for r in reqs[1:]))
+        error: BaseException | None = None
+        try:
+            data = await self._request(idx, "/generate", payload, self.config.request_timeout)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ServerError) as e:
+            if isinstance(e, ServerError) and e.status < 500:
+                raise
+            error = e
+        finally:  # also when cancelled
+            self._release(idx, failed=error is not None, count=len(reqs))
+        if error is not None:
+            self._failed(idx, error)
+            return list(await asyncio.gather(*(self._generate(r) for r in reqs)))
+        assert isinstance(data, list) and len(data) == len(reqs), "a batch request answers one result per prompt"
+        reasons = [p.absorb(d, self._version) for p, d in zip(parts, data)]
+        return list(
+            await asyncio.gather(
+                *(
+                    self._generate(r, p) if reason == "abort" else _finished(r, p, reason)
+                    for r, p, reason in zip(reqs, parts, reasons)
+                )
+            )
+        )
+
+    def _failed(self, idx: int, error: BaseException) -> None:
+        if isinstance(error, aiohttp.ClientConnectorError):
+            self._mark_dead(idx, error)
+        logger.warning(
+            "generation on %s failed (%s: %s); retrying elsewhere", self.addresses[idx], type(error).__name__, error
+        )
+
+    async def _generate(self, req: ModelRequest, part: _Partial | None = None) -> ModelResponse:
+        """Generate until a stop or the token budget, resuming after aborts and retrying failed
+        calls on other servers; ``part`` is what earlier calls produced."""
+        part = part or _Partial()
         failures = 0
         failed_on: set[int] = set()
         while True:
-            remaining = g.max_new_tokens - len(out_ids)
-            if remaining <= 0:
-                stop_reason = "length"
-                break
-            params = g.to_sglang()
-            params["max_new_tokens"] = remaining
-            params["min_new_tokens"] = max(0, g.min_new_tokens - len(out_ids))
-            payload = {
-                "input_ids": list(req.input_ids) + out_ids,
-                "sampling_params": params,
-                "return_logprob": True,
-                "rid": req.rid,
-            }
+            if len(part.out_ids) >= req.gconfig.max_new_tokens:
+                return part.response(req, "length")
             idx = self._choose(req.rid, failed_on)
             error: BaseException | None = None
             try:
-                data = await self._request(idx, "/generate", payload, self.config.request_timeout)
+                data = await self._request(idx, "/generate", self._payload(req, part), self.config.request_timeout)
             except (aiohttp.ClientError, asyncio.TimeoutError, ServerError) as e:
                 if isinstance(e, ServerError) and e.status < 500:
                     raise  # the request itself is bad: no other server would take it
@@ -279,47 +375,19 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
             finally:  # also when cancelled
                 self._release(idx, failed=error is not None)
             if error is not None:
-                if isinstance(error, aiohttp.ClientConnectorError):
-                    self._mark_dead(idx, error)
+                self._failed(idx, error)
                 failures += 1
                 failed_on.add(idx)
                 if len(failed_on) == len(self.addresses):
                     failed_on.clear()
-                logger.warning(
-                    "generation on %s failed (%s: %s); retrying elsewhere",
-                    self.addresses[idx],
-                    type(error).__name__,
-                    error,
-                )
                 if failures >= self.config.request_retries:
                     raise RuntimeError(f"request {req.rid} failed {failures} times; last error: {error}") from error
                 continue
             assert isinstance(data, dict)
-            meta = data["meta_info"]
-            new_ids = list(data["output_ids"])
-            if new_ids and not out_ids:
-                ttft = time.monotonic() - t0
-            out_ids += new_ids
-            logprobs += [float(x[0]) for x in meta["output_token_logprobs"]]
-            server_versions = meta.get("output_token_versions")
-            if server_versions is None or len(server_versions) != len(new_ids):
-                server_versions = [_parse_version(meta.get("weight_version"), self._version)] * len(new_ids)
-            versions += [int(v) for v in server_versions]
-            reason = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
+            reason = part.absorb(data, self._version)
             if reason != "abort":
-                stop_reason = reason
-                break
+                return part.response(req, reason)
             # Aborted by a pause for a weight update: resume as prompt + generated.
-        return ModelResponse(
-            input_tokens=list(req.input_ids),
-            output_tokens=out_ids,
-            output_logprobs=logprobs,
-            output_versions=versions,
-            stop_reason=stop_reason,  # type: ignore[arg-type]
-            latency=time.monotonic() - t0,
-            ttft=ttft,
-            rid=req.rid,
-        )
 
     # ----- weights and versions ------------------------------------------------------------
 

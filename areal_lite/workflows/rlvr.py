@@ -1,7 +1,7 @@
 """RLVR rollouts for GRPO: a group of samples per prompt, each scored by a verifiable reward.
 
 One episode renders the item's chat through the tokenizer's template, sends ``n_samples``
-requests for it (each its own rid), scores every completion with the reward function off the event
+requests for it (each its own rid, together through `InferenceEngine.agenerate_batch`), scores every completion with the reward function off the event
 loop (`RewardRunner`: worker processes, threads or async, with a timeout), and returns the group
 as one ``[n_samples, L]`` trajectory batch. Group-relative advantages are the trainer's business.
 """
@@ -81,8 +81,8 @@ class RLVRWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, object]) -> TensorDict:
         prompt_ids = self.prompt_ids(data)
         one = self.gconfig.new(n_samples=1)
-        resps = await asyncio.gather(
-            *(engine.agenerate(ModelRequest(input_ids=prompt_ids, gconfig=one)) for _ in range(self.gconfig.n_samples))
+        resps = await engine.agenerate_batch(
+            [ModelRequest(input_ids=prompt_ids, gconfig=one) for _ in range(self.gconfig.n_samples)]
         )
         prompt = self.tokenizer.decode(prompt_ids)  # type: ignore[attr-defined]
         rewards = await asyncio.gather(*(score(self.reward, self.tokenizer, prompt, r, data) for r in resps))
