@@ -143,7 +143,7 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
     judge.initialize()
     engine.connect_engine(judge, WeightUpdateMeta(type="in_process"))
     greedy = RLVRWorkflow(
-        RewardRunner(exact_answer_reward, mode="thread", num_workers=1),
+        RewardRunner(exact_answer_reward, mode="inline"),
         replace(cfg.gconfig, n_samples=1, greedy=True, stop_token_ids=[tokenizer.eos_token_id]),
         tokenizer,
         use_chat_template=False,
@@ -196,8 +196,8 @@ def main(argv: list[str]) -> None:
     train_problems = addition_problems(cfg.task.n_train_prompts, cfg.task.n_digits, cfg.task.seed + 3, exclude=held_out)
 
     gconfig = replace(cfg.gconfig, n_samples=cfg.actor.group_size, stop_token_ids=[tokenizer.eos_token_id])
-    # The verifier is a string comparison: run it in a thread rather than a worker process.
-    reward = RewardRunner(exact_answer_reward, mode="thread", num_workers=1)
+    # The verifier is a string comparison: call it on the rollout loop (no worker process or thread).
+    reward = RewardRunner(exact_answer_reward, mode="inline")
     workflow = RLVRWorkflow(reward, gconfig, tokenizer, use_chat_template=False)
     eval_workflow = RLVRWorkflow(reward, gconfig.new(n_samples=1, greedy=True), tokenizer, use_chat_template=False)
 

@@ -100,6 +100,20 @@ def test_thread_runner_counts_failures_and_abandons_a_hung_call() -> None:
         runner.close()
 
 
+def test_inline_runner_grades_on_the_loop_and_counts_failures() -> None:
+    runner = RewardRunner(misbehaving_grader, mode="inline")
+    calls: list[int] = []
+    grader = runner.fn
+    runner.fn = lambda *a, **k: calls.append(threading.get_ident()) or grader(*a, **k)
+
+    assert score_all(runner, ["ok", "raise", "nan", "ok"]) == [1.0, 0.0, 0.0, 1.0]
+    s = runner.stats()
+    assert (s["reward/samples"], s["reward/errors"], s["reward/nonfinite"]) == (4, 1, 1)
+    assert len(set(calls)) == 1 and calls[0] == threading.get_ident()  # asyncio.run's loop: this thread
+    with pytest.raises(ValueError, match="does not fit"):
+        RewardRunner(LLMJudgeGrader(engine=None, tokenizer=None), mode="inline")
+
+
 def test_combined_grader_in_worker_processes_reports_each_component() -> None:
     g = CombinedGrader({"answer": (math_answer_reward, 1.0), "format": (boxed_format_reward, 0.5)})
     runner = RewardRunner(g, mode="process", timeout=20.0, num_workers=1)

@@ -2,7 +2,7 @@
 
 A grader is ``fn(prompt, completion, prompt_ids, completion_ids, **data) -> float`` (or a
 `CombinedGrader`, whose components are reported by name, or a coroutine function such as the LLM
-judge). `RewardRunner` awaits it in one of three ways:
+judge). `RewardRunner` awaits it in one of four ways:
 
 - ``process``: a small pool of worker processes (forkserver start: no copy of the parent's threads
   or model; a replacement starts fast). A call that times out kills its worker and starts a new
@@ -10,6 +10,9 @@ judge). `RewardRunner` awaits it in one of three ways:
 - ``thread``: a thread pool; no start-up or pickling cost, but a timed-out call can only be
   abandoned (its thread runs on). For graders marked ``safe_in_thread`` (regular expressions).
 - ``async``: coroutine graders, awaited on the caller's event loop under ``asyncio.wait_for``.
+- ``inline``: plain graders called directly on the caller's event loop, with no timeout. For
+  graders that take microseconds (an exact string comparison), where handing each sample to a
+  thread costs more than the grading and adds to the rollout client's share of the GIL.
 
 ``auto`` (the default) picks ``async`` for coroutine graders, ``thread`` for graders marked
 ``safe_in_thread`` and ``process`` for everything else. Whatever the mode, a grader that raises,
@@ -36,7 +39,7 @@ from typing import Literal
 
 logger = logging.getLogger(__name__)
 
-RunnerMode = Literal["auto", "process", "thread", "async"]
+RunnerMode = Literal["auto", "process", "thread", "async", "inline"]
 _Outcome = tuple[str, object]
 """``(status, value)``: status ``ok`` (value: float or dict of named floats), ``error`` (value: a
 message), ``timeout`` or ``crash``."""
@@ -110,7 +113,7 @@ class RewardRunner:
     Args:
         fn: the grader (picklable for ``process`` mode: a module-level function or a
             `CombinedGrader` of them).
-        mode: ``auto``, ``process``, ``thread`` or ``async`` (see the module docstring).
+        mode: ``auto``, ``process``, ``thread``, ``async`` or ``inline`` (see the module docstring).
         timeout: seconds one sample may take before it scores 0.
         num_workers: worker processes (``process``) or threads (``thread``); default
             ``min(4, cpu count)``.
@@ -127,8 +130,8 @@ class RewardRunner:
         is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
         if mode == "auto":
             mode = "async" if is_async else ("thread" if getattr(fn, "safe_in_thread", False) else "process")
-        if mode not in ("process", "thread", "async"):
-            raise ValueError(f"mode must be auto, process, thread or async, got {mode!r}")
+        if mode not in ("process", "thread", "async", "inline"):
+            raise ValueError(f"mode must be auto, process, thread, async or inline, got {mode!r}")
         if (mode == "async") != is_async:
             raise ValueError(f"mode {mode!r} does not fit {'a coroutine' if is_async else 'a plain'} grader {fn!r}")
         if timeout <= 0:
@@ -151,6 +154,11 @@ class RewardRunner:
         kwargs = dict(data, prompt=prompt, completion=completion, prompt_ids=prompt_ids, completion_ids=completion_ids)
         if self.mode == "async":
             outcome = await self._call_async(kwargs)
+        elif self.mode == "inline":
+            try:
+                outcome = ("ok", _invoke(self.fn, kwargs))
+            except Exception as e:  # noqa: BLE001
+                outcome = ("error", f"{type(e).__name__}: {e}")
         else:
             loop = asyncio.get_running_loop()
             if self.mode == "process":
