@@ -276,12 +276,12 @@ class PPOActor:
         if "advantages" not in batch.keys():
             raise ValueError("ppo_update needs batch['advantages']: call compute_advantages first")
         data = batch.clone(recurse=False)
-        if "prox_logp" in batch.keys():
-            pass
-        elif not cfg.recompute_logprob:
-            data["prox_logp"] = batch["logprobs"]
-        elif cfg.ppo_n_minibatches > 1:
-            data["prox_logp"] = self.compute_logp(batch)
+        if "prox_logp" not in batch.keys():
+            if not cfg.recompute_logprob:
+                data["prox_logp"] = batch["logprobs"]
+            elif cfg.ppo_n_minibatches > 1:
+                data["prox_logp"] = self.compute_logp(batch)
+            # else: loss_fn takes them from the update's own forward pass
         if cfg.use_decoupled_loss:
             data["behav_logp"] = batch["logprobs"]
         elif "prox_logp" in data.keys():

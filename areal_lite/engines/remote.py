@@ -1,10 +1,11 @@
 """The client of a fleet of SGLang-protocol servers (real SGLang on GPU nodes, or ours on CPU).
 
 Generation: one async HTTP request per `agenerate` call (PROTOCOL.md, ``/generate`` with
-``input_ids``), over pooled connections; `agenerate_batch` (a GRPO group) sends its requests as one
-batch request to one server, which saves most of the per-request cost on both sides. Every HTTP call runs on the client's own event loop in a
-background thread (an aiohttp session must not cross loops), whatever loop awaits `agenerate`. A request whose rid was seen before goes to the same server; others go to the
-server with the fewest requests in flight. A generation that comes back aborted (the servers
+``input_ids``), over pooled connections; `agenerate_batch` (a GRPO group) sends its requests as
+one batch request to one server, which saves most of the per-request cost on both sides. Every
+HTTP call runs on the client's own event loop in a background thread (an aiohttp session must not
+cross loops), whatever loop awaits `agenerate`. A request whose rid was seen before goes to the
+same server; others go to the server with the fewest requests in flight. A generation that comes back aborted (the servers
 paused for a weight update) is resubmitted as prompt + generated tokens with the remaining token
 budget, keeping every token's log-probability and version. When a server fails (connection
 error, timeout, 5xx) the request is resent from its last known state to another server, so a
@@ -97,10 +98,6 @@ class _Partial:
             ttft=self.ttft,
             rid=req.rid,
         )
-
-
-async def _finished(req: ModelRequest, part: _Partial, reason: str) -> ModelResponse:
-    return part.response(req, reason)
 
 
 class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
@@ -325,35 +322,40 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
             "rid": [r.rid for r in reqs],
         }
         idx = self._choose(reqs[0].rid, set(), also=tuple(r.rid for r in reqs[1:]))
+        data, error = await self._post_generate(idx, payload, count=len(reqs))
+        if error is not None:
+            return list(await asyncio.gather(*(self._generate(r) for r in reqs)))
+        assert isinstance(data, list) and len(data) == len(reqs), "a batch request answers one result per prompt"
+
+        async def complete(req: ModelRequest, part: _Partial, answer: dict[str, object]) -> ModelResponse:
+            reason = part.absorb(answer, self._version)
+            return await self._generate(req, part) if reason == "abort" else part.response(req, reason)
+
+        return list(await asyncio.gather(*(complete(r, p, d) for r, p, d in zip(reqs, parts, data))))
+
+    async def _post_generate(
+        self, idx: int, payload: dict[str, object], count: int = 1
+    ) -> tuple[object, BaseException | None]:
+        """One ``/generate`` call to server ``idx`` (which `_choose` charged ``count`` requests):
+        its answer, or the transport / server error it failed with (logged; a server refusing
+        connections is marked dead). A 4xx answer is raised: no other server would take it."""
         error: BaseException | None = None
+        data: object = None
         try:
             data = await self._request(idx, "/generate", payload, self.config.request_timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, ServerError) as e:
             if isinstance(e, ServerError) and e.status < 500:
-                raise
+                raise  # the request itself is bad
             error = e
         finally:  # also when cancelled
-            self._release(idx, failed=error is not None, count=len(reqs))
+            self._release(idx, failed=error is not None, count=count)
         if error is not None:
-            self._failed(idx, error)
-            return list(await asyncio.gather(*(self._generate(r) for r in reqs)))
-        assert isinstance(data, list) and len(data) == len(reqs), "a batch request answers one result per prompt"
-        reasons = [p.absorb(d, self._version) for p, d in zip(parts, data)]
-        return list(
-            await asyncio.gather(
-                *(
-                    self._generate(r, p) if reason == "abort" else _finished(r, p, reason)
-                    for r, p, reason in zip(reqs, parts, reasons)
-                )
+            if isinstance(error, aiohttp.ClientConnectorError):
+                self._mark_dead(idx, error)
+            logger.warning(
+                "generation on %s failed (%s: %s); retrying elsewhere", self.addresses[idx], type(error).__name__, error
             )
-        )
-
-    def _failed(self, idx: int, error: BaseException) -> None:
-        if isinstance(error, aiohttp.ClientConnectorError):
-            self._mark_dead(idx, error)
-        logger.warning(
-            "generation on %s failed (%s: %s); retrying elsewhere", self.addresses[idx], type(error).__name__, error
-        )
+        return data, error
 
     async def _generate(self, req: ModelRequest, part: _Partial | None = None) -> ModelResponse:
         """Generate until a stop or the token budget, resuming after aborts and retrying failed
@@ -365,17 +367,8 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
             if len(part.out_ids) >= req.gconfig.max_new_tokens:
                 return part.response(req, "length")
             idx = self._choose(req.rid, failed_on)
-            error: BaseException | None = None
-            try:
-                data = await self._request(idx, "/generate", self._payload(req, part), self.config.request_timeout)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ServerError) as e:
-                if isinstance(e, ServerError) and e.status < 500:
-                    raise  # the request itself is bad: no other server would take it
-                error = e
-            finally:  # also when cancelled
-                self._release(idx, failed=error is not None)
+            data, error = await self._post_generate(idx, self._payload(req, part))
             if error is not None:
-                self._failed(idx, error)
                 failures += 1
                 failed_on.add(idx)
                 if len(failed_on) == len(self.addresses):
