@@ -204,11 +204,22 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         """Send one call to every live server concurrently (``payloads`` per server, or one for
         all); returns (server index, answer) of each. A server that refuses connections is dead:
         it gets no more calls of any kind (the rest of the fleet carries on)."""
+
+        async def call(i: int) -> object:
+            try:
+                return await self._request(i, path, each[i], timeout)
+            except aiohttp.ClientConnectorError:
+                raise
+            except aiohttp.ClientConnectionError:
+                # The connection dropped mid-call (a server killed while it answered): ask once
+                # more, so that a dead server shows as refusing connections, not as a failed call.
+                return await self._request(i, path, each[i], timeout)
+
         timeout = timeout if timeout is not None else self.config.request_timeout
         each = payloads if isinstance(payloads, list) else [payloads] * len(self.addresses)
         live = [i for i in range(len(self.addresses)) if i not in self._dead]
         answers = await asyncio.gather(
-            *[self._request(i, path, each[i], timeout) for i in live], return_exceptions=True
+            *[call(i) for i in live], return_exceptions=True
         )
         out: list[tuple[int, object]] = []
         for i, answer in zip(live, answers):
