@@ -149,6 +149,47 @@ def test_single_minibatch_takes_the_proximal_logp_from_the_update_itself(model_d
             assert stats_own[key] == pytest.approx(stats_given[key], rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.parametrize(("loss_agg", "n_minibatches"), [("token-mean", 1), ("seq-mean-token-mean", 2)])
+def test_zero_advantage_sequences_are_left_out_of_the_same_update(model_dir, loss_agg, n_minibatches):
+    """Groups whose samples all got the same reward have zero advantages: they are not trained,
+    and the update (and the loss) equal those of training on the whole batch."""
+    cfgs = [
+        PPOActorConfig(
+            path=model_dir, optimizer=SGD_LIKE, group_size=4, loss_agg=loss_agg, ppo_n_minibatches=n_minibatches,
+            behav_imp_weight_cap=1.5, mb_spec=MicroBatchSpec(n_mbs=2), skip_zero_advantage=skip,
+        )
+        for skip in (True, False)
+    ]  # fmt: skip
+    with engines(*cfgs) as (e_skip, e_all):
+        batch = make_batch(16, seed=4)
+        batch["rewards"][0:4] = 1.0  # groups 0 and 2 are uniform: zero advantages
+        batch["rewards"][8:12] = 0.0
+        skip, full = PPOActor(cfgs[0], e_skip), PPOActor(cfgs[1], e_all)
+        assert skip.skip_zero_advantage and not full.skip_zero_advantage
+        current = skip.compute_logp(batch)
+        batch["logprobs"] = current + 0.3 * torch.randn(current.shape) * batch["loss_mask"]
+        skip.compute_advantages(batch)
+        rows = []
+        train_batch = e_skip.train_batch
+        e_skip.train_batch = lambda mb, *a: rows.append(mb.batch_size[0]) or train_batch(mb, *a)
+        before = params(e_skip)
+        stats_skip = skip.ppo_update(batch.clone())
+        stats_full = full.ppo_update(batch.clone())
+        assert sum(rows) == 8 and stats_skip["skipped_seq_frac"] == 0.5 and stats_full["skipped_seq_frac"] == 0.0
+        assert_same_update(deltas(before, e_skip), deltas(before, e_all))
+        assert stats_skip["loss"] == pytest.approx(stats_full["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_zero_advantage_skipping_is_off_when_the_loss_has_other_terms():
+    cfg = PPOActorConfig(path="unused")
+    assert PPOActor(cfg, None).skip_zero_advantage  # type: ignore[arg-type]
+    for other in (dict(entropy_coeff=0.01), dict(kl_ctl=0.1)):
+        assert not PPOActor(PPOActorConfig(path="unused", **other), None, ref_engine=object()).skip_zero_advantage  # type: ignore[arg-type]
+    with_kl_in_reward = PPOActorConfig(path="unused", kl_ctl=0.1, kl_in_reward=True)
+    assert PPOActor(with_kl_in_reward, None, ref_engine=object()).skip_zero_advantage  # type: ignore[arg-type]
+    assert not PPOActor(cfg, None, policy_loss=F.reinforce_policy_loss).skip_zero_advantage  # type: ignore[arg-type]
+
+
 def test_tangent_update_equals_training_on_the_loss(model_dir):
     cfg = TrainEngineConfig(path=model_dir, optimizer=SGD_LIKE, mb_spec=MicroBatchSpec(n_mbs=3))
     with engines(cfg, cfg) as (e_tan, e_loss):
@@ -413,11 +454,12 @@ def test_sft_actor_lowers_the_nll(model_dir):
 
 def test_ppo_update_on_two_ranks_equals_one_rank(model_dir, tmp_path):
     """Global loss weighting through the actor: seq-mean-token-mean with clipping and the cap on,
-    each rank holding half of the groups, gives the one-rank update."""
+    each rank holding half of the groups and leaving out its zero-advantage ones (one rank has
+    nothing else), gives the one-rank update on the whole batch."""
     sys.path.insert(0, str(Path(__file__).parent / "scripts"))
     from actor_worker import ppo_delta
 
-    one, stats_one = ppo_delta(model_dir)
+    one, stats_one = ppo_delta(model_dir, skip_zero_advantage=False)
     assert stats_one["clip_frac"] > 0 and stats_one["importance_weight_capped_frac"] > 0
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",

@@ -52,6 +52,12 @@ def minibatches(batch: TensorDict, n: int, group_size: int) -> list[TensorDict]:
     return [batch[torch.tensor(idx)] for idx in indices]
 
 
+LOSS_SCALE = "loss_weight_scale"
+"""Per-sequence key set by `PPOActor.drop_zero_advantage`: a micro-batch's loss weight is scaled
+by it and its loss divided by it, so that the engine's global normaliser still counts the
+sequences left out."""
+
+
 def mean_stats(all_stats: list[dict[str, float]]) -> dict[str, float]:
     keys = {k for s in all_stats for k in s}
     return {k: sum(s[k] for s in all_stats if k in s) / sum(1 for s in all_stats if k in s) for k in sorted(keys)}
@@ -171,6 +177,12 @@ class PPOActor:
         self.advantage_fn = advantage_fn or F.pick(ADVANTAGE_ESTIMATORS, config.adv_estimator, "advantage estimator")
         self.aggregation = F.pick(F.AGGREGATIONS, config.loss_agg, "loss aggregation")
         self.kl_estimator = F.pick(F.KL_ESTIMATORS, config.kl_estimator, "KL estimator")
+        self.skip_zero_advantage = (
+            config.skip_zero_advantage
+            and policy_loss is None  # a custom loss may have terms that do not vanish with A = 0
+            and not config.entropy_coeff
+            and not (config.kl_ctl > 0 and not config.kl_in_reward)
+        )
         self._importance_weights: list[torch.Tensor] | None = None
         """Set during ``ppo_update``: exp(prox - behav) of each micro-batch's loss tokens."""
 
@@ -256,10 +268,36 @@ class PPOActor:
             stats["kl_ref"] = F.masked_mean(kl.detach(), mask)
         stats["entropy"] = F.masked_mean(entropy.detach(), mask)
         stats["approx_kl"] = F.masked_mean(F.kl_k3(prox, logp.detach()), mask)
-        return self.aggregation.reduce(per_token, mask, cu), stats
+        loss = self.aggregation.reduce(per_token, mask, cu)
+        if LOSS_SCALE in mb:
+            loss = loss / float(mb[LOSS_SCALE][0])  # type: ignore[index]
+        return loss, stats
 
     def loss_weight(self, mb: PackedBatch) -> float:
-        return self.aggregation.weight(mb["loss_mask"].bool(), mb["cu_seqlens"])  # type: ignore[union-attr]
+        weight = self.aggregation.weight(mb["loss_mask"].bool(), mb["cu_seqlens"])  # type: ignore[union-attr]
+        if LOSS_SCALE in mb:
+            weight *= float(mb[LOSS_SCALE][0])  # type: ignore[index]
+        return weight
+
+    def drop_zero_advantage(self, mb: TensorDict) -> TensorDict:
+        """``mb`` without the sequences whose loss tokens all have advantage 0 (their policy
+        gradient is exactly 0). The engine scales each micro-batch loss by its weight over the
+        total weight of all ranks; the kept sequences carry ``LOSS_SCALE`` = full weight / kept
+        weight of this rank's minibatch, which `loss_weight` multiplies in and `loss_fn` divides
+        out, so the total is that of the full minibatch and the gradient is unchanged. At least one
+        sequence is kept: every rank must run its passes."""
+        mask = mb["loss_mask"].bool()
+        keep = ((mb["advantages"] != 0) & mask).any(dim=1)
+        if bool(keep.all()):
+            return mb
+        if not bool(keep.any()):
+            keep[int(mask.sum(dim=1).argmax())] = True
+        kept = mb[keep]
+        full = self.aggregation.weight(packed_view(mb, "loss_mask").bool(), cu_seqlens_of(mb))
+        part = self.aggregation.weight(packed_view(kept, "loss_mask").bool(), cu_seqlens_of(kept))
+        if part > 0:  # else nothing on this rank is trained; the engine reports a zero total
+            kept[LOSS_SCALE] = torch.full((kept.batch_size[0],), full / part, dtype=torch.float64)
+        return kept
 
     def ppo_update(self, batch: TensorDict) -> dict[str, float]:
         """``ppo_n_minibatches`` optimizer steps on a batch with ``advantages``; groups of
@@ -271,7 +309,10 @@ class PPOActor:
         the update. With one minibatch those are the log-probabilities of the very forward pass
         that computes the loss (no optimizer step comes between), so they are taken from it,
         detached, instead of from a second forward pass over the batch: same values, a third less
-        compute. With several minibatches they are recomputed first (``compute_logp``)."""
+        compute. With several minibatches they are recomputed first (``compute_logp``).
+
+        With ``skip_zero_advantage`` each minibatch is trained without its zero-advantage
+        sequences (`drop_zero_advantage`); ``skipped_seq_frac`` says how many were left out."""
         cfg = self.config
         if "advantages" not in batch.keys():
             raise ValueError("ppo_update needs batch['advantages']: call compute_advantages first")
@@ -287,17 +328,20 @@ class PPOActor:
         elif "prox_logp" in data.keys():
             data["behav_logp"] = data["prox_logp"]
         self._importance_weights = []
+        trained = 0
         try:
-            stats = mean_stats(
-                [
-                    self.engine.train_batch(mb, self.loss_fn, self.loss_weight)
-                    for mb in minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)
-                ]
-            )
+            all_stats = []
+            for mb in minibatches(data, cfg.ppo_n_minibatches, cfg.group_size):
+                if self.skip_zero_advantage:
+                    mb = self.drop_zero_advantage(mb)
+                trained += mb.batch_size[0]
+                all_stats.append(self.engine.train_batch(mb, self.loss_fn, self.loss_weight))
+            stats = mean_stats(all_stats)
             weights = torch.cat(self._importance_weights) if self._importance_weights else torch.zeros(0)
         finally:
             self._importance_weights = None
         stats.update(self.batch_stats(data, weights))
+        stats["skipped_seq_frac"] = 1.0 - trained / max(data.batch_size[0], 1)
         return stats
 
     def batch_stats(self, data: TensorDict, w: torch.Tensor) -> dict[str, float]:

@@ -141,6 +141,12 @@ class PPOActorConfig(TrainEngineConfig):
     """Put the KL penalty into the per-token reward instead of the loss."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
+    skip_zero_advantage: bool = True
+    """Leave sequences whose advantages are all zero out of the update's forward and backward
+    passes (GRPO groups whose samples all got the same reward). Their gradient is exactly zero, so
+    the update is unchanged: the loss is still normalised over the whole batch. Applies only to the
+    built-in policy losses without an entropy bonus or a KL term in the loss; the update's
+    statistics (entropy, clip fraction, importance weights) are then over the trained sequences."""
     reward_bias: float = 0.0
     """Added to every reward before scaling."""
     reward_scaling: float = 1.0

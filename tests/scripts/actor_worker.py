@@ -2,8 +2,10 @@
 
 Usage: ``[torchrun --nproc-per-node N] actor_worker.py MODEL_DIR OUT_DIR``. Each rank trains on
 its share of whole GRPO groups; rank 0 writes the parameter change to
-``OUT_DIR/ppo_delta_w<world>.pt``, which tests/test_actors.py compares across world sizes. A
-second update with two minibatches checks that ranks stay in step (no hang).
+``OUT_DIR/ppo_delta_w<world>.pt``, which tests/test_actors.py compares across world sizes. Three
+of the four groups have uniform rewards (zero advantages): on 2 ranks, which leave them out of the
+update, rank 0 trains one group and rank 1 none. A second update with two minibatches checks that
+ranks stay in step (no hang).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def make_batch() -> TensorDict:
             "loss_mask": loss_mask.int(),
             "logprobs": torch.zeros(N, width),
             "versions": torch.where(loss_mask, 0, -1).int(),
-            "rewards": torch.randn(N, generator=g),
+            "rewards": torch.randn(N, generator=g).index_fill(0, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15]), 1.0),
             "noise": torch.randn(N, width, 2, generator=g) * loss_mask.unsqueeze(-1),
         },
         batch_size=[N],
@@ -52,13 +54,16 @@ def full_params(engine: FSDPEngine) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in get_model_state_dict(engine.model, options=opts).items()}
 
 
-def ppo_delta(model_dir: str, n_minibatches: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def ppo_delta(
+    model_dir: str, n_minibatches: int = 1, skip_zero_advantage: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The parameter change of one `ppo_update` (seq-mean-token-mean, clipping and the behaviour
     cap active) on this rank's share of the batch."""
     # Adam's first step with eps = lr much larger than |g| is the gradient itself.
     cfg = PPOActorConfig(
         path=model_dir, optimizer=OptimizerConfig(lr=1e3, eps=1e3, gradient_clipping=0.0), group_size=GROUP,
         ppo_n_minibatches=n_minibatches, loss_agg="seq-mean-token-mean", eps_clip=0.1, behav_imp_weight_cap=1.3,
+        skip_zero_advantage=skip_zero_advantage,
     )  # fmt: skip
     engine = FSDPEngine(cfg)
     engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=10, train_batch_size=1))
