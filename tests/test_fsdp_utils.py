@@ -1,5 +1,6 @@
 """The pieces FSDPEngine (and MegatronEngine) build on: chunked log-probabilities from hidden
-states, token alignment of packed predictions, and LR schedules."""
+states, token alignment of packed predictions, attention over packed sequences, compute dtypes
+and LR schedules."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
+from areal_lite.utils.precision import compute_dtype, native_bf16
 from areal_lite.utils.varlen_attention import varlen_sdpa_attention
 
 
@@ -67,6 +69,33 @@ def test_varlen_attention_equals_block_causal_mask(lens: list[int]) -> None:
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="cu_seq_lens_q"):
         varlen_sdpa_attention(torch.nn.Module(), q, k, v, None)
+
+
+@pytest.mark.parametrize("lens", [[5, 1, 9, 3], [7, 8, 6, 8, 7]], ids=["loop", "padded"])
+def test_varlen_attention_of_bf16_inputs_is_computed_in_fp32(lens: list[int]) -> None:
+    torch.manual_seed(0)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    q, k, v = (torch.randn(1, 2, sum(lens), 8) for _ in range(3))
+    ref, _ = varlen_sdpa_attention(torch.nn.Module().eval(), q, k, v, None, cu_seq_lens_q=cu)
+    half = [x.bfloat16().requires_grad_(True) for x in (q, k, v)]
+    out, _ = varlen_sdpa_attention(torch.nn.Module().eval(), *half, None, cu_seq_lens_q=cu)
+    assert out.dtype == torch.bfloat16
+    # only the inputs' and the output's roundings: bf16 keeps 8 bits of mantissa
+    torch.testing.assert_close(out.float(), ref, rtol=0.02, atol=0.02)
+    grads = torch.autograd.grad(out.float().sum(), half)
+    assert all(g.dtype == torch.bfloat16 and g.abs().sum() > 0 for g in grads)
+
+
+def test_compute_dtype_names_and_auto() -> None:
+    cpu = torch.device("cpu")
+    assert compute_dtype("float32", cpu) is torch.float32 and compute_dtype("bfloat16", cpu) is torch.bfloat16
+    assert compute_dtype("auto", cpu) is (torch.bfloat16 if native_bf16(cpu) else torch.float32)
+    assert compute_dtype("auto", cpu, allowed=("float32",)) is torch.float32
+    assert compute_dtype("auto", torch.device("meta")) is torch.float32
+    with pytest.raises(ValueError, match="float16"):
+        compute_dtype("float16", cpu, allowed=("float32", "bfloat16"))
+    with pytest.raises(ValueError, match="fp8"):
+        compute_dtype("fp8", cpu)
 
 
 def test_lr_schedules() -> None:

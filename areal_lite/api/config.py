@@ -82,7 +82,10 @@ class TrainEngineConfig:
     backend: str = "fsdp"
     """fsdp or megatron: the one line that swaps the train backend."""
     dtype: str = "float32"
-    """Parameter dtype: float32, or bfloat16 (mixed precision with fp32 reduction; CUDA)."""
+    """Compute dtype: float32; bfloat16 (mixed precision: fp32 master weights and optimizer state,
+    fp32 gradient reduction; float16 too on FSDP); or auto: bfloat16 where the device computes it
+    natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else float32. Weights sent to the
+    inference engines are in this dtype."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     is_critic: bool = False

@@ -14,8 +14,8 @@ with ``total`` summed over all micro-batches and all ranks, and FSDP's gradient 
 ranks is undone, so the gradient equals that of the whole batch on one rank. Ranks whose share
 cuts into fewer micro-batches run extra zero-weight passes so that FSDP's collectives match.
 
-Mixed precision (``dtype=bfloat16``) keeps fp32 master weights and optimizer state, computes in
-bf16 and reduces gradients in fp32.
+Mixed precision (``dtype=bfloat16``, or ``auto`` where the device computes bf16 natively) keeps
+fp32 master weights and optimizer state, computes in bf16 and reduces gradients in fp32.
 """
 
 from __future__ import annotations
@@ -49,13 +49,13 @@ from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatche
 from areal_lite.utils.distributed import init_default_group
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
+from areal_lite.utils.precision import compute_dtype
 from areal_lite.utils.recover import rng_state, set_rng_state
 from areal_lite.utils.varlen_attention import register_varlen_sdpa
 from areal_lite.utils.weight_sync import WeightSender
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HF_PREFIX = "hf."
 
 
@@ -111,6 +111,8 @@ class FSDPEngine(TrainEngine):
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.device = torch.device("cpu")
+        self.compute_dtype = torch.float32
+        """What ``config.dtype`` resolved to (``auto``: `areal_lite.utils.precision`)."""
         self._version = 0
         self._global_step = 0
         self._owns_group = False
@@ -120,21 +122,19 @@ class FSDPEngine(TrainEngine):
 
     def initialize(self, ft_spec: FinetuneSpec | None = None) -> None:
         cfg = self.config
-        if cfg.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
-        self._owns_group = init_default_group()
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.compute_dtype = compute_dtype(cfg.dtype, self.device)
+        self._owns_group = init_default_group()
         torch.manual_seed(cfg.seed)
         hf = self._load_hf(cfg.path)
         if cfg.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if ft_spec is None:
             hf.requires_grad_(False)
-        compute_dtype = _DTYPES[cfg.dtype]
         mp = (
-            MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-            if compute_dtype != torch.float32
+            MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+            if self.compute_dtype != torch.float32
             else MixedPrecisionPolicy()
         )
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
@@ -439,7 +439,7 @@ class FSDPEngine(TrainEngine):
         ranks only take part in the gathers)."""
         model = self._module()
         model.reshard()
-        dtype = _DTYPES[self.config.dtype]
+        dtype = self.compute_dtype
         hf = model.hf
         persistent = set(hf.state_dict().keys())
         named = list(hf.named_parameters()) + [(n, b) for n, b in hf.named_buffers() if n in persistent]

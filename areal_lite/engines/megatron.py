@@ -61,6 +61,7 @@ from areal_lite.utils.data import pack_batch, split_microbatches, unpack_sequenc
 from areal_lite.utils.distributed import init_default_group
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
+from areal_lite.utils.precision import compute_dtype
 from areal_lite.utils.recover import rng_state, set_rng_state
 from areal_lite.utils.varlen_attention import varlen_sdpa_attention
 from areal_lite.utils.weight_sync import WeightSender
@@ -70,7 +71,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = ("float32", "bfloat16")
 _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 MicroBatch = tuple[PackedBatch, float]
@@ -259,6 +260,8 @@ class MegatronEngine(TrainEngine):
         self._layer_ids: list[int] = []
         self._stage_specs: list[list[tuple[str, list[tuple[str, tuple[int, ...]]]]]] | None = None
         self.device = torch.device("cpu")
+        self.compute_dtype = torch.float32
+        """What ``config.dtype`` resolved to (``auto``: `areal_lite.utils.precision`)."""
 
     # ---------------------------------------------------------------- setup
 
@@ -268,11 +271,10 @@ class MegatronEngine(TrainEngine):
         from transformers import AutoConfig
 
         cfg = self.config
-        if cfg.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
-        self._owns_group = init_default_group()
         if not cpu_mode():
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.compute_dtype = compute_dtype(cfg.dtype, self.device, allowed=_DTYPES)
+        self._owns_group = init_default_group()
         tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
         if dist.get_world_size() % (tp * pp) != 0:
             raise ValueError(
@@ -291,7 +293,7 @@ class MegatronEngine(TrainEngine):
 
         self._hf_config = AutoConfig.from_pretrained(cfg.path, **({"num_labels": 1} if cfg.is_critic else {}))
         self.arch = ArchSpec.from_hf_config(self._hf_config, cfg.tensor_parallel_size, is_critic=cfg.is_critic)
-        dtype = _DTYPES[cfg.dtype]
+        dtype = self.compute_dtype
         weights = _SafetensorsDir(cfg.path)
         if cfg.is_critic and "score.weight" not in weights:
             weights = _SafetensorsDir(cfg.path, extra=_new_value_head(cfg.path, cfg.seed))
@@ -320,7 +322,7 @@ class MegatronEngine(TrainEngine):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
 
         opt = self.config.optimizer
-        dtype = _DTYPES[self.config.dtype]
+        dtype = self.compute_dtype
         ocfg = OptimizerConfig(
             optimizer="adam",
             lr=opt.lr,
@@ -693,7 +695,7 @@ class MegatronEngine(TrainEngine):
         pp_ranks = dist.get_process_group_ranks(pp_group)
         my_stage = ps.get_pipeline_model_parallel_rank()
         local = dict(self._gpt().named_parameters())
-        dtype = _DTYPES[self.config.dtype]
+        dtype = self.compute_dtype
         for stage, specs in enumerate(self._stage_param_specs()):
             for name, hf_specs in specs:
                 tensors: list[torch.Tensor]
@@ -726,7 +728,7 @@ class MegatronEngine(TrainEngine):
         ):
             os.remove(stale)
         hf_config = copy.deepcopy(self._hf_config)
-        hf_config.dtype = self.config.dtype
+        hf_config.dtype = str(self.compute_dtype).removeprefix("torch.")
         if self.config.is_critic:
             hf_config.architectures = [
                 a.replace("ForCausalLM", "ForTokenClassification") for a in hf_config.architectures or []
