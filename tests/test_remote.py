@@ -181,6 +181,40 @@ def test_batch_requests_go_to_one_server_and_resume_across_an_update(servers, mo
         engine.destroy()
 
 
+def test_generations_aborted_by_our_pause_wait_for_the_resume(servers, model_path: str) -> None:
+    """While this client keeps the servers paused, the generations the pause aborted wait in the
+    client instead of queueing again on the paused servers (where they would delay the weight
+    update); after the resume they run to the end, scored right."""
+    _, addresses = servers
+    engine = client(addresses)
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    try:
+        reset_weights(engine, model_path)
+        reqs = [ModelRequest(input_ids=[5, 30 + i], gconfig=GenerationConfig(max_new_tokens=200, ignore_eos=True)) for i in range(4)]
+
+        async def pause_mid_generation():
+            tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs]
+            for a in addresses:
+                while not await running_on(a):
+                    await asyncio.sleep(0.005)
+            await asyncio.gather(*[probe(a) for a in addresses])
+            await asyncio.to_thread(engine.pause)
+            await asyncio.sleep(0.3)  # the aborted answers are back; before the fix they were resent at once
+            busy = [await running_on(a) for a in addresses]
+            assert not any(t.done() for t in tasks)
+            await asyncio.to_thread(engine.resume)
+            return busy, await asyncio.gather(*tasks)
+
+        busy, resps = asyncio.run(pause_mid_generation())
+        assert busy == [False, False]
+        for req, resp in zip(reqs, resps):
+            assert resp.output_len == 200 and resp.output_versions == [0] * 200
+            lp = hf_logprobs(model, req.input_ids, resp.output_tokens)
+            torch.testing.assert_close(torch.tensor(resp.output_logprobs), lp, atol=1e-4, rtol=0)
+    finally:
+        engine.destroy()
+
+
 def test_weight_updates_from_torchrun_fsdp_trainer(servers, model_path: str, tmp_path) -> None:
     _, addresses = servers
     engine = client(addresses)

@@ -7,7 +7,9 @@ HTTP call runs on the client's own event loop in a background thread (an aiohttp
 cross loops), whatever loop awaits `agenerate`. A request whose rid was seen before goes to the
 same server; others go to the server with the fewest requests in flight. A generation that comes back aborted (the servers
 paused for a weight update) is resubmitted as prompt + generated tokens with the remaining token
-budget, keeping every token's log-probability and version. When a server fails (connection
+budget, keeping every token's log-probability and version; while this client keeps the servers
+paused it waits, so that hundreds of resubmissions do not queue up on the paused servers and
+delay the weight update. When a server fails (connection
 error, timeout, 5xx) the request is resent from its last known state to another server, so a
 server dying loses no request and returns none twice. A server that refuses connections is
 dead: it gets no more generation or control calls, and the rest of the fleet carries on (a
@@ -121,6 +123,9 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         """The one HTTP session; it lives on (and is only used from) the client loop."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
+        self._resumed: asyncio.Event | None = None
+        """Clear while this client has the servers paused: generations aborted by the pause wait
+        for it before they resume, instead of queueing on a paused server during the update."""
 
     # ----- lifecycle -----------------------------------------------------------------------
 
@@ -144,6 +149,8 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         def run() -> None:
             pin_this_thread(self.config.client_cores)
             asyncio.set_event_loop(loop)
+            self._resumed = asyncio.Event()
+            self._resumed.set()
             loop.call_soon(ready.set)
             loop.run_forever()
 
@@ -340,7 +347,10 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
 
         async def complete(req: ModelRequest, part: _Partial, answer: dict[str, object]) -> ModelResponse:
             reason = part.absorb(answer, self._version)
-            return await self._generate(req, part) if reason == "abort" else part.response(req, reason)
+            if reason != "abort":
+                return part.response(req, reason)
+            await self._until_resumed()
+            return await self._generate(req, part)
 
         return list(await asyncio.gather(*(complete(r, p, d) for r, p, d in zip(reqs, parts, data))))
 
@@ -392,6 +402,28 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
             if reason != "abort":
                 return part.response(req, reason)
             # Aborted by a pause for a weight update: resume as prompt + generated.
+            await self._until_resumed()
+
+    async def _until_resumed(self) -> None:
+        """Wait while this client keeps the servers paused (a no-op when the pause was not ours)."""
+        assert self._resumed is not None
+        await self._resumed.wait()
+
+    async def _pause_servers(self) -> None:
+        assert self._resumed is not None
+        self._resumed.clear()  # before the aborted generations come back
+        try:
+            await self._fanout("/pause_generation", {"mode": self.config.pause_mode})
+        except BaseException:
+            self._resumed.set()
+            raise
+
+    async def _resume_servers(self) -> None:
+        assert self._resumed is not None
+        try:
+            await self._fanout("/continue_generation", {})
+        finally:
+            self._resumed.set()
 
     # ----- weights and versions ------------------------------------------------------------
 
@@ -427,7 +459,7 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
     async def _update_weights(self, meta: WeightUpdateMeta) -> None:
         pause_here = not self._paused
         if pause_here:
-            await self._fanout("/pause_generation", {"mode": self.config.pause_mode})
+            await self._pause_servers()
         try:
             version = str(meta.version) if meta.version is not None else None
             if meta.type == "disk":
@@ -460,7 +492,7 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
                 self._version = meta.version
         finally:
             if pause_here:
-                await self._fanout("/continue_generation", {})
+                await self._resume_servers()
 
     async def _optional_fanout(self, path: str, payload: dict[str, object]) -> bool:
         """Call an endpoint that older SGLang versions lack; False when a server answers 404."""
@@ -489,11 +521,11 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         resumed later, or frozen, per ``config.pause_mode``)."""
         if self.executor is not None:
             self.executor.pause()
-        self._call(self._fanout("/pause_generation", {"mode": self.config.pause_mode})).result()
+        self._call(self._pause_servers()).result()
         self._paused = True
 
     def resume(self) -> None:
-        self._call(self._fanout("/continue_generation", {})).result()
+        self._call(self._resume_servers()).result()
         self._paused = False
         if self.executor is not None:
             self.executor.resume()
