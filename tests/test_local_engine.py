@@ -143,6 +143,41 @@ def test_split_prefill_gives_the_same_logprobs(model_path: str, hf: torch.nn.Mod
         eng.destroy()
 
 
+def test_identical_prompts_share_one_prefill_row(model_path: str, hf: torch.nn.Module, monkeypatch) -> None:
+    """A GRPO group (one prompt, several samples) is prefilled as one row whose cache every sample
+    gets; each sample is still drawn on its own and scored right, prompt log-probs included."""
+    eng = make_engine(model_path)
+    real_forward, widths = eng._runner._layers_forward, []
+    monkeypatch.setattr(
+        eng._runner, "_layers_forward", lambda h, *a: widths.append(tuple(h.shape[:2])) or real_forward(h, *a)
+    )
+    group, other = [5, 6, 7, 8, 9], [40, 41]
+    jobs = [(group, SamplingParams(max_new_tokens=8, ignore_eos=True))] * 4 + [
+        (other, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    ] * 2
+
+    async def run():
+        eng.pause_generation("in_place")  # queue them all, then admit them in one prefill
+        tasks = [asyncio.ensure_future(eng.generate(p, sp, return_input_logprobs=i == 1)) for i, (p, sp) in enumerate(jobs)]
+        await asyncio.sleep(0)
+        eng.continue_generation()
+        return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(run())
+        assert widths[0] == (2, 5)  # the prefill: two distinct prompts, the longer of 5 tokens
+        assert all(w == (6, 1) for w in widths[1:])  # then decode steps of all six rows
+        for (prompt, _), r in zip(jobs, results):
+            torch.testing.assert_close(
+                torch.tensor(r.output_logprobs), hf_logprobs(hf, prompt, r.output_ids), atol=1e-4, rtol=0
+            )
+        assert len({tuple(r.output_ids) for r in results[:4]}) > 1  # samples, not copies
+        expected = hf_logprobs(hf, group[:1], group[1:])
+        torch.testing.assert_close(torch.tensor(results[1].input_logprobs[1:]), expected, atol=1e-4, rtol=0)
+    finally:
+        eng.destroy()
+
+
 def test_greedy_equals_hf_generate(engine: LocalInferenceEngine, hf: torch.nn.Module) -> None:
     prompts = [[5, 9, 11, 20], [100, 3], list(range(30, 60))]
     results = generate_all(

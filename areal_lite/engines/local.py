@@ -295,48 +295,59 @@ class _ModelRunner:
     def prefill(self, seqs: list[_Seq]) -> list[_Seq]:
         """Add ``seqs`` as new rows and fill their cache. A sequence without output yet gets its
         first token sampled (returned); one with output (re-prefilled after a weight update or a
-        retract) caches all but its last token, which becomes the next one fed."""
+        retract) caches all but its last token, which becomes the next one fed.
+
+        Rows with the same tokens (the samples of a GRPO group) share one forward pass, which
+        fills each row's cache and gives each row its own first sample: prompts are most of the
+        tokens a group costs when completions are short."""
         if not seqs:
             return []
         tokens = [s.prompt + s.out[:-1] if s.out else s.prompt for s in seqs]
+        first_of: dict[tuple[int, ...], int] = {}
+        inverse = [first_of.setdefault(tuple(t), len(first_of)) for t in tokens]
+        unique = [list(t) for t in first_of]
         lengths = [len(t) for t in tokens]
-        n, width = len(seqs), max(lengths)
+        n, width = len(unique), max(lengths)
         if n > 1 and n * width * width > PREFILL_MASK_ELEMENTS:
             # The mask is [n, width, width]: split long batches, shortest and longest apart.
-            ordered = [seqs[j] for j in sorted(range(n), key=lengths.__getitem__)]
-            return self.prefill(ordered[: n // 2]) + self.prefill(ordered[n // 2 :])
+            ordered = [seqs[j] for j in sorted(range(len(seqs)), key=lengths.__getitem__)]
+            half = len(ordered) // 2
+            return self.prefill(ordered[:half]) + self.prefill(ordered[half:])
         start = len(self.rows)
         self._ensure_capacity(width + 1)
         ids = torch.zeros(n, width, dtype=torch.long, device=self.device)
-        for j, t in enumerate(tokens):
+        for j, t in enumerate(unique):
             ids[j, : len(t)] = torch.tensor(t, dtype=torch.long)
-        lens = torch.tensor(lengths, device=self.device)
+        unique_lens = torch.tensor([len(t) for t in unique], device=self.device)
         pos = torch.arange(width, device=self.device)
-        allowed = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, None, :] < lens[:, None, None])
+        allowed = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, None, :] < unique_lens[:, None, None])
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))[
             :, None
         ]
-        rows = slice(start, start + n)
+        rows = slice(start, start + len(seqs))
+        of_row = torch.tensor(inverse, device=self.device)  # row -> its unique token sequence
 
         def write(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            self.k_cache[i][rows, :, :width] = k
-            self.v_cache[i][rows, :, :width] = v
+            self.k_cache[i][rows, :, :width] = k[of_row]
+            self.v_cache[i][rows, :, :width] = v[of_row]
             return k, v
 
         h = self._layers_forward(self.base.embed_tokens(ids), pos[None].expand(n, width), mask, write)
         self.rows.extend(seqs)
-        self.lens[rows] = lens
+        self.lens[rows] = unique_lens[of_row]
         fresh = [j for j, s in enumerate(seqs) if not s.out]
         for j, s in enumerate(seqs):
             if s.out:
                 self.last[start + j] = s.out[-1]
             if s.want_input_logprobs and s.input_logprobs is None:
-                logp = torch.log_softmax(self.model.lm_head(h[j, : lengths[j] - 1]).float(), dim=-1)
-                target = ids[j, 1 : lengths[j]]
+                u = inverse[j]
+                logp = torch.log_softmax(self.model.lm_head(h[u, : lengths[j] - 1]).float(), dim=-1)
+                target = ids[u, 1 : lengths[j]]
                 s.input_logprobs = [None] + logp.gather(1, target[:, None])[:, 0].tolist()
         if fresh:
             idx = torch.tensor(fresh, device=self.device)
-            last_h = h[idx, lens[idx] - 1]
+            u = of_row[idx]
+            last_h = h[u, unique_lens[u] - 1]
             self._sample_and_append(self.model.lm_head(last_h).float(), [seqs[j] for j in fresh], start + idx)
         return [seqs[j] for j in fresh]
 
