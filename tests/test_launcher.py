@@ -75,6 +75,19 @@ def test_server_command_lines() -> None:
         server_command(_plan(backend="local"), 9000)
 
 
+def test_our_server_gets_the_local_engine_settings_and_server_args_win(tmp_path) -> None:
+    from areal_lite.engines.server import parse_args
+
+    cfg = _write_config(
+        tmp_path, actor={"path": "/models/m"}, local_engine={"max_running_requests": 256, "dtype": "bfloat16"},
+        launcher={"backend": "areal", "server_args": ["--dtype", "float32"]},
+    )  # fmt: skip
+    cmd = server_command(read_plan("train.py", cfg, ["local_engine.seed=7"]), 9000)
+    args = parse_args(cmd[3:])
+    assert args.max_running_requests == 256 and args.random_seed == 7 and args.dtype == "float32"
+    assert args.model_path == "/models/m" and args.port == 9000
+
+
 def test_trainer_command_lines() -> None:
     assert trainer_command(_plan(backend="local"), [], 7000) == ["py", "train.py", "--config", "cfg.yaml", "a.b=1"]
     cmd = trainer_command(_plan(backend="areal", trainer_nproc=2), ["127.0.0.1:1", "127.0.0.1:2"], 7000)

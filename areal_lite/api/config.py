@@ -362,7 +362,9 @@ class LauncherConfig:
     trainer_nproc: int = 1
     """Trainer processes per node (torchrun --nproc-per-node)."""
     server_args: list[str] = field(default_factory=list)
-    """Extra command-line arguments for each server."""
+    """Extra command-line arguments for each server. Our server (``areal``) also gets the config's
+    ``local_engine`` settings (dtype, device, max_running_requests, max_total_tokens, seed) as
+    flags; these arguments come after them and win."""
     server_cores: list[int] = field(default_factory=list)
     """CPU cores to pin the servers to (empty = no pinning)."""
     trainer_cores: list[int] = field(default_factory=list)

@@ -46,6 +46,14 @@ from areal_lite.utils.distributed import find_free_port
 logger = logging.getLogger("areal_lite.launcher")
 
 BACKENDS = ("local", "areal", "sglang")
+ENGINE_FLAGS = (
+    ("dtype", "--dtype"),
+    ("device", "--device"),
+    ("max_running_requests", "--max-running-requests"),
+    ("max_total_tokens", "--context-length"),
+    ("seed", "--random-seed"),
+)
+"""``local_engine`` keys and the flags of `areal_lite.engines.server` that take them."""
 TEARDOWN_GRACE_S = 10.0
 ATTEMPT_ENV = "AREAL_LITE_ATTEMPT"
 
@@ -63,6 +71,8 @@ class LaunchPlan:
     """What the servers load: ``launcher.server_model_path``, else ``actor.path``."""
     output_dir: str
     python: str = field(default=sys.executable)
+    engine_args: list[str] = field(default_factory=list)
+    """Our server's flags for the config's ``local_engine`` settings (before ``server_args``)."""
 
     @property
     def log_dir(self) -> str:
@@ -98,7 +108,14 @@ def read_plan(script: str, config_file: str | None, overrides: list[str]) -> Lau
     if launcher.backend != "local" and not model_path:
         raise ConfigError("the servers need a model: set launcher.server_model_path or actor.path")
     output_dir = os.path.join(str(raw.cluster.fileroot), str(raw.experiment_name), str(raw.trial_name))
-    return LaunchPlan(script, config_file, list(overrides), launcher, recover, model_path, output_dir)
+    engine_args: list[str] = []
+    for key, flag in ENGINE_FLAGS:
+        value = OmegaConf.select(raw, f"local_engine.{key}", default=None)
+        if value is not None:
+            engine_args += [flag, str(value)]
+    return LaunchPlan(
+        script, config_file, list(overrides), launcher, recover, model_path, output_dir, engine_args=engine_args
+    )
 
 
 def server_command(plan: LaunchPlan, port: int, *, base_gpu_id: int = 0, host: str | None = None) -> list[str]:
@@ -107,7 +124,8 @@ def server_command(plan: LaunchPlan, port: int, *, base_gpu_id: int = 0, host: s
     cfg = plan.launcher
     common = ["--model-path", plan.model_path, "--host", host or cfg.server_host, "--port", str(port)]
     if cfg.backend == "areal":
-        return [plan.python, "-m", "areal_lite.engines.server", *common, *cfg.server_args]
+        # argparse keeps the last occurrence of a flag: server_args override the engine settings.
+        return [plan.python, "-m", "areal_lite.engines.server", *common, *plan.engine_args, *cfg.server_args]
     if cfg.backend == "sglang":
         gpus = ["--tp-size", str(cfg.server_tp_size), "--base-gpu-id", str(base_gpu_id)]
         return [plan.python, "-m", "sglang.launch_server", *common, *gpus, *cfg.server_args]
