@@ -95,6 +95,8 @@ def test_gsm8k_grpo_with_a_rollout_server(tmp_path: Path, tiny: str) -> None:
         "reward_workers=1",
         "weight_update=disk",
         "launcher.backend=areal",
+        "local_engine.device=cpu",  # our server runs the embedded engine with these settings
+        "local_engine.dtype=float32",
         "launcher.n_servers=1",
         "launcher.trainer_nproc=1",
         "launcher.server_args=[]",
