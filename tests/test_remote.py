@@ -74,6 +74,19 @@ async def probe(address: str) -> None:
         assert r.status == 200
 
 
+async def running_on_every_server(addresses: list[str]) -> None:
+    for a in addresses:
+        while not await running_on(a):
+            await asyncio.sleep(0.005)
+
+
+async def generating_on_every_server(addresses: list[str]) -> None:
+    """Wait until every server runs a request, then until those have tokens (a probe queued
+    behind them is answered)."""
+    await running_on_every_server(addresses)
+    await asyncio.gather(*[probe(a) for a in addresses])
+
+
 def perturbed_copy(model_path: str, out: str) -> torch.nn.Module:
     """A copy of the model with noise added to every weight, saved to ``out``."""
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
@@ -130,10 +143,7 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, model_pa
 
         async def update_mid_generation():
             tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in long]
-            for a in addresses:
-                while not await running_on(a):
-                    await asyncio.sleep(0.005)
-            await asyncio.gather(*[probe(a) for a in addresses])  # the long ones now have tokens
+            await generating_on_every_server(addresses)
             update = engine.update_weights(WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"), version=1))
             await asyncio.wrap_future(update)
             return await asyncio.gather(*tasks)
@@ -159,10 +169,7 @@ def test_batch_requests_go_to_one_server_and_resume_across_an_update(servers, mo
 
         async def update_mid_generation():
             tasks = [asyncio.ensure_future(engine.agenerate_batch(group)) for group in groups]
-            for a in addresses:
-                while not await running_on(a):
-                    await asyncio.sleep(0.005)
-            await asyncio.gather(*[probe(a) for a in addresses])
+            await generating_on_every_server(addresses)
             await asyncio.wrap_future(engine.update_weights(WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"), version=1)))
             return await asyncio.gather(*tasks)
 
@@ -194,10 +201,7 @@ def test_generations_aborted_by_our_pause_wait_for_the_resume(servers, model_pat
 
         async def pause_mid_generation():
             tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs]
-            for a in addresses:
-                while not await running_on(a):
-                    await asyncio.sleep(0.005)
-            await asyncio.gather(*[probe(a) for a in addresses])
+            await generating_on_every_server(addresses)
             await asyncio.to_thread(engine.pause)
             await asyncio.sleep(0.3)  # the aborted answers are back; before the fix they were resent at once
             busy = [await running_on(a) for a in addresses]
@@ -289,9 +293,7 @@ def test_server_killed_mid_run_loses_no_request(servers, model_path: str) -> Non
             # Half as single requests, half as two batch requests (GRPO groups of 4).
             tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs[:8]]
             batches = [asyncio.ensure_future(engine.agenerate_batch(reqs[i : i + 4])) for i in (8, 12)]
-            for a in addresses:
-                while not await running_on(a):
-                    await asyncio.sleep(0.005)
+            await running_on_every_server(addresses)
             procs[0].send_signal(signal.SIGKILL)
             return await asyncio.gather(*tasks) + [r for group in await asyncio.gather(*batches) for r in group]
 

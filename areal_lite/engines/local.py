@@ -932,5 +932,4 @@ class LocalInferenceEngine(ExecutorRollouts, InferenceEngine):
             self.executor.resume()
 
 
-
 __all__ = ["GenerationError", "GenerationResult", "LocalInferenceEngine", "SamplingParams"]

@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = ("float32", "bfloat16")
+_DTYPE_NAMES = ("float32", "bfloat16")
 _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 MicroBatch = tuple[PackedBatch, float]
@@ -273,7 +273,7 @@ class MegatronEngine(TrainEngine):
         cfg = self.config
         if not cpu_mode():
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.compute_dtype = compute_dtype(cfg.dtype, self.device, allowed=_DTYPES)
+        self.compute_dtype = compute_dtype(cfg.dtype, self.device, allowed=_DTYPE_NAMES)
         self._owns_group = init_default_group()
         tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
         if dist.get_world_size() % (tp * pp) != 0:

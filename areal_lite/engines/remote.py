@@ -5,12 +5,12 @@ Generation: one async HTTP request per `agenerate` call (PROTOCOL.md, ``/generat
 one batch request to one server, which saves most of the per-request cost on both sides. Every
 HTTP call runs on the client's own event loop in a background thread (an aiohttp session must not
 cross loops), whatever loop awaits `agenerate`. A request whose rid was seen before goes to the
-same server; others go to the server with the fewest requests in flight. A generation that comes back aborted (the servers
-paused for a weight update) is resubmitted as prompt + generated tokens with the remaining token
-budget, keeping every token's log-probability and version; while this client keeps the servers
-paused it waits, so that hundreds of resubmissions do not queue up on the paused servers and
-delay the weight update. When a server fails (connection
-error, timeout, 5xx) the request is resent from its last known state to another server, so a
+same server; others go to the server with the fewest requests in flight. A generation that comes
+back aborted (the servers paused for a weight update) is resubmitted as prompt + generated tokens
+with the remaining token budget, keeping every token's log-probability and version; while this
+client keeps the servers paused it waits, so that hundreds of resubmissions do not queue up on
+the paused servers and delay the weight update. When a server fails (connection error, timeout,
+5xx) the request is resent from its last known state to another server, so a
 server dying loses no request and returns none twice. A server that refuses connections is
 dead: it gets no more generation or control calls, and the rest of the fleet carries on (a
 distributed weight update cannot: its process group counted the dead server).

@@ -1,9 +1,10 @@
 """RLVR rollouts for GRPO: a group of samples per prompt, each scored by a verifiable reward.
 
 One episode renders the item's chat through the tokenizer's template, sends ``n_samples``
-requests for it (each its own rid, together through `InferenceEngine.agenerate_batch`), scores every completion with the reward function off the event
-loop (`RewardRunner`: worker processes, threads or async, with a timeout), and returns the group
-as one ``[n_samples, L]`` trajectory batch. Group-relative advantages are the trainer's business.
+requests for it (each its own rid, together through `InferenceEngine.agenerate_batch`), scores
+every completion with the reward function (`RewardRunner`: worker processes, threads or async,
+with a timeout, or inline for microsecond graders), and returns the group as one
+``[n_samples, L]`` trajectory batch. Group-relative advantages are the trainer's business.
 """
 
 from __future__ import annotations
