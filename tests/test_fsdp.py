@@ -188,3 +188,36 @@ def test_dcp_resume_in_new_process_matches_uninterrupted_run(pair: tuple[dict, P
     assert resumed["next_stats"] == res["next_stats"]
     uninterrupted, again = params(out, "uninterrupted", 2), params(out, "resumed", 2)
     assert all(torch.equal(uninterrupted[k], again[k]) for k in uninterrupted)
+
+
+@pytest.mark.slow
+def test_job_end_never_aborts_at_exit() -> None:
+    """`destroy_default_group` at the end of a 2-rank FSDP job: 40 runs with both cores kept busy
+    (where a plain barrier + destroy aborted about 1 run in 20, so 40 clean runs would happen by
+    luck about 1 time in 8; 0 aborts in 100 runs measured with the fix). About 4 minutes."""
+    script = Path(__file__).parent / "scripts" / "exit_race.py"
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    failures = []
+    try:
+        for i in range(40):
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(find_free_port()), str(script), "safe",
+            ]  # fmt: skip
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )  # fmt: skip
+            try:
+                output, _ = proc.communicate(timeout=120)
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            if proc.returncode != 0:
+                failures.append(f"run {i}: exit {proc.returncode}\n{output[-1500:]}")
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert not failures, "\n".join(failures)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -46,7 +47,7 @@ from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedBatch, TrainEngine
 from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatches, unpack_sequences
-from areal_lite.utils.distributed import init_default_group
+from areal_lite.utils.distributed import destroy_default_group, init_default_group
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
 from areal_lite.utils.precision import compute_dtype
@@ -188,8 +189,9 @@ class FSDPEngine(TrainEngine):
         self.optimizer = None
         self.lr_scheduler = None
         self._sender = WeightSender()
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self._owns_group:
+            # A barrier first, unless an exception is on its way out (another rank may never arrive).
+            destroy_default_group(barrier=sys.exc_info()[0] is None)
         self._owns_group = False
 
     @property

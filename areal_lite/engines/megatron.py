@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from typing import TYPE_CHECKING
@@ -58,7 +59,7 @@ from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.engines.mcore_convert import ArchSpec, hf_to_mcore, mcore_split_dim, mcore_to_hf
 from areal_lite.engines.mcore_cpu import cpu_compat, cpu_mode, install_cpu_rng_tracker
 from areal_lite.utils.data import pack_batch, split_microbatches, unpack_sequences
-from areal_lite.utils.distributed import init_default_group
+from areal_lite.utils.distributed import destroy_default_group, init_default_group
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
 from areal_lite.utils.precision import compute_dtype
@@ -367,8 +368,9 @@ class MegatronEngine(TrainEngine):
         if self._owns_model_parallel:
             ps.destroy_model_parallel()
             self._owns_model_parallel = False
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self._owns_group:
+            # A barrier first, unless an exception is on its way out (another rank may never arrive).
+            destroy_default_group(barrier=sys.exc_info()[0] is None)
         self._owns_group = False
 
     @property

@@ -22,6 +22,7 @@ from areal_lite.actors import PPOActor
 from areal_lite.api.config import OptimizerConfig, PPOActorConfig
 from areal_lite.api.io import FinetuneSpec
 from areal_lite.engines.fsdp import FSDPEngine
+from areal_lite.utils.distributed import destroy_default_group
 
 GROUP = 4
 N = 16
@@ -91,8 +92,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save({"delta": delta, "stats": stats}, os.path.join(out, f"ppo_delta_w{dist.get_world_size()}.pt"))
     ppo_delta(model_dir, n_minibatches=2)
-    dist.barrier()  # no rank tears the group down while another still finishes its last collective
-    dist.destroy_process_group()
+    destroy_default_group()
 
 
 if __name__ == "__main__":

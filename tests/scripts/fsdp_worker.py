@@ -32,6 +32,7 @@ from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.engines.fsdp import FSDPEngine
+from areal_lite.utils.distributed import destroy_default_group
 
 CHECKS, MODEL, OUT = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
 FT = FinetuneSpec(total_train_epochs=1, dataset_size=80, train_batch_size=8)
@@ -268,8 +269,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(os.path.join(OUT, f"{'-'.join(CHECKS)}_w{dist.get_world_size()}.json"), "w") as f:
             json.dump(res, f)
-    dist.barrier()  # no rank tears the group down while another still finishes its last collective
-    dist.destroy_process_group()
+    destroy_default_group()
 
 
 if __name__ == "__main__":

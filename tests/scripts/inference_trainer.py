@@ -24,6 +24,7 @@ from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, WeightUpdateMeta
 from areal_lite.engines.fsdp import FSDPEngine
 from areal_lite.engines.remote import RemoteSGLangEngine
+from areal_lite.utils.distributed import destroy_default_group
 
 MODEL, ADDRESSES, WORKDIR = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
 
@@ -106,9 +107,7 @@ def main() -> None:
             json.dump(report, f)
         rollout.destroy()
     engine.destroy()
-    if dist.is_initialized():
-        dist.barrier()  # no rank tears the group down while another still finishes its last collective
-        dist.destroy_process_group()
+    destroy_default_group()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch, TrainEngine
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.engines import make_train_engine
+from areal_lite.utils.distributed import destroy_default_group
 
 MODEL, OUT = sys.argv[1], sys.argv[2]
 FT = FinetuneSpec(total_train_epochs=1, dataset_size=80, train_batch_size=8)
@@ -217,8 +218,7 @@ def main() -> None:
     if rank == 0:
         with open(os.path.join(OUT, "checks.json"), "w") as f:
             json.dump(checks, f)
-    dist.barrier()  # no rank tears the group down while another still finishes its last collective
-    dist.destroy_process_group()
+    destroy_default_group()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from areal_lite.utils.distributed import destroy_default_group
 from areal_lite.utils.stats import StatsTracker
 
 dist.init_process_group("gloo")
@@ -22,5 +23,4 @@ out = tracker.export()
 if rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump({"scalars": out.scalars, "histograms": out.histograms}, f)
-dist.barrier()  # no rank tears the group down while another still finishes its last collective
-dist.destroy_process_group()
+destroy_default_group()
