@@ -469,8 +469,9 @@ def test_staleness_ignores_padding() -> None:
     long = from_response(
         ModelResponse(input_tokens=[1], output_tokens=[5, 6, 7], output_logprobs=[-1.0] * 3, output_versions=[6, 7, 7]), 0.0
     )
-    batch = concat_padded([short, long])  # the short row is padded with version 0
-    assert trajectory_staleness(batch, 8) == [1, 2]
+    none = from_response(ModelResponse(input_tokens=[1, 2], output_tokens=[], output_logprobs=[], output_versions=[]), 0.0)
+    batch = concat_padded([short, none, long])  # the short row is padded with version 0
+    assert trajectory_staleness(batch, 8) == [1, 2]  # the row without generated tokens is skipped
 
 
 class Affinity(RolloutWorkflow):

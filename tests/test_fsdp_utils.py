@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from areal_lite.utils import logprob
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
 from areal_lite.utils.precision import compute_dtype, native_bf16
@@ -22,8 +23,11 @@ def reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) 
     return logp.gather(-1, labels[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["checkpointed", "kept"])
 @pytest.mark.parametrize("chunk", [1, 5, 16, 1000])
-def test_chunked_logprobs_and_grads_equal_full(chunk: int) -> None:
+def test_chunked_logprobs_and_grads_equal_full(chunk: int, recompute: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same values and gradients whether each chunk's logits are recomputed in backward or kept."""
+    monkeypatch.setattr(logprob, "CHECKPOINT_MIN_BYTES", 0 if recompute else 1 << 40)
     torch.manual_seed(0)
     h = torch.randn(16, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(30, 8, dtype=torch.float64, requires_grad=True)

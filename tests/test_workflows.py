@@ -338,3 +338,29 @@ def test_calculator_env_tool_call_then_answer(engine) -> None:
     assert "<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n" in tok.decode(ids)
     first = "What is 6*(3+4)?\nYou may use a calculator: write <calc>expression</calc>."
     assert_decodes_to_conversation(tok, ids, mask, first, ["42"], "tool")
+
+
+def test_from_responses_equals_concatenated_single_responses() -> None:
+    """A group built at once is exactly the padded concatenation of its samples' trajectories."""
+    from areal_lite.utils.data import concat_padded
+    from areal_lite.workflows.trajectory import check_trajectory, from_response, from_responses
+
+    g = torch.Generator().manual_seed(0)
+    resps = []
+    for i, n_out in enumerate([3, 0, 5, 1]):
+        resps.append(
+            ModelResponse(
+                input_tokens=torch.randint(1, 50, (2 + i,), generator=g).tolist(),
+                output_tokens=torch.randint(1, 50, (n_out,), generator=g).tolist(),
+                output_logprobs=(-torch.rand(n_out, generator=g)).tolist(),
+                output_versions=[3 + i] * n_out,
+            )
+        )
+    rewards = [1.0, 0.0, 0.5, -1.0]
+    group = from_responses(resps, rewards)
+    expected = concat_padded([from_response(r, w) for r, w in zip(resps, rewards)])
+    check_trajectory(group)
+    assert set(group.keys()) == set(expected.keys())
+    for key in expected.keys():
+        assert group[key].dtype == expected[key].dtype, key
+        assert torch.equal(group[key], expected[key]), key

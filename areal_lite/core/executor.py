@@ -32,6 +32,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+import torch
 from tensordict import TensorDict
 
 from areal_lite.api.config import InferenceEngineConfig
@@ -135,12 +136,10 @@ class _Task:
 def trajectory_staleness(traj: TensorDict, version: int) -> list[int]:
     """``version`` minus the oldest version among the generated tokens (``loss_mask`` 1) of each
     row; rows without generated tokens are skipped. Padding carries version 0 and is not counted."""
-    out = []
-    for row, generated in zip(traj["versions"], traj["loss_mask"].bool()):
-        produced = row[generated & (row >= 0)]
-        if produced.numel():
-            out.append(version - int(produced.min()))
-    return out
+    versions = traj["versions"]
+    produced = traj["loss_mask"].bool() & (versions >= 0)
+    oldest = torch.where(produced, versions, torch.iinfo(versions.dtype).max).amin(dim=1)
+    return (version - oldest[produced.any(dim=1)]).tolist()
 
 
 class WorkflowExecutor:
@@ -405,12 +404,13 @@ class WorkflowExecutor:
 
     def _consume(self, taken: list[tuple[int, TensorDict]]) -> TensorDict:
         version = self.engine.get_version()
-        staleness = [s for _, t in taken for s in trajectory_staleness(t, version)]
+        batch = concat_padded([t for _, t in sorted(taken, key=lambda r: r[0])])
+        staleness = trajectory_staleness(batch, version)
         with self._cond:
             self.n_consumed += len(taken)
             self.staleness_histogram.update(staleness)
             self.last_batch_staleness = staleness
-        return concat_padded([t for _, t in sorted(taken, key=lambda r: r[0])])
+        return batch
 
     def _wake_loop(self) -> None:
         loop, wake = self._loop, self._wake

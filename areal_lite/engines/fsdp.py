@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from tensordict import TensorDict
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -378,6 +379,18 @@ class FSDPEngine(TrainEngine):
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)  # type: ignore[attr-defined]
 
+    def _write_weights(self, path: str) -> None:
+        """A disk weight update: ``model.safetensors`` (and ``config.json``, once) in ``path`` from
+        rank 0. Half the time of ``save_pretrained`` for a small model, and no progress bar per
+        update; servers read only the weight files. Collective."""
+        sd = self._full_state_dict()
+        if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+            save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+            config = os.path.join(path, "config.json")
+            if not os.path.exists(config):
+                self._module().hf.config.to_json_file(config)
+
     def _training_state(self) -> dict[str, object]:
         model = self._module()
         model.reshard()
@@ -450,7 +463,7 @@ class FSDPEngine(TrainEngine):
             yield name, full.detach().to(dtype, copy=True)
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
-        self._sender.send(meta, self._version, self._full_tensors, lambda path: self._save_hf(path, None))
+        self._sender.send(meta, self._version, self._full_tensors, self._write_weights)
 
 
 __all__ = ["FSDPEngine"]

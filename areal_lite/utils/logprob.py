@@ -2,8 +2,10 @@
 
 A language model head turns ``[T, H]`` hidden states into ``[T, V]`` logits; for a long packed
 batch and a large vocabulary those fp32 logits dominate memory. These functions materialise the
-logits of at most ``chunk_size`` tokens at a time. With autograd on, each chunk is checkpointed, so
-the backward pass recomputes one chunk's logits at a time instead of keeping all of them.
+logits of at most ``chunk_size`` tokens at a time. With autograd on, each chunk whose logits take
+more than `CHECKPOINT_MIN_BYTES` is checkpointed, so the backward pass recomputes one chunk's
+logits at a time instead of keeping all of them; smaller ones (a tiny vocabulary) are kept, which
+spares the recomputation.
 
 Shared by the train engines (FSDP and Megatron) so that both score tokens identically.
 """
@@ -12,6 +14,9 @@ from __future__ import annotations
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+CHECKPOINT_MIN_BYTES = 16 << 20
+"""A chunk's fp32 logits above this size are recomputed in the backward pass rather than kept."""
 
 
 def _chunk_stats(
@@ -49,12 +54,13 @@ def logprobs_from_hidden(
     if hidden.ndim != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden [T, H] and labels [T], got {tuple(hidden.shape)} and {tuple(labels.shape)}")
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    recompute = grad and min(chunk_size, hidden.shape[0]) * weight.shape[0] * 4 > CHECKPOINT_MIN_BYTES
     lps: list[torch.Tensor] = []
     ents: list[torch.Tensor] = []
     for start in range(0, hidden.shape[0], chunk_size):
         h = hidden[start : start + chunk_size]
         y = labels[start : start + chunk_size]
-        if grad:
+        if recompute:
             lp, ent = checkpoint(_chunk_stats, h, weight, y, with_entropy, use_reentrant=False)
         else:
             lp, ent = _chunk_stats(h, weight, y, with_entropy)

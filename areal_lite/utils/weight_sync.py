@@ -54,10 +54,11 @@ class WeightSender:
         )
         fut.result()
 
-    def send(self, meta: WeightUpdateMeta, version: int, tensors: NamedTensors, save_hf: Callable[[str], None]) -> None:
+    def send(self, meta: WeightUpdateMeta, version: int, tensors: NamedTensors, write_disk: Callable[[str], None]) -> None:
         """Send the weights and wait until the engine has loaded them; collective over the
-        trainer's ranks. ``meta.version`` defaults to ``version``; ``save_hf(path)`` writes the HF
-        directory of a disk update (collective, rank 0 writes)."""
+        trainer's ranks. ``meta.version`` defaults to ``version``; ``write_disk(path)`` writes the
+        directory of a disk update, whose ``*.safetensors`` files the servers load (collective,
+        rank 0 writes)."""
         rank = dist.get_rank()
         if rank == 0 and self.engine is None:
             raise RuntimeError("update_weights needs connect_engine() first")
@@ -66,7 +67,7 @@ class WeightSender:
             self._send_distributed(meta, tensors())
         elif meta.type == "disk":
             assert meta.path is not None
-            save_hf(meta.path)
+            write_disk(meta.path)
             if rank == 0:
                 self._engine().update_weights(meta).result()
         else:

@@ -18,8 +18,7 @@ from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse
 from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.rewards.combined import RewardFn
 from areal_lite.rewards.runner import RewardRunner
-from areal_lite.utils.data import concat_padded
-from areal_lite.workflows.trajectory import encode_chat, from_response, prompt_messages
+from areal_lite.workflows.trajectory import encode_chat, from_responses, prompt_messages
 
 _RESERVED = ("prompt", "completion", "prompt_ids", "completion_ids")
 
@@ -87,4 +86,4 @@ class RLVRWorkflow(RolloutWorkflow):
         )
         prompt = self.tokenizer.decode(prompt_ids)  # type: ignore[attr-defined]
         rewards = await asyncio.gather(*(score(self.reward, self.tokenizer, prompt, r, data) for r in resps))
-        return concat_padded([from_response(r, reward) for r, reward in zip(resps, rewards)])
+        return from_responses(resps, list(rewards))

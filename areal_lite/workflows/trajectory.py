@@ -75,6 +75,32 @@ def from_response(resp: ModelResponse, reward: float, **per_sequence: float) -> 
     return trace.to_tensordict(reward, **per_sequence)
 
 
+def from_responses(resps: list[ModelResponse], rewards: list[float]) -> TensorDict:
+    """The ``[n, L]`` batch of single-turn responses, right-padded with 0: what
+    ``concat_padded([from_response(r, w) for r, w in zip(resps, rewards)])`` gives, built at once
+    (a GRPO group without a TensorDict per sample, on the rollout client's thread)."""
+    traces = []
+    for resp in resps:
+        trace = TokenTrace(resp.input_tokens)
+        trace.add_generated(resp)
+        traces.append(trace)
+    width = max(len(t.input_ids) for t in traces)
+
+    def padded(rows: list[list[int]] | list[list[float]], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=dtype)
+
+    lens = torch.tensor([len(t.input_ids) for t in traces])
+    out = {
+        "input_ids": padded([t.input_ids for t in traces], torch.int64),
+        "attention_mask": torch.arange(width).unsqueeze(0) < lens.unsqueeze(1),
+        "loss_mask": padded([t.loss_mask for t in traces], torch.int32),
+        "logprobs": padded([t.logprobs for t in traces], torch.float32),
+        "versions": padded([t.versions for t in traces], torch.int32),
+        "rewards": torch.tensor(rewards, dtype=torch.float32),
+    }
+    return TensorDict(out, batch_size=[len(traces)])
+
+
 def encode_chat(tokenizer: object, messages: list[dict[str, str]], **template_kwargs: object) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template with the generation prompt
     (``template_kwargs`` such as ``enable_thinking`` go to the template)."""
