@@ -23,11 +23,12 @@ from areal_lite.utils.tiny import build_tiny_model
 WORKER = Path(__file__).parent / "scripts" / "fsdp_worker.py"
 
 
-def run_worker(nproc: int, checks: str, model: str, out: Path, timeout: float = 300) -> dict:
+def torchrun(nproc: int, script: Path, *args: str, timeout: float = 300) -> tuple[int, str]:
+    """Run ``script`` under torchrun on ``nproc`` gloo ranks: its exit code and output (the whole
+    process group is killed if it outlives ``timeout``)."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
-        str(WORKER), checks, model, str(out),
+        "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()), str(script), *args,
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -39,7 +40,12 @@ def run_worker(nproc: int, checks: str, model: str, out: Path, timeout: float = 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 0, output[-6000:]
+    return proc.returncode, output
+
+
+def run_worker(nproc: int, checks: str, model: str, out: Path, timeout: float = 300) -> dict:
+    code, output = torchrun(nproc, WORKER, checks, model, str(out), timeout=timeout)
+    assert code == 0, output[-6000:]
     with open(out / f"{checks.replace(',', '-')}_w{nproc}.json") as f:
         return json.load(f)
 
@@ -200,22 +206,9 @@ def test_job_end_never_aborts_at_exit() -> None:
     failures = []
     try:
         for i in range(40):
-            cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                "--master-port", str(find_free_port()), str(script), "safe",
-            ]  # fmt: skip
-            proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
-            )  # fmt: skip
-            try:
-                output, _ = proc.communicate(timeout=120)
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            if proc.returncode != 0:
-                failures.append(f"run {i}: exit {proc.returncode}\n{output[-1500:]}")
+            code, output = torchrun(2, script, "safe", timeout=120)
+            if code != 0:
+                failures.append(f"run {i}: exit {code}\n{output[-1500:]}")
     finally:
         for p in spinners:
             p.kill()
