@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -191,8 +190,7 @@ class FSDPEngine(TrainEngine):
         self.lr_scheduler = None
         self._sender = WeightSender()
         if self._owns_group:
-            # A barrier first, unless an exception is on its way out (another rank may never arrive).
-            destroy_default_group(barrier=sys.exc_info()[0] is None)
+            destroy_default_group()
         self._owns_group = False
 
     @property

@@ -43,7 +43,6 @@ import json
 import logging
 import os
 import re
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from typing import TYPE_CHECKING
@@ -369,8 +368,7 @@ class MegatronEngine(TrainEngine):
             ps.destroy_model_parallel()
             self._owns_model_parallel = False
         if self._owns_group:
-            # A barrier first, unless an exception is on its way out (another rank may never arrive).
-            destroy_default_group(barrier=sys.exc_info()[0] is None)
+            destroy_default_group()
         self._owns_group = False
 
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -37,9 +38,9 @@ _FINAL_BARRIERS: list[object] = []
 """Handles of the barriers `destroy_default_group` ends with, kept until the interpreter exits."""
 
 
-def destroy_default_group(barrier: bool = True) -> None:
-    """Destroy the default process group at the end of a job, after a barrier (``barrier=False``
-    on a failure path, where another rank may never arrive).
+def destroy_default_group() -> None:
+    """Destroy the default process group at the end of a job, after a barrier; without it while an
+    exception is on its way out (called from a ``finally``), where another rank may never arrive.
 
     Why not ``dist.barrier(); dist.destroy_process_group()``: gloo's barrier holds weak references
     to the collectives still in flight when it was issued, and whichever thread drops the barrier
@@ -51,7 +52,7 @@ def destroy_default_group(barrier: bool = True) -> None:
     main thread its last owner (0 aborts in 100 runs)."""
     if not dist.is_initialized():
         return
-    if barrier:
+    if sys.exc_info()[0] is None:
         work = dist.barrier(async_op=True)
         assert work is not None
         work.wait()
