@@ -74,6 +74,11 @@ async def probe(address: str) -> None:
         assert r.status == 200
 
 
+async def post(address: str, path: str, body: dict) -> int:
+    async with aiohttp.ClientSession() as s, s.post(f"http://{address}{path}", json=body) as r:
+        return r.status
+
+
 async def running_on_every_server(addresses: list[str]) -> None:
     for a in addresses:
         while not await running_on(a):
@@ -254,10 +259,6 @@ def test_timed_out_request_moves_to_another_server(servers, model_path: str) -> 
     engine.start_client()
     engine.wait_healthy()
 
-    async def post(address: str, path: str, body: dict) -> int:
-        async with aiohttp.ClientSession() as s, s.post(f"http://{address}{path}", json=body) as r:
-            return r.status
-
     try:
         reset_weights(engine, model_path)
         # The first server holds every request (paused); the idle client's first pick is the first server.
@@ -290,6 +291,9 @@ def test_server_killed_mid_run_loses_no_request(servers, model_path: str) -> Non
         ]
 
         async def scenario():
+            # The doomed server holds its requests (paused in place), so none of them can finish
+            # there before it dies, however slowly this test polls on a busy machine.
+            assert await post(addresses[0], "/pause_generation", {"mode": "in_place"}) == 200
             # Half as single requests, half as two batch requests (GRPO groups of 4).
             tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs[:8]]
             batches = [asyncio.ensure_future(engine.agenerate_batch(reqs[i : i + 4])) for i in (8, 12)]
