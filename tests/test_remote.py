@@ -24,7 +24,7 @@ from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-from inference_servers import start_servers, stop_servers
+from inference_servers import perturbed_copy, running_on, start_servers, stop_servers
 
 TRAINER = Path(__file__).parent / "scripts" / "inference_trainer.py"
 
@@ -61,12 +61,6 @@ def hf_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int]) ->
     return logp.gather(1, ids[0, 1:, None])[len(prompt) - 1 :, 0]
 
 
-async def running_on(address: str) -> bool:
-    """Whether the server has a request queued or running (flush_cache refuses then)."""
-    async with aiohttp.ClientSession() as s, s.post(f"http://{address}/flush_cache") as r:
-        return r.status == 400
-
-
 async def probe(address: str) -> None:
     """A one-token request: admitted after everything queued before it (FIFO)."""
     body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}
@@ -90,17 +84,6 @@ async def generating_on_every_server(addresses: list[str]) -> None:
     behind them is answered)."""
     await running_on_every_server(addresses)
     await asyncio.gather(*[probe(a) for a in addresses])
-
-
-def perturbed_copy(model_path: str, out: str) -> torch.nn.Module:
-    """A copy of the model with noise added to every weight, saved to ``out``."""
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(out)
-    return model
 
 
 def assert_switched_models(req: ModelRequest, resp, model, new_model, n: int) -> None:

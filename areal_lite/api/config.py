@@ -235,6 +235,12 @@ class InferenceEngineConfig:
     """CPU cores for the rollout client's threads in the trainer process (executor loop, HTTP
     client loop, reward threads); empty = no pinning. On a small CPU machine, the rollout
     server's core keeps them off the training thread's core (benchmarks/async_vs_sync.py)."""
+    episode_process: bool = False
+    """Run the workflows (their generation calls, rewards, trajectory building) in a child process
+    instead of a thread of the trainer's: their Python work then no longer competes with training
+    for the trainer's interpreter lock while rollouts run ahead (asynchronous RL on few cores).
+    Remote servers only; workflows must pickle, and their own counters (e.g. `RewardRunner.stats`)
+    count in the child. The child runs on ``client_cores``."""
 
 
 @dataclass

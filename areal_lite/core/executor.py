@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +42,8 @@ from areal_lite.utils.cpu import check_cores, pin_this_thread
 from areal_lite.utils.data import concat_padded
 
 logger = logging.getLogger(__name__)
+
+RunEpisode = Callable[[RolloutWorkflow, dict[str, object]], Awaitable[TensorDict | None]]
 
 _VERSION_POLL_S = 0.05
 """The loop re-reads the engine version this often; any other event (submit, completion, resume,
@@ -150,9 +152,11 @@ class WorkflowExecutor:
     e.g. evaluation), which are admitted at once and never counted as pipeline trajectories.
     """
 
-    def __init__(self, config: InferenceEngineConfig, engine: InferenceEngine) -> None:
+    def __init__(self, config: InferenceEngineConfig, engine: InferenceEngine, run_episode: RunEpisode | None = None) -> None:
         self.config = config
         self.engine = engine
+        self._run_episode = run_episode
+        """Runs a workflow on one input elsewhere (`EpisodeWorker.run_episode`); None = here."""
         bs = config.consumer_batch_size
         if config.on_workflow_error not in ("raise", "skip"):
             raise ValueError(f"on_workflow_error must be raise or skip, got {config.on_workflow_error!r}")
@@ -478,7 +482,10 @@ class WorkflowExecutor:
         traj: TensorDict | None = None
         error: WorkflowError | None = None
         try:
-            traj = await task.workflow.arun_episode(self.engine, task.data)
+            if self._run_episode is None:
+                traj = await task.workflow.arun_episode(self.engine, task.data)
+            else:
+                traj = await self._run_episode(task.workflow, task.data)
             if traj is not None and not isinstance(traj, TensorDict):
                 raise TypeError(f"arun_episode must return a TensorDict or None, got {type(traj).__name__}")
             if traj is not None and task.should_accept is not None and not task.should_accept(traj):

@@ -482,6 +482,11 @@ class LocalInferenceEngine(ExecutorRollouts, InferenceEngine):
     def __init__(self, config: LocalEngineConfig, rollout: InferenceEngineConfig | None = None) -> None:
         self.config = config
         self.rollout_config = rollout or InferenceEngineConfig()
+        if self.rollout_config.episode_process:
+            raise ValueError(
+                "rollout.episode_process=true runs workflows in a child process, which cannot reach the "
+                "embedded engine: use rollout servers (launcher.backend=areal or sglang)"
+            )
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
         self.executor = None

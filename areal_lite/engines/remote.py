@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -40,6 +41,9 @@ from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
 from areal_lite.core.executor import ExecutorRollouts
 from areal_lite.utils.cpu import check_cores, pin_this_thread
+
+if TYPE_CHECKING:
+    from areal_lite.core.episode_worker import EpisodeWorker
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +130,8 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         self._resumed: asyncio.Event | None = None
         """Clear while this client has the servers paused: generations aborted by the pause wait
         for it before they resume, instead of queueing on a paused server during the update."""
+        self._episodes: EpisodeWorker | None = None
+        """The child process running the workflows (``config.episode_process``)."""
 
     # ----- lifecycle -----------------------------------------------------------------------
 
@@ -135,7 +141,13 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         self.wait_healthy()
         from areal_lite.core.executor import WorkflowExecutor
 
-        self.executor = WorkflowExecutor(self.config, self)
+        run_episode = None
+        if self.config.episode_process:
+            from areal_lite.core.episode_worker import EpisodeWorker
+
+            self._episodes = EpisodeWorker(self.config)
+            run_episode = self._episodes.run_episode
+        self.executor = WorkflowExecutor(self.config, self, run_episode)
         self.executor.initialize()
 
     def start_client(self) -> None:
@@ -167,6 +179,9 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         if self.executor is not None:
             self.executor.destroy()
             self.executor = None
+        if self._episodes is not None:
+            self._episodes.close()
+            self._episodes = None
         if self._loop is not None:
             if self._session is not None:
                 self._call(self._session.close()).result()
@@ -413,9 +428,11 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         assert self._resumed is not None
         self._resumed.clear()  # before the aborted generations come back
         try:
+            await self._tell_episode_worker("hold")  # its generations too
             await self._fanout("/pause_generation", {"mode": self.config.pause_mode})
         except BaseException:
             self._resumed.set()
+            await self._tell_episode_worker("release")
             raise
 
     async def _resume_servers(self) -> None:
@@ -424,6 +441,22 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
             await self._fanout("/continue_generation", {})
         finally:
             self._resumed.set()
+            await self._tell_episode_worker("release")
+
+    async def _tell_episode_worker(self, name: str, arg: object = None) -> None:
+        if self._episodes is not None:
+            await asyncio.wrap_future(self._episodes.control(name, arg))
+
+    def mirror_pause(self, paused: bool) -> None:
+        """Follow a pause of the servers made by another client of them (the trainer's, for the
+        engine of an episode worker): generations the pause aborts wait for the resume."""
+        assert self._loop is not None and self._resumed is not None, "call start_client() first"
+        self._loop.call_soon_threadsafe(self._resumed.clear if paused else self._resumed.set)
+
+    def track_version(self, version: int) -> None:
+        """Tag tokens with ``version`` where a server does not report theirs, without telling the
+        servers (another client of them did)."""
+        self._version = version
 
     # ----- weights and versions ------------------------------------------------------------
 
@@ -510,6 +543,8 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         self._call(
             self._fanout("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
         ).result()
+        if self._episodes is not None:
+            self._episodes.control("version", version).result()
 
     def get_version(self) -> int:
         return self._version

@@ -148,6 +148,14 @@ class RewardRunner:
         self._sums: defaultdict[str, float] = defaultdict(float)
         self._ns: Counter[str] = Counter()
 
+    def __getstate__(self) -> dict[str, object]:
+        """A copy (in another process: ``rollout.episode_process``) gets the grader and settings,
+        and starts its own workers and counts."""
+        return {"fn": self.fn, "mode": self.mode, "timeout": self.timeout, "num_workers": self.num_workers}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(state["fn"], mode=state["mode"], timeout=state["timeout"], num_workers=state["num_workers"])  # type: ignore[misc,arg-type]
+
     async def __call__(
         self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object
     ) -> float:

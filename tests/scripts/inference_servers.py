@@ -11,6 +11,9 @@ import time
 import urllib.error
 import urllib.request
 
+import aiohttp
+import torch
+
 from areal_lite.utils.distributed import find_free_port
 
 
@@ -70,3 +73,22 @@ def stop_servers(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+async def running_on(address: str) -> bool:
+    """Whether the server has a request queued or running (flush_cache refuses then)."""
+    async with aiohttp.ClientSession() as s, s.post(f"http://{address}/flush_cache") as r:
+        return r.status == 400
+
+
+def perturbed_copy(model_path: str, out: str) -> torch.nn.Module:
+    """A copy of the model with noise added to every weight, saved to ``out``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return model

@@ -1,0 +1,142 @@
+"""Workflows in a child process (``rollout.episode_process``), against one of our servers: the same
+trajectories as in-process workflows, pauses for weight updates reach the child's generations,
+workflow errors and a killed child surface as errors instead of hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
+from areal_lite.api.io import WeightUpdateMeta
+from areal_lite.core.executor import WorkflowError
+from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.engines.remote import RemoteSGLangEngine
+from areal_lite.utils.tiny import build_tiny_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+from episode_workflows import Continue, HoldsALock
+from inference_servers import perturbed_copy, running_on, start_servers, stop_servers
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("episodes") / "m"), hidden_size=32, num_layers=2, vocab_size=260)
+
+
+@pytest.fixture(scope="module")
+def server(model_path: str):
+    procs, addresses = start_servers(model_path, 1)
+    yield addresses[0]
+    stop_servers(procs)
+
+
+def engine(address: str, episode_process: bool) -> RemoteSGLangEngine:
+    config = InferenceEngineConfig(
+        addresses=[address], episode_process=episode_process, consumer_batch_size=4, request_timeout=60, setup_timeout=60
+    )
+    e = RemoteSGLangEngine(config)
+    e.initialize()
+    return e
+
+
+def items(n: int, **extra: object) -> list[dict[str, object]]:
+    return [{"prompt": [7, 30 + i], **extra} for i in range(n)]
+
+
+def test_child_workflows_give_the_in_process_trajectories(server: str) -> None:
+    here, child = engine(server, False), engine(server, True)
+    try:
+        assert child._episodes is not None and child._episodes.pid != os.getpid()
+        a = here.rollout_batch(items(6), Continue(12))
+        b = child.rollout_batch(items(6), Continue(12))
+        assert a.batch_size == b.batch_size == torch.Size([6])
+        assert set(a.keys()) == set(b.keys())
+        for key in ("input_ids", "attention_mask", "loss_mask", "versions", "rewards"):
+            assert torch.equal(a[key], b[key]), key
+        torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=1e-5, rtol=0)
+    finally:
+        here.destroy()
+        child.destroy()
+
+
+def test_a_weight_update_pauses_the_child_generations_and_tags_versions(server: str, model_path: str, tmp_path) -> None:
+    """The trainer's pause holds the generations it aborts in the child (the server stays idle
+    until the resume); after the update they resume, their new tokens tagged with the new version."""
+    perturbed_copy(model_path, str(tmp_path / "v1"))
+    e = engine(server, True)
+    try:
+        e.update_weights(WeightUpdateMeta(type="disk", path=model_path, version=0)).result()
+        e.set_version(0)
+        out: dict[str, object] = {}
+        run = threading.Thread(target=lambda: out.update(batch=e.rollout_batch(items(3), Continue(300))))
+        run.start()
+        deadline = time.monotonic() + 60
+        while not asyncio.run(running_on(server)):
+            assert time.monotonic() < deadline, "the child's generations never reached the server"
+            time.sleep(0.01)
+        e.pause()
+        time.sleep(0.3)  # aborted answers are back in the child by now
+        idle_while_paused = not asyncio.run(running_on(server))
+        e.update_weights(WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"), version=1)).result()
+        e.set_version(1)
+        e.resume()
+        run.join(timeout=120)
+        assert not run.is_alive()
+        assert idle_while_paused
+        batch = out["batch"]
+        for row in range(3):
+            versions = batch["versions"][row][batch["loss_mask"][row].bool()].tolist()
+            assert len(versions) == 300 and versions[0] == 0 and versions[-1] == 1, versions
+            assert versions == sorted(versions)
+    finally:
+        e.destroy()
+
+
+def test_workflow_errors_and_unpicklable_workflows_are_reported(server: str) -> None:
+    e = engine(server, True)
+    try:
+        with pytest.raises(WorkflowError, match=r"ValueError: bad item \[7, 30\]"):
+            e.rollout_batch(items(1, fail=True), Continue(4))
+        with pytest.raises(WorkflowError, match="HoldsALock does not pickle"):
+            e.rollout_batch(items(1), HoldsALock(4))
+        assert e.rollout_batch(items(2), Continue(4)).batch_size == torch.Size([2])  # still serving
+    finally:
+        e.destroy()
+
+
+def test_a_killed_child_fails_rollouts_instead_of_hanging(server: str) -> None:
+    e = engine(server, True)
+    try:
+        assert e._episodes is not None
+        pid = e._episodes.pid
+        assert pid is not None
+
+        def kill_when_running() -> None:
+            while not asyncio.run(running_on(server)):
+                time.sleep(0.01)
+            os.kill(pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_when_running)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(WorkflowError, match="episode worker process died"):
+            e.rollout_batch(items(4), Continue(300))
+        killer.join()
+        assert time.monotonic() - t0 < 60
+        with pytest.raises(WorkflowError, match="episode worker process died"):
+            e.rollout_batch(items(1), Continue(4))
+    finally:
+        e.destroy()
+
+
+def test_the_embedded_engine_refuses_episode_processes() -> None:
+    with pytest.raises(ValueError, match="episode_process"):
+        LocalInferenceEngine(LocalEngineConfig(path="unused"), InferenceEngineConfig(episode_process=True))
