@@ -45,6 +45,7 @@ from tensordict import TensorDict
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.utils.cpu import pin_this_thread
+from areal_lite.utils.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ def _child_main(config: InferenceEngineConfig, conn: multiprocessing.connection.
 
     engine = RemoteSGLangEngine(config)
     engine.start_client()
+    freeze_startup_objects()
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     workflows: dict[int, RolloutWorkflow] = {}

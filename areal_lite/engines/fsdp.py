@@ -54,6 +54,7 @@ from areal_lite.utils.precision import compute_dtype
 from areal_lite.utils.recover import rng_state, set_rng_state
 from areal_lite.utils.varlen_attention import register_varlen_sdpa
 from areal_lite.utils.weight_sync import WeightSender
+from areal_lite.utils.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class FSDPEngine(TrainEngine):
         self.model = model
         if ft_spec is not None:
             self._build_optimizer(ft_spec)
+        freeze_startup_objects()
 
     def _load_hf(self, path: str) -> nn.Module:
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification

@@ -41,6 +41,7 @@ from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdateMeta
 from areal_lite.core.executor import ExecutorRollouts
 from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
+from areal_lite.utils.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -514,6 +515,7 @@ class LocalInferenceEngine(ExecutorRollouts, InferenceEngine):
 
         self.executor = WorkflowExecutor(self.rollout_config, self)
         self.executor.initialize()
+        freeze_startup_objects()
 
     def load_model(self) -> None:
         """Load the model and tokenizer and start the scheduler (everything but the executor;

@@ -65,6 +65,7 @@ from areal_lite.utils.precision import compute_dtype
 from areal_lite.utils.recover import rng_state, set_rng_state
 from areal_lite.utils.varlen_attention import varlen_sdpa_attention
 from areal_lite.utils.weight_sync import WeightSender
+from areal_lite.utils.gc_freeze import freeze_startup_objects
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -305,9 +306,10 @@ class MegatronEngine(TrainEngine):
         if ft_spec is None:
             model.requires_grad_(False)
             self.model = model
-            return
-        self.model = self._wrap_ddp(model)
-        self._build_optimizer(ft_spec)
+        else:
+            self.model = self._wrap_ddp(model)
+            self._build_optimizer(ft_spec)
+        freeze_startup_objects()
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

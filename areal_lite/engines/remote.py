@@ -41,6 +41,7 @@ from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
 from areal_lite.core.executor import ExecutorRollouts
 from areal_lite.utils.cpu import check_cores, pin_this_thread
+from areal_lite.utils.gc_freeze import freeze_startup_objects
 
 if TYPE_CHECKING:
     from areal_lite.core.episode_worker import EpisodeWorker
@@ -149,6 +150,7 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
             run_episode = self._episodes.run_episode
         self.executor = WorkflowExecutor(self.config, self, run_episode)
         self.executor.initialize()
+        freeze_startup_objects()
 
     def start_client(self) -> None:
         """Start the client's event loop in a background thread (everything but the executor).

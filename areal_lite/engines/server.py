@@ -28,6 +28,7 @@ from aiohttp import web
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.local import GenerationResult, LocalInferenceEngine, SamplingParams
+from areal_lite.utils.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger("areal_lite.server")
 
@@ -511,6 +512,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     engine.load_model()
     engine.set_version(int(args.weight_version))
+    freeze_startup_objects()
     server = Server(args, engine)
     app = server.build_app()
 
