@@ -37,7 +37,7 @@ def run_quickstart(fileroot: str, trial: str, overrides: list[str]) -> str:
         sys.executable, "-m", "areal_lite.launcher.local", "examples/quickstart.py",
         "--config", "configs/quickstart.yaml",
         f"cluster.fileroot={fileroot}", f"trial_name={trial}", "recover.mode=disabled", "recover.retries=0",
-        "stats_logger.tensorboard=false", *overrides,
+        "stats_logger.tensorboard=false", "stats_logger.wandb_mode=disabled", *overrides,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)

@@ -19,7 +19,12 @@ from areal_lite.utils.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-QUIET = ["stats_logger.console=false", "stats_logger.tensorboard=false", "recover.mode=disabled"]
+QUIET = [
+    "stats_logger.console=false",
+    "stats_logger.tensorboard=false",
+    "stats_logger.wandb_mode=disabled",
+    "recover.mode=disabled",
+]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +105,6 @@ def test_gsm8k_grpo_with_a_rollout_server(tmp_path: Path, tiny: str) -> None:
         "launcher.n_servers=1",
         "launcher.trainer_nproc=1",
         "launcher.server_args=[]",
-        "stats_logger.wandb_mode=disabled",
         *QUIET,
         launcher=True,
     )

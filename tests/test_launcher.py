@@ -269,7 +269,8 @@ def test_training_completes_when_a_rollout_server_dies(tmp_path) -> None:
            f"actor.path={model}", f"cluster.fileroot={tmp_path / 'out'}", "launcher.backend=areal", "launcher.n_servers=2",
            "launcher.server_args=[--max-running-requests,8]", "rollout.consumer_batch_size=4",
            "rollout.max_head_offpolicyness=1", "rollout.request_timeout=60", f"total_steps={total_steps}",
-           f"pause_after_step={kill_after}", "stats_logger.console=false"]
+           f"pause_after_step={kill_after}", "stats_logger.console=false",
+           "stats_logger.wandb_mode=disabled"]
     launcher = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     servers: list[dict] = []
     try:

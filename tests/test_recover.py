@@ -157,7 +157,7 @@ def test_sigkilled_trainer_resumes_with_each_sample_once_per_epoch(tmp_path) -> 
     cmd = [sys.executable, "-m", "areal_lite.launcher.local", os.path.join(os.path.dirname(__file__), "scripts", "recover_train.py"),
            f"actor.path={model}", f"cluster.fileroot={tmp_path / 'out'}", f"launcher.trainer_nproc={world}",
            f"train_dataset.batch_size={batch_size}", f"total_train_epochs={KILL_EPOCHS}", f"dataset_size={dataset_size}",
-           f"seed={seed}", "recover.mode=auto", "recover.retries=1", "saver.freq_epochs=1", "stats_logger.console=false",
+           f"seed={seed}", "recover.mode=auto", "recover.retries=1", "saver.freq_epochs=1", "stats_logger.console=false", "stats_logger.wandb_mode=disabled",
            "stats_logger.plot_keys=[loss]", "actor.optimizer.lr=1e-3", f"pause_at_step={kill_step}"]
     launcher = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)

@@ -64,7 +64,7 @@ def test_tracker_reduces_across_two_ranks(tmp_path) -> None:
 
 
 def _config(**kw: object) -> StatsLoggerConfig:
-    return StatsLoggerConfig(console=False, **kw)  # type: ignore[arg-type]
+    return StatsLoggerConfig(console=False, wandb_mode="disabled", **kw)  # type: ignore[arg-type]
 
 
 def test_warnings_on_a_failing_run(tmp_path) -> None:

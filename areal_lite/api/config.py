@@ -313,8 +313,9 @@ class RecoverConfig:
 class StatsLoggerConfig:
     """Where per-step statistics go."""
 
-    wandb_mode: str = "disabled"
-    """wandb mode: disabled, offline or online."""
+    wandb_mode: str = "offline"
+    """wandb mode: offline (runs under the output directory's ``wandb/``; ``wandb sync`` uploads
+    them later), online (needs a login) or disabled."""
     wandb_project: str = "areal-lite"
     """wandb project name."""
     tensorboard: bool = False

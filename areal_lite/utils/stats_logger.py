@@ -52,6 +52,8 @@ class StatsLogger:
         self.config = config
         self.output_dir = output_dir
         self.total_steps = total_steps
+        if config.wandb_mode not in ("disabled", "offline", "online"):
+            raise ValueError(f"stats_logger.wandb_mode must be disabled, offline or online, got {config.wandb_mode!r}")
         self.enabled = _is_rank0()
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.warnings: list[str] = []
@@ -72,7 +74,8 @@ class StatsLogger:
 
             cfg = asdict(run_config) if is_dataclass(run_config) and not isinstance(run_config, type) else None
             self._wandb = wandb.init(
-                project=config.wandb_project, name=run_name, dir=output_dir, mode=config.wandb_mode, config=cfg, reinit=True
+                project=config.wandb_project, name=run_name, dir=output_dir, mode=config.wandb_mode, config=cfg,
+                reinit="finish_previous",  # a run left open by an earlier logger in this process
             )
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
