@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -60,11 +61,11 @@ class DPOExperimentConfig(BaseExperimentConfig):
     """The frozen reference policy."""
 
 
-def addition_pairs(n: int, n_digits: int, seed: int) -> list[dict[str, object]]:
-    """The right sum (chosen) against one off by 1 or 10 (rejected)."""
+def addition_pairs(n: int, n_digits: int, seed: int, exclude: Collection[str] = ()) -> list[dict[str, object]]:
+    """The right sum (chosen) against one off by 1 or 10 (rejected); no prompt in ``exclude``."""
     rng = random.Random(seed)
     pairs = []
-    for p in addition_problems(n, n_digits, seed):
+    for p in addition_problems(n, n_digits, seed, exclude=exclude):
         wrong = int(p["answer"]) + rng.choice([-10, -1, 1, 10])  # type: ignore[call-overload]
         pairs.append({"prompt": p["prompt"], "chosen": p["answer"], "rejected": str(abs(wrong))})
     return pairs
@@ -77,15 +78,16 @@ def main(argv: list[str]) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
     task = cfg.task
-    train_pairs = (
-        load_rows(cfg.train_dataset.path)
-        if cfg.train_dataset.path
-        else addition_pairs(task.n_train_pairs, task.n_digits, task.seed + 2)
-    )
     eval_pairs = (
         load_rows(cfg.valid_dataset.path)
         if cfg.valid_dataset.path
         else addition_pairs(task.n_eval, task.n_digits, task.seed + 1)
+    )
+    # Generated training pairs never repeat a held-out prompt (2-digit sums have only 10^4).
+    train_pairs = (
+        load_rows(cfg.train_dataset.path)
+        if cfg.train_dataset.path
+        else addition_pairs(task.n_train_pairs, task.n_digits, task.seed + 2, exclude={str(p["prompt"]) for p in eval_pairs})
     )
     eval_batch = preference_batch(tokenizer, eval_pairs[: task.n_eval], task.use_chat_template)
     dataloader = stateful_dataloader(
