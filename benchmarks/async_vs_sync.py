@@ -4,9 +4,9 @@ The rollout server runs on core 1 (launcher.server_cores) and the trainer's main
 (launcher.trainer_cores). The rollout client (executor loop, HTTP loop, the workflows) runs in
 the trainer's process, or its workflows in a child process (rollout.episode_process=true), which
 keeps their Python work off the trainer's GIL; pinned runs put it on the server's core
-(rollout.client_cores), so training keeps core 0 to itself. Each mode runs in several client
-placements and its fastest counts: synchronous RL also with the client free to use the
-trainer's idle core while it waits for rollouts, so no placement can inflate the ratio. With
+(rollout.client_cores), so training keeps core 0 to itself, and free ones let it use whichever
+core is idle. Both modes run in the same four placements (in-process or child, pinned or free)
+and each mode's fastest counts, so no placement can inflate the ratio. With
 eta = 0 each step waits for its own rollouts; with eta = 2 the server generates the next batches
 while the trainer trains on this one. Every run starts from the same SFT checkpoint (made once,
 first) and runs the same number of RL steps; only the RL loop is timed (the quickstart prints
@@ -72,15 +72,14 @@ def main() -> None:
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("this benchmark puts rollout and training on separate cores: it needs 2")
     place = ["launcher.server_cores=[1]", "launcher.trainer_cores=[0]"]
-    pinned = [*place, "rollout.client_cores=[1]"]
-    child = "rollout.episode_process=true"
-    configs = {
-        "sync, client free": (0, place),
-        "sync, client on core 1": (0, pinned),
-        "sync, episodes in child": (0, [*pinned, child]),
-        "async, client on core 1": (2, pinned),
-        "async, episodes in child": (2, [*pinned, child]),
+    pin, child = "rollout.client_cores=[1]", "rollout.episode_process=true"
+    placements = {
+        "client free": place,
+        "client on core 1": [*place, pin],
+        "child free": [*place, child],
+        "child on core 1": [*place, pin, child],
     }
+    configs = {f"{mode}, {where}": (eta, overrides) for mode, eta in (("sync", 0), ("async", 2)) for where, overrides in placements.items()}
     fileroot = tempfile.mkdtemp(prefix="areal_async_")
     rates: dict[str, float] = {}
     stages: dict[str, dict[str, float]] = {}

@@ -58,7 +58,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def single(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("fsdp_w1")
-    return run_worker(1, "logprobs,invariance,sft,critic", model_dir, out), out
+    return run_worker(1, "logprobs,invariance,sft,critic,shared_prefix", model_dir, out), out
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +148,17 @@ def test_sft_loss_halves(single: tuple[dict, Path]) -> None:
     losses = single[0]["sft_losses"]
     assert len(losses) == 40
     assert min(losses) < losses[0] / 2
+
+
+def test_shared_prefix_equals_the_packed_forward(single: tuple[dict, Path]) -> None:
+    """Each group's prompt computed once (a tree per group): the same log-probabilities,
+    entropies, values and SGD update as the ordinary packed forward, on fewer tokens."""
+    res = single[0]
+    assert res["shared_lp_nonzero"] > 50
+    assert res["shared_lp_err"] < 1e-5 and res["shared_ent_err"] < 1e-5 and res["shared_value_err"] < 1e-5
+    assert res["shared_param_err"] < 1e-6
+    assert abs(res["shared_loss"][0] - res["shared_loss"][1]) < 1e-5
+    assert all(tree < packed for packed, tree in res["shared_tokens"])
 
 
 def test_critic_values(single: tuple[dict, Path]) -> None:

@@ -15,6 +15,7 @@ from areal_lite.utils import logprob
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
 from areal_lite.utils.precision import compute_dtype, native_bf16
+from areal_lite.utils.shared_prefix import shared_prefix_layout
 from areal_lite.utils.varlen_attention import varlen_sdpa_attention
 
 
@@ -73,6 +74,37 @@ def test_varlen_attention_equals_block_causal_mask(lens: list[int]) -> None:
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="cu_seq_lens_q"):
         varlen_sdpa_attention(torch.nn.Module(), q, k, v, None)
+
+
+@pytest.mark.parametrize("tail", [[], [list(range(30, 50))]], ids=["padded", "loop"])
+def test_shared_prefix_layout_and_tree_attention(tail: list[list[int]]) -> None:
+    """Runs of sequences with a common prefix become trees (each suffix keeps a token); attention
+    over the trees, read back through token_index, equals attention over the packed sequences."""
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 3, 4, 7, 8], [9, 9, 9, 9], [5, 6, 1], [5, 6, 2, 3], *tail]
+    ids = torch.tensor([t for s in seqs for t in s])
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    cu = torch.tensor([0, *itertools.accumulate(len(s) for s in seqs)], dtype=torch.int32)
+    tree = shared_prefix_layout(ids, pos, cu)
+    assert tree is not None
+    lens = [3 + 2 + 1 + 3, 4, 2 + 1 + 2] + [len(s) for s in tail]
+    assert (tree.cu_seqlens[1:] - tree.cu_seqlens[:-1]).tolist() == lens
+    assert torch.equal(tree.input_ids[tree.token_index], ids) and torch.equal(tree.position_ids[tree.token_index], pos)
+    starts = set(cu[:-1].tolist())
+    for j in range(len(ids)):  # each token is predicted from the one before it in its sequence
+        expected = -1 if j in starts else int(tree.token_index[j - 1])
+        assert int(tree.source[tree.token_index[j]]) == expected
+    assert tree.branches[: lens[0]].tolist() == [0, 0, 0, 1, 1, 2, 3, 3, 3]
+
+    # Queries, keys and values per tree token; a shared prefix's are the same in every sequence.
+    torch.manual_seed(0)
+    q_t, k_t, v_t = (torch.randn(1, h, tree.input_ids.shape[0], 8, dtype=torch.float64) for h in (4, 2, 2))
+    q, k, v = (x[:, :, tree.token_index] for x in (q_t, k_t, v_t))
+    ref, _ = varlen_sdpa_attention(torch.nn.Module().eval(), q, k, v, None, cu_seq_lens_q=cu)
+    out, _ = varlen_sdpa_attention(
+        torch.nn.Module().eval(), q_t, k_t, v_t, None, cu_seq_lens_q=tree.cu_seqlens, tree_branches=tree.branches
+    )
+    torch.testing.assert_close(out[:, tree.token_index], ref)
+    assert shared_prefix_layout(torch.tensor([1, 2, 3, 1, 4]), torch.tensor([0, 1, 2, 0, 1]), torch.tensor([0, 3, 5])) is None
 
 
 @pytest.mark.parametrize("lens", [[5, 1, 9, 3], [7, 8, 6, 8, 7]], ids=["loop", "padded"])

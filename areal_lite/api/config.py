@@ -98,6 +98,10 @@ class TrainEngineConfig:
     """Tokens whose full-vocabulary logits are materialised at once in log-prob computation."""
     attn_impl: str = "sdpa"
     """Attention implementation passed to transformers (sdpa, eager, flash_attention_2)."""
+    shared_prefix: bool = False
+    """FSDP with attn_impl=sdpa: run the prefix that consecutive sequences of a micro-batch share
+    (a GRPO group's prompt) through the model once, as a tree with one branch per sequence
+    (`areal_lite.utils.shared_prefix`); the results are those of the ordinary forward."""
     tensor_parallel_size: int = 1
     """Megatron only: tensor-parallel degree (data-parallel degree is world size / this)."""
     pipeline_parallel_size: int = 1

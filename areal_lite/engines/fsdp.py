@@ -48,13 +48,14 @@ from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedB
 from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatches, unpack_sequences
 from areal_lite.utils.distributed import destroy_default_group, init_default_group
+from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
 from areal_lite.utils.precision import compute_dtype
 from areal_lite.utils.recover import rng_state, set_rng_state
+from areal_lite.utils.shared_prefix import SharedPrefixLayout, shared_prefix_layout
 from areal_lite.utils.varlen_attention import register_varlen_sdpa
 from areal_lite.utils.weight_sync import WeightSender
-from areal_lite.utils.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -76,20 +77,16 @@ class _PackedModel(nn.Module):
         self.chunk_size = chunk_size
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, with_entropy: bool
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        with_entropy: bool,
+        tree: SharedPrefixLayout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Sequence boundaries for varlen attention (ours on CPU, flash-attention's on CUDA);
-        # built-in sdpa/eager ignore them and mask by the restarting position ids instead.
-        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        varlen = {
-            "cu_seq_lens_q": cu_seqlens,
-            "cu_seq_lens_k": cu_seqlens,
-            "max_length_q": max_len,
-            "max_length_k": max_len,
-        }
-        hidden = self.hf.base_model(
-            input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False, **varlen
-        ).last_hidden_state[0]
+        if tree is not None:
+            return self._tree_forward(tree, with_entropy)
+        hidden = self._hidden(input_ids, position_ids, cu_seqlens)
         if self.is_critic:
             # The hidden state at t has read tokens[: t + 1]: it values the state in which token
             # t + 1 is generated, so values are aligned to the token like log-probabilities.
@@ -102,6 +99,41 @@ class _PackedModel(nn.Module):
         logp = align_to_tokens(logp, cu_seqlens)
         entropy = align_to_tokens(entropy, cu_seqlens) if entropy is not None else torch.zeros_like(logp)
         return logp, entropy
+
+    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, **extra: object) -> torch.Tensor:
+        # Sequence boundaries for varlen attention (ours on CPU, flash-attention's on CUDA);
+        # built-in sdpa/eager ignore them and mask by the restarting position ids instead.
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        varlen = {
+            "cu_seq_lens_q": cu_seqlens,
+            "cu_seq_lens_k": cu_seqlens,
+            "max_length_q": max_len,
+            "max_length_k": max_len,
+        }
+        return self.hf.base_model(
+            input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False, **varlen, **extra
+        ).last_hidden_state[0]
+
+    def _tree_forward(self, tree: SharedPrefixLayout, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` over a shared-prefix layout: each tree token is predicted from its source, and
+        the packed tokens take their tree token's results."""
+        hidden = self._hidden(tree.input_ids, tree.position_ids, tree.cu_seqlens, tree_branches=tree.branches)
+        predicted = (tree.source >= 0).nonzero().squeeze(1)  # every tree token but each tree's first
+        sources = tree.source[predicted]
+
+        def on_tree(values: torch.Tensor) -> torch.Tensor:  # [n predicted] -> [T packed], 0 at starts
+            full = values.new_zeros(tree.input_ids.shape[0]).index_put((predicted,), values)
+            return full[tree.token_index]
+
+        if self.is_critic:
+            values = on_tree(self.hf.score(hidden[sources]).squeeze(-1).float())
+            return values, torch.zeros_like(values)
+        weight = self.hf.get_output_embeddings().weight
+        logp, entropy = logprobs_from_hidden(
+            hidden[sources], weight, tree.input_ids[predicted], chunk_size=self.chunk_size, with_entropy=with_entropy
+        )
+        logp = on_tree(logp)
+        return logp, on_tree(entropy) if entropy is not None else torch.zeros_like(logp)
 
 
 class FSDPEngine(TrainEngine):
@@ -124,6 +156,8 @@ class FSDPEngine(TrainEngine):
 
     def initialize(self, ft_spec: FinetuneSpec | None = None) -> None:
         cfg = self.config
+        if cfg.shared_prefix and cfg.attn_impl != "sdpa":
+            raise ValueError(f"shared_prefix needs attn_impl=sdpa (the engine's varlen attention), not {cfg.attn_impl!r}")
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.compute_dtype = compute_dtype(cfg.dtype, self.device)
@@ -247,7 +281,8 @@ class FSDPEngine(TrainEngine):
     def _run(self, mb: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ids, pos, cu = mb["input_ids"], mb["position_ids"], mb["cu_seqlens"]
         assert isinstance(ids, torch.Tensor) and isinstance(pos, torch.Tensor) and isinstance(cu, torch.Tensor)
-        return self._module()(ids, pos, cu, with_entropy)
+        tree = shared_prefix_layout(ids, pos, cu) if self.config.shared_prefix else None
+        return self._module()(ids, pos, cu, with_entropy, tree)
 
     @torch.no_grad()
     def forward(

@@ -59,13 +59,13 @@ from areal_lite.engines.mcore_convert import ArchSpec, hf_to_mcore, mcore_split_
 from areal_lite.engines.mcore_cpu import cpu_compat, cpu_mode, install_cpu_rng_tracker
 from areal_lite.utils.data import pack_batch, split_microbatches, unpack_sequences
 from areal_lite.utils.distributed import destroy_default_group, init_default_group
+from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
 from areal_lite.utils.precision import compute_dtype
 from areal_lite.utils.recover import rng_state, set_rng_state
 from areal_lite.utils.varlen_attention import varlen_sdpa_attention
 from areal_lite.utils.weight_sync import WeightSender
-from areal_lite.utils.gc_freeze import freeze_startup_objects
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -272,6 +272,8 @@ class MegatronEngine(TrainEngine):
         from transformers import AutoConfig
 
         cfg = self.config
+        if cfg.shared_prefix:
+            raise ValueError("shared_prefix is implemented by the FSDP engine only (backend=fsdp)")
         if not cpu_mode():
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.compute_dtype = compute_dtype(cfg.dtype, self.device, allowed=_DTYPE_NAMES)

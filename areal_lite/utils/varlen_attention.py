@@ -17,6 +17,8 @@ small share of the FLOPs of short sequences).
 It needs the sequence boundaries as the ``cu_seq_lens_q`` keyword that transformers forwards from
 the model call to every attention layer (the name its flash-attention path uses). Registering
 under a name that has no mask function also stops transformers from building the ``T x T`` mask.
+A ``tree_branches`` keyword (``[T]``, `areal_lite.utils.shared_prefix`) makes the sequences trees
+of a shared prefix and suffixes: attention stays causal but never crosses between suffixes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+
+from areal_lite.utils.shared_prefix import tree_attention_mask
 
 VARLEN_SDPA = "areal_varlen_sdpa"
 PAD_WASTE = 2.0
@@ -54,18 +58,21 @@ def varlen_sdpa_attention(
     dtype = query.dtype
     if dtype in (torch.bfloat16, torch.float16) and query.device.type == "cpu":
         query, key, value = query.float(), key.float(), value.float()
+    branches = kwargs.get("tree_branches")
+    assert branches is None or isinstance(branches, torch.Tensor)
     cu = bounds.tolist()
     lens = [e - s for s, e in itertools.pairwise(cu)]
     if len(lens) > 1 and len(lens) * max(lens) ** 2 <= PAD_WASTE * sum(n * n for n in lens):
-        out = _padded_sdpa(query, key, value, cu, lens, p, scaling, gqa)
+        out = _padded_sdpa(query, key, value, cu, lens, p, scaling, gqa, branches)
         return out.to(dtype).unsqueeze(0), None
     outs = [
         F.scaled_dot_product_attention(
             query[:, :, s:e],
             key[:, :, s:e],
             value[:, :, s:e],
+            attn_mask=None if branches is None else tree_attention_mask(branches[s:e]),
             dropout_p=p,
-            is_causal=True,
+            is_causal=branches is None,
             scale=scaling,
             enable_gqa=gqa,
         )
@@ -83,10 +90,12 @@ def _padded_sdpa(
     dropout_p: float,
     scaling: float | None,
     gqa: bool,
+    branches: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """All sequences in one SDPA call over a ``[B, heads, max(L), dim]`` gather, with a causal mask
-    that also hides each sequence's padding keys (padding queries still see their sequence's first
-    key, so no row is empty, and are dropped). Returns ``[T, heads, dim]`` in packed order."""
+    """All sequences in one SDPA call over a ``[B, heads, max(L), dim]`` gather, with a causal (or
+    tree) mask that also hides each sequence's padding keys (padding queries still see their
+    sequence's first key, so no row is empty, and are dropped). Returns ``[T, heads, dim]`` in
+    packed order."""
     device = query.device
     width = max(lens)
     pos = torch.arange(width, device=device)
@@ -97,7 +106,10 @@ def _padded_sdpa(
     def gather(x: torch.Tensor) -> torch.Tensor:  # [1, h, T, d] -> [B, h, W, d]
         return x[0][:, idx].transpose(0, 1)
 
-    mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [B, W(query), W(key)]
+    if branches is None:
+        mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [B, W(query), W(key)]
+    else:
+        mask = tree_attention_mask(branches[idx]) & valid[:, None, :]
     out = F.scaled_dot_product_attention(
         gather(query), gather(key), gather(value), attn_mask=mask[:, None], dropout_p=dropout_p, scale=scaling, enable_gqa=gqa
     )

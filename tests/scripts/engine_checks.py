@@ -25,6 +25,28 @@ def make_batch(seed: int, n: int = 8, max_len: int = 24) -> TensorDict:
     return TensorDict({"input_ids": ids, "attention_mask": am, "loss_mask": loss_mask.int()}, batch_size=[n])
 
 
+def group_batch(seed: int) -> TensorDict:
+    """GRPO-like rows: two groups of 4 sharing a 5- and a 3-token prompt (completions of 1 to 9
+    tokens, some starting alike), then a row that shares nothing and a group of 2."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for prompt_len, n in ((5, 4), (3, 4), (6, 1), (4, 2)):
+        prompt = torch.randint(1, 250, (prompt_len,), generator=g).tolist()
+        for _ in range(n):
+            completion = torch.randint(1, 250, (int(torch.randint(1, 10, (1,), generator=g)),), generator=g).tolist()
+            rows.append((prompt, completion))
+    rows[1] = (rows[1][0], rows[0][1][:1] + rows[1][1])  # a completion starting like the previous one
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    loss_mask = torch.zeros(len(rows), width, dtype=torch.int32)
+    am = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        loss_mask[i, len(p) : len(p) + len(c)] = 1
+        am[i, : len(p) + len(c)] = True
+    return TensorDict({"input_ids": ids, "attention_mask": am, "loss_mask": loss_mask}, batch_size=[len(rows)])
+
+
 def nll(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     m = mb["loss_mask"].float()  # type: ignore[union-attr]
     return -(out * m).sum() / m.sum(), {"entropy": (ent * m).sum() / m.sum()}

@@ -14,6 +14,8 @@ comma-separated list of the checks below. Rank 0 writes ``OUT_DIR/<CHECKS>_w<wor
 - ``resume``: (a new process) load ``checkpoint``'s DCP state and take the same next step.
 - ``sft``: SFT loss over 40 steps on a small fixed text dataset.
 - ``critic``: a value model's forward and training.
+- ``shared_prefix``: log-probabilities, entropies, values and one SGD update with each group's
+  prompt computed once equal those of the ordinary packed forward.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from engine_checks import WeightReceiver, make_batch, n_tokens, nll
+from engine_checks import WeightReceiver, group_batch, make_batch, n_tokens, nll
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -240,6 +242,39 @@ def check_critic(res: dict[str, object]) -> None:
     e.destroy()
 
 
+def check_shared_prefix(res: dict[str, object]) -> None:
+    batch = group_batch(0)
+    out: dict[bool, dict[str, object]] = {}
+    for shared in (False, True):
+        e = engine(n_mbs=2, ft=None, shared_prefix=shared)
+        lp, ent = e.forward(batch, with_entropy=True)
+        e.destroy()
+        e = engine(lr=1e-2, is_critic=True, shared_prefix=shared)
+        values = e.forward(batch)
+        e.destroy()
+        e = engine(shared_prefix=shared)
+        e.optimizer = torch.optim.SGD(e.model.parameters(), lr=1.0)  # parameter equality = gradient equality
+        stats = e.train_batch(shard(batch), nll, n_tokens)
+        out[shared] = {"lp": lp, "ent": ent, "values": values, "stats": stats, "params": e._full_state_dict()}
+        e.destroy()
+    plain, tree = out[False], out[True]
+    res["shared_lp_err"] = float((plain["lp"] - tree["lp"]).abs().max())
+    res["shared_ent_err"] = float((plain["ent"] - tree["ent"]).abs().max())
+    res["shared_value_err"] = float((plain["values"] - tree["values"]).abs().max())
+    res["shared_param_err"] = max_diff(plain["params"], tree["params"])
+    res["shared_loss"] = [plain["stats"]["loss"], tree["stats"]["loss"]]
+    res["shared_lp_nonzero"] = int((tree["lp"] != 0).sum())
+    e = engine(n_mbs=2, ft=None, shared_prefix=True)
+    layout = e._microbatches(batch)[0]
+    from areal_lite.utils.shared_prefix import shared_prefix_layout
+
+    res["shared_tokens"] = [
+        [int(mb["input_ids"].numel()), int(shared_prefix_layout(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"]).input_ids.numel())]
+        for mb in layout
+    ]
+    e.destroy()
+
+
 def resume(res: dict[str, object]) -> None:
     e = engine(lr=1e-2)
     e.load(SaveLoadMeta(path=os.path.join(OUT, "dcp"), weight_format="dcp"))
@@ -262,6 +297,7 @@ def main() -> None:
         "resume": resume,
         "sft": check_sft,
         "critic": check_critic,
+        "shared_prefix": check_shared_prefix,
     }
     res: dict[str, object] = {}
     for name in CHECKS:

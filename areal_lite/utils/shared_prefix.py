@@ -1,0 +1,130 @@
+"""Computing a prefix shared by consecutive packed sequences once (``actor.shared_prefix``).
+
+The samples of a GRPO group are its prompt followed by different completions; packed as they are,
+the prompt's tokens go through the model once per sample. Here consecutive sequences that start
+with the same tokens become one *tree* sequence: the shared prefix once, then each sequence's own
+suffix, every suffix token keeping its original position id. Attention is causal along a branch
+(`varlen_sdpa_attention` with ``tree_branches``): a suffix token sees the prefix and the earlier
+tokens of its own suffix, never another suffix, so every token's hidden state is exactly what the
+unshared forward computes. Each token is then predicted from its *source*, the previous token of
+its branch (the prefix's last token for a suffix's first), and ``token_index`` maps the result
+back to the packed layout, so callers see the log-probabilities, entropies or values of the
+ordinary packed forward (gradients flow back through the same gathers).
+
+With 8 samples of 6 prompt + 5 completion tokens, the model runs on 46 tokens instead of 88.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SharedPrefixLayout:
+    """A packed micro-batch as tree sequences. Tree tensors are ``[N]``; ``token_index`` is ``[T]``
+    over the packed tokens."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    """int32 ``[G + 1]``: one tree sequence per group of sequences sharing a prefix."""
+    branches: torch.Tensor
+    """0 on a shared prefix (and on a sequence that shares nothing), i on the i-th suffix of its tree."""
+    source: torch.Tensor
+    """The tree token whose hidden state predicts this one (the previous of its branch); -1 at a tree's start."""
+    token_index: torch.Tensor
+    """For each packed token, the tree token it is."""
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def shared_prefix_layout(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, min_shared: int = 2
+) -> SharedPrefixLayout | None:
+    """The tree layout of a packed micro-batch: runs of consecutive sequences whose common prefix is
+    at least ``min_shared`` tokens share it (every suffix keeps at least one token). None when no
+    two sequences share, so that the caller runs the ordinary layout."""
+    cu = cu_seqlens.tolist()
+    ids = input_ids.tolist()
+    seqs = [ids[s:e] for s, e in itertools.pairwise(cu)]
+    # Groups of consecutive sequences and the length each shares: the shortest common prefix
+    # with the group's first sequence, at most the shortest length - 1.
+    groups: list[tuple[list[int], int]] = []
+    i = 0
+    while i < len(seqs):
+        members, shared = [i], len(seqs[i])
+        j = i + 1
+        while j < len(seqs):
+            common = min(shared, _common_prefix(seqs[i], seqs[j]), len(seqs[j]) - 1, len(seqs[i]) - 1)
+            if common < min_shared:
+                break
+            members.append(j)
+            shared = common
+            j += 1
+        groups.append((members, shared if len(members) > 1 else len(seqs[i])))
+        i = j
+    if all(len(members) == 1 for members, _ in groups):
+        return None
+
+    tree_ids: list[int] = []
+    tree_pos_src: list[int] = []  # packed index each tree token copies its position id from
+    branches: list[int] = []
+    source: list[int] = []
+    token_index = [0] * len(ids)
+    tree_cu = [0]
+    for members, shared in groups:
+        start = len(tree_ids)
+        first = cu[members[0]]
+        for t in range(shared):  # the prefix (or a whole unshared sequence)
+            tree_ids.append(ids[first + t])
+            tree_pos_src.append(first + t)
+            branches.append(0)
+            source.append(start + t - 1 if t else -1)
+        for m in members:
+            for t in range(shared):
+                token_index[cu[m] + t] = start + t
+        if len(members) > 1:
+            for b, m in enumerate(members, start=1):
+                prev = start + shared - 1
+                for p in range(cu[m] + shared, cu[m + 1]):
+                    here = len(tree_ids)
+                    tree_ids.append(ids[p])
+                    tree_pos_src.append(p)
+                    branches.append(b)
+                    source.append(prev)
+                    token_index[p] = here
+                    prev = here
+        tree_cu.append(len(tree_ids))
+    device = input_ids.device
+
+    def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return SharedPrefixLayout(
+        input_ids=tensor(tree_ids, input_ids.dtype),
+        position_ids=position_ids[tensor(tree_pos_src)],
+        cu_seqlens=tensor(tree_cu, torch.int32),
+        branches=tensor(branches),
+        source=tensor(source),
+        token_index=tensor(token_index),
+    )
+
+
+def tree_attention_mask(branches: torch.Tensor) -> torch.Tensor:
+    """``[..., L, L]`` boolean mask (True = attend) of tree sequences ``[..., L]``: causal, and a
+    key on another suffix than the query's is hidden (prefix keys, branch 0, are seen by all)."""
+    n = branches.shape[-1]
+    pos = torch.arange(n, device=branches.device)
+    causal = pos[None, :] <= pos[:, None]
+    same = (branches[..., None, :] == 0) | (branches[..., None, :] == branches[..., :, None])
+    return causal & same
