@@ -197,18 +197,25 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
     assert "#SBATCH --nodes=4" in script, "3 servers of 4 GPUs on 8-GPU nodes take 2 nodes, plus 2 trainer nodes"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    calls = tmp_path / "calls.jsonl"
+    calls = tmp_path / "calls.tsv"
     _shim(bin_dir, "scontrol", "printf 'n0\\nn1\\nn2\\nn3\\n'")
     _shim(bin_dir, "curl", "exit 0")
-    _shim(bin_dir, "srun", f"{sys.executable} -c 'import json,os,sys; print(json.dumps([os.environ.get(\"AREAL_LITE_ATTEMPT\")] + sys.argv[1:]))' \"$@\" >> {calls}\n"
+    # The servers' sruns run in the background (Slurm stops them when the job ends), so their
+    # records may land after the script has exited: bash builtins write them, and we wait for them.
+    _shim(bin_dir, "srun", f"(IFS=$'\\t'; echo \"${{AREAL_LITE_ATTEMPT}}\"$'\\t'\"$*\") >> {calls}\n"
                             "[[ \"$*\" == *torch.distributed.run*rollout.addresses* && \"$AREAL_LITE_ATTEMPT\" == 0 ]] && exit 5; exit 0")
     job = tmp_path / "job.sh"
     job.write_text(script)
     proc = subprocess.run(["bash", str(job)], check=False, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
                                                    "SLURM_JOB_NODELIST": "n[0-3]"}, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    records = [json.loads(line) for line in calls.read_text().splitlines()]
-    servers = [r for r in records if "sglang.launch_server" in r]
+    deadline = time.monotonic() + 30
+    while True:
+        records = [line.split("\t") for line in calls.read_text().splitlines()]
+        servers = [r for r in records if "sglang.launch_server" in r]
+        if len(servers) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     trainers = [r for r in records if "torch.distributed.run" in r]
     # Servers start in the background, so they reach the log in any order.
     assert sorted((s[s.index("--nodelist=n0") if "--nodelist=n0" in s else s.index("--nodelist=n1")],
