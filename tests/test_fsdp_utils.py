@@ -5,7 +5,6 @@ and LR schedules."""
 from __future__ import annotations
 
 import itertools
-
 import math
 
 import pytest

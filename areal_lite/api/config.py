@@ -101,7 +101,9 @@ class TrainEngineConfig:
     shared_prefix: bool = False
     """FSDP with attn_impl=sdpa: run the prefix that consecutive sequences of a micro-batch share
     (a GRPO group's prompt) through the model once, as a tree with one branch per sequence
-    (`areal_lite.utils.shared_prefix`); the results are those of the ordinary forward."""
+    (`areal_lite.utils.shared_prefix`); the results are those of the ordinary forward. With
+    several micro-batches, set ``mb_spec.granularity`` to the group size so none is cut apart
+    (benchmarks/shared_prefix.py)."""
     tensor_parallel_size: int = 1
     """Megatron only: tensor-parallel degree (data-parallel degree is world size / this)."""
     pipeline_parallel_size: int = 1
