@@ -365,6 +365,7 @@ class LocalLauncher:
         # The trainer's leader is gone; make sure no worker of its group lingers.
         stop([self.trainer], grace=0.0)
         self.trainer = None
+        self._servers_left()  # report a server that died since the last check, too
         return rc
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
