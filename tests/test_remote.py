@@ -145,9 +145,18 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, model_pa
 
 def test_batch_requests_go_to_one_server_and_resume_across_an_update(servers, model_path: str, tmp_path) -> None:
     """agenerate_batch (a GRPO group) sends one batch request; its generations, interrupted by a
-    weight update, resume one by one and end with tokens of both versions, each scored right."""
+    weight update, resume as batch requests again and end with tokens of both versions, each
+    scored right."""
     _, addresses = servers
     engine = client(addresses)
+    calls = []
+    post = engine._post_generate
+
+    async def counted(idx, payload, count=1):
+        calls.append(count)
+        return await post(idx, payload, count)
+
+    engine._post_generate = counted
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     new_model = perturbed_copy(model_path, str(tmp_path / "v1"))
     try:
@@ -172,6 +181,8 @@ def test_batch_requests_go_to_one_server_and_resume_across_an_update(servers, mo
                 assert_switched_models(req, resp, model, new_model, 200)
         assert sorted(servers_used) == sorted(addresses)  # the second group went to the idle server
         assert len({tuple(r.output_tokens) for r in results[0]}) > 1  # samples, not copies
+        # The samples of a group generate in step, so each group resumes as one batch call.
+        assert calls == [4, 4, 4, 4], calls
     finally:
         engine.destroy()
 

@@ -344,11 +344,16 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
             "rid": req.rid,
         }
 
-    async def _generate_batch(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+    async def _generate_batch(self, reqs: list[ModelRequest], parts: list[_Partial] | None = None) -> list[ModelResponse]:
         """One batch ``/generate`` call to one server (SGLang's list forms of ``input_ids`` and
-        ``rid``). A request that comes back aborted continues on its own in `_generate`; if the
-        call fails, every request is retried on its own there (they have produced nothing yet)."""
-        parts = [_Partial() for _ in reqs]
+        ``rid``) for requests with the same remaining token budget. Requests that come back
+        aborted continue after the resume, again as batch calls (one per remaining budget: the
+        call has one ``sampling_params``), so that a pause in asynchronous RL, which aborts every
+        group in flight, is not followed by one call per sample. If a call fails, its requests are
+        retried one by one in `_generate`, from what they had produced before it."""
+        if len(reqs) == 1 and parts is not None:
+            return [await self._generate(reqs[0], parts[0])]
+        parts = parts or [_Partial() for _ in reqs]
         payloads = [self._payload(r, p) for r, p in zip(reqs, parts)]
         payload = {
             "input_ids": [p["input_ids"] for p in payloads],
@@ -359,17 +364,29 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         idx = self._choose(reqs[0].rid, set(), also=tuple(r.rid for r in reqs[1:]))
         data, error = await self._post_generate(idx, payload, count=len(reqs))
         if error is not None:
-            return list(await asyncio.gather(*(self._generate(r) for r in reqs)))
+            return list(await asyncio.gather(*(self._generate(r, p) for r, p in zip(reqs, parts))))
         assert isinstance(data, list) and len(data) == len(reqs), "a batch request answers one result per prompt"
-
-        async def complete(req: ModelRequest, part: _Partial, answer: dict[str, object]) -> ModelResponse:
+        out: list[ModelResponse | None] = [None] * len(reqs)
+        by_budget: dict[int, list[int]] = {}  # aborted requests by tokens produced so far
+        for i, (req, part, answer) in enumerate(zip(reqs, parts, data)):
             reason = part.absorb(answer, self._version)
             if reason != "abort":
-                return part.response(req, reason)
+                out[i] = part.response(req, reason)
+            elif len(part.out_ids) >= req.gconfig.max_new_tokens:
+                out[i] = part.response(req, "length")
+            else:
+                by_budget.setdefault(len(part.out_ids), []).append(i)
+        if by_budget:
             await self._until_resumed()
-            return await self._generate(req, part)
-
-        return list(await asyncio.gather(*(complete(r, p, d) for r, p, d in zip(reqs, parts, data))))
+            groups = list(by_budget.values())
+            resumed = await asyncio.gather(
+                *(self._generate_batch([reqs[i] for i in g], [parts[i] for i in g]) for g in groups)
+            )
+            for g, resps in zip(groups, resumed):
+                for i, resp in zip(g, resps):
+                    out[i] = resp
+        assert all(r is not None for r in out)
+        return out  # type: ignore[return-value]
 
     async def _post_generate(
         self, idx: int, payload: dict[str, object], count: int = 1
