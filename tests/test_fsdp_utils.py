@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from areal_lite.utils import logprob
+from areal_lite.utils import logprob, varlen_attention
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
 from areal_lite.utils.precision import compute_dtype, native_bf16
@@ -75,10 +75,15 @@ def test_varlen_attention_equals_block_causal_mask(lens: list[int]) -> None:
         varlen_sdpa_attention(torch.nn.Module(), q, k, v, None)
 
 
-@pytest.mark.parametrize("tail", [[], [list(range(30, 50))]], ids=["padded", "loop"])
-def test_shared_prefix_layout_and_tree_attention(tail: list[list[int]]) -> None:
+@pytest.mark.parametrize("dense_max", [128, 0], ids=["dense-mask", "rows"])
+@pytest.mark.parametrize("tail", [[], [list(range(30, 50))]], ids=["trees", "with-a-long-unshared-sequence"])
+def test_shared_prefix_layout_and_tree_attention(
+    tail: list[list[int]], dense_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Runs of sequences with a common prefix become trees (each suffix keeps a token); attention
-    over the trees, read back through token_index, equals attention over the packed sequences."""
+    over the trees (a dense tree mask, or a row per prefix and per suffix), read back through
+    token_index, equals attention over the packed sequences, gradients included."""
+    monkeypatch.setattr(varlen_attention, "DENSE_TREE_MAX", dense_max)
     seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 3, 4, 7, 8], [9, 9, 9, 9], [5, 6, 1], [5, 6, 2, 3], *tail]
     ids = torch.tensor([t for s in seqs for t in s])
     pos = torch.cat([torch.arange(len(s)) for s in seqs])
@@ -96,14 +101,23 @@ def test_shared_prefix_layout_and_tree_attention(tail: list[list[int]]) -> None:
 
     # Queries, keys and values per tree token; a shared prefix's are the same in every sequence.
     torch.manual_seed(0)
-    q_t, k_t, v_t = (torch.randn(1, h, tree.input_ids.shape[0], 8, dtype=torch.float64) for h in (4, 2, 2))
+    q_t, k_t, v_t = (
+        torch.randn(1, h, tree.input_ids.shape[0], 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)
+    )
     q, k, v = (x[:, :, tree.token_index] for x in (q_t, k_t, v_t))
     ref, _ = varlen_sdpa_attention(torch.nn.Module().eval(), q, k, v, None, cu_seq_lens_q=cu)
     out, _ = varlen_sdpa_attention(
         torch.nn.Module().eval(), q_t, k_t, v_t, None, cu_seq_lens_q=tree.cu_seqlens, tree_branches=tree.branches
     )
     torch.testing.assert_close(out[:, tree.token_index], ref)
-    assert shared_prefix_layout(torch.tensor([1, 2, 3, 1, 4]), torch.tensor([0, 1, 2, 0, 1]), torch.tensor([0, 3, 5])) is None
+    w = torch.randn_like(ref)
+    grads = torch.autograd.grad((out[:, tree.token_index] * w).sum(), (q_t, k_t, v_t))
+    for a, b in zip(grads, torch.autograd.grad((ref * w).sum(), (q_t, k_t, v_t))):
+        torch.testing.assert_close(a, b)
+    assert (
+        shared_prefix_layout(torch.tensor([1, 2, 3, 1, 4]), torch.tensor([0, 1, 2, 0, 1]), torch.tensor([0, 3, 5]))
+        is None
+    )
 
 
 @pytest.mark.parametrize("lens", [[5, 1, 9, 3], [7, 8, 6, 8, 7]], ids=["loop", "padded"])

@@ -118,13 +118,3 @@ def shared_prefix_layout(
         source=tensor(source),
         token_index=tensor(token_index),
     )
-
-
-def tree_attention_mask(branches: torch.Tensor) -> torch.Tensor:
-    """``[..., L, L]`` boolean mask (True = attend) of tree sequences ``[..., L]``: causal, and a
-    key on another suffix than the query's is hidden (prefix keys, branch 0, are seen by all)."""
-    n = branches.shape[-1]
-    pos = torch.arange(n, device=branches.device)
-    causal = pos[None, :] <= pos[:, None]
-    same = (branches[..., None, :] == 0) | (branches[..., None, :] == branches[..., :, None])
-    return causal & same

@@ -28,11 +28,15 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from areal_lite.utils.shared_prefix import tree_attention_mask
 
 VARLEN_SDPA = "areal_varlen_sdpa"
 PAD_WASTE = 2.0
 """Largest ``B * max(L)^2 / sum(L^2)`` for which the padded single-call path is used."""
+DENSE_TREE_MAX = 128
+"""Tree sequences up to this long are attended with a dense tree mask in one padded call (per-row
+overheads dominate short trees: 3.8 vs 8.7 ms per layer forward + backward for the quickstart's
+32 trees of ~46 tokens); longer ones a row per prefix and per suffix (2x faster updates than the
+dense mask with 200-token prompts: benchmarks/shared_prefix.py)."""
 
 
 def varlen_sdpa_attention(
@@ -58,21 +62,25 @@ def varlen_sdpa_attention(
     dtype = query.dtype
     if dtype in (torch.bfloat16, torch.float16) and query.device.type == "cpu":
         query, key, value = query.float(), key.float(), value.float()
-    branches = kwargs.get("tree_branches")
-    assert branches is None or isinstance(branches, torch.Tensor)
     cu = bounds.tolist()
+    branches = kwargs.get("tree_branches")
     lens = [e - s for s, e in itertools.pairwise(cu)]
+    if isinstance(branches, torch.Tensor):
+        if max(lens) <= DENSE_TREE_MAX:
+            out = _padded_sdpa(query, key, value, cu, lens, p, scaling, gqa, branches)
+        else:
+            out = _branch_sdpa(query, key, value, cu, branches.tolist(), p, scaling, gqa)
+        return out.to(dtype).unsqueeze(0), None
     if len(lens) > 1 and len(lens) * max(lens) ** 2 <= PAD_WASTE * sum(n * n for n in lens):
-        out = _padded_sdpa(query, key, value, cu, lens, p, scaling, gqa, branches)
+        out = _padded_sdpa(query, key, value, cu, lens, p, scaling, gqa)
         return out.to(dtype).unsqueeze(0), None
     outs = [
         F.scaled_dot_product_attention(
             query[:, :, s:e],
             key[:, :, s:e],
             value[:, :, s:e],
-            attn_mask=None if branches is None else tree_attention_mask(branches[s:e]),
             dropout_p=p,
-            is_causal=branches is None,
+            is_causal=True,
             scale=scaling,
             enable_gqa=gqa,
         )
@@ -92,10 +100,10 @@ def _padded_sdpa(
     gqa: bool,
     branches: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """All sequences in one SDPA call over a ``[B, heads, max(L), dim]`` gather, with a causal (or
-    tree) mask that also hides each sequence's padding keys (padding queries still see their
-    sequence's first key, so no row is empty, and are dropped). Returns ``[T, heads, dim]`` in
-    packed order."""
+    """All sequences in one SDPA call over a ``[B, heads, max(L), dim]`` gather, with a causal mask
+    (or, given ``branches``, a dense tree mask: no key on another suffix than the query's) that
+    also hides each sequence's padding keys (padding queries still see their sequence's first key,
+    so no row is empty, and are dropped). Returns ``[T, heads, dim]`` in packed order."""
     device = query.device
     width = max(lens)
     pos = torch.arange(width, device=device)
@@ -106,12 +114,18 @@ def _padded_sdpa(
     def gather(x: torch.Tensor) -> torch.Tensor:  # [1, h, T, d] -> [B, h, W, d]
         return x[0][:, idx].transpose(0, 1)
 
-    if branches is None:
-        mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [B, W(query), W(key)]
-    else:
-        mask = tree_attention_mask(branches[idx]) & valid[:, None, :]
+    mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [B, W(query), W(key)]
+    if branches is not None:
+        b = branches[idx]  # [B, W]; prefix keys (branch 0) are seen from every suffix
+        mask = mask & ((b[:, None, :] == 0) | (b[:, None, :] == b[:, :, None]))
     out = F.scaled_dot_product_attention(
-        gather(query), gather(key), gather(value), attn_mask=mask[:, None], dropout_p=dropout_p, scale=scaling, enable_gqa=gqa
+        gather(query),
+        gather(key),
+        gather(value),
+        attn_mask=mask[:, None],
+        dropout_p=dropout_p,
+        scale=scaling,
+        enable_gqa=gqa,
     )
     return out.transpose(1, 2)[valid]
 
@@ -122,3 +136,62 @@ def register_varlen_sdpa() -> str:
 
     AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
     return VARLEN_SDPA
+
+
+def _branch_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu: list[int],
+    branches: list[int],
+    dropout_p: float,
+    scaling: float | None,
+    gqa: bool,
+) -> torch.Tensor:
+    """Attention over tree sequences (a shared prefix, branch 0, then suffixes 1, 2, ...) in one
+    SDPA call: a row per prefix (causal over itself) and a row per suffix, whose keys are its
+    tree's prefix followed by itself (all of the prefix, causal over the suffix). This costs
+    ``P^2 + sum_i S_i (P + S_i)``, not the ``(P + sum_i S_i)^2`` of a dense tree mask. Returns
+    ``[T, heads, dim]`` in packed order; every token is the query of exactly one row."""
+    rows: list[tuple[list[int], list[int]]] = []  # (query indices, key indices), prefix keys first
+    n_prefix: list[int] = []
+    for s, e in itertools.pairwise(cu):
+        p = s
+        while p < e and branches[p] == 0:
+            p += 1
+        rows.append((list(range(s, p)), list(range(s, p))))
+        n_prefix.append(0)
+        t = p
+        while t < e:
+            u = t
+            while u < e and branches[u] == branches[t]:
+                u += 1
+            rows.append((list(range(t, u)), list(range(s, p)) + list(range(t, u))))
+            n_prefix.append(p - s)
+            t = u
+    device = query.device
+    wq = max(len(q) for q, _ in rows)
+    wk = max(len(k) for _, k in rows)
+    q_idx = torch.tensor([q + [q[0]] * (wq - len(q)) for q, _ in rows], device=device)
+    k_idx = torch.tensor([k + [k[0]] * (wk - len(k)) for _, k in rows], device=device)
+    q_len = torch.tensor([len(q) for q, _ in rows], device=device)
+    k_len = torch.tensor([len(k) for _, k in rows], device=device)
+    prefix = torch.tensor(n_prefix, device=device)
+    qpos, kpos = torch.arange(wq, device=device), torch.arange(wk, device=device)
+    # Key j of a row is seen by query i when j is in the prefix or j - prefix <= i (same suffix).
+    seen = (kpos[None, None, :] < prefix[:, None, None]) | (
+        kpos[None, None, :] - prefix[:, None, None] <= qpos[None, :, None]
+    )
+    mask = seen & (kpos[None, None, :] < k_len[:, None, None])  # [R, Wq, Wk]; padding queries see key 0
+    out = F.scaled_dot_product_attention(
+        query[0][:, q_idx].transpose(0, 1),
+        key[0][:, k_idx].transpose(0, 1),
+        value[0][:, k_idx].transpose(0, 1),
+        attn_mask=mask[:, None],
+        dropout_p=dropout_p,
+        scale=scaling,
+        enable_gqa=gqa,
+    ).transpose(1, 2)  # [R, Wq, heads, dim]
+    real = qpos[None, :] < q_len[:, None]
+    result = torch.empty(query.shape[2], *out.shape[2:], dtype=out.dtype, device=device)
+    return result.index_put((q_idx[real],), out[real])
