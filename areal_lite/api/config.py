@@ -246,7 +246,9 @@ class InferenceEngineConfig:
     instead of a thread of the trainer's: their Python work then no longer competes with training
     for the trainer's interpreter lock while rollouts run ahead (asynchronous RL on few cores).
     Remote servers only; workflows must pickle, and their own counters (e.g. `RewardRunner.stats`)
-    count in the child. The child runs on ``client_cores``."""
+    count in the child. The child runs on ``client_cores``. It is started with multiprocessing's
+    spawn method, which imports the training script again: keep its entry point under
+    ``if __name__ == "__main__":``."""
 
 
 @dataclass
