@@ -57,7 +57,6 @@ class EpisodeWorker:
     """The parent's handle on the child process that runs rollout workflows."""
 
     def __init__(self, config: InferenceEngineConfig) -> None:
-        self.config = config
         self._seq = itertools.count()
         self._lock = threading.Lock()  # guards the pipe's send end and the tables below
         self._waiting: dict[int, Future] = {}

@@ -3,7 +3,8 @@
 A `WorkflowExecutor` runs workflows (`RolloutWorkflow.arun_episode`) concurrently on an asyncio
 event loop in a background thread, admits new rollouts under the staleness bound of DESIGN.md and
 hands finished trajectories to the trainer (`wait`, `prepare_batch`). Engines only call it; it only
-calls `engine.get_version()` and passes the engine to workflows.
+calls `engine.get_version()` and passes the engine to workflows, or hands each episode to the
+``run_episode`` it was given (the remote engine's `EpisodeWorker`, for workflows in a child process).
 
 Staleness bound (eta = ``max_head_offpolicyness``, B = ``consumer_batch_size``): at policy version
 t a rollout is admitted only while ``accepted + running < (eta + t + 1) * B`` and fewer than
