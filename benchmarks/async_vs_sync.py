@@ -16,23 +16,64 @@ it); each configuration runs ``--repeats`` times, alternating, and its best rate
 
 Two stages overlap at most (rollout + train) / max(rollout, train): 2.0 when they are balanced.
 The table gives that bound for the quickstart's own stage times, measured in the synchronous run
-(weight sync counts with training: generation pauses for it), and how much of it was reached.
+(weight sync counts with training: generation pauses for it). A second bound counts CPU: the
+benchmark samples the CPU time of every process of a run (server, trainer, client threads or
+child) and takes the RL loop's share; a step's work needs that many CPU seconds, so two cores
+take at least half of it per step, however the stages overlap. "cores busy" is how many of the
+two a configuration kept busy on average; the last line says how much of the lower bound was
+reached.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_quickstart(fileroot: str, trial: str, overrides: list[str]) -> str:
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds (user + system) used so far by ``root`` and every process below it (Linux)."""
+    parent, cpu = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited meanwhile
+        fields = stat[stat.rindex(")") + 2 :].split()
+        pid = int(entry)
+        parent[pid], cpu[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
+    total = 0
+    for pid, ticks in cpu.items():
+        p = pid
+        while p in parent and p != root:
+            p = parent[p]
+        if p == root:
+            total += ticks
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class Run:
+    """One quickstart run's log, and the CPU seconds its processes used in the RL loop."""
+
+    def __init__(self, log: str, rl_cpu_seconds: float) -> None:
+        self.log, self.rl_cpu_seconds = log, rl_cpu_seconds
+
+
+def run_quickstart(fileroot: str, trial: str, overrides: list[str]) -> Run:
+    """Run the quickstart, sampling its process tree's CPU time every 0.2 s; the RL loop's window
+    ends when its timing line is printed and starts the reported seconds earlier."""
     cmd = [
         sys.executable, "-m", "areal_lite.launcher.local", "examples/quickstart.py",
         "--config", "configs/quickstart.yaml",
@@ -40,15 +81,59 @@ def run_quickstart(fileroot: str, trial: str, overrides: list[str]) -> str:
         "stats_logger.tensorboard=false", "stats_logger.wandb_mode=disabled", *overrides,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
-        sys.stderr.write(out.stdout[-4000:] + out.stderr[-4000:])
-        raise SystemExit(f"quickstart run {trial} failed with exit code {out.returncode}")
-    return out.stdout
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    samples: list[tuple[float, float]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.2):
+            samples.append((time.time(), tree_cpu_seconds(proc.pid)))
+
+    def read_stdout(lines: list[str], marks: list[float]) -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if RL_LINE.search(line):
+                marks.append(time.time())
+
+    lines: list[str] = []
+    marks: list[float] = []
+    threads = [threading.Thread(target=sample), threading.Thread(target=read_stdout, args=(lines, marks))]
+    for t in threads:
+        t.start()
+    try:
+        stderr = proc.stderr.read()  # type: ignore[union-attr]
+        proc.wait(timeout=3600)
+    finally:
+        done.set()
+        if proc.poll() is None:
+            proc.kill()
+        for t in threads:
+            t.join()
+    log = "".join(lines)
+    if proc.returncode != 0:
+        sys.stderr.write(log[-4000:] + stderr[-4000:])
+        raise SystemExit(f"quickstart run {trial} failed with exit code {proc.returncode}")
+    cpu = float("nan")
+    m = RL_LINE.search(log)
+    if m and marks:
+        end = marks[0]
+        cpu = cpu_at(samples, end) - cpu_at(samples, end - float(m.group(2)))
+    return Run(log, cpu)
+
+
+def cpu_at(samples: list[tuple[float, float]], t: float) -> float:
+    """The sampled CPU total at time ``t``, interpolated linearly."""
+    for (t0, c0), (t1, c1) in itertools.pairwise(samples):
+        if t0 <= t <= t1:
+            return c0 + (c1 - c0) * (t - t0) / max(t1 - t0, 1e-9)
+    return float("nan")
+
+
+RL_LINE = re.compile(r"\[quickstart\] RL: (\d+) steps in ([\d.]+)s")
 
 
 def rl_steps_per_minute(log: str) -> float:
-    m = re.search(r"\[quickstart\] RL: (\d+) steps in ([\d.]+)s", log)
+    m = RL_LINE.search(log)
     if not m:
         raise SystemExit("the quickstart did not report its RL timing")
     return int(m.group(1)) / float(m.group(2)) * 60
@@ -79,24 +164,40 @@ def main() -> None:
         "child free": [*place, child],
         "child on core 1": [*place, pin, child],
     }
-    configs = {f"{mode}, {where}": (eta, overrides) for mode, eta in (("sync", 0), ("async", 2)) for where, overrides in placements.items()}
+    configs = {
+        f"{mode}, {where}": (eta, overrides)
+        for mode, eta in (("sync", 0), ("async", 2))
+        for where, overrides in placements.items()
+    }
     fileroot = tempfile.mkdtemp(prefix="areal_async_")
     rates: dict[str, float] = {}
     stages: dict[str, dict[str, float]] = {}
+    cpu: dict[str, float] = {}  # CPU seconds per RL step, all processes
     try:
         # One SFT warm-up shared by every run (the quickstart skips SFT when sft_model exists).
         run_quickstart(fileroot, "sft", ["launcher.backend=local", "task.prepare_only=true"])
         for rep in range(args.repeats):
             for i, (name, (eta, overrides)) in enumerate(configs.items()):
                 trial = f"r{rep}c{i}"
-                shutil.copytree(os.path.join(fileroot, "quickstart", "sft", "sft_model"), os.path.join(fileroot, "quickstart", trial, "sft_model"))
-                log = run_quickstart(
-                    fileroot, trial, [f"total_train_steps={args.steps}", f"rollout.max_head_offpolicyness={eta}", "task.n_eval=8", *overrides]
+                shutil.copytree(
+                    os.path.join(fileroot, "quickstart", "sft", "sft_model"),
+                    os.path.join(fileroot, "quickstart", trial, "sft_model"),
                 )
-                rate = rl_steps_per_minute(log)
+                run = run_quickstart(
+                    fileroot,
+                    trial,
+                    [
+                        f"total_train_steps={args.steps}",
+                        f"rollout.max_head_offpolicyness={eta}",
+                        "task.n_eval=8",
+                        *overrides,
+                    ],
+                )
+                rate = rl_steps_per_minute(run.log)
                 print(f"[run {rep}] {name:<26}{rate:7.1f} steps/min", flush=True)
                 if rate > rates.get(name, 0.0):
-                    rates[name], stages[name] = rate, stage_seconds(log)
+                    rates[name], stages[name] = rate, stage_seconds(run.log)
+                    cpu[name] = run.rl_cpu_seconds / args.steps
     finally:
         if not args.keep:
             shutil.rmtree(fileroot, ignore_errors=True)
@@ -106,15 +207,29 @@ def main() -> None:
     s = stages[sync_name]
     rollout, train = s["rollout"], s["train"] + s["weight_sync"]
     bound = (rollout + train) / max(rollout, train)
-    print(f"\nquickstart RL loop, {args.steps} steps per run, best of {args.repeats}; server on core 1, trainer on core 0")
-    print(f"{'configuration':<28}{'steps/min':>10}{'rollout s':>11}{'train s':>9}{'sync s':>8}")
+    # A step's work, summed over every process (server, trainer, client), takes cpu[sync_name]
+    # CPU seconds; two cores need at least half that per step, however well the stages overlap.
+    cores = 2
+    cpu_bound = cores * (60 / sync) / cpu[sync_name]
+    print(
+        f"\nquickstart RL loop, {args.steps} steps per run, best of {args.repeats}; server on core 1, trainer on core 0"
+    )
+    print(
+        f"{'configuration':<28}{'steps/min':>10}{'rollout s':>11}{'train s':>9}{'sync s':>8}{'CPU s':>8}{'cores busy':>12}"
+    )
     for name, rate in rates.items():
         st = stages[name]
-        print(f"{name:<28}{rate:>10.1f}{st['rollout']:>11.3f}{st['train']:>9.3f}{st['weight_sync']:>8.3f}")
-    print(f"sync: {sync_name}; async: {async_name}; overlap bound of the sync stages (rollout + train) / max = {bound:.2f}")
+        busy = cpu[name] * rate / 60
+        print(
+            f"{name:<28}{rate:>10.1f}{st['rollout']:>11.3f}{st['train']:>9.3f}{st['weight_sync']:>8.3f}"
+            f"{cpu[name]:>8.3f}{busy:>12.2f}"
+        )
+    print(f"sync: {sync_name}; async: {async_name}")
+    print(f"overlap bound of the sync stages, (rollout + train) / max: {bound:.2f}")
+    print(f"CPU bound, {cores} cores x sync step seconds / sync CPU seconds per step: {cpu_bound:.2f}")
     print(
         f"RESULT async_over_sync={asyn / sync:.2f} sync_steps_per_min={sync:.1f} async_steps_per_min={asyn:.1f} "
-        f"overlap_bound={bound:.2f} fraction_of_bound={asyn / sync / bound:.2f}"
+        f"overlap_bound={bound:.2f} cpu_bound={cpu_bound:.2f} fraction_of_bound={asyn / sync / min(bound, cpu_bound):.2f}"
     )
 
 

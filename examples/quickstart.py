@@ -257,7 +257,7 @@ def main(argv: list[str]) -> None:
         tracker.dist("rollout/staleness", rollout.executor.last_batch_staleness)
         stats_logger.commit(global_step, stats, rollout.executor.stats(), tracker.export(), {} if acc is None else {"eval/accuracy": acc})
 
-    print(f"[quickstart] RL: {total_steps - start_step} steps in {time.time() - t_rl:.1f}s", flush=True)
+    print(f"[quickstart] RL: {total_steps - start_step} steps in {time.time() - t_rl:.2f}s", flush=True)
     acc_after = mean_reward(rollout, eval_workflow, eval_problems)
     minutes = (time.time() - t_start) / 60
     stats_logger.close()

@@ -136,6 +136,10 @@ class _PackedModel(nn.Module):
         return logp, on_tree(entropy) if entropy is not None else torch.zeros_like(logp)
 
 
+def _fused_adam_supported(params: list[torch.Tensor]) -> bool:
+    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+
+
 class FSDPEngine(TrainEngine):
     """FSDP2 train engine. See the module docstring; the methods follow `TrainEngine`."""
 
@@ -147,6 +151,7 @@ class FSDPEngine(TrainEngine):
         self.device = torch.device("cpu")
         self.compute_dtype = torch.float32
         """What ``config.dtype`` resolved to (``auto``: `areal_lite.utils.precision`)."""
+        self._persistent_buffers: set[str] | None = None  # HF names of the buffers a state dict holds
         self._version = 0
         self._global_step = 0
         self._owns_group = False
@@ -214,6 +219,10 @@ class FSDPEngine(TrainEngine):
             lr=opt.lr,
             betas=(opt.beta1, opt.beta2),
             eps=opt.eps,
+            # One fused kernel per parameter group instead of a dozen small ops per parameter: on
+            # the CPU the default (per-tensor) AdamW step of the quickstart's model takes 8.6 ms,
+            # the fused one 1.7 ms, each op paying DTensor's dispatch.
+            fused=_fused_adam_supported(decay + no_decay),
         )
         total = ft_spec.total_train_steps
         warmup = int(opt.warmup_steps_proportion * total)
@@ -389,12 +398,16 @@ class FSDPEngine(TrainEngine):
     # ---------------------------------------------------------------- checkpoints
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors on CPU on rank 0 (empty elsewhere), never aliasing the live
-        parameters (with one rank the gathered tensor would be the parameter itself). Collective."""
-        model = self._module()
-        model.reshard()
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k.removeprefix(_HF_PREFIX): v.clone() for k, v in sd.items()}
+        """Full HF-named fp32 tensors on CPU on rank 0 (empty elsewhere), never aliasing the live
+        parameters. Collective. Gathers parameter by parameter: torch's ``get_model_state_dict``
+        spends 7 ms per call verifying and renaming on the quickstart's 1M-parameter model, every
+        weight update."""
+        keep = dist.get_rank() == 0
+        full = {}
+        for name, t in self._full_tensors(cast=False):
+            if keep:
+                full[name] = t.cpu()
+        return full
 
     def save(self, meta: SaveLoadMeta) -> None:
         """``hf``: a HF directory (and tokenizer) from rank 0. ``dcp``: model, optimizer (when the
@@ -483,19 +496,20 @@ class FSDPEngine(TrainEngine):
         (`WeightSender.connect`: a ``master_port`` of 0 is replaced in ``meta`` by a free port)."""
         self._sender.connect(engine, meta)
 
-    def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors with HF names, one at a time, cast to the configured dtype, as copies that
-        later optimizer steps cannot change. Collective: every rank iterates to the end (non-zero
-        ranks only take part in the gathers)."""
+    def _full_tensors(self, cast: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors with HF names, one at a time, cast to the compute dtype (``cast=False``:
+        the parameters' own, fp32), as copies that later optimizer steps cannot change.
+        Collective: every rank iterates to the end (non-zero ranks only take part in the gathers)."""
         model = self._module()
         model.reshard()
-        dtype = self.compute_dtype
         hf = model.hf
-        persistent = set(hf.state_dict().keys())
+        if self._persistent_buffers is None:
+            self._persistent_buffers = set(hf.state_dict().keys())
+        persistent = self._persistent_buffers
         named = list(hf.named_parameters()) + [(n, b) for n, b in hf.named_buffers() if n in persistent]
         for name, t in named:
             full = t.full_tensor() if isinstance(t, DTensor) else t
-            yield name, full.detach().to(dtype, copy=True)
+            yield name, full.detach().to(self.compute_dtype if cast else full.dtype, copy=True)
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         self._sender.send(meta, self._version, self._full_tensors, self._write_weights)
