@@ -41,7 +41,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tree_cpu_seconds(root: int) -> float:
-    """CPU seconds (user + system) used so far by ``root`` and every process below it (Linux)."""
+    """CPU seconds (user + system) used so far by ``root`` and every process below it; NaN where
+    there is no /proc (the CPU columns then read nan)."""
+    if not os.path.isdir("/proc"):
+        return float("nan")
     parent, cpu = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
