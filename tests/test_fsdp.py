@@ -131,6 +131,15 @@ def test_update_invariant_to_microbatches_and_ranks_adamw(single: tuple[dict, Pa
         assert n_off <= 1e-3 * sum(v.numel() for v in ref.values()), (tag, world, n_off)
 
 
+def test_fused_adamw_equals_per_tensor_adamw(single: tuple[dict, Path], pair: tuple[dict, Path]) -> None:
+    # Same gradients, two implementations of the same update: equal to float rounding, on one
+    # rank and on two (sharded parameters).
+    for (res, out), world in ((single, 1), (pair, 2)):
+        assert res["adamw_fused"] is True
+        fused, per_tensor = params(out, "adamw_mb1", world), params(out, "adamw_per_tensor", world)
+        assert max_diff(fused, per_tensor) < 1e-7, world
+
+
 def test_loss_and_stats_invariant(single: tuple[dict, Path], pair: tuple[dict, Path]) -> None:
     ref = single[0]["stats_sgd_mb1"]
     for res, tag in (

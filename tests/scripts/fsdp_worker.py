@@ -8,6 +8,7 @@ comma-separated list of the checks below. Rank 0 writes ``OUT_DIR/<CHECKS>_w<wor
   different numbers of micro-batches); bf16 mixed precision.
 - ``invariance``: one train_batch with 1 and 4 micro-batches, with gradient checkpointing, and
   with an uneven split over ranks (SGD, and AdamW); the test compares the parameters across runs.
+  Also the engine's (fused) AdamW against torch's per-tensor AdamW on the same gradients.
 - ``checkpoint``: HF save -> from_pretrained; weight updates of all three kinds to a fake
   receiver; a non-finite gradient skipping the step; DCP save, then eval_batch and one more
   step (the uninterrupted run).
@@ -133,6 +134,16 @@ def check_invariance(res: dict[str, object]) -> None:
                 res[f"changed_{tag}"] = max_diff(before, after)
             res[f"stats_{tag}"] = stats
             e.destroy()
+    # The engine's fused AdamW against torch's per-tensor one, on the same gradients.
+    e = engine(n_mbs=1, lr=1e-3)
+    res["adamw_fused"] = bool(e.optimizer.defaults["fused"])
+    groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in e.optimizer.param_groups]
+    e.optimizer = torch.optim.AdamW(groups, foreach=False)
+    e.train_batch(shard(batch), nll, n_tokens)
+    after = e._full_state_dict()
+    if dist.get_rank() == 0:
+        torch.save(after, os.path.join(OUT, f"params_adamw_per_tensor_w{dist.get_world_size()}.pt"))
+    e.destroy()
 
 
 def check_checkpoint_and_updates(res: dict[str, object]) -> None:
