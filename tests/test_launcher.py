@@ -262,11 +262,13 @@ def test_areal_servers_are_up_for_the_trainer_and_stopped_after_a_failure(tmp_pa
     assert not any(_alive(s["pid"]) for s in servers), "the servers are stopped when the trainer fails"
 
 
-def test_training_completes_when_a_rollout_server_dies(tmp_path) -> None:
+@pytest.mark.parametrize("weight_update", ["disk", "distributed"])
+def test_training_completes_when_a_rollout_server_dies(tmp_path, weight_update: str) -> None:
     """backend=areal with 2 of our servers: the launcher starts them and passes their addresses;
     after the second step, with rollouts in flight on both, one server is SIGKILLed; the run (requests
-    resent to the survivor, weight updates to the survivor) completes every step, and the launcher
-    stops the surviving server at the end."""
+    resent to the survivor, weight updates to the survivor: from disk, or broadcast in a new group
+    without the dead server) completes every step, and the launcher stops the surviving server at
+    the end."""
     from areal_lite.utils.tiny import build_tiny_model
 
     model = build_tiny_model(str(tmp_path / "model"), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
@@ -276,7 +278,7 @@ def test_training_completes_when_a_rollout_server_dies(tmp_path) -> None:
            f"actor.path={model}", f"cluster.fileroot={tmp_path / 'out'}", "launcher.backend=areal", "launcher.n_servers=2",
            "launcher.server_args=[--max-running-requests,8]", "rollout.consumer_batch_size=4",
            "rollout.max_head_offpolicyness=1", "rollout.request_timeout=60", f"total_steps={total_steps}",
-           f"pause_after_step={kill_after}", "stats_logger.console=false",
+           f"pause_after_step={kill_after}", f"weight_update={weight_update}", "stats_logger.console=false",
            "stats_logger.wandb_mode=disabled"]
     launcher = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     servers: list[dict] = []
@@ -296,5 +298,9 @@ def test_training_completes_when_a_rollout_server_dies(tmp_path) -> None:
     steps = [json.loads(line) for line in (out_dir / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(total_steps))
     assert all(s["n"] == 4 for s in steps)
+    # The survivor's tokens carry the versions of the updates after the kill: they reached it.
+    assert max(steps[-1]["versions"]) >= total_steps - 2
+    if weight_update == "distributed":
+        assert "forming a new group of the live servers" in log
     assert "server 1" in log and "exited" in log, "the launcher reports the dead server"
     assert not _alive(servers[0]["pid"]), "the surviving server is stopped at the end"

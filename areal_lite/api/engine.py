@@ -182,6 +182,13 @@ class InferenceEngine(abc.ABC):
         """Join the weight-update process group described by ``meta`` (distributed updates).
         Returns at once; the future completes once joined (the trainer joins concurrently)."""
 
+    def weight_update_group_intact(self) -> bool:
+        """Whether every member of the group formed by `init_weights_update_group` is still
+        there. A client of several servers answers False once one has died; the sender then forms
+        a new group of the live ones before it broadcasts (a broadcast to a dead member fails).
+        An engine in one process is always intact."""
+        return True
+
     @abc.abstractmethod
     def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
         """Receive new weights: copy ``meta.named_tensors`` (in_process), load ``meta.path``

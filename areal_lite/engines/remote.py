@@ -123,6 +123,8 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         self._inflight = [0] * len(self.addresses)
         self._down_until = [0.0] * len(self.addresses)
         self._dead: set[int] = set()
+        self._group_members: list[int] = []
+        """The servers in the weight-update group (distributed updates), as ranks 1, 2, ..."""
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
         """The one HTTP session; it lives on (and is only used from) the client loop."""
@@ -480,20 +482,48 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
     # ----- weights and versions ------------------------------------------------------------
 
     def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]:
-        """Every server joins ``meta``'s group: server i as rank 1 + i of 1 + n_servers."""
-        meta.world_size = 1 + len(self.addresses)
-        payloads = [
-            {
+        """Every live server joins ``meta``'s group: the i-th as rank 1 + i of 1 + their number
+        (``meta.world_size`` is set here). Called again after a member died, it first asks the
+        live servers to leave the old group."""
+        with self._lock:
+            live = [i for i in range(len(self.addresses)) if i not in self._dead]
+        if not live:
+            raise RuntimeError("no rollout server is reachable to form a weight-update group with")
+        meta.world_size = 1 + len(live)
+        payloads: list[dict[str, object]] = [{} for _ in self.addresses]
+        for rank, i in enumerate(live, start=1):
+            payloads[i] = {
                 "master_address": meta.master_address,
                 "master_port": meta.master_port,
-                "rank_offset": 1 + i,
+                "rank_offset": rank,
                 "world_size": meta.world_size,
                 "group_name": meta.group_name,
                 "backend": meta.backend,
             }
-            for i in range(len(self.addresses))
-        ]
-        return self._call(self._fanout_checked("/init_weights_update_group", payloads))
+        regroup = bool(self._group_members)
+        self._group_members = live
+
+        async def join() -> None:
+            if regroup:
+                await self._fanout_checked("/destroy_weights_update_group", {"group_name": meta.group_name})
+            await self._fanout_checked("/init_weights_update_group", payloads)
+
+        return self._call(join())
+
+    def weight_update_group_intact(self) -> bool:
+        """Whether every server of the weight-update group still takes connections (each is asked
+        for ``/health``; one that refuses is marked dead)."""
+        return bool(self._call(self._members_alive()).result())
+
+    async def _members_alive(self) -> bool:
+        members = [i for i in self._group_members if i not in self._dead]
+        answers = await asyncio.gather(
+            *(self._request(i, "/health", None, timeout=5.0, method="GET") for i in members), return_exceptions=True
+        )
+        for i, answer in zip(members, answers):
+            if isinstance(answer, aiohttp.ClientConnectorError):
+                self._mark_dead(i, answer)
+        return all(i not in self._dead for i in self._group_members)
 
     def destroy_weights_update_group(self, meta: WeightUpdateMeta) -> None:
         self._call(self._fanout_checked("/destroy_weights_update_group", {"group_name": meta.group_name})).result()

@@ -8,6 +8,7 @@ group and talks to the inference engine, and every rank runs the engine's collec
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -17,6 +18,8 @@ import torch.distributed as dist
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import ParamSpec, WeightUpdateMeta
 from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
+
+logger = logging.getLogger(__name__)
 
 NamedTensors = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 """Full HF-named tensors, one at a time; collective: every trainer rank iterates to the end."""
@@ -28,6 +31,8 @@ class WeightSender:
     def __init__(self) -> None:
         self.engine: InferenceEngine | None = None
         self.group: CustomGroup | None = None
+        self.group_meta: WeightUpdateMeta | None = None
+        """The meta the group was formed with (its port changes when the group is formed again)."""
 
     def connect(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
         """Remember ``engine``. For distributed updates rank 0 also builds the weight-update group:
@@ -39,12 +44,16 @@ class WeightSender:
             return
         if meta.master_port == 0:
             meta.master_port = find_free_port(meta.master_address)
-        fut = engine.init_weights_update_group(meta)
+        self.group_meta = meta
+        self.group = self._form_group(meta)
+
+    def _form_group(self, meta: WeightUpdateMeta) -> CustomGroup:
+        fut = self._engine().init_weights_update_group(meta)
         if meta.world_size < 2:
             raise ValueError(
                 f"WeightUpdateMeta.world_size must count rank 0 and the server ranks, got {meta.world_size}"
             )
-        self.group = init_custom_process_group(
+        group = init_custom_process_group(
             meta.backend,
             meta.master_address,
             meta.master_port,
@@ -53,6 +62,21 @@ class WeightSender:
             group_name=meta.group_name,
         )
         fut.result()
+        return group
+
+    def _regroup_if_broken(self) -> None:
+        """A server of the group has died (its rollouts went to the others): form a new group of
+        the live servers, on a new port, before broadcasting to a member that is gone."""
+        if self._engine().weight_update_group_intact():
+            return
+        assert self.group_meta is not None
+        logger.warning(
+            "a rollout server of the weight-update group is gone: forming a new group of the live servers"
+        )
+        self.group = None  # the old group's dead member would fail every broadcast
+        self.group_meta.master_port = find_free_port(self.group_meta.master_address)
+        self.group = self._form_group(self.group_meta)
+        logger.warning("new weight-update group of %d ranks formed", self.group_meta.world_size)
 
     def send(self, meta: WeightUpdateMeta, version: int, tensors: NamedTensors, write_disk: Callable[[str], None]) -> None:
         """Send the weights and wait until the engine has loaded them; collective over the
@@ -84,6 +108,8 @@ class WeightSender:
         rank = dist.get_rank()
         if rank == 0 and self.group is None:
             raise RuntimeError("a distributed weight update needs connect_engine() with a distributed meta first")
+        if rank == 0:
+            self._regroup_if_broken()
         send_device = (
             torch.device("cuda", torch.cuda.current_device()) if meta.backend == "nccl" else torch.device("cpu")
         )

@@ -1,7 +1,7 @@
 """A small asynchronous RL run against remote rollout servers, for the server-kill test:
 RemoteSGLangEngine over the launcher's servers, the executor's prepare_batch with staleness 1,
-FSDPEngine training on the sampled completions, weights pushed to the servers through disk after
-every step.
+FSDPEngine training on the sampled completions, weights pushed to the servers after every step
+through disk, or with ``weight_update=distributed`` by a gloo broadcast.
 
 Each step appends ``{"step", "n", "versions"}`` to ``output_dir/steps.jsonl``. With
 ``pause_after_step=K`` the trainer stops after step K (rollouts still in flight on the servers),
@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tensordict import TensorDict
@@ -36,6 +36,7 @@ class Config(BaseExperimentConfig):
     total_steps: int = 6
     max_new_tokens: int = 6
     pause_after_step: int = -1
+    weight_update: str = "disk"
 
 
 class SampleWorkflow(RolloutWorkflow):
@@ -61,7 +62,10 @@ def main() -> None:
     rollout.initialize()
     actor = FSDPEngine(cfg.actor)
     actor.initialize(FinetuneSpec(1, cfg.total_steps * cfg.rollout.consumer_batch_size, cfg.rollout.consumer_batch_size))
-    meta = WeightUpdateMeta(type="disk", path=os.path.join(cfg.output_dir, "weights"))
+    if cfg.weight_update == "distributed":
+        meta = WeightUpdateMeta(type="distributed", backend="gloo", master_address="127.0.0.1")
+    else:
+        meta = WeightUpdateMeta(type="disk", path=os.path.join(cfg.output_dir, "weights"))
     actor.connect_engine(rollout, meta)
     dataloader = stateful_dataloader(prompts, cfg.rollout.consumer_batch_size, seed=cfg.seed)
     workflow = SampleWorkflow(GenerationConfig(max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.max_new_tokens))
@@ -71,7 +75,7 @@ def main() -> None:
             actor.train_batch(batch, likelihood_loss, lambda mb: float(mb["loss_mask"].sum()))
             actor.step_lr_scheduler()
             rollout.pause()
-            actor.update_weights(WeightUpdateMeta(type="disk", path=meta.path, version=step + 1))
+            actor.update_weights(replace(meta, version=step + 1))
             actor.set_version(step + 1)
             rollout.set_version(step + 1)
             rollout.resume()
