@@ -1,6 +1,7 @@
 """The client of SGLang-protocol servers, against two of our servers on 127.0.0.1: log-probabilities
 equal to HF's, routing, weight updates from a 2-rank torchrun FSDPEngine trainer (disk and gloo
-broadcast), an update in the middle of long generations, and a server killed mid-run."""
+broadcast), an update in the middle of long generations, a server killed mid-run, and the
+weight-update group formed again without a dead server."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -18,9 +20,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import InferenceEngineConfig
-from areal_lite.api.io import GenerationConfig, ModelRequest, WeightUpdateMeta
+from areal_lite.api.io import GenerationConfig, ModelRequest, ParamSpec, WeightUpdateMeta
 from areal_lite.engines.remote import RemoteSGLangEngine
-from areal_lite.utils.distributed import find_free_port
+from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
 from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
@@ -311,3 +313,46 @@ def test_server_killed_mid_run_loses_no_request(servers, model_path: str) -> Non
         assert after.output_versions == [3] * after.output_len
     finally:
         engine.destroy()
+
+
+def test_weight_update_group_formed_again_without_a_dead_server(model_path: str, tmp_path) -> None:
+    """Distributed updates after a server died: the client, which has sent nothing since, tells by
+    a connection probe that the group lost a member; the group formed again holds the survivor
+    only, and a broadcast through it reaches the survivor's model."""
+    procs, addresses = start_servers(model_path, 2)  # its own: one of them is killed
+    engine = client(addresses)
+    try:
+        meta = WeightUpdateMeta(type="distributed", backend="gloo")
+
+        def form_group() -> CustomGroup:
+            meta.master_port = find_free_port()
+            joined = engine.init_weights_update_group(meta)
+            group = init_custom_process_group(
+                "gloo", meta.master_address, meta.master_port, 0, meta.world_size, meta.group_name, timeout=60
+            )
+            joined.result(timeout=60)
+            return group
+
+        form_group()
+        assert meta.world_size == 3 and engine.weight_update_group_intact()
+        procs[1].kill()
+        procs[1].wait()
+        assert not engine.weight_update_group_intact()
+        group = form_group()
+        assert meta.world_size == 2
+
+        new = perturbed_copy(model_path, str(tmp_path / "new"))
+        state = {n: p.detach().clone() for n, p in new.named_parameters()}
+        specs = [ParamSpec(n, tuple(t.shape), "float32") for n, t in state.items()]
+        loaded = engine.update_weights(replace(meta, param_specs=specs, version=1))
+        for t in state.values():
+            group.broadcast(t)
+        loaded.result(timeout=60)
+        req = ModelRequest(input_ids=[3, 4], gconfig=GenerationConfig(max_new_tokens=4, ignore_eos=True))
+        resp = asyncio.run(engine.agenerate(req))
+        assert engine.assigned_server(req.rid) == addresses[0] and resp.output_versions == [1] * 4
+        lp = hf_logprobs(new, req.input_ids, resp.output_tokens)
+        torch.testing.assert_close(torch.tensor(resp.output_logprobs), lp, atol=1e-4, rtol=0)
+    finally:
+        engine.destroy()
+        stop_servers(procs)

@@ -28,6 +28,7 @@ import asyncio
 import logging
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Coroutine
 from concurrent.futures import Future
@@ -511,18 +512,27 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         return self._call(join())
 
     def weight_update_group_intact(self) -> bool:
-        """Whether every server of the weight-update group still takes connections (each is asked
-        for ``/health``; one that refuses is marked dead)."""
+        """Whether every server of the weight-update group still takes TCP connections (one that
+        refuses is marked dead). A connection, not an HTTP call: a paused or busy server answers
+        it at once."""
         return bool(self._call(self._members_alive()).result())
 
     async def _members_alive(self) -> bool:
+        async def refused(i: int) -> OSError | None:
+            url = urllib.parse.urlsplit(self.addresses[i])
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(url.hostname, url.port), 5.0)
+            except asyncio.TimeoutError:  # before OSError, of which it is a subclass
+                return None  # slow, not gone
+            except OSError as e:
+                return e
+            writer.close()
+            return None
+
         members = [i for i in self._group_members if i not in self._dead]
-        answers = await asyncio.gather(
-            *(self._request(i, "/health", None, timeout=5.0, method="GET") for i in members), return_exceptions=True
-        )
-        for i, answer in zip(members, answers):
-            if isinstance(answer, aiohttp.ClientConnectorError):
-                self._mark_dead(i, answer)
+        for i, error in zip(members, await asyncio.gather(*(refused(i) for i in members))):
+            if error is not None:
+                self._mark_dead(i, error)
         return all(i not in self._dead for i in self._group_members)
 
     def destroy_weights_update_group(self, meta: WeightUpdateMeta) -> None:
