@@ -4,8 +4,10 @@ The rollout server runs on core 1 (launcher.server_cores) and the trainer's main
 (launcher.trainer_cores). The rollout client (executor loop, HTTP loop, the workflows) runs in
 the trainer's process, or its workflows in a child process (rollout.episode_process=true), which
 keeps their Python work off the trainer's GIL; pinned runs put it on the server's core
-(rollout.client_cores), so training keeps core 0 to itself, and free ones let it use whichever
-core is idle. Both modes run in the same four placements (in-process or child, pinned or free)
+(rollout.client_cores), so training keeps core 0 to itself; "free" ones are not pinned by
+rollout.client_cores and so stay on core 0 with training (the launcher pins the whole trainer
+process, its threads and child included). Both modes run in the same four placements (in-process
+or child, pinned or free)
 and each mode's fastest counts, so no placement can inflate the ratio. With
 eta = 0 each step waits for its own rollouts; with eta = 2 the server generates the next batches
 while the trainer trains on this one. Every run starts from the same SFT checkpoint (made once,
@@ -27,7 +29,6 @@ reached.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import re
 import shutil
@@ -36,6 +37,9 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
+
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,11 +71,12 @@ def tree_cpu_seconds(root: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+@dataclass
 class Run:
     """One quickstart run's log, and the CPU seconds its processes used in the RL loop."""
 
-    def __init__(self, log: str, rl_cpu_seconds: float) -> None:
-        self.log, self.rl_cpu_seconds = log, rl_cpu_seconds
+    log: str
+    rl_cpu_seconds: float
 
 
 def run_quickstart(fileroot: str, trial: str, overrides: list[str]) -> Run:
@@ -125,11 +130,11 @@ def run_quickstart(fileroot: str, trial: str, overrides: list[str]) -> Run:
 
 
 def cpu_at(samples: list[tuple[float, float]], t: float) -> float:
-    """The sampled CPU total at time ``t``, interpolated linearly."""
-    for (t0, c0), (t1, c1) in itertools.pairwise(samples):
-        if t0 <= t <= t1:
-            return c0 + (c1 - c0) * (t - t0) / max(t1 - t0, 1e-9)
-    return float("nan")
+    """The sampled CPU total at time ``t``, interpolated linearly (NaN outside the samples)."""
+    if not samples:
+        return float("nan")
+    times, totals = zip(*samples)
+    return float(np.interp(t, times, totals, left=float("nan"), right=float("nan")))
 
 
 RL_LINE = re.compile(r"\[quickstart\] RL: (\d+) steps in ([\d.]+)s")

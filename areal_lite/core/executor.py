@@ -156,8 +156,8 @@ class WorkflowExecutor:
     def __init__(self, config: InferenceEngineConfig, engine: InferenceEngine, run_episode: RunEpisode | None = None) -> None:
         self.config = config
         self.engine = engine
-        self._run_episode = run_episode
-        """Runs a workflow on one input elsewhere (`EpisodeWorker.run_episode`); None = here."""
+        self._run_episode: RunEpisode = run_episode or (lambda workflow, data: workflow.arun_episode(engine, data))
+        """Runs a workflow on one input: here, or elsewhere (`EpisodeWorker.run_episode`)."""
         bs = config.consumer_batch_size
         if config.on_workflow_error not in ("raise", "skip"):
             raise ValueError(f"on_workflow_error must be raise or skip, got {config.on_workflow_error!r}")
@@ -483,10 +483,7 @@ class WorkflowExecutor:
         traj: TensorDict | None = None
         error: WorkflowError | None = None
         try:
-            if self._run_episode is None:
-                traj = await task.workflow.arun_episode(self.engine, task.data)
-            else:
-                traj = await self._run_episode(task.workflow, task.data)
+            traj = await self._run_episode(task.workflow, task.data)
             if traj is not None and not isinstance(traj, TensorDict):
                 raise TypeError(f"arun_episode must return a TensorDict or None, got {type(traj).__name__}")
             if traj is not None and task.should_accept is not None and not task.should_accept(traj):
