@@ -100,7 +100,7 @@ class Run:
         self.engine = FSDPEngine(cfg)
         self.engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=steps, train_batch_size=1))
         self.rollout = LocalInferenceEngine(LocalEngineConfig(path=model_dir, seed=seed))
-        self.rollout.load_model()
+        self.rollout.initialize()
         self.meta = WeightUpdateMeta(type="in_process")
         self.engine.connect_engine(self.rollout, self.meta)
         self.version = 0

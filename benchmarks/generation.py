@@ -106,7 +106,7 @@ def bench_sync(workdir: str) -> tuple[int, float, float]:
     trainer = AutoModelForCausalLM.from_pretrained(path)
     n_params = sum(p.numel() for p in trainer.parameters())
     engine = LocalInferenceEngine(LocalEngineConfig(path=path, max_running_requests=4))
-    engine.load_model()
+    engine.initialize()
 
     t0 = time.perf_counter()
     trainer.save_pretrained(f"{workdir}/update")
@@ -143,7 +143,7 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         engine = LocalInferenceEngine(LocalEngineConfig(path=path))
-        engine.load_model()
+        engine.initialize()
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         requests = make_requests(args.requests, seed=0, vocab=400, prompt_len=(8, 64), output_len=(8, 128))
         # The CPU demo's RL step: many short requests.

@@ -22,7 +22,7 @@ from tensordict import TensorDict
 from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec
-from areal_lite.engines import make_train_engine
+from areal_lite.kit import make_train_engine
 from areal_lite.utils.tiny import build_tiny_model
 
 

@@ -28,6 +28,7 @@ import time
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.io import GenerationConfig
+from areal_lite.core import RolloutController
 from areal_lite.engines.remote import RemoteSGLangEngine
 from areal_lite.rewards import RewardRunner, boxed_format_reward
 from areal_lite.utils.distributed import find_free_port
@@ -78,9 +79,9 @@ def run(
         max_concurrent_rollouts=4 * PROMPTS_PER_BATCH,
         setup_timeout=300.0,
     )
-    engine = RemoteSGLangEngine(cfg)
-    engine.initialize()
-    engine.set_version(0)  # the servers outlive the engine between runs
+    rollout = RolloutController(RemoteSGLangEngine(cfg), cfg)
+    rollout.initialize()
+    rollout.set_version(0)  # the servers outlive the engine between runs
     gconfig = GenerationConfig(n_samples=SAMPLES, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     workflow = RLVRWorkflow(RewardRunner(boxed_format_reward, mode="thread"), gconfig, tokenizer)
     data = [
@@ -92,19 +93,19 @@ def run(
         for step in range(steps + 1):
             if step == 1:  # step 0 warms up connections and the servers' first forward passes
                 t0 = time.perf_counter()
-            batch = engine.prepare_batch(data, workflow)
+            batch = rollout.prepare_batch(data, workflow)
             if step >= 1:
                 n_traj += batch.batch_size[0]
-                staleness += engine.executor.last_batch_staleness
+                staleness += rollout.last_batch_staleness
             if train_seconds:
                 time.sleep(train_seconds)
-            engine.pause()  # the weight update would happen here
-            engine.set_version(step + 1)
-            engine.resume()
+            rollout.pause()  # the weight update would happen here
+            rollout.set_version(step + 1)
+            rollout.resume()
         seconds = time.perf_counter() - t0
         return n_traj / seconds, seconds / steps, sum(staleness) / len(staleness)
     finally:
-        engine.destroy()
+        rollout.destroy()
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ and reward accuracy (chosen's implicit reward above rejected's) are reported bef
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 from collections.abc import Collection
@@ -26,15 +27,9 @@ import torch
 
 from areal_lite.actors.dpo import DPOActor
 from areal_lite.api.config import BaseExperimentConfig, DPOConfig, TrainEngineConfig, load_config
-from areal_lite.api.io import FinetuneSpec
-from areal_lite.engines import make_train_engine
-from areal_lite.utils.dataloader import endless, stateful_dataloader
+from areal_lite.kit import RunKit, make_train_engine, rank_dataloader
+from areal_lite.utils.dataloader import endless
 from areal_lite.utils.datasets import addition_problems, load_rows, preference_batch
-from areal_lite.utils.evaluator import Evaluator
-from areal_lite.utils.recover import RecoverHandler
-from areal_lite.utils.saver import Saver
-from areal_lite.utils.stats_logger import StatsLogger
-from areal_lite.utils.step import StepInfo
 
 
 @dataclass
@@ -90,51 +85,31 @@ def main(argv: list[str]) -> None:
         else addition_pairs(task.n_train_pairs, task.n_digits, task.seed + 2, exclude={str(p["prompt"]) for p in eval_pairs})
     )
     eval_batch = preference_batch(tokenizer, eval_pairs[: task.n_eval], task.use_chat_template)
-    dataloader = stateful_dataloader(
-        train_pairs,
-        batch_size=cfg.train_dataset.batch_size,
-        shuffle=cfg.train_dataset.shuffle,
-        seed=cfg.seed,
-        collate_fn=lambda items: preference_batch(tokenizer, items, task.use_chat_template),
-    )
-
-    total_steps = cfg.total_train_steps or cfg.total_train_epochs * len(dataloader)
     ref = make_train_engine(cfg.ref)
-    ref.initialize()  # no FinetuneSpec: frozen, forward only
     dpo = DPOActor(cfg.actor, make_train_engine(cfg.actor), ref)
-    # The LR schedule spans this run's steps (total_train_steps may end it before or after the epochs).
-    dpo.engine.initialize(FinetuneSpec(1, total_steps * cfg.train_dataset.batch_size, cfg.train_dataset.batch_size))
+    collate = functools.partial(preference_batch, tokenizer, use_chat_template=task.use_chat_template)
+    dataloader = rank_dataloader(train_pairs, cfg.train_dataset, dpo.engine, seed=cfg.seed, collate_fn=collate)
+    run = RunKit(cfg, dpo.engine, dataloader, tokenizer=tokenizer)
+    ref.initialize()  # no FinetuneSpec: frozen, forward only
+    dpo.engine.initialize(run.finetune_spec)
+    resumed = run.resume()
+    before = resumed["before"] if resumed else dpo.evaluate_dpo(eval_batch)  # the policy equals the reference: loss log 2
 
-    saver = Saver(cfg.saver, cfg.output_dir)
-    evaluator = Evaluator(cfg.evaluator)
-    recover = RecoverHandler(cfg.recover, cfg.output_dir)
-    stats_logger = StatsLogger(cfg.stats_logger, cfg.output_dir, total_steps=total_steps, run_name=cfg.experiment_name)
-
-    info = recover.load(dpo.engine, dataloader=dataloader, stats_logger=stats_logger)
-    if info is None:
-        start_step, before = 0, dpo.evaluate_dpo(eval_batch)  # the policy equals the reference: loss log 2
-    else:
-        start_step, before = info.next_step.global_step, info.extra["before"]
+    def evaluate() -> dict[str, float]:
+        return {f"eval/{k}": v for k, v in dpo.evaluate_dpo(eval_batch).items()}
 
     data = endless(dataloader)
-    for global_step in range(start_step, total_steps):
-        step = StepInfo.at(global_step, len(dataloader))
+    for global_step in range(run.start_step, run.total_steps):
         stats = dpo.train_dpo(next(data))
         dpo.step_lr_scheduler()
-
-        saver.save(dpo.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
-        recover.dump(dpo.engine, step, dataloader=dataloader, stats_logger=stats_logger, extra={"before": before})
-        held_out = evaluator.evaluate(lambda: dpo.evaluate_dpo(eval_batch), step)
-        stats_logger.commit(
-            global_step, stats, {} if held_out is None else {f"eval/{k}": v for k, v in held_out.items()}
-        )
+        run.end_step(global_step, stats, evaluate=evaluate, extra={"before": before})
 
     after = dpo.evaluate_dpo(eval_batch)
-    stats_logger.close()
+    run.close()
     dpo.engine.destroy()
     ref.destroy()
     print(
-        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} "
+        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} "  # type: ignore[index]
         f"reward_accuracy_after={after['reward_accuracy']:.3f}",
         flush=True,
     )

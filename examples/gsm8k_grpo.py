@@ -19,43 +19,21 @@ GSM8K's ``question`` and ``answer`` fields); nothing is downloaded here.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.api.config import (
-    BaseExperimentConfig,
-    InferenceEngineConfig,
-    LocalEngineConfig,
-    PPOActorConfig,
-    load_config,
-)
-from areal_lite.api.io import FinetuneSpec, GenerationConfig
-from areal_lite.engines import make_train_engine
+from areal_lite.api.config import RLExperimentConfig, load_config
+from areal_lite.kit import RunKit, make_rollout, make_train_engine, mean_reward, rank_dataloader, sync_weights
 from areal_lite.rewards import RewardRunner, math_answer_reward
-from areal_lite.utils.dataloader import stateful_dataloader
 from areal_lite.utils.datasets import gsm8k_item, load_rows
-from areal_lite.utils.evaluator import Evaluator
-from areal_lite.utils.recover import RecoverHandler
-from areal_lite.utils.rollout import make_rollout, mean_reward
-from areal_lite.utils.saver import Saver
-from areal_lite.utils.stats import StatsTracker
-from areal_lite.utils.stats_logger import StatsLogger
-from areal_lite.utils.step import StepInfo
 from areal_lite.workflows.rlvr import RLVRWorkflow
 from areal_lite.workflows.trajectory import encode_chat
 
 
 @dataclass
-class GSM8KConfig(BaseExperimentConfig):
-    actor: PPOActorConfig = field(default_factory=PPOActorConfig)
-    rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
-    local_engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
-    """The embedded engine (launcher.backend=local only)."""
-    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
-    weight_update: str = "disk"
-    """How weights reach remote servers: disk or distributed (NCCL on GPU, gloo on CPU)."""
+class GSM8KConfig(RLExperimentConfig):
     reward_workers: int = 4
     """Worker processes grading answers with math-verify."""
     enable_thinking: bool = False
@@ -85,9 +63,6 @@ def main(argv: list[str]) -> None:
         load_gsm8k(cfg.valid_dataset.path, tokenizer, None, cfg.enable_thinking) if cfg.valid_dataset.path else []
     )
     eval_items = eval_items[: cfg.n_eval] if cfg.n_eval else eval_items
-    dataloader = stateful_dataloader(
-        train_items, batch_size=cfg.train_dataset.batch_size, shuffle=cfg.train_dataset.shuffle, seed=cfg.seed
-    )
 
     gconfig = replace(cfg.gconfig, n_samples=cfg.actor.group_size, stop_token_ids=[tokenizer.eos_token_id])
     reward = RewardRunner(math_answer_reward, num_workers=cfg.reward_workers)
@@ -96,77 +71,40 @@ def main(argv: list[str]) -> None:
         reward, gconfig.new(n_samples=1, greedy=True), tokenizer, enable_thinking=cfg.enable_thinking
     )
 
-    rollout, weight_meta = make_rollout(
-        cfg.launcher.backend, cfg.rollout, cfg.local_engine, cfg.actor.path, cfg.weight_update, cfg.output_dir
-    )
-    total_steps = cfg.total_train_steps or cfg.total_train_epochs * len(dataloader)
+    rollout, weight_meta = make_rollout(cfg)
+    actor_engine = make_train_engine(cfg.actor)
+    dataloader = rank_dataloader(train_items, cfg.train_dataset, actor_engine, seed=cfg.seed)
     ref = None
     if cfg.actor.kl_ctl > 0:  # a frozen copy of the initial policy for the KL penalty
         ref = make_train_engine(cfg.actor)
         ref.initialize()
-    actor = PPOActor(cfg.actor, make_train_engine(cfg.actor), ref_engine=ref)
-    # The LR schedule spans this run's steps (total_train_steps may end it before or after the epochs).
-    actor.engine.initialize(FinetuneSpec(1, total_steps * cfg.train_dataset.batch_size, cfg.train_dataset.batch_size))
-    actor.engine.connect_engine(rollout, weight_meta)
+    actor = PPOActor(cfg.actor, actor_engine, ref_engine=ref)
+    run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
+    actor.engine.initialize(run.finetune_spec)
+    actor.engine.connect_engine(rollout.engine, weight_meta)
+    run.resume()
 
-    saver = Saver(cfg.saver, cfg.output_dir)
-    evaluator = Evaluator(cfg.evaluator)
-    recover = RecoverHandler(cfg.recover, cfg.output_dir)
-    stats_logger = StatsLogger(
-        cfg.stats_logger, cfg.output_dir, total_steps=total_steps, run_name=cfg.experiment_name, run_config=cfg
-    )
-    tracker = StatsTracker()
+    def evaluate() -> dict[str, float]:
+        return {"eval/accuracy": mean_reward(rollout, eval_workflow, eval_items)} if eval_items else {}
 
-    info = recover.load(
-        actor.engine,
-        dataloader=dataloader,
-        stats_logger=stats_logger,
-        inference_engine=rollout,
-        weight_update_meta=weight_meta,
-    )
-    start_step = 0 if info is None else info.next_step.global_step
-    if info is not None:
-        rollout.executor.load_state_dict(info.extra["rollout"])  # replay prompts that were in flight
-
-    for global_step in range(start_step, total_steps):
-        step = StepInfo.at(global_step, len(dataloader))
-        with tracker.timer("rollout"):
+    for global_step in range(run.start_step, run.total_steps):
+        with run.timer("rollout"):
             batch = rollout.prepare_batch(dataloader, workflow=workflow)
-        with tracker.timer("train"):
+        with run.timer("train"):
             actor.compute_advantages(batch)
             stats = actor.ppo_update(batch)
             actor.step_lr_scheduler()
-        with tracker.timer("weight_sync"):
-            rollout.pause()
-            actor.engine.set_version(global_step + 1)
-            actor.update_weights(weight_meta)
-            rollout.set_version(global_step + 1)
-            rollout.resume()
-        saver.save(actor.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
-        recover.dump(
-            actor.engine,
-            step,
-            dataloader=dataloader,
-            stats_logger=stats_logger,
-            extra={"rollout": rollout.executor.state_dict()},
-        )
-        acc = evaluator.evaluate(lambda: mean_reward(rollout, eval_workflow, eval_items), step) if eval_items else None
-        tracker.dist("rollout/staleness", rollout.executor.last_batch_staleness)
-        stats_logger.commit(
-            global_step,
-            stats,
-            rollout.executor.stats(),
-            tracker.export(),
-            {} if acc is None else {"eval/accuracy": acc},
-        )
+        with run.timer("weight_sync"):
+            sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+        run.end_step(global_step, stats, evaluate=evaluate)
 
     final_acc = mean_reward(rollout, eval_workflow, eval_items) if eval_items else float("nan")
-    stats_logger.close()
+    run.close()
     rollout.destroy()
     actor.engine.destroy()
     if ref is not None:
         ref.destroy()
-    print(f"RESULT steps={total_steps} eval_accuracy={final_acc:.3f}", flush=True)
+    print(f"RESULT steps={run.total_steps} eval_accuracy={final_acc:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -30,27 +30,13 @@ import torch
 
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.actors.sft import SFTActor
-from areal_lite.api.config import (
-    BaseExperimentConfig,
-    InferenceEngineConfig,
-    LocalEngineConfig,
-    PPOActorConfig,
-    TrainEngineConfig,
-    load_config,
-)
-from areal_lite.api.io import FinetuneSpec, GenerationConfig, SaveLoadMeta, WeightUpdateMeta
-from areal_lite.engines import make_train_engine
+from areal_lite.api.config import RLExperimentConfig, TrainEngineConfig, load_config
+from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal_lite.core.controller import RolloutController
+from areal_lite.kit import RunKit, make_rollout, make_train_engine, mean_reward, rank_dataloader, sync_weights
 from areal_lite.rewards.format import exact_answer_reward
 from areal_lite.rewards.runner import RewardRunner
-from areal_lite.utils.dataloader import stateful_dataloader
 from areal_lite.utils.datasets import addition_problems, sft_batch
-from areal_lite.utils.evaluator import Evaluator
-from areal_lite.utils.recover import RecoverHandler
-from areal_lite.utils.rollout import make_rollout, mean_reward
-from areal_lite.utils.saver import Saver
-from areal_lite.utils.stats import StatsTracker
-from areal_lite.utils.stats_logger import StatsLogger
-from areal_lite.utils.step import StepInfo
 from areal_lite.utils.tiny import build_tiny_model
 from areal_lite.workflows.rlvr import RLVRWorkflow
 
@@ -90,14 +76,8 @@ class TaskConfig:
 
 
 @dataclass
-class QuickstartConfig(BaseExperimentConfig):
+class QuickstartConfig(RLExperimentConfig):
     task: TaskConfig = field(default_factory=TaskConfig)
-    actor: PPOActorConfig = field(default_factory=PPOActorConfig)
-    rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
-    local_engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
-    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
-    weight_update: str = "disk"
-    """How weights reach remote servers: disk or distributed (in_process for the embedded engine)."""
 
 
 # ---------------------------------------------------------------------------------- the task
@@ -141,9 +121,9 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
     sft = SFTActor(engine_cfg, engine)
 
     dev = addition_problems(task.n_dev, task.n_digits, task.seed + 2, exclude=held_out)
-    judge = LocalInferenceEngine(replace(cfg.local_engine, path=base_dir), replace(cfg.rollout, max_head_offpolicyness=0))
+    judge = RolloutController(LocalInferenceEngine(replace(cfg.local_engine, path=base_dir)), replace(cfg.rollout, episode_process=False))
     judge.initialize()
-    engine.connect_engine(judge, WeightUpdateMeta(type="in_process"))
+    engine.connect_engine(judge.engine, WeightUpdateMeta(type="in_process"))
     greedy = RLVRWorkflow(
         RewardRunner(exact_answer_reward, mode="inline"),
         replace(cfg.gconfig, n_samples=1, greedy=True, stop_token_ids=[tokenizer.eos_token_id]),
@@ -203,66 +183,42 @@ def main(argv: list[str]) -> None:
     workflow = RLVRWorkflow(reward, gconfig, tokenizer, use_chat_template=False)
     eval_workflow = RLVRWorkflow(reward, gconfig.new(n_samples=1, greedy=True), tokenizer, use_chat_template=False)
 
-    rollout, weight_meta = make_rollout(cfg.launcher.backend, cfg.rollout, cfg.local_engine, sft_dir, cfg.weight_update, cfg.output_dir)
+    rollout, weight_meta = make_rollout(cfg, sft_dir)
     actor_cfg = replace(cfg.actor, path=sft_dir)
     actor = PPOActor(actor_cfg, make_train_engine(actor_cfg))
-    bs = cfg.train_dataset.batch_size
-    planned = cfg.total_train_epochs * (len(train_problems) // bs) if cfg.total_train_steps is None else cfg.total_train_steps
-    actor.engine.initialize(FinetuneSpec(1, max(planned, 1) * bs, bs))  # the LR schedule spans the steps run
-    actor.engine.connect_engine(rollout, weight_meta)
     # Each data-parallel rank rolls out and trains on its own share of the prompts.
-    dataloader = stateful_dataloader(
-        train_problems,
-        batch_size=cfg.train_dataset.batch_size,
-        seed=cfg.seed,
-        rank=actor.engine.data_parallel_rank,
-        world_size=actor.engine.data_parallel_world_size,
-    )
-    total_steps = cfg.total_train_epochs * len(dataloader) if cfg.total_train_steps is None else cfg.total_train_steps
+    dataloader = rank_dataloader(train_problems, cfg.train_dataset, actor.engine, seed=cfg.seed)
+    run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
+    actor.engine.initialize(run.finetune_spec)  # the LR schedule spans the steps run
+    actor.engine.connect_engine(rollout.engine, weight_meta)
 
-    saver = Saver(cfg.saver, cfg.output_dir)
-    evaluator = Evaluator(cfg.evaluator)
-    recover = RecoverHandler(cfg.recover, cfg.output_dir)
-    stats_logger = StatsLogger(cfg.stats_logger, cfg.output_dir, total_steps=total_steps)
-
-    tracker = StatsTracker()
-    # A resumed run pushes the recovered weights to the rollout side and continues after its last step.
-    info = recover.load(actor.engine, dataloader=dataloader, stats_logger=stats_logger, inference_engine=rollout, weight_update_meta=weight_meta)
-    if info is not None:
-        start_step = info.next_step.global_step
-        acc_before = float(info.extra["acc_before"])  # type: ignore[arg-type]
-        rollout.executor.load_state_dict(info.extra["rollout"])  # replay prompts that were in flight
-        print(f"[quickstart] resumed after step {start_step}", flush=True)
+    # A resumed run pushes the recovered weights to the rollout side and replays in-flight prompts.
+    resumed = run.resume()
+    if resumed is not None:
+        acc_before = float(resumed["acc_before"])  # type: ignore[arg-type]
     else:
-        start_step = 0
         acc_before = mean_reward(rollout, eval_workflow, eval_problems)
         print(f"[quickstart] held-out greedy accuracy after SFT: {acc_before:.3f}", flush=True)
 
+    def evaluate() -> dict[str, float]:
+        return {"eval/accuracy": mean_reward(rollout, eval_workflow, eval_problems)}
+
     t_rl = time.time()
-    for global_step in range(start_step, total_steps):
-        step = StepInfo.at(global_step, len(dataloader))
-        with tracker.timer("rollout"):
+    for global_step in range(run.start_step, run.total_steps):
+        with run.timer("rollout"):
             batch = rollout.prepare_batch(dataloader, workflow=workflow)
-        with tracker.timer("train"):
+        with run.timer("train"):
             actor.compute_advantages(batch)
             stats = actor.ppo_update(batch)
             actor.step_lr_scheduler()
-        with tracker.timer("weight_sync"):
-            rollout.pause()
-            actor.engine.set_version(global_step + 1)  # the pushed weights carry their version
-            actor.update_weights(weight_meta)
-            rollout.set_version(global_step + 1)
-            rollout.resume()
-        saver.save(actor.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
-        recover.dump(actor.engine, step, dataloader=dataloader, stats_logger=stats_logger, extra={"acc_before": acc_before, "rollout": rollout.executor.state_dict()})
-        acc = evaluator.evaluate(lambda: mean_reward(rollout, eval_workflow, eval_problems), step)
-        tracker.dist("rollout/staleness", rollout.executor.last_batch_staleness)
-        stats_logger.commit(global_step, stats, rollout.executor.stats(), tracker.export(), {} if acc is None else {"eval/accuracy": acc})
+        with run.timer("weight_sync"):
+            sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+        run.end_step(global_step, stats, evaluate=evaluate, extra={"acc_before": acc_before})
 
-    print(f"[quickstart] RL: {total_steps - start_step} steps in {time.time() - t_rl:.2f}s", flush=True)
+    print(f"[quickstart] RL: {run.total_steps - run.start_step} steps in {time.time() - t_rl:.2f}s", flush=True)
     acc_after = mean_reward(rollout, eval_workflow, eval_problems)
     minutes = (time.time() - t_start) / 60
-    stats_logger.close()
+    run.close()
     rollout.destroy()
     actor.engine.destroy()
     print()

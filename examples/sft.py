@@ -16,6 +16,7 @@ With ``task.tiny_model`` a tiny random model with a byte-level tokenizer is buil
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass, field
@@ -24,15 +25,9 @@ import torch
 
 from areal_lite.actors.sft import SFTActor
 from areal_lite.api.config import BaseExperimentConfig, TrainEngineConfig, load_config
-from areal_lite.api.io import FinetuneSpec
-from areal_lite.engines import make_train_engine
-from areal_lite.utils.dataloader import endless, stateful_dataloader
+from areal_lite.kit import RunKit, make_train_engine, rank_dataloader
+from areal_lite.utils.dataloader import endless
 from areal_lite.utils.datasets import addition_problems, load_rows, sft_batch
-from areal_lite.utils.evaluator import Evaluator
-from areal_lite.utils.recover import RecoverHandler
-from areal_lite.utils.saver import Saver
-from areal_lite.utils.stats_logger import StatsLogger
-from areal_lite.utils.step import StepInfo
 from areal_lite.utils.tiny import build_tiny_model
 
 
@@ -92,48 +87,28 @@ def main(argv: list[str]) -> None:
     train_items = demonstrations(cfg.train_dataset.path, task.n_train, task, task.seed + 2)
     eval_items = demonstrations(cfg.valid_dataset.path, task.n_eval, task, task.seed + 1)[: task.n_eval]
     eval_batch = sft_batch(tokenizer, eval_items, task.use_chat_template)
-    dataloader = stateful_dataloader(
-        train_items,
-        batch_size=cfg.train_dataset.batch_size,
-        shuffle=cfg.train_dataset.shuffle,
-        seed=cfg.seed,
-        collate_fn=lambda items: sft_batch(tokenizer, items, task.use_chat_template),
-    )
-
-    total_steps = cfg.total_train_steps or cfg.total_train_epochs * len(dataloader)
     sft = SFTActor(cfg.actor, make_train_engine(cfg.actor))
-    # The LR schedule spans this run's steps (total_train_steps may end it before or after the epochs).
-    sft.engine.initialize(FinetuneSpec(1, total_steps * cfg.train_dataset.batch_size, cfg.train_dataset.batch_size))
+    collate = functools.partial(sft_batch, tokenizer, use_chat_template=task.use_chat_template)
+    dataloader = rank_dataloader(train_items, cfg.train_dataset, sft.engine, seed=cfg.seed, collate_fn=collate)
+    run = RunKit(cfg, sft.engine, dataloader, tokenizer=tokenizer)
+    sft.engine.initialize(run.finetune_spec)
+    resumed = run.resume()
+    before = resumed["before"] if resumed else sft.evaluate_lm(eval_batch)
 
-    saver = Saver(cfg.saver, cfg.output_dir)
-    evaluator = Evaluator(cfg.evaluator)
-    recover = RecoverHandler(cfg.recover, cfg.output_dir)
-    stats_logger = StatsLogger(cfg.stats_logger, cfg.output_dir, total_steps=total_steps, run_name=cfg.experiment_name)
-
-    info = recover.load(sft.engine, dataloader=dataloader, stats_logger=stats_logger)
-    if info is None:
-        start_step, before = 0, sft.evaluate_lm(eval_batch)
-    else:
-        start_step, before = info.next_step.global_step, info.extra["before"]
+    def evaluate() -> dict[str, float]:
+        return {f"eval/{k}": v for k, v in sft.evaluate_lm(eval_batch).items()}
 
     data = endless(dataloader)
-    for global_step in range(start_step, total_steps):
-        step = StepInfo.at(global_step, len(dataloader))
+    for global_step in range(run.start_step, run.total_steps):
         stats = sft.train_lm(next(data))
         sft.step_lr_scheduler()
-
-        saver.save(sft.engine, step, tokenizer=tokenizer, last=global_step + 1 == total_steps)
-        recover.dump(sft.engine, step, dataloader=dataloader, stats_logger=stats_logger, extra={"before": before})
-        held_out = evaluator.evaluate(lambda: sft.evaluate_lm(eval_batch), step)
-        stats_logger.commit(
-            global_step, stats, {} if held_out is None else {f"eval/{k}": v for k, v in held_out.items()}
-        )
+        run.end_step(global_step, stats, evaluate=evaluate, extra={"before": before})
 
     after = sft.evaluate_lm(eval_batch)
-    stats_logger.close()
+    run.close()
     sft.engine.destroy()
     print(
-        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} ppl_after={after['ppl']:.2f}",
+        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} ppl_after={after['ppl']:.2f}",  # type: ignore[index]
         flush=True,
     )
 

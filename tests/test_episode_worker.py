@@ -5,6 +5,7 @@ workflow errors and a killed child surface as errors instead of hangs."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import sys
@@ -16,7 +17,7 @@ import torch
 
 from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
-from areal_lite.core.executor import WorkflowError
+from areal_lite.core import RolloutController, WorkflowError
 from areal_lite.engines.local import LocalInferenceEngine
 from areal_lite.engines.remote import RemoteSGLangEngine
 from areal_lite.utils.tiny import build_tiny_model
@@ -38,13 +39,15 @@ def server(model_path: str):
     stop_servers(procs)
 
 
-def engine(address: str, episode_process: bool) -> RemoteSGLangEngine:
+def controller(address: str, episode_process: bool) -> RolloutController:
+    """What `make_rollout` builds for servers: the child's engine generates, the trainer's controls."""
     config = InferenceEngineConfig(
         addresses=[address], episode_process=episode_process, consumer_batch_size=4, request_timeout=60, setup_timeout=60
     )
-    e = RemoteSGLangEngine(config)
-    e.initialize()
-    return e
+    follower = functools.partial(RemoteSGLangEngine, config, control_servers=False)
+    c = RolloutController(RemoteSGLangEngine(config), config, follower)
+    c.initialize()
+    return c
 
 
 def items(n: int, **extra: object) -> list[dict[str, object]]:
@@ -52,9 +55,9 @@ def items(n: int, **extra: object) -> list[dict[str, object]]:
 
 
 def test_child_workflows_give_the_in_process_trajectories(server: str) -> None:
-    here, child = engine(server, False), engine(server, True)
+    here, child = controller(server, False), controller(server, True)
     try:
-        assert child._episodes is not None and child._episodes.pid != os.getpid()
+        assert child.episode_worker_pid not in (None, os.getpid())
         a = here.rollout_batch(items(6), Continue(12))
         b = child.rollout_batch(items(6), Continue(12))
         assert a.batch_size == b.batch_size == torch.Size([6])
@@ -71,9 +74,9 @@ def test_a_weight_update_pauses_the_child_generations_and_tags_versions(server: 
     """The trainer's pause holds the generations it aborts in the child (the server stays idle
     until the resume); after the update they resume, their new tokens tagged with the new version."""
     perturbed_copy(model_path, str(tmp_path / "v1"))
-    e = engine(server, True)
+    e = controller(server, True)
     try:
-        e.update_weights(WeightUpdateMeta(type="disk", path=model_path, version=0)).result()
+        e.engine.update_weights(WeightUpdateMeta(type="disk", path=model_path, version=0)).result()
         e.set_version(0)
         out: dict[str, object] = {}
         run = threading.Thread(target=lambda: out.update(batch=e.rollout_batch(items(3), Continue(300))))
@@ -85,7 +88,7 @@ def test_a_weight_update_pauses_the_child_generations_and_tags_versions(server: 
         e.pause()
         time.sleep(0.3)  # aborted answers are back in the child by now
         idle_while_paused = not asyncio.run(running_on(server))
-        e.update_weights(WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"), version=1)).result()
+        e.engine.update_weights(WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"), version=1)).result()
         e.set_version(1)
         e.resume()
         run.join(timeout=120)
@@ -101,7 +104,7 @@ def test_a_weight_update_pauses_the_child_generations_and_tags_versions(server: 
 
 
 def test_workflow_errors_and_unpicklable_workflows_are_reported(server: str) -> None:
-    e = engine(server, True)
+    e = controller(server, True)
     try:
         with pytest.raises(WorkflowError, match=r"ValueError: bad item \[7, 30\]"):
             e.rollout_batch(items(1, fail=True), Continue(4))
@@ -113,10 +116,9 @@ def test_workflow_errors_and_unpicklable_workflows_are_reported(server: str) -> 
 
 
 def test_a_killed_child_fails_rollouts_instead_of_hanging(server: str) -> None:
-    e = engine(server, True)
+    e = controller(server, True)
     try:
-        assert e._episodes is not None
-        pid = e._episodes.pid
+        pid = e.episode_worker_pid
         assert pid is not None
 
         def kill_when_running() -> None:
@@ -139,4 +141,4 @@ def test_a_killed_child_fails_rollouts_instead_of_hanging(server: str) -> None:
 
 def test_the_embedded_engine_refuses_episode_processes() -> None:
     with pytest.raises(ValueError, match="episode_process"):
-        LocalInferenceEngine(LocalEngineConfig(path="unused"), InferenceEngineConfig(episode_process=True))
+        RolloutController(LocalInferenceEngine(LocalEngineConfig(path="unused")), InferenceEngineConfig(episode_process=True))

@@ -122,9 +122,20 @@ class OneShot(RolloutWorkflow):
 
 
 def make(engine, **cfg) -> WorkflowExecutor:
-    ex = WorkflowExecutor(InferenceEngineConfig(**cfg), engine)
+    """An executor running workflows over ``engine`` in this process (as the controller does)."""
+
+    async def run_episode(workflow: RolloutWorkflow, data: dict[str, object]) -> TensorDict | None:
+        return await workflow.arun_episode(engine, data)
+
+    ex = WorkflowExecutor(InferenceEngineConfig(**cfg), run_episode, version=engine.get_version())
     ex.initialize()
     return ex
+
+
+def advance(ex: WorkflowExecutor, engine: GatedEngine, version: int) -> None:
+    """The trainer's set_version: the engine tags new tokens with it, the executor admits for it."""
+    engine.set_version(version)
+    ex.set_version(version)
 
 
 def loader(n: int, batch: int, **extra):
@@ -211,7 +222,7 @@ def test_executor_staleness_bound_end_to_end(eta: int, seed: int, bs: int) -> No
             produced = batch["versions"][batch["loss_mask"].bool()]
             assert int(produced.min()) >= step - eta
             assert max(ex.last_batch_staleness) <= eta
-            engine.set_version(step + 1)
+            advance(ex, engine, step + 1)
         assert engine.peak_running <= max_conc
         for v in range(engine.version + 1):
             started = sum(c for u, c in engine.started_at_version.items() if u <= v)
@@ -232,7 +243,7 @@ def test_eta_zero_is_synchronous() -> None:
             ex.prepare_batch(data, OneShot())
             assert sum(engine.started_at_version.values()) == 2 * (step + 1)
             assert engine.started_at_version[step] == 2
-            engine.set_version(step + 1)
+            advance(ex, engine, step + 1)
     finally:
         engine.close()
         ex.destroy()
@@ -248,7 +259,7 @@ def test_prepare_batch_refills_the_pipeline_before_returning() -> None:
         ex.prepare_batch(data, OneShot())  # admits 2 at version 0, returns 1
         with ex._cond:  # the second one finishes too: a full batch is waiting
             ex._cond.wait_for(lambda: len(ex._ready) == 1 and ex.staleness.running == 0)
-        engine.set_version(1)
+        advance(ex, engine, 1)
         ex.prepare_batch(data, OneShot())
         s = ex.stats()
         assert s["rollout/accepted"] + s["rollout/running"] + s["rollout/queued"] == (1 + 1 + 1) * 1
@@ -281,7 +292,7 @@ def test_dynamic_sampling_keeps_going_until_a_full_batch() -> None:
         batch = ex.prepare_batch(data, OneShot(), should_accept=lambda t: bool(t["rewards"][0] > 0))
         assert batch.batch_size[0] == 4
         assert (batch["rewards"] == 1.0).all()
-        assert ex.n_rejected >= 6  # four accepted need at least items 0..9, six of them rejected
+        assert ex.totals["rejected"] >= 6  # four accepted need at least items 0..9, six of them rejected
     finally:
         engine.close()
         ex.destroy()
@@ -297,7 +308,7 @@ def test_workflow_error_raises_with_its_input() -> None:
             ex.wait(2, timeout=60)
         assert info.value.data == {"i": 1, "boom": True}
         assert isinstance(info.value.cause, ValueError)
-        assert ex.n_failed == 1
+        assert ex.totals["failed"] == 1
     finally:
         engine.close()
         ex.destroy()
@@ -310,8 +321,8 @@ def test_workflow_error_skip_counts_and_goes_on() -> None:
         data = [[{"i": i, "boom": i % 2 == 1} for i in range(k, k + 3)] for k in range(0, 60, 3)]
         batch = ex.prepare_batch(data, OneShot())
         assert batch.batch_size[0] == 3
-        assert ex.n_failed >= 1
-        assert ex.stats()["rollout/failed"] == ex.n_failed
+        assert ex.totals["failed"] >= 1
+        assert ex.stats()["rollout/failed"] == ex.totals["failed"]
     finally:
         engine.close()
         ex.destroy()
@@ -356,7 +367,7 @@ def test_rollout_batch_keeps_order_and_stays_outside_the_pipeline() -> None:
         items = [{"i": i} for i in range(7)] + [{"i": 99, "reject": True}]
         batch = ex.rollout_batch(items, OneShot())
         assert batch["item"].tolist() == [float(i) for i in range(7)]
-        assert ex.staleness.accepted == 0 and ex.n_rejected == 1
+        assert ex.staleness.accepted == 0 and ex.totals["rejected"] == 1
         with pytest.raises(WorkflowError):
             ex.rollout_batch([{"i": 0}, {"i": 1, "boom": True}], OneShot())
     finally:
@@ -372,7 +383,7 @@ def test_prepare_batch_cycles_epochs() -> None:
         seen = []
         for step in range(6):
             seen += ex.prepare_batch(data, OneShot())["item"].tolist()
-            engine.set_version(step + 1)
+            advance(ex, engine, step + 1)
         assert Counter(seen) == {0.0: 3, 1.0: 3, 2.0: 3, 3.0: 3}
     finally:
         engine.close()
@@ -387,7 +398,7 @@ def test_prepare_batch_carries_a_running_rollout_into_the_next_step() -> None:
         data = loader(8, 1)
         first = ex.prepare_batch(data, OneShot())
         assert first["versions"].max().item() == 0
-        engine.set_version(1)
+        advance(ex, engine, 1)
         engine.release_held()
         second = ex.prepare_batch(data, OneShot())  # the held rollout, started at version 0
         assert second["versions"][0, -3].item() == 0 and ex.last_batch_staleness == [1]
@@ -444,7 +455,7 @@ def test_recovery_replays_unconsumed_items_exactly_once() -> None:
         try:
             for step in range(start, start + steps):
                 seen += [int(x) for x in ex.prepare_batch(dl, OneShot())["item"].tolist()]
-                engine.set_version(step + 1)
+                advance(ex, engine, step + 1)
             checkpoint = {"dataloader": dl.state_dict(), "executor": ex.state_dict()}
         finally:
             engine.close()
@@ -459,6 +470,8 @@ def test_recovery_replays_unconsumed_items_exactly_once() -> None:
     stream = [int(d["i"]) for _ in range(2) for batch in reference for d in batch]
     drawn = first + rest + in_flight
     assert Counter(drawn) == Counter(stream[: len(drawn)])
+    # The counters continue across the resume: 12 steps of 2 episodes consumed in all.
+    assert final["executor"]["totals"]["consumed"] == 24 == final["executor"]["totals"]["accepted"]
 
 
 def test_staleness_ignores_padding() -> None:

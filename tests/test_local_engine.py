@@ -30,7 +30,7 @@ def hf(model_path: str) -> torch.nn.Module:
 
 def make_engine(path: str, **kw: object) -> LocalInferenceEngine:
     engine = LocalInferenceEngine(LocalEngineConfig(path=path, **kw))
-    engine.load_model()
+    engine.initialize()
     return engine
 
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import TrainEngineConfig
-from areal_lite.engines import make_train_engine
+from areal_lite.kit import make_train_engine
 from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.tiny import build_tiny_model
 

@@ -51,8 +51,7 @@ def reset_weights(engine: RemoteSGLangEngine, model_path: str) -> None:
 
 def client(addresses: list[str]) -> RemoteSGLangEngine:
     engine = RemoteSGLangEngine(InferenceEngineConfig(addresses=addresses, request_timeout=60, setup_timeout=60))
-    engine.start_client()
-    engine.wait_healthy()
+    engine.initialize()
     return engine
 
 
@@ -252,8 +251,7 @@ def test_weight_updates_from_torchrun_fsdp_trainer(servers, model_path: str, tmp
 def test_timed_out_request_moves_to_another_server(servers, model_path: str) -> None:
     _, addresses = servers
     engine = RemoteSGLangEngine(InferenceEngineConfig(addresses=addresses, request_timeout=2.0, setup_timeout=60))
-    engine.start_client()
-    engine.wait_healthy()
+    engine.initialize()
 
     try:
         reset_weights(engine, model_path)

@@ -13,6 +13,7 @@ from tensordict import TensorDict
 
 from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse
+from areal_lite.core import RolloutController
 from areal_lite.engines.local import LocalInferenceEngine
 from areal_lite.rewards import RewardRunner, math_answer_reward
 from areal_lite.utils.tiny import build_tiny_model
@@ -42,17 +43,39 @@ def length_reward(
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def rollout(tmp_path_factory):
+    """A rollout controller over the embedded engine on a tiny model."""
     path = build_tiny_model(str(tmp_path_factory.mktemp("tiny")), hidden_size=32, num_layers=2)
-    eng = LocalInferenceEngine(
-        LocalEngineConfig(path=path, max_running_requests=16, seed=1),
+    controller = RolloutController(
+        LocalInferenceEngine(LocalEngineConfig(path=path, max_running_requests=16, seed=1)),
         InferenceEngineConfig(consumer_batch_size=2, max_concurrent_rollouts=4),
     )
-    eng.initialize()
+    controller.initialize()
     try:
-        yield eng
+        yield controller
     finally:
-        eng.destroy()
+        controller.destroy()
+
+
+@pytest.fixture(scope="module")
+def engine(rollout):
+    return rollout.engine
+
+
+class SharedEngine:
+    """The module's engine under a second controller: everything but its lifecycle passes through."""
+
+    def __init__(self, engine: LocalInferenceEngine) -> None:
+        self._engine = engine
+
+    def initialize(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
 
 
 def segments(mask: list[int]) -> list[tuple[int, int, int]]:
@@ -65,10 +88,10 @@ def segments(mask: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def test_rlvr_groups_follow_the_contract(engine) -> None:
+def test_rlvr_groups_follow_the_contract(engine, rollout) -> None:
     engine.set_version(3)
     wf = RLVRWorkflow(RewardRunner(length_reward, mode="thread"), GCONFIG, engine.tokenizer)
-    batch = engine.rollout_batch(ITEMS, wf)
+    batch = rollout.rollout_batch(ITEMS, wf)
     check_trajectory(batch)
     assert batch.batch_size[0] == 2 * GCONFIG.n_samples
     prompt0 = encode_chat(engine.tokenizer, [{"role": "user", "content": ITEMS[0]["prompt"]}])
@@ -84,7 +107,7 @@ def test_rlvr_groups_follow_the_contract(engine) -> None:
     engine.set_version(0)
 
 
-def test_dynamic_sampling_drops_groups_without_signal(engine) -> None:
+def test_dynamic_sampling_drops_groups_without_signal(engine, rollout) -> None:
     """Rewards are the parity of the first sampled token: groups where all agree are dropped."""
 
     def parity(prompt, completion, prompt_ids, completion_ids, **data) -> float:
@@ -97,31 +120,31 @@ def test_dynamic_sampling_drops_groups_without_signal(engine) -> None:
     wf = RLVRWorkflow(
         RewardRunner(parity, mode="thread"), GenerationConfig(n_samples=4, max_new_tokens=2), engine.tokenizer
     )
-    rejected_before = engine.executor.n_rejected
-    batch = engine.rollout_batch(ITEMS * 4, wf, should_accept=rewards_differ)
+    rejected_before = rollout.stats()["rollout/rejected"]
+    batch = rollout.rollout_batch(ITEMS * 4, wf, should_accept=rewards_differ)
     n_groups = batch.batch_size[0] // 4
     assert all(rewards_differ(batch[4 * g : 4 * g + 4]) for g in range(n_groups))
-    assert n_groups + engine.executor.n_rejected - rejected_before == 8
+    assert n_groups + rollout.stats()["rollout/rejected"] - rejected_before == 8
 
 
-def test_rlvr_raw_prompt_without_chat_template(engine) -> None:
+def test_rlvr_raw_prompt_without_chat_template(engine, rollout) -> None:
     wf = RLVRWorkflow(
         RewardRunner(length_reward, mode="thread"),
         GenerationConfig(n_samples=2, max_new_tokens=4),
         engine.tokenizer,
         use_chat_template=False,
     )
-    batch = engine.rollout_batch([{"prompt": "12+30="}], wf)
+    batch = rollout.rollout_batch([{"prompt": "12+30="}], wf)
     check_trajectory(batch)
     raw = engine.tokenizer("12+30=", add_special_tokens=False)["input_ids"]
     assert batch["input_ids"][0, : len(raw)].tolist() == raw and not batch["loss_mask"][:, : len(raw)].any()
 
 
-def test_rlvr_default_runner_grades_math_in_worker_processes(engine) -> None:
+def test_rlvr_default_runner_grades_math_in_worker_processes(engine, rollout) -> None:
     wf = RLVRWorkflow(math_answer_reward, GenerationConfig(n_samples=2, max_new_tokens=6), engine.tokenizer)
     try:
         assert wf.reward.mode == "process"
-        batch = engine.rollout_batch(ITEMS[:1], wf)
+        batch = rollout.rollout_batch(ITEMS[:1], wf)
         check_trajectory(batch)
         stats = wf.reward.stats()
         assert stats["reward/samples"] == 2 and stats["reward/errors"] == 0 and stats["reward/timeouts"] == 0
@@ -129,13 +152,13 @@ def test_rlvr_default_runner_grades_math_in_worker_processes(engine) -> None:
         wf.reward.close()
 
 
-def test_rlvr_batch_completes_despite_bad_graders(engine) -> None:
+def test_rlvr_batch_completes_despite_bad_graders(engine, rollout) -> None:
     """Graders that raise, hang and return NaN score 0 inside an RLVR batch; the batch completes."""
     runner = RewardRunner(misbehaving_grader, mode="process", timeout=2.0, num_workers=2)
     wf = RLVRWorkflow(runner, GenerationConfig(n_samples=2, max_new_tokens=3), engine.tokenizer)
     try:
         items = [{"prompt": f"q{k}", "kind": k} for k in ("ok", "raise", "hang", "nan", "ok")]
-        batch = engine.rollout_batch(items, wf)
+        batch = rollout.rollout_batch(items, wf)
         check_trajectory(batch)
         assert batch["rewards"].tolist() == [1.0, 1.0] + [0.0] * 6 + [1.0, 1.0]
         s = runner.stats()
@@ -144,60 +167,56 @@ def test_rlvr_batch_completes_despite_bad_graders(engine) -> None:
         runner.close()
 
 
-def test_rlvr_through_prepare_batch(engine) -> None:
+def test_rlvr_through_prepare_batch(engine, rollout) -> None:
     wf = RLVRWorkflow(
         RewardRunner(length_reward, mode="thread"), GenerationConfig(n_samples=2, max_new_tokens=4), engine.tokenizer
     )
     loader = [[ITEMS[0], ITEMS[1]], [ITEMS[1], ITEMS[0]]]
-    batch = engine.prepare_batch(loader, wf)
+    batch = rollout.prepare_batch(loader, wf)
     check_trajectory(batch)
     assert batch.batch_size[0] == 2 * 2  # consumer_batch_size groups of n_samples
 
 
 def test_async_training_loop_with_weight_updates_keeps_the_bound(engine) -> None:
-    """The executor over the real engine with eta = 1: weights are updated (in place, the same
-    tensors) and the version bumped after every batch while groups are mid-generation; every
+    """A rollout controller over the real engine with eta = 1: weights are updated (in place, the
+    same tensors) and the version bumped after every batch while groups are mid-generation; every
     consumed batch holds tokens of versions >= step - 1."""
     from areal_lite.api.io import WeightUpdateMeta
-    from areal_lite.core import WorkflowExecutor
 
-    ex = WorkflowExecutor(
-        InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=1, max_concurrent_rollouts=4), engine
-    )
-    ex.initialize()
+    config = InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=1, max_concurrent_rollouts=4)
+    controller = RolloutController(SharedEngine(engine), config)
+    controller.initialize()
     weights = {k: v.clone() for k, v in engine.model.state_dict().items()}
     wf = RLVRWorkflow(
         RewardRunner(length_reward, mode="thread"), GenerationConfig(n_samples=2, max_new_tokens=24), engine.tokenizer
     )
     loader = [[{"prompt": f"{a} + {a} = ?"}, {"prompt": f"{a} * 2 = ?"}] for a in range(40)]
+    ex = controller.executor
     try:
-        engine.set_version(0)
         for step in range(5):
-            batch = ex.prepare_batch(loader, wf)
+            batch = controller.prepare_batch(loader, wf)
             check_trajectory(batch)
             produced = batch["versions"][batch["loss_mask"].bool()]
             assert int(produced.min()) >= step - 1
-            ex.pause()
-            engine.pause_generation("in_place")
+            controller.pause()
             engine.update_weights(WeightUpdateMeta(type="in_process", named_tensors=weights, version=step + 1)).result()
-            engine.set_version(step + 1)
-            engine.continue_generation()
-            ex.resume()
+            controller.set_version(step + 1)
+            controller.resume()
         ex.pause()
         with ex._cond:  # let the rollouts in flight finish before the loop they wait on closes
             ex._cond.wait_for(lambda: ex.staleness.running == 0)
     finally:
-        ex.destroy()
+        controller.destroy()
         engine.set_version(0)
     # Step 0 admitted 2 batches at version 0; the second was consumed at version 1.
     assert max(ex.staleness_histogram) == 1
 
 
-def test_remax_returns_samples_with_the_greedy_baseline(engine) -> None:
+def test_remax_returns_samples_with_the_greedy_baseline(engine, rollout) -> None:
     wf = ReMaxWorkflow(
         RewardRunner(length_reward, mode="thread"), GenerationConfig(n_samples=2, max_new_tokens=10), engine.tokenizer
     )
-    batch = engine.rollout_batch(ITEMS[:1], wf)
+    batch = rollout.rollout_batch(ITEMS[:1], wf)
     check_trajectory(batch)
     assert batch.batch_size[0] == 2 and batch["baseline_rewards"].dtype == torch.float32
     prompt = encode_chat(engine.tokenizer, [{"role": "user", "content": ITEMS[0]["prompt"]}])
@@ -242,7 +261,7 @@ def assert_decodes_to_conversation(
     assert decoded + tail == rendered
 
 
-def test_multi_turn_with_the_engine_decodes_to_the_conversation(engine) -> None:
+def test_multi_turn_with_the_engine_decodes_to_the_conversation(engine, rollout) -> None:
     envs: list[RecordingEnv] = []
 
     def factory() -> RecordingEnv:
@@ -252,7 +271,7 @@ def test_multi_turn_with_the_engine_decodes_to_the_conversation(engine) -> None:
     wf = MultiTurnWorkflow(
         factory, GenerationConfig(n_samples=2, max_new_tokens=8), engine.tokenizer, max_turns=3, turn_discount=0.5
     )
-    batch = engine.rollout_batch([{"prompt": "Count with me."}], wf)
+    batch = rollout.rollout_batch([{"prompt": "Count with me."}], wf)
     check_trajectory(batch)
     assert batch["rewards"].tolist() == [0.5 + 0.25 + 0.125] * 2 and batch["num_turns"].tolist() == [3.0, 3.0]
     for row in range(2):

@@ -434,6 +434,22 @@ class BaseExperimentConfig:
         return os.path.join(self.cluster.fileroot, self.experiment_name, self.trial_name)
 
 
+@dataclass
+class RLExperimentConfig(BaseExperimentConfig):
+    """An RL run: the policy, its rollouts, and how weights reach them. RL scripts subclass this
+    with their own sections (a task, a critic)."""
+
+    actor: PPOActorConfig = field(default_factory=PPOActorConfig)
+    rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
+    local_engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
+    """The embedded engine (``launcher.backend=local``; our server, ``areal``, takes its settings too)."""
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    weight_update: str = "disk"
+    """How weights reach rollout servers: disk (safetensors files every server loads) or
+    distributed (a broadcast from trainer rank 0: NCCL on GPU, gloo on CPU). The embedded engine
+    takes them in process whatever this says."""
+
+
 class ConfigError(ValueError):
     """A config file or override that does not fit the schema."""
 

@@ -1,9 +1,9 @@
 """The two engine contracts: `TrainEngine` (owns a model being trained) and `InferenceEngine`
 (generates rollouts). Algorithms talk to these and nothing else.
 
-The data contract (DESIGN.md), written once here and assumed everywhere:
+The data contract (docs/design.md), written once here and assumed everywhere:
 
-Trajectory batch (what workflows return and `InferenceEngine.rollout_batch` concatenates), a
+Trajectory batch (what workflows return and the rollout controller concatenates), a
 `tensordict.TensorDict` with batch size ``[B]``, right-padded to a common length ``L``:
 
 =================  ===========  ============================================================
@@ -43,8 +43,6 @@ from areal_lite.api.io import FinetuneSpec, ModelRequest, ModelResponse, SaveLoa
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-    from areal_lite.api.workflow import RolloutWorkflow
-
 PackedBatch = dict[str, torch.Tensor | int]
 """A packed micro-batch: 1-D per-token tensors, [B] per-sequence tensors, cu_seqlens, max_seqlen."""
 
@@ -81,6 +79,12 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     def destroy(self) -> None:
         """Release the model, optimizer and any process groups this engine created."""
+
+    @abc.abstractmethod
+    def create_process_group(self) -> None:
+        """Join (or create) the default process group and set up this backend's parallel layout,
+        so that `data_parallel_rank` is known before the model loads (e.g. to shard the data the
+        LR schedule's length depends on). `initialize` calls it when the script did not."""
 
     @property
     @abc.abstractmethod
@@ -149,20 +153,21 @@ class TrainEngine(abc.ABC):
 
 
 class InferenceEngine(abc.ABC):
-    """Generates rollouts: an embedded model, or a client of SGLang-protocol servers.
+    """Generates: an embedded model, or a client of SGLang-protocol servers.
 
-    Generation is `agenerate`; running workflows over data (with the staleness bound of
-    DESIGN.md) is delegated to a `WorkflowExecutor` behind `submit` / `wait` / `rollout_batch` /
-    `prepare_batch`.
+    The contract is generation (`agenerate`), weight updates, the policy version new tokens are
+    tagged with, and pausing generation. Running workflows over data under the staleness bound is
+    the job of `areal_lite.core.RolloutController`, which the training loop holds and which drives
+    an engine through these methods; an engine never calls back up.
     """
 
     @abc.abstractmethod
     def initialize(self) -> None:
-        """Load the model or connect to the servers; start the rollout executor."""
+        """Load the model or connect to the servers."""
 
     @abc.abstractmethod
     def destroy(self) -> None:
-        """Stop the executor and release the model or the HTTP sessions."""
+        """Release the model or the HTTP sessions."""
 
     @abc.abstractmethod
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
@@ -206,31 +211,10 @@ class InferenceEngine(abc.ABC):
 
     @abc.abstractmethod
     def pause(self) -> None:
-        """Stop admitting new rollouts and interrupt running generations (they resume later)."""
+        """Pause generation: running generations are interrupted and continue (or are resumed as
+        prompt + generated tokens) after `resume`, their later tokens tagged with the version
+        then current. `agenerate` calls in progress do not return meanwhile."""
 
     @abc.abstractmethod
     def resume(self) -> None:
         """Undo `pause`."""
-
-    @abc.abstractmethod
-    def submit(self, data: dict[str, object], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> None:
-        """Queue one rollout of ``workflow`` on ``data``; it starts when the staleness bound admits
-        it. A finished trajectory for which ``should_accept`` returns False is dropped (dynamic
-        sampling) and does not count towards `wait`."""
-
-    @abc.abstractmethod
-    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
-        """Block until ``count`` accepted trajectories are ready; return them concatenated and
-        padded (oldest first). Raises TimeoutError after ``timeout`` seconds."""
-
-    @abc.abstractmethod
-    def rollout_batch(
-        self, data: list[dict[str, object]], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
-    ) -> TensorDict:
-        """Submit every item of ``data`` and wait for all accepted ones (synchronous rollout)."""
-
-    @abc.abstractmethod
-    def prepare_batch(self, dataloader: object, workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> TensorDict:
-        """Keep the rollout pipeline full from ``dataloader`` (an iterable of lists of items,
-        cycled across epochs) and return the next training batch: the trajectories of
-        ``consumer_batch_size`` accepted episodes, within the staleness bound."""

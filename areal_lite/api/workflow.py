@@ -28,3 +28,43 @@ class RolloutWorkflow(abc.ABC):
         ``versions``, ``rewards``; a GRPO group has ``n`` = group size), or None to reject the
         episode (it is then neither trained on nor counted towards the batch).
         """
+
+
+TRAJECTORY_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions", "rewards")
+"""The keys every trajectory carries (the data contract of `areal_lite.api.engine`)."""
+
+
+class TrajectoryError(ValueError):
+    """A workflow returned something that breaks the trajectory data contract."""
+
+
+def check_trajectory_layout(traj: object, producer: str = "the workflow") -> None:
+    """Raise `TrajectoryError` naming the offending key when ``traj`` is not laid out as the data
+    contract says: a TensorDict of batch size ``[n]`` with every key of `TRAJECTORY_KEYS`, integer
+    ``input_ids`` ``[n, L]``, the other per-token keys of that shape, floating ``logprobs`` and
+    ``rewards`` ``[n]``. Cheap enough for every finished episode (the rollout executor calls it);
+    `areal_lite.workflows.check_trajectory` checks the values too."""
+    import torch
+    from tensordict import TensorDict
+
+    where = f"{producer} returned a trajectory that breaks the data contract"
+    if not isinstance(traj, TensorDict):
+        raise TrajectoryError(f"{producer} must return a TensorDict or None, got {type(traj).__name__}")
+    missing = [k for k in TRAJECTORY_KEYS if k not in traj.keys()]
+    if missing:
+        raise TrajectoryError(f"{where}: it lacks key {missing[0]!r} (needs {', '.join(TRAJECTORY_KEYS)})")
+    if len(traj.batch_size) != 1:
+        raise TrajectoryError(f"{where}: its batch size must be [n], got {list(traj.batch_size)}")
+    ids = traj["input_ids"]
+    if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TrajectoryError(f"{where}: 'input_ids' must be an integer [n, L] tensor, got {ids.dtype} {list(ids.shape)}")
+    for key in ("attention_mask", "loss_mask", "logprobs", "versions"):
+        if traj[key].shape != ids.shape:
+            raise TrajectoryError(
+                f"{where}: {key!r} has shape {list(traj[key].shape)}, expected {list(ids.shape)} like 'input_ids'"
+            )
+    if traj["rewards"].shape != ids.shape[:1]:
+        raise TrajectoryError(f"{where}: 'rewards' has shape {list(traj['rewards'].shape)}, expected [{ids.shape[0]}]")
+    for key in ("logprobs", "rewards"):
+        if not traj[key].dtype.is_floating_point:
+            raise TrajectoryError(f"{where}: {key!r} must be floating point, got {traj[key].dtype}")

@@ -7,7 +7,9 @@ trainer trains, a training step slows by about the rollout client's CPU time per
 the quickstart, benchmarks/async_vs_sync.py). An `EpisodeWorker` moves that work to a child
 process with its own HTTP client of the rollout servers; the executor keeps the bookkeeping (the
 staleness bound, the dataloader, recovery state) and only sends each episode's input there and
-gets its trajectory back over a pipe.
+gets its trajectory back over a pipe. The child builds its own engine with the factory it is given
+(e.g. a `RemoteSGLangEngine` that generates on the servers but leaves controlling them to the
+trainer's client: ``control_servers=False``).
 
 Protocol (pickled tuples over one `multiprocessing` pipe; the child answers each request by its
 number; trajectories travel as numpy arrays, which pickle ~20x faster than tensors):
@@ -15,14 +17,14 @@ number; trajectories travel as numpy arrays, which pickle ~20x faster than tenso
     parent -> child   ("workflow", key, pickled workflow)    once per workflow object
                       ("episode", seq, key, data)            run workflow ``key`` on ``data``
                       ("cancel", seq)                        the executor gave the episode up
-                      ("control", seq, name, arg)            hold / release / version; acknowledged
+                      ("control", seq, name, arg)            pause / resume / version; acknowledged
     child -> parent   ("done", seq, packed TensorDict | None)
                       ("error", seq, exception)              the workflow raised
                       ("ack", seq)
 
-Pauses: the trainer's engine pauses the servers for a weight update; the child's engine is told
-first (``hold``), so generations the pause aborts wait for the resume (``release``) instead of
-queueing on the paused servers, exactly as in-process ones do. A dead child fails every episode
+Pauses: the `RolloutController` pauses the child's engine before the trainer's engine pauses the
+servers for a weight update, so generations the pause aborts wait for the resume instead of
+queueing on the paused servers, exactly as in-process ones do; versions are forwarded the same way. A dead child fails every episode
 in flight and every later one with a `RuntimeError` (the executor reports it as a workflow error);
 the child exits when the pipe closes, so a killed trainer leaves no orphan.
 """
@@ -36,6 +38,7 @@ import multiprocessing
 import pickle
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
@@ -43,6 +46,7 @@ import torch
 from tensordict import TensorDict
 
 from areal_lite.api.config import InferenceEngineConfig
+from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.utils.cpu import pin_this_thread
 from areal_lite.utils.gc_freeze import freeze_startup_objects
@@ -52,11 +56,15 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT = 120.0
 """Seconds the child may take to import the framework and start its client."""
 
+EngineFactory = Callable[[], InferenceEngine]
+"""Builds the child's (uninitialised) engine; it is pickled to the child, so a class or a
+`functools.partial` of one, not a lambda."""
+
 
 class EpisodeWorker:
     """The parent's handle on the child process that runs rollout workflows."""
 
-    def __init__(self, config: InferenceEngineConfig) -> None:
+    def __init__(self, config: InferenceEngineConfig, engine_factory: EngineFactory) -> None:
         self._seq = itertools.count()
         self._lock = threading.Lock()  # guards the pipe's send end and the tables below
         self._waiting: dict[int, Future] = {}
@@ -65,7 +73,9 @@ class EpisodeWorker:
         self._dead: str | None = None
         ctx = multiprocessing.get_context("spawn")  # a fork would copy the trainer's threads' locks
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(config, child_conn), name="episode-worker", daemon=True)
+        self._proc = ctx.Process(
+            target=_child_main, args=(config, engine_factory, child_conn), name="episode-worker", daemon=True
+        )
         self._proc.start()
         child_conn.close()
         self._reader = threading.Thread(target=self._read, name="episode-worker-reader", daemon=True)
@@ -165,12 +175,12 @@ class EpisodeWorker:
 # --------------------------------------------------------------------- child side
 
 
-def _child_main(config: InferenceEngineConfig, conn: multiprocessing.connection.Connection) -> None:
+def _child_main(
+    config: InferenceEngineConfig, engine_factory: EngineFactory, conn: multiprocessing.connection.Connection
+) -> None:
     pin_this_thread(config.client_cores)  # before any thread starts: they inherit it
-    from areal_lite.engines.remote import RemoteSGLangEngine
-
-    engine = RemoteSGLangEngine(config)
-    engine.start_client()
+    engine = engine_factory()
+    engine.initialize()
     freeze_startup_objects()
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
@@ -196,12 +206,12 @@ def _child_main(config: InferenceEngineConfig, conn: multiprocessing.connection.
             tasks.pop(seq, None)
 
     def control(seq: int, name: str, arg: object) -> None:
-        if name == "hold":
-            engine.mirror_pause(True)
-        elif name == "release":
-            engine.mirror_pause(False)
+        if name == "pause":
+            engine.pause()
+        elif name == "resume":
+            engine.resume()
         elif name == "version":
-            engine.track_version(int(arg))  # type: ignore[arg-type]
+            engine.set_version(int(arg))  # type: ignore[arg-type]
         elif name != "ping":
             send(("error", seq, ValueError(f"unknown control message {name!r}")))
             return

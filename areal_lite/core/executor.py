@@ -1,10 +1,11 @@
 """The asynchronous rollout runtime shared by every inference engine.
 
 A `WorkflowExecutor` runs workflows (`RolloutWorkflow.arun_episode`) concurrently on an asyncio
-event loop in a background thread, admits new rollouts under the staleness bound of DESIGN.md and
-hands finished trajectories to the trainer (`wait`, `prepare_batch`). Engines only call it; it only
-calls `engine.get_version()` and passes the engine to workflows, or hands each episode to the
-``run_episode`` it was given (the remote engine's `EpisodeWorker`, for workflows in a child process).
+event loop in a background thread, admits new rollouts under the staleness bound of docs/design.md
+and hands finished trajectories to the trainer (`wait`, `prepare_batch`). It knows no engine: each
+episode goes to the ``run_episode`` it was given (a workflow over the engine in this process, or an
+`EpisodeWorker`'s child process), and the policy version reaches it through `set_version`. The
+`RolloutController` that the training loop holds owns it.
 
 Staleness bound (eta = ``max_head_offpolicyness``, B = ``consumer_batch_size``): at policy version
 t a rollout is admitted only while ``accepted + running < (eta + t + 1) * B`` and fewer than
@@ -37,18 +38,15 @@ import torch
 from tensordict import TensorDict
 
 from areal_lite.api.config import InferenceEngineConfig
-from areal_lite.api.engine import AcceptFn, InferenceEngine
-from areal_lite.api.workflow import RolloutWorkflow
+from areal_lite.api.engine import AcceptFn
+from areal_lite.api.workflow import RolloutWorkflow, check_trajectory_layout
 from areal_lite.utils.cpu import check_cores, pin_this_thread
 from areal_lite.utils.data import concat_padded
 
 logger = logging.getLogger(__name__)
 
 RunEpisode = Callable[[RolloutWorkflow, dict[str, object]], Awaitable[TensorDict | None]]
-
-_VERSION_POLL_S = 0.05
-"""The loop re-reads the engine version this often; any other event (submit, completion, resume,
-wait) re-checks admission at once."""
+"""``run_episode(workflow, data)``: one episode, e.g. ``workflow.arun_episode(engine, data)``."""
 
 
 class WorkflowError(RuntimeError):
@@ -153,11 +151,12 @@ class WorkflowExecutor:
     e.g. evaluation), which are admitted at once and never counted as pipeline trajectories.
     """
 
-    def __init__(self, config: InferenceEngineConfig, engine: InferenceEngine, run_episode: RunEpisode | None = None) -> None:
+    def __init__(self, config: InferenceEngineConfig, run_episode: RunEpisode, version: int = 0) -> None:
         self.config = config
-        self.engine = engine
-        self._run_episode: RunEpisode = run_episode or (lambda workflow, data: workflow.arun_episode(engine, data))
+        self._run_episode = run_episode
         """Runs a workflow on one input: here, or elsewhere (`EpisodeWorker.run_episode`)."""
+        self._version = version
+        """The policy version new rollouts are admitted at (`set_version`)."""
         bs = config.consumer_batch_size
         if config.on_workflow_error not in ("raise", "skip"):
             raise ValueError(f"on_workflow_error must be raise or skip, got {config.on_workflow_error!r}")
@@ -183,9 +182,9 @@ class WorkflowExecutor:
         """Items of a recovered run that were in flight at its checkpoint; drawn before new data."""
         self._data_source: Iterable[list[dict[str, object]]] | None = None
         self._data_iter: Iterator[list[dict[str, object]]] | None = None
-        self.n_rejected = 0
-        self.n_failed = 0
-        self.n_consumed = 0
+        self.totals: Counter[str] = Counter()
+        """Episodes accepted, consumed, rejected and failed over the whole run (a resumed run
+        continues from the checkpoint's counts, `load_state_dict`)."""
         self.staleness_histogram: Counter[int] = Counter()
         """Trajectories consumed by `wait`, keyed by staleness (current version - oldest token version)."""
         self.last_batch_staleness: list[int] = []
@@ -237,16 +236,31 @@ class WorkflowExecutor:
 
     def state_dict(self) -> dict[str, object]:
         """What a recover checkpoint needs besides the dataloader's position: the items
-        `prepare_batch` drew whose trajectories were not consumed yet (queued, running or ready).
-        With rollouts running ahead of training (eta > 0) these would otherwise be lost in a crash;
-        `load_state_dict` replays them, so every item is consumed exactly once."""
+        `prepare_batch` drew whose trajectories were not consumed yet (queued, running or ready),
+        and the run's counters. With rollouts running ahead of training (eta > 0) the items would
+        otherwise be lost in a crash; `load_state_dict` replays them, so every item is consumed
+        exactly once. Their episodes run again, so the accepted count saved is the consumed one."""
         with self._cond:
-            return {"unconsumed": list(self._replay) + [self._drawn[k] for k in sorted(self._drawn)]}
+            totals = self.totals.copy()
+            totals["accepted"] = totals["consumed"]
+            return {
+                "unconsumed": list(self._replay) + [self._drawn[k] for k in sorted(self._drawn)],
+                "totals": dict(totals),
+            }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Replay the unconsumed items of a checkpoint before drawing from the dataloader again."""
+        """Replay the unconsumed items of a checkpoint before drawing from the dataloader again,
+        and continue its counters."""
         with self._cond:
             self._replay.extend(state.get("unconsumed", []))  # type: ignore[arg-type]
+            self.totals = Counter(state.get("totals", {}))  # type: ignore[arg-type]
+
+    def set_version(self, version: int) -> None:
+        """The policy version is now ``version``: admission under the staleness bound moves on."""
+        with self._cond:
+            self._version = version
+            self._cond.notify_all()
+        self._wake_loop()
 
     def wait(self, count: int, timeout: float | None = None) -> TensorDict:
         """Block until ``count`` accepted pipeline trajectories are ready and return them padded and
@@ -326,12 +340,11 @@ class WorkflowExecutor:
                     )
                     if stuck:
                         raise RuntimeError(
-                            f"the staleness bound admits nothing at version {self.engine.get_version()} with "
+                            f"the staleness bound admits nothing at version {self._version} with "
                             f"{self.staleness.accepted} trajectories accepted: call set_version(step + 1) after "
                             "each training step (or raise max_head_offpolicyness)"
                         )
-                    # Woken by completions; the timeout also notices a version set from elsewhere.
-                    self._cond.wait(_VERSION_POLL_S)
+                    self._cond.wait()  # woken by completions, set_version and resume
                     continue
             # Pull outside the lock: a dataloader may be slow (worker processes, disk).
             while need > 0:
@@ -342,7 +355,7 @@ class WorkflowExecutor:
         return self.wait(bs)
 
     def pause(self) -> None:
-        """Stop admitting rollouts (running ones go on; the engine interrupts generation itself)."""
+        """Stop admitting rollouts (running ones go on; the engine interrupts generation)."""
         with self._cond:
             self._paused = True
 
@@ -359,10 +372,10 @@ class WorkflowExecutor:
         with self._cond:
             last = self.last_batch_staleness
             return {
-                "rollout/accepted": float(self.staleness.accepted),
-                "rollout/consumed": float(self.n_consumed),
-                "rollout/rejected": float(self.n_rejected),
-                "rollout/failed": float(self.n_failed),
+                "rollout/accepted": float(self.totals["accepted"]),
+                "rollout/consumed": float(self.totals["consumed"]),
+                "rollout/rejected": float(self.totals["rejected"]),
+                "rollout/failed": float(self.totals["failed"]),
                 "rollout/running": float(self.staleness.running + self._running_direct),
                 "rollout/queued": float(len(self._pending)),
                 "rollout/ready": float(len(self._ready)),
@@ -388,7 +401,7 @@ class WorkflowExecutor:
     def _capacity_locked(self) -> int:
         if self._paused:
             return 0
-        return self.staleness.capacity(self.engine.get_version(), len(self._ready), self._running_direct)
+        return self.staleness.capacity(self._version, len(self._ready), self._running_direct)
 
     def _next_items(self, dataloader: Iterable[list[dict[str, object]]]) -> list[dict[str, object]]:
         if self._data_source is not dataloader or self._data_iter is None:
@@ -408,11 +421,10 @@ class WorkflowExecutor:
         raise ValueError("the dataloader is empty")
 
     def _consume(self, taken: list[tuple[int, TensorDict]]) -> TensorDict:
-        version = self.engine.get_version()
         batch = concat_padded([t for _, t in sorted(taken, key=lambda r: r[0])])
-        staleness = trajectory_staleness(batch, version)
+        staleness = trajectory_staleness(batch, self._version)
         with self._cond:
-            self.n_consumed += len(taken)
+            self.totals["consumed"] += len(taken)
             self.staleness_histogram.update(staleness)
             self.last_batch_staleness = staleness
         return batch
@@ -449,17 +461,14 @@ class WorkflowExecutor:
         while not self._stopping:
             self._wake.clear()
             self._admit()
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=_VERSION_POLL_S)
-            except asyncio.TimeoutError:
-                pass
+            await self._wake.wait()  # set by submit, completion, set_version, resume, destroy
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _admit(self) -> None:
-        version = self.engine.get_version()
         with self._cond:
+            version = self._version
             if self._paused or self._stopping:
                 return
             while self._direct_pending and self.staleness.running + self._running_direct < self.max_concurrent:
@@ -484,8 +493,8 @@ class WorkflowExecutor:
         error: WorkflowError | None = None
         try:
             traj = await self._run_episode(task.workflow, task.data)
-            if traj is not None and not isinstance(traj, TensorDict):
-                raise TypeError(f"arun_episode must return a TensorDict or None, got {type(traj).__name__}")
+            if traj is not None:
+                check_trajectory_layout(traj, type(task.workflow).__name__)
             if traj is not None and task.should_accept is not None and not task.should_accept(traj):
                 traj = None
         except asyncio.CancelledError:
@@ -501,15 +510,16 @@ class WorkflowExecutor:
                 self._running_direct -= 1
                 task.ticket.remaining -= 1
             if error is not None:
-                self.n_failed += 1
+                self.totals["failed"] += 1
                 if self.config.on_workflow_error == "raise":
                     if task.ticket is None:
                         self._error = self._error or error
                     else:
                         task.ticket.error = task.ticket.error or error
             elif traj is None:
-                self.n_rejected += 1
+                self.totals["rejected"] += 1
             elif task.ticket is None:
+                self.totals["accepted"] += 1
                 self._ready.append((task.seq, traj))
             else:
                 task.ticket.results.append((task.seq, traj))
@@ -518,32 +528,3 @@ class WorkflowExecutor:
             self._cond.notify_all()
         assert self._wake is not None
         self._wake.set()
-
-
-class ExecutorRollouts:
-    """The rollout half of `InferenceEngine` (`submit`, `wait`, `rollout_batch`, `prepare_batch`),
-    handed to ``self.executor``, a `WorkflowExecutor` the engine starts in ``initialize``. List it
-    before `InferenceEngine` in an engine's bases."""
-
-    executor: WorkflowExecutor | None = None
-
-    def _executor(self) -> WorkflowExecutor:
-        if self.executor is None:
-            raise RuntimeError("call initialize() before submitting rollouts")
-        return self.executor
-
-    def submit(self, data: dict[str, object], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> None:
-        self._executor().submit(data, workflow, should_accept)
-
-    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
-        return self._executor().wait(count, timeout=timeout)
-
-    def rollout_batch(
-        self, data: list[dict[str, object]], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
-    ) -> TensorDict:
-        return self._executor().rollout_batch(data, workflow, should_accept)
-
-    def prepare_batch(
-        self, dataloader: object, workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
-    ) -> TensorDict:
-        return self._executor().prepare_batch(dataloader, workflow, should_accept)

@@ -166,7 +166,7 @@ class FSDPEngine(TrainEngine):
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.compute_dtype = compute_dtype(cfg.dtype, self.device)
-        self._owns_group = init_default_group()
+        self.create_process_group()
         torch.manual_seed(cfg.seed)
         hf = self._load_hf(cfg.path)
         if cfg.gradient_checkpointing:
@@ -187,6 +187,10 @@ class FSDPEngine(TrainEngine):
         if ft_spec is not None:
             self._build_optimizer(ft_spec)
         freeze_startup_objects()
+
+    def create_process_group(self) -> None:
+        if not dist.is_initialized():
+            self._owns_group = init_default_group()
 
     def _load_hf(self, path: str) -> nn.Module:
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification

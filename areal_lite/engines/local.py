@@ -36,10 +36,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
+from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdateMeta
-from areal_lite.core.executor import ExecutorRollouts
 from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 
@@ -473,24 +472,16 @@ def _dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
-class LocalInferenceEngine(ExecutorRollouts, InferenceEngine):
+class LocalInferenceEngine(InferenceEngine):
     """Generation in this process on a HF causal LM (CPU or CUDA), with continuous batching.
 
-    `agenerate` may be awaited from any event loop and any thread. Rollout orchestration
-    (`submit`, `wait`, `rollout_batch`, `prepare_batch`) is delegated to a `WorkflowExecutor`.
+    `agenerate` may be awaited from any event loop and any thread.
     """
 
-    def __init__(self, config: LocalEngineConfig, rollout: InferenceEngineConfig | None = None) -> None:
+    def __init__(self, config: LocalEngineConfig) -> None:
         self.config = config
-        self.rollout_config = rollout or InferenceEngineConfig()
-        if self.rollout_config.episode_process:
-            raise ValueError(
-                "rollout.episode_process=true runs workflows in a child process, which cannot reach the "
-                "embedded engine: use rollout servers (launcher.backend=areal or sglang)"
-            )
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
-        self.executor = None
         self._runner: _ModelRunner | None = None
         self._version = 0
         self._cond = threading.Condition()
@@ -509,17 +500,7 @@ class LocalInferenceEngine(ExecutorRollouts, InferenceEngine):
     # ----- lifecycle -----------------------------------------------------------------------
 
     def initialize(self) -> None:
-        """Load the model and tokenizer, start the scheduler thread and the rollout executor."""
-        self.load_model()
-        from areal_lite.core.executor import WorkflowExecutor
-
-        self.executor = WorkflowExecutor(self.rollout_config, self)
-        self.executor.initialize()
-        freeze_startup_objects()
-
-    def load_model(self) -> None:
-        """Load the model and tokenizer and start the scheduler (everything but the executor;
-        what the HTTP server needs)."""
+        """Load the model and tokenizer and start the scheduler thread."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         cfg = self.config
@@ -547,11 +528,9 @@ class LocalInferenceEngine(ExecutorRollouts, InferenceEngine):
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="local-engine-scheduler", daemon=True)
         self._thread.start()
+        freeze_startup_objects()
 
     def destroy(self) -> None:
-        if self.executor is not None:
-            self.executor.destroy()
-            self.executor = None
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -926,17 +905,12 @@ class LocalInferenceEngine(ExecutorRollouts, InferenceEngine):
     def get_version(self) -> int:
         return self._version
 
-    # ----- rollout orchestration (the executor) ---------------------------------------------
-
     def pause(self) -> None:
-        if self.executor is not None:
-            self.executor.pause()
+        """Freeze running requests in place (their caches are recomputed if weights change)."""
         self.pause_generation("in_place")
 
     def resume(self) -> None:
         self.continue_generation()
-        if self.executor is not None:
-            self.executor.resume()
 
 
 __all__ = ["GenerationError", "GenerationResult", "LocalInferenceEngine", "SamplingParams"]

@@ -267,7 +267,6 @@ class MegatronEngine(TrainEngine):
     # ---------------------------------------------------------------- setup
 
     def initialize(self, ft_spec: FinetuneSpec | None = None) -> None:
-        from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
         from transformers import AutoConfig
 
@@ -277,17 +276,7 @@ class MegatronEngine(TrainEngine):
         if not cpu_mode():
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.compute_dtype = compute_dtype(cfg.dtype, self.device, allowed=_DTYPE_NAMES)
-        self._owns_group = init_default_group()
-        tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
-        if dist.get_world_size() % (tp * pp) != 0:
-            raise ValueError(
-                f"world size {dist.get_world_size()} is not a multiple of tensor x pipeline parallel size {tp} x {pp}"
-            )
-        if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-            self._owns_model_parallel = True
-        elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
-            raise RuntimeError("megatron model parallelism is already initialised with other tensor/pipeline sizes")
+        self.create_process_group()
         torch.manual_seed(cfg.seed)
         if cpu_mode():
             install_cpu_rng_tracker(cfg.seed)
@@ -312,6 +301,22 @@ class MegatronEngine(TrainEngine):
             self.model = self._wrap_ddp(model)
             self._build_optimizer(ft_spec)
         freeze_startup_objects()
+
+    def create_process_group(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        if not dist.is_initialized():
+            self._owns_group = init_default_group()
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        if dist.get_world_size() % (tp * pp) != 0:
+            raise ValueError(
+                f"world size {dist.get_world_size()} is not a multiple of tensor x pipeline parallel size {tp} x {pp}"
+            )
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            self._owns_model_parallel = True
+        elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
+            raise RuntimeError("megatron model parallelism is already initialised with other tensor/pipeline sizes")
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -19,7 +19,11 @@ A stop string that straddles two parts of a resumed generation is not seen (each
 on its own), as with SGLang-based AReaL.
 
 Control: pause / resume, weight updates (disk or distributed) and version updates fan out to every
-server; weight updates pause generation around them unless the caller already did.
+server; weight updates pause generation around them unless the caller already did. A client built
+with ``control_servers=False`` generates only: its pause, resume and version change what it does
+with its own requests (aborted generations wait for the resume; tokens a server does not tag get
+its version), while another client of the same servers (the trainer's) controls them. The
+rollout controller's episode child uses one.
 """
 
 from __future__ import annotations
@@ -33,19 +37,14 @@ from collections import OrderedDict
 from collections.abc import Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import aiohttp
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
-from areal_lite.core.executor import ExecutorRollouts
 from areal_lite.utils.cpu import check_cores, pin_this_thread
 from areal_lite.utils.gc_freeze import freeze_startup_objects
-
-if TYPE_CHECKING:
-    from areal_lite.core.episode_worker import EpisodeWorker
 
 logger = logging.getLogger(__name__)
 
@@ -108,16 +107,18 @@ class _Partial:
         )
 
 
-class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
-    """`InferenceEngine` over HTTP servers listed in ``config.addresses`` (``host:port``)."""
+class RemoteSGLangEngine(InferenceEngine):
+    """`InferenceEngine` over HTTP servers listed in ``config.addresses`` (``host:port``); with
+    ``control_servers=False`` a client that generates but never pauses, updates or re-versions
+    the servers (another client does)."""
 
-    def __init__(self, config: InferenceEngineConfig) -> None:
+    def __init__(self, config: InferenceEngineConfig, control_servers: bool = True) -> None:
         if not config.addresses:
             raise ValueError("RemoteSGLangEngine needs at least one server address (config.addresses)")
         check_cores(config.client_cores, "rollout.client_cores")
         self.config = config
         self.addresses = [a if a.startswith("http") else f"http://{a}" for a in config.addresses]
-        self.executor = None
+        self.control_servers = control_servers
         self._version = 0
         self._paused = False
         self._lock = threading.Lock()
@@ -132,32 +133,20 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._resumed: asyncio.Event | None = None
-        """Clear while this client has the servers paused: generations aborted by the pause wait
-        for it before they resume, instead of queueing on a paused server during the update."""
-        self._episodes: EpisodeWorker | None = None
-        """The child process running the workflows (``config.episode_process``)."""
+        """Clear while this client is paused: generations aborted by the pause wait for it before
+        they resume, instead of queueing on a paused server during the update."""
 
     # ----- lifecycle -----------------------------------------------------------------------
 
     def initialize(self) -> None:
-        """Start the client loop, wait until every server is healthy, start the executor."""
-        self.start_client()
-        self.wait_healthy()
-        from areal_lite.core.executor import WorkflowExecutor
-
-        run_episode = None
-        if self.config.episode_process:
-            from areal_lite.core.episode_worker import EpisodeWorker
-
-            self._episodes = EpisodeWorker(self.config)
-            run_episode = self._episodes.run_episode
-        self.executor = WorkflowExecutor(self.config, self, run_episode)
-        self.executor.initialize()
+        """Start the client loop and wait until every server is healthy."""
+        self._start_client()
+        self._call(self._await_healthy()).result()
         freeze_startup_objects()
 
-    def start_client(self) -> None:
-        """Start the client's event loop in a background thread (everything but the executor).
-        Every HTTP call runs there, whatever loop or thread asked for it."""
+    def _start_client(self) -> None:
+        """Start the client's event loop in a background thread. Every HTTP call runs there,
+        whatever loop or thread asked for it."""
         if self._loop is not None:
             return
         loop = asyncio.new_event_loop()
@@ -176,17 +165,7 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
         ready.wait()
         self._loop = loop
 
-    def wait_healthy(self) -> None:
-        """Block until every server answers ``/health`` with 200 (``config.setup_timeout``)."""
-        self._call(self._await_healthy()).result()
-
     def destroy(self) -> None:
-        if self.executor is not None:
-            self.executor.destroy()
-            self.executor = None
-        if self._episodes is not None:
-            self._episodes.close()
-            self._episodes = None
         if self._loop is not None:
             if self._session is not None:
                 self._call(self._session.close()).result()
@@ -269,7 +248,7 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
     def _call(self, coro: Coroutine[object, object, object]) -> Future:
         """Run ``coro`` on the client loop; the returned future completes with its result."""
         if self._loop is None:
-            self.start_client()
+            self._start_client()
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
@@ -449,36 +428,21 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
     async def _pause_servers(self) -> None:
         assert self._resumed is not None
         self._resumed.clear()  # before the aborted generations come back
+        if not self.control_servers:
+            return
         try:
-            await self._tell_episode_worker("hold")  # its generations too
             await self._fanout("/pause_generation", {"mode": self.config.pause_mode})
         except BaseException:
             self._resumed.set()
-            await self._tell_episode_worker("release")
             raise
 
     async def _resume_servers(self) -> None:
         assert self._resumed is not None
         try:
-            await self._fanout("/continue_generation", {})
+            if self.control_servers:
+                await self._fanout("/continue_generation", {})
         finally:
             self._resumed.set()
-            await self._tell_episode_worker("release")
-
-    async def _tell_episode_worker(self, name: str, arg: object = None) -> None:
-        if self._episodes is not None:
-            await asyncio.wrap_future(self._episodes.control(name, arg))
-
-    def mirror_pause(self, paused: bool) -> None:
-        """Follow a pause of the servers made by another client of them (the trainer's, for the
-        engine of an episode worker): generations the pause aborts wait for the resume."""
-        assert self._loop is not None and self._resumed is not None, "call start_client() first"
-        self._loop.call_soon_threadsafe(self._resumed.clear if paused else self._resumed.set)
-
-    def track_version(self, version: int) -> None:
-        """Tag tokens with ``version`` where a server does not report theirs, without telling the
-        servers (another client of them did)."""
-        self._version = version
 
     # ----- weights and versions ------------------------------------------------------------
 
@@ -544,6 +508,8 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
                 raise RuntimeError(f"{path} failed on {self.addresses[idx]}: {body.get('message')}")
 
     def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
+        if not self.control_servers:
+            raise RuntimeError("this client does not control the servers (control_servers=False)")
         if meta.type == "in_process":
             raise ValueError("remote servers cannot take in_process weight updates: use disk or distributed")
         return self._call(self._update_weights(meta))
@@ -597,30 +563,25 @@ class RemoteSGLangEngine(ExecutorRollouts, InferenceEngine):
             raise
 
     def set_version(self, version: int) -> None:
-        """Tag tokens generated from now on with ``version`` (on every server too)."""
+        """Tag tokens generated from now on with ``version`` (on every server too, when this
+        client controls them)."""
         self._version = version
-        self._call(
-            self._fanout("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
-        ).result()
-        if self._episodes is not None:
-            self._episodes.control("version", version).result()
+        if self.control_servers:
+            self._call(
+                self._fanout("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+            ).result()
 
     def get_version(self) -> int:
         return self._version
 
-    # ----- rollout orchestration -----------------------------------------------------------
-
     def pause(self) -> None:
-        """Stop admitting rollouts and pause every server (running generations are aborted and
-        resumed later, or frozen, per ``config.pause_mode``)."""
-        if self.executor is not None:
-            self.executor.pause()
+        """Pause every server (running generations are aborted and resumed after `resume`, or
+        frozen, per ``config.pause_mode``); generations of this client that come back aborted
+        wait for the resume."""
         self._call(self._pause_servers()).result()
         self._paused = True
 
     def resume(self) -> None:
         self._call(self._resume_servers()).result()
         self._paused = False
-        if self.executor is not None:
-            self.executor.resume()
 

@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
             seed=args.random_seed,
         )
     )
-    engine.load_model()
+    engine.initialize()
     engine.set_version(int(args.weight_version))
     freeze_startup_objects()
     server = Server(args, engine)

@@ -12,6 +12,7 @@ import glob
 import os
 import random
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
@@ -54,6 +55,27 @@ def addition_problems(n: int, n_digits: int, seed: int, exclude: Collection[str]
         if prompt not in exclude:
             out.append({"prompt": prompt, "answer": str(a + b)})
     return out
+
+
+@dataclass
+class AdditionTaskConfig:
+    """The synthetic addition task (``57+68=`` -> ``125``) of the example scripts."""
+
+    n_digits: int = 2
+    """Digits of each operand."""
+    n_train_prompts: int = 16384
+    """Training prompts."""
+    n_eval: int = 500
+    """Held-out problems, never among the training prompts."""
+    seed: int = 0
+    """Seed of the problems."""
+
+
+def addition_splits(task: AdditionTaskConfig) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """The task's training prompts and its held-out problems (disjoint)."""
+    held_out = addition_problems(task.n_eval, task.n_digits, seed=task.seed + 1)
+    prompts = {str(p["prompt"]) for p in held_out}
+    return addition_problems(task.n_train_prompts, task.n_digits, seed=task.seed + 2, exclude=prompts), held_out
 
 
 def demonstration_ids(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from areal_lite.api.config import RecoverConfig
-from areal_lite.api.engine import InferenceEngine, TrainEngine
-from areal_lite.api.io import SaveLoadMeta, WeightUpdateMeta
+from areal_lite.api.engine import TrainEngine
+from areal_lite.api.io import SaveLoadMeta
 from areal_lite.utils.saver import resolve_atomic, write_atomically
 from areal_lite.utils.step import StepInfo, is_due
 
@@ -124,15 +124,10 @@ class RecoverHandler:
         *,
         dataloader: Stateful | None = None,
         stats_logger: Stateful | None = None,
-        inference_engine: InferenceEngine | None = None,
-        weight_update_meta: WeightUpdateMeta | None = None,
     ) -> RecoverInfo | None:
-        """Restore everything `dump` wrote, or return None when there is nothing to resume.
-
-        With ``inference_engine`` (already connected to ``engine``), the restored weights are pushed
-        to it with ``weight_update_meta`` and both engines take the restored policy version, so
-        rollouts continue from the recovered policy rather than the initial one.
-        """
+        """Restore everything `dump` wrote, or return None when there is nothing to resume. The
+        rollout side still has the initial weights: push the restored ones to it
+        (`areal_lite.kit.RunKit.resume` does)."""
         if not self.enabled:
             return None
         path = resolve_atomic(self.path)
@@ -148,9 +143,5 @@ class RecoverHandler:
             dataloader.load_state_dict(state["dataloader"])
         if stats_logger is not None and state["stats_logger"] is not None:
             stats_logger.load_state_dict(state["stats_logger"])
-        if inference_engine is not None:
-            if weight_update_meta is not None:
-                engine.update_weights(replace(weight_update_meta, version=version))
-            inference_engine.set_version(version)
         set_rng_state(state["rng"])
         return RecoverInfo(last_step=StepInfo(**state["step"]), version=version, extra=state["extra"])

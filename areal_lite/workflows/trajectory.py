@@ -12,6 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from areal_lite.api.io import ModelResponse
+from areal_lite.api.workflow import check_trajectory_layout
 
 CONTRACT_DTYPES: dict[str, torch.dtype] = {
     "input_ids": torch.int64,
@@ -120,19 +121,14 @@ def prompt_messages(data: dict[str, object]) -> list[dict[str, str]]:
 
 
 def check_trajectory(batch: TensorDict) -> None:
-    """Raise ValueError naming the first way ``batch`` breaks the data contract (keys, dtypes,
-    shapes, right padding, masks, logprobs and versions off the trained tokens, finite rewards)."""
+    """Raise ValueError naming the first way ``batch`` breaks the data contract: its layout
+    (`check_trajectory_layout`), exact dtypes, right padding, masks, logprobs and versions off the
+    trained tokens, finite rewards. Slower than the layout check: for tests and debugging."""
+    check_trajectory_layout(batch)
     for key, dtype in CONTRACT_DTYPES.items():
-        if key not in batch:
-            raise ValueError(f"trajectory lacks key {key!r}")
         if batch[key].dtype != dtype:
             raise ValueError(f"{key} has dtype {batch[key].dtype}, the contract says {dtype}")
-    n, length = batch["input_ids"].shape
-    for key in ("attention_mask", "loss_mask", "logprobs", "versions"):
-        if tuple(batch[key].shape) != (n, length):
-            raise ValueError(f"{key} has shape {tuple(batch[key].shape)}, expected {(n, length)}")
-    if tuple(batch["rewards"].shape) != (n,):
-        raise ValueError(f"rewards has shape {tuple(batch['rewards'].shape)}, expected {(n,)}")
+    length = batch["input_ids"].shape[1]
     attn = batch["attention_mask"]
     lens = attn.sum(dim=1)
     if not torch.equal(attn, torch.arange(length).unsqueeze(0) < lens.unsqueeze(1)):

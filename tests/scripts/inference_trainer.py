@@ -84,8 +84,7 @@ def main() -> None:
     rollout = None
     if rank == 0:
         rollout = RemoteSGLangEngine(InferenceEngineConfig(addresses=ADDRESSES, request_timeout=120, setup_timeout=120))
-        rollout.start_client()
-        rollout.wait_healthy()
+        rollout.initialize()
     engine = FSDPEngine(TrainEngineConfig(path=MODEL, optimizer=OptimizerConfig(lr=1e-2)))
     engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=16, train_batch_size=4))
     dist_meta = WeightUpdateMeta(type="distributed", backend="gloo", chunk_bytes=64 * 1024)

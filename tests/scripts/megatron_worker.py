@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch, TrainEngine
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta, WeightUpdateMeta
-from areal_lite.engines import make_train_engine
+from areal_lite.kit import make_train_engine
 from areal_lite.utils.distributed import destroy_default_group
 
 MODEL, OUT = sys.argv[1], sys.argv[2]

@@ -1,6 +1,7 @@
 """One process: train two steps and dump a recover checkpoint; then a fresh FSDPEngine and an
-embedded inference engine at the initial weights resume from it. Checks that the recovered weights
-reach the inference engine and that both engines take the recovered policy version. Exits 0 when
+embedded inference engine at the initial weights resume from it through `RunKit.resume`. Checks that
+the recovered weights reach the inference engine and that both engines and the rollout controller
+take the recovered policy version. Exits 0 when
 all checks pass (argv[1]: a working directory with a tiny model in ``model``)."""
 
 from __future__ import annotations
@@ -11,10 +12,19 @@ import sys
 import torch
 from tensordict import TensorDict
 
-from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig, RecoverConfig, TrainEngineConfig
+from areal_lite.api.config import (
+    BaseExperimentConfig,
+    ClusterConfig,
+    InferenceEngineConfig,
+    LocalEngineConfig,
+    RecoverConfig,
+    TrainEngineConfig,
+)
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
+from areal_lite.core import RolloutController
 from areal_lite.engines.fsdp import FSDPEngine
 from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.kit import RunKit
 from areal_lite.utils.recover import RecoverHandler
 from areal_lite.utils.step import StepInfo
 
@@ -47,17 +57,23 @@ assert handler.dump(first, StepInfo.at(1, 4))
 expected = trained_weights(first)
 first.destroy()
 
-rollout = LocalInferenceEngine(LocalEngineConfig(path=model_dir), InferenceEngineConfig())
+rollout = RolloutController(LocalInferenceEngine(LocalEngineConfig(path=model_dir)), InferenceEngineConfig())
 rollout.initialize()
-initial = {k: v.clone() for k, v in rollout.model.state_dict().items()}
+initial = {k: v.clone() for k, v in rollout.engine.model.state_dict().items()}
 resumed = FSDPEngine(cfg)
-resumed.initialize(ft)
 meta = WeightUpdateMeta(type="in_process")
-resumed.connect_engine(rollout, meta)
-info = handler.load(resumed, inference_engine=rollout, weight_update_meta=meta)
-assert info is not None and info.last_step == StepInfo.at(1, 4) and info.next_step.global_step == 2, info
-assert info.version == 2 and resumed.get_version() == 2 and rollout.get_version() == 2
-served = rollout.model.state_dict()
+run_cfg = BaseExperimentConfig(cluster=ClusterConfig(fileroot=work), experiment_name="", trial_name="out")
+run_cfg.recover.mode = "auto"
+run_cfg.stats_logger.console = False
+run_cfg.stats_logger.tensorboard = False
+run_cfg.stats_logger.wandb_mode = "disabled"
+run = RunKit(run_cfg, resumed, [[{}]] * 4, rollout=rollout, weight_meta=meta)  # type: ignore[arg-type]
+resumed.initialize(ft)
+resumed.connect_engine(rollout.engine, meta)
+extra = run.resume()
+assert extra is not None and run.start_step == 2, (extra, run.start_step)
+assert resumed.get_version() == 2 and rollout.get_version() == 2 and rollout.executor._version == 2
+served = rollout.engine.model.state_dict()
 changed = [k for k in expected if not torch.equal(initial[k], expected[k])]
 assert changed, "training changed no weight"
 for k, v in expected.items():

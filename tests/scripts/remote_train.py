@@ -1,5 +1,5 @@
 """A small asynchronous RL run against remote rollout servers, for the server-kill test:
-RemoteSGLangEngine over the launcher's servers, the executor's prepare_batch with staleness 1,
+a rollout controller over the launcher's servers, prepare_batch with staleness 1,
 FSDPEngine training on the sampled completions, weights pushed to the servers after every step
 through disk, or with ``weight_update=distributed`` by a gloo broadcast.
 
@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
@@ -23,8 +23,10 @@ from areal_lite.api.config import BaseExperimentConfig, InferenceEngineConfig, T
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, WeightUpdateMeta
 from areal_lite.api.workflow import RolloutWorkflow
+from areal_lite.core import RolloutController
 from areal_lite.engines.fsdp import FSDPEngine
 from areal_lite.engines.remote import RemoteSGLangEngine
+from areal_lite.kit import sync_weights
 from areal_lite.utils.dataloader import stateful_dataloader
 from areal_lite.workflows.trajectory import from_response
 
@@ -58,7 +60,7 @@ def likelihood_loss(logp: torch.Tensor, entropy: torch.Tensor, mb: dict) -> tupl
 def main() -> None:
     cfg = load_config(sys.argv[1:], Config)
     prompts = [{"input_ids": [(5 * i + j) % 200 + 10 for j in range(4 + i % 3)]} for i in range(32)]
-    rollout = RemoteSGLangEngine(cfg.rollout)
+    rollout = RolloutController(RemoteSGLangEngine(cfg.rollout), cfg.rollout)
     rollout.initialize()
     actor = FSDPEngine(cfg.actor)
     actor.initialize(FinetuneSpec(1, cfg.total_steps * cfg.rollout.consumer_batch_size, cfg.rollout.consumer_batch_size))
@@ -66,7 +68,7 @@ def main() -> None:
         meta = WeightUpdateMeta(type="distributed", backend="gloo", master_address="127.0.0.1")
     else:
         meta = WeightUpdateMeta(type="disk", path=os.path.join(cfg.output_dir, "weights"))
-    actor.connect_engine(rollout, meta)
+    actor.connect_engine(rollout.engine, meta)
     dataloader = stateful_dataloader(prompts, cfg.rollout.consumer_batch_size, seed=cfg.seed)
     workflow = SampleWorkflow(GenerationConfig(max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.max_new_tokens))
     with open(os.path.join(cfg.output_dir, "steps.jsonl"), "a") as log:
@@ -74,11 +76,7 @@ def main() -> None:
             batch = rollout.prepare_batch(dataloader, workflow)
             actor.train_batch(batch, likelihood_loss, lambda mb: float(mb["loss_mask"].sum()))
             actor.step_lr_scheduler()
-            rollout.pause()
-            actor.update_weights(replace(meta, version=step + 1))
-            actor.set_version(step + 1)
-            rollout.set_version(step + 1)
-            rollout.resume()
+            sync_weights(rollout, actor, meta, version=step + 1)
             versions = sorted({int(v) for v in batch["versions"].flatten().tolist() if v >= 0})
             log.write(json.dumps({"step": step, "n": batch.batch_size[0], "versions": versions}) + "\n")
             log.flush()
