@@ -2,7 +2,8 @@
 
 - `make_train_engine` and `make_rollout`: the train engine and the `RolloutController` the config
   asks for (``actor.backend``; ``launcher.backend`` with ``weight_update``).
-- `rank_dataloader`: a resumable data loader over this data-parallel rank's share of the data.
+- `rank_dataloader`: a resumable data loader over this data-parallel rank's share of the data;
+  `on_rank0_first` and `print_rank0` for the work and the output that one rank does for all.
 - `sync_weights`: the weight-sync sequence (pause, push, version, resume), one line in the loop.
 - `RunKit`: after each step, the HF checkpoint, the recover checkpoint, the evaluation and the
   statistics; before the first, the resume from a recover checkpoint.
@@ -129,6 +130,21 @@ def rank_dataloader(
     )
 
 
+def on_rank0_first(engine: TrainEngine, prepare: Callable[[], object]) -> None:
+    """Run ``prepare`` (e.g. build a model directory that every rank then loads) on trainer rank 0
+    while the other ranks wait for it. Joins ``engine``'s process group first."""
+    engine.create_process_group()
+    if dist.get_rank() == 0:
+        prepare()
+    dist.barrier()
+
+
+def print_rank0(*args: object) -> None:
+    """``print`` on trainer rank 0 only (every rank runs the script)."""
+    if _is_rank0():
+        print(*args, flush=True)
+
+
 def sync_weights(rollout: RolloutController, engine: TrainEngine, meta: WeightUpdateMeta, version: int) -> None:
     """Push ``engine``'s weights to the rollout side as policy ``version``: rollouts pause, the
     weights (tagged with their version) load, new tokens carry ``version``, rollouts resume.
@@ -221,7 +237,7 @@ class RunKit:
             if "rollout" in info.extra:
                 self.rollout.load_state_dict(info.extra["rollout"])  # type: ignore[arg-type]
         self.start_step = info.next_step.global_step
-        print(f"[areal-lite] resumed after step {self.start_step}", flush=True)
+        print_rank0(f"[areal-lite] resumed after step {self.start_step}")
         return info.extra
 
     def end_step(

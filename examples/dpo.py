@@ -27,7 +27,7 @@ import torch
 
 from areal_lite.actors.dpo import DPOActor
 from areal_lite.api.config import BaseExperimentConfig, DPOConfig, TrainEngineConfig, load_config
-from areal_lite.kit import RunKit, make_train_engine, rank_dataloader
+from areal_lite.kit import RunKit, make_train_engine, print_rank0, rank_dataloader
 from areal_lite.utils.dataloader import endless
 from areal_lite.utils.datasets import addition_problems, load_rows, preference_batch
 
@@ -108,10 +108,9 @@ def main(argv: list[str]) -> None:
     run.close()
     dpo.engine.destroy()
     ref.destroy()
-    print(
+    print_rank0(
         f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} "  # type: ignore[index]
-        f"reward_accuracy_after={after['reward_accuracy']:.3f}",
-        flush=True,
+        f"reward_accuracy_after={after['reward_accuracy']:.3f}"
     )
 
 

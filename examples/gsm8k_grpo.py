@@ -25,7 +25,15 @@ import torch
 
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.api.config import RLExperimentConfig, load_config
-from areal_lite.kit import RunKit, make_rollout, make_train_engine, mean_reward, rank_dataloader, sync_weights
+from areal_lite.kit import (
+    RunKit,
+    make_rollout,
+    make_train_engine,
+    mean_reward,
+    print_rank0,
+    rank_dataloader,
+    sync_weights,
+)
 from areal_lite.rewards import RewardRunner, math_answer_reward
 from areal_lite.utils.datasets import gsm8k_item, load_rows
 from areal_lite.workflows.rlvr import RLVRWorkflow
@@ -104,7 +112,7 @@ def main(argv: list[str]) -> None:
     actor.engine.destroy()
     if ref is not None:
         ref.destroy()
-    print(f"RESULT steps={run.total_steps} eval_accuracy={final_acc:.3f}", flush=True)
+    print_rank0(f"RESULT steps={run.total_steps} eval_accuracy={final_acc:.3f}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,15 @@ import torch
 
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.api.config import RLExperimentConfig, load_config
-from areal_lite.kit import RunKit, make_rollout, make_train_engine, mean_reward, rank_dataloader, sync_weights
+from areal_lite.kit import (
+    RunKit,
+    make_rollout,
+    make_train_engine,
+    mean_reward,
+    print_rank0,
+    rank_dataloader,
+    sync_weights,
+)
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import AdditionTaskConfig, addition_splits
 from areal_lite.workflows.envs import MathFeedbackEnv
@@ -101,7 +109,7 @@ def main(argv: list[str]) -> None:
     run.close()
     rollout.destroy()
     actor.engine.destroy()
-    print(f"RESULT reward_before={reward_before:.3f} reward_after={reward_after:.3f}", flush=True)
+    print_rank0(f"RESULT reward_before={reward_before:.3f} reward_after={reward_after:.3f}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,15 @@ import torch
 
 from areal_lite.actors.ppo import PPOActor, PPOCritic
 from areal_lite.api.config import PPOCriticConfig, RLExperimentConfig, load_config
-from areal_lite.kit import RunKit, make_rollout, make_train_engine, mean_reward, rank_dataloader, sync_weights
+from areal_lite.kit import (
+    RunKit,
+    make_rollout,
+    make_train_engine,
+    mean_reward,
+    print_rank0,
+    rank_dataloader,
+    sync_weights,
+)
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import AdditionTaskConfig, addition_splits
 from areal_lite.workflows.rlvr import RLVRWorkflow
@@ -80,7 +88,7 @@ def main(argv: list[str]) -> None:
     rollout.destroy()
     actor.engine.destroy()
     critic.engine.destroy()
-    print(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f}", flush=True)
+    print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,16 @@ from areal_lite.actors.sft import SFTActor
 from areal_lite.api.config import RLExperimentConfig, TrainEngineConfig, load_config
 from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.core.controller import RolloutController
-from areal_lite.kit import RunKit, make_rollout, make_train_engine, mean_reward, rank_dataloader, sync_weights
+from areal_lite.kit import (
+    RunKit,
+    make_rollout,
+    make_train_engine,
+    mean_reward,
+    on_rank0_first,
+    print_rank0,
+    rank_dataloader,
+    sync_weights,
+)
 from areal_lite.rewards.format import exact_answer_reward
 from areal_lite.rewards.runner import RewardRunner
 from areal_lite.utils.datasets import addition_problems, sft_batch
@@ -98,25 +107,29 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
     embedded engine) or ``task.sft_steps`` steps pass. Stopping on a measured accuracy, not a step
     count, gives RL the same starting point on any machine."""
     task = cfg.task
-    if not os.path.exists(os.path.join(base_dir, "config.json")):
-        build_tiny_model(
-            base_dir,
-            hidden_size=task.hidden_size,
-            num_layers=task.num_layers,
-            num_heads=4,
-            num_kv_heads=4,
-            vocab_size=0,  # byte level, no merges: one token per character
-            max_position_embeddings=64,
-            seed=task.seed,
-        )
     from transformers import AutoTokenizer
 
     from areal_lite.engines.local import LocalInferenceEngine
 
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
     engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
     engine_cfg.optimizer = replace(cfg.actor.optimizer, lr=task.sft_lr, lr_scheduler_type="constant", warmup_steps_proportion=0.0)
     engine = make_train_engine(engine_cfg)
+
+    def build() -> None:
+        if not os.path.exists(os.path.join(base_dir, "config.json")):
+            build_tiny_model(
+                base_dir,
+                hidden_size=task.hidden_size,
+                num_layers=task.num_layers,
+                num_heads=4,
+                num_kv_heads=4,
+                vocab_size=0,  # byte level, no merges: one token per character
+                max_position_embeddings=64,
+                seed=task.seed,
+            )
+
+    on_rank0_first(engine, build)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
     engine.initialize(FinetuneSpec(1, task.sft_steps * task.sft_batch_size, task.sft_batch_size))
     sft = SFTActor(engine_cfg, engine)
 
@@ -131,13 +144,16 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
         use_chat_template=False,
     )
     t0 = time.time()
+    rank, world = engine.data_parallel_rank, engine.data_parallel_world_size
     for step in range(task.sft_steps):
-        problems = addition_problems(task.sft_batch_size, task.n_digits, task.seed + 1000 + step, exclude=held_out)
+        # Each rank trains on its share of the step's problems (all of them on one rank).
+        problems = addition_problems(task.sft_batch_size * world, task.n_digits, task.seed + 1000 + step, exclude=held_out)
+        problems = problems[rank::world]
         stats = sft.train_lm(sft_batch(tokenizer, as_demonstrations(problems)))
         if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
             engine.update_weights(WeightUpdateMeta(type="in_process"))
             acc = mean_reward(judge, greedy, dev)
-            print(f"[sft] step {step + 1} loss {stats['loss']:.3f} dev greedy accuracy {acc:.3f} ({time.time() - t0:.0f}s)", flush=True)
+            print_rank0(f"[sft] step {step + 1} loss {stats['loss']:.3f} dev greedy accuracy {acc:.3f} ({time.time() - t0:.0f}s)")
             if acc >= task.sft_target_acc:
                 break
     judge.destroy()
@@ -151,10 +167,12 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
 def job_start_time(output_dir: str) -> float:
     """When this run began, across the launcher's prepare run, restarts and recoveries."""
     path = os.path.join(output_dir, "started_at")
-    if not os.path.exists(path):
+    if not os.path.exists(path):  # every rank may get here: the first rename wins, whole
         os.makedirs(output_dir, exist_ok=True)
-        with open(path, "w") as f:
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
             f.write(repr(time.time()))
+        os.replace(tmp, path)
     with open(path) as f:
         return float(f.read())
 
@@ -198,7 +216,7 @@ def main(argv: list[str]) -> None:
         acc_before = float(resumed["acc_before"])  # type: ignore[arg-type]
     else:
         acc_before = mean_reward(rollout, eval_workflow, eval_problems)
-        print(f"[quickstart] held-out greedy accuracy after SFT: {acc_before:.3f}", flush=True)
+        print_rank0(f"[quickstart] held-out greedy accuracy after SFT: {acc_before:.3f}")
 
     def evaluate() -> dict[str, float]:
         return {"eval/accuracy": mean_reward(rollout, eval_workflow, eval_problems)}
@@ -215,17 +233,16 @@ def main(argv: list[str]) -> None:
             sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
         run.end_step(global_step, stats, evaluate=evaluate, extra={"acc_before": acc_before})
 
-    print(f"[quickstart] RL: {run.total_steps - run.start_step} steps in {time.time() - t_rl:.2f}s", flush=True)
+    print_rank0(f"[quickstart] RL: {run.total_steps - run.start_step} steps in {time.time() - t_rl:.2f}s")
     acc_after = mean_reward(rollout, eval_workflow, eval_problems)
     minutes = (time.time() - t_start) / 60
     run.close()
     rollout.destroy()
     actor.engine.destroy()
-    print()
-    print(f"{'held-out greedy accuracy':<28}{'value':>8}")
-    print(f"{'after SFT (before RL)':<28}{acc_before:>8.3f}")
-    print(f"{'after RL':<28}{acc_after:>8.3f}")
-    print(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f} minutes={minutes:.1f}", flush=True)
+    print_rank0(f"\n{'held-out greedy accuracy':<28}{'value':>8}")
+    print_rank0(f"{'after SFT (before RL)':<28}{acc_before:>8.3f}")
+    print_rank0(f"{'after RL':<28}{acc_after:>8.3f}")
+    print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f} minutes={minutes:.1f}")
 
 
 if __name__ == "__main__":

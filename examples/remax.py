@@ -21,7 +21,15 @@ import torch
 
 from areal_lite.actors.reinforce import ReinforceActor
 from areal_lite.api.config import RLExperimentConfig, load_config
-from areal_lite.kit import RunKit, make_rollout, make_train_engine, mean_reward, rank_dataloader, sync_weights
+from areal_lite.kit import (
+    RunKit,
+    make_rollout,
+    make_train_engine,
+    mean_reward,
+    print_rank0,
+    rank_dataloader,
+    sync_weights,
+)
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import AdditionTaskConfig, addition_splits
 from areal_lite.workflows.remax import ReMaxWorkflow
@@ -72,7 +80,7 @@ def main(argv: list[str]) -> None:
     run.close()
     rollout.destroy()
     actor.engine.destroy()
-    print(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f}", flush=True)
+    print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 
 from areal_lite.actors.sft import SFTActor
 from areal_lite.api.config import BaseExperimentConfig, TrainEngineConfig, load_config
-from areal_lite.kit import RunKit, make_train_engine, rank_dataloader
+from areal_lite.kit import RunKit, make_train_engine, on_rank0_first, print_rank0, rank_dataloader
 from areal_lite.utils.dataloader import endless
 from areal_lite.utils.datasets import addition_problems, load_rows, sft_batch
 from areal_lite.utils.tiny import build_tiny_model
@@ -70,24 +70,28 @@ def main(argv: list[str]) -> None:
     cfg = load_config(argv, SFTConfig)
     torch.manual_seed(cfg.seed)
     task = cfg.task
-    if task.tiny_model and not os.path.exists(os.path.join(cfg.actor.path, "config.json")):
-        build_tiny_model(
-            cfg.actor.path,
-            hidden_size=task.hidden_size,
-            num_layers=task.num_layers,
-            num_heads=4,
-            num_kv_heads=4,
-            vocab_size=0,
-            max_position_embeddings=64,
-            seed=task.seed,
-        )
+    sft = SFTActor(cfg.actor, make_train_engine(cfg.actor))
+
+    def build() -> None:
+        if task.tiny_model and not os.path.exists(os.path.join(cfg.actor.path, "config.json")):
+            build_tiny_model(
+                cfg.actor.path,
+                hidden_size=task.hidden_size,
+                num_layers=task.num_layers,
+                num_heads=4,
+                num_kv_heads=4,
+                vocab_size=0,
+                max_position_embeddings=64,
+                seed=task.seed,
+            )
+
+    on_rank0_first(sft.engine, build)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
     train_items = demonstrations(cfg.train_dataset.path, task.n_train, task, task.seed + 2)
     eval_items = demonstrations(cfg.valid_dataset.path, task.n_eval, task, task.seed + 1)[: task.n_eval]
     eval_batch = sft_batch(tokenizer, eval_items, task.use_chat_template)
-    sft = SFTActor(cfg.actor, make_train_engine(cfg.actor))
     collate = functools.partial(sft_batch, tokenizer, use_chat_template=task.use_chat_template)
     dataloader = rank_dataloader(train_items, cfg.train_dataset, sft.engine, seed=cfg.seed, collate_fn=collate)
     run = RunKit(cfg, sft.engine, dataloader, tokenizer=tokenizer)
@@ -107,9 +111,8 @@ def main(argv: list[str]) -> None:
     after = sft.evaluate_lm(eval_batch)
     run.close()
     sft.engine.destroy()
-    print(
+    print_rank0(
         f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} ppl_after={after['ppl']:.2f}",  # type: ignore[index]
-        flush=True,
     )
 
 

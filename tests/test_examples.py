@@ -1,8 +1,12 @@
 """A smoke run of every example script with its shipped config and tiny overrides: two or three
 steps on a tiny model built here (nothing is downloaded), ending with exit status 0, the script's
-RESULT line and its final checkpoint. The quickstart and the GSM8K recipe go through the launcher
-(the GSM8K one with our rollout server in its own process and weights pushed through the disk, the
-path that SGLang servers take on GPU); the others run the embedded engine in the trainer."""
+RESULT line and its final checkpoint.
+
+The RL examples run with two trainer ranks under the launcher, with a recorder in front of each
+(tests/scripts/record_prompts.py) that logs every prompt a rank draws: the ranks' prompts must be
+disjoint. The quickstart and the GSM8K recipe use our rollout server in its own process (both
+ranks its clients, rank 0 controlling it; GSM8K's weights go by a gloo broadcast, the path NCCL
+takes on GPU); the others run an embedded engine in each trainer rank."""
 
 from __future__ import annotations
 
@@ -43,8 +47,21 @@ def write_jsonl(path: Path, rows: list[dict[str, object]]) -> str:
 def run(script: str, config: str, *overrides: str, launcher: bool = False, timeout: float = 240) -> str:
     """Run an example to completion; return its output, which must hold a RESULT line."""
     cmd = [sys.executable, *(["-m", "areal_lite.launcher.local"] if launcher else []), f"examples/{script}"]
-    cmd += ["--config", f"configs/{config}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout, check=False)
+    return _run(cmd + ["--config", f"configs/{config}", *overrides], ENV, script, timeout)
+
+
+def run_two_ranks(script: str, config: str, record_dir: Path, *overrides: str, timeout: float = 300) -> str:
+    """Run an RL example under the launcher with two trainer ranks, recording each rank's prompts
+    in ``record_dir``; return its output, which must hold a RESULT line."""
+    record_dir.mkdir()
+    env = {**ENV, "RECORD_EXAMPLE": f"examples/{script}", "RECORD_DIR": str(record_dir)}
+    cmd = [sys.executable, "-m", "areal_lite.launcher.local", str(ROOT / "tests" / "scripts" / "record_prompts.py")]
+    cmd += ["--config", f"configs/{config}", *overrides, "launcher.trainer_nproc=2"]
+    return _run(cmd, env, script, timeout)
+
+
+def _run(cmd: list[str], env: dict[str, str], script: str, timeout: float) -> str:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{script} exited with {proc.returncode}:\n{out[-4000:]}"
     assert re.search(r"^RESULT ", proc.stdout, re.MULTILINE), f"{script} printed no RESULT line:\n{out[-4000:]}"
@@ -55,12 +72,23 @@ def final_checkpoint(output_dir: Path, steps: int) -> Path:
     return output_dir / "checkpoints" / f"globalstep{steps}" / "config.json"
 
 
+def assert_disjoint_shares(record_dir: Path, at_least: int) -> None:
+    """Each of the two ranks drew at least ``at_least`` prompts, and no prompt went to both."""
+    shares = [(record_dir / f"rank{r}.jsonl").read_text().splitlines() for r in (0, 1)]
+    assert all(len(share) >= at_least for share in shares), [len(share) for share in shares]
+    assert not set(shares[0]) & set(shares[1]), "the two trainer ranks drew the same prompts"
+    assert all(len(set(share)) == len(share) for share in shares), "a rank drew a prompt twice in one epoch"
+
+
 def test_quickstart(tmp_path: Path) -> None:
-    out = run(
+    """The demo's path: the SFT warm-up (on both ranks) in the launcher's prepare run, our server,
+    two trainer ranks as its clients."""
+    out = run_two_ranks(
         "quickstart.py",
         "quickstart.yaml",
+        tmp_path / "prompts",
         f"cluster.fileroot={tmp_path}",
-        "launcher.backend=local",
+        "local_engine.max_running_requests=32",
         "task.sft_steps=10",
         "task.sft_eval_every=5",
         "task.sft_batch_size=16",
@@ -71,21 +99,24 @@ def test_quickstart(tmp_path: Path) -> None:
         "task.num_layers=1",
         "total_train_steps=2",
         "train_dataset.batch_size=4",
+        "rollout.consumer_batch_size=4",
         *QUIET,
-        launcher=True,
     )
-    assert re.search(r"RESULT acc_before=[\d.]+ acc_after=[\d.]+ minutes=", out)
+    assert re.search(r"^RESULT acc_before=[\d.]+ acc_after=[\d.]+ minutes=", out, re.MULTILINE)
+    assert out.count("RESULT") == 1, "only rank 0 reports"
+    assert_disjoint_shares(tmp_path / "prompts", at_least=2 * 4)
 
 
 def test_gsm8k_grpo_with_a_rollout_server(tmp_path: Path, tiny: str) -> None:
     rows = [
         {"question": f"Tom has {i} apples and buys 3 more. How many?", "answer": f"{i} + 3 = {i + 3}\n#### {i + 3}"}
-        for i in range(8)
+        for i in range(32)
     ]
     data = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
-    out = run(
+    out = run_two_ranks(
         "gsm8k_grpo.py",
         "gsm8k_grpo.yaml",
+        tmp_path / "prompts",
         f"cluster.fileroot={tmp_path}",
         f"actor.path={tiny}",
         f"train_dataset.path={data}",
@@ -98,27 +129,27 @@ def test_gsm8k_grpo_with_a_rollout_server(tmp_path: Path, tiny: str) -> None:
         "actor.gradient_checkpointing=false",
         "gconfig.max_new_tokens=8",
         "reward_workers=1",
-        "weight_update=disk",
+        "weight_update=distributed",  # a gloo broadcast from trainer rank 0 to the server
         "launcher.backend=areal",
         "local_engine.device=cpu",  # our server runs the embedded engine with these settings
         "local_engine.dtype=float32",
         "launcher.n_servers=1",
-        "launcher.trainer_nproc=1",
         "launcher.server_args=[]",
         *QUIET,
-        launcher=True,
     )
     assert re.search(r"RESULT steps=2 eval_accuracy=[\d.]+", out)
     assert final_checkpoint(tmp_path / "gsm8k-grpo" / "trial0", 2).exists()
+    assert_disjoint_shares(tmp_path / "prompts", at_least=2 * 2)
 
 
-RL_TINY = ["total_train_steps=2", "task.n_eval=4", "task.n_train_prompts=32", "gconfig.max_new_tokens=4"]
+RL_TINY = ["total_train_steps=2", "task.n_eval=4", "task.n_train_prompts=64", "gconfig.max_new_tokens=4"]
 
 
 def test_remax(tmp_path: Path, tiny: str) -> None:
-    out = run(
+    out = run_two_ranks(
         "remax.py",
         "remax.yaml",
+        tmp_path / "prompts",
         f"cluster.fileroot={tmp_path}",
         f"actor.path={tiny}",
         *RL_TINY,
@@ -127,12 +158,14 @@ def test_remax(tmp_path: Path, tiny: str) -> None:
     )
     assert re.search(r"RESULT acc_before=[\d.]+ acc_after=[\d.]+", out)
     assert final_checkpoint(tmp_path / "remax" / "trial0", 2).exists()
+    assert_disjoint_shares(tmp_path / "prompts", at_least=2 * 4)
 
 
 def test_ppo_critic(tmp_path: Path, tiny: str) -> None:
-    out = run(
+    out = run_two_ranks(
         "ppo_critic.py",
         "ppo_critic.yaml",
+        tmp_path / "prompts",
         f"cluster.fileroot={tmp_path}",
         f"actor.path={tiny}",
         *RL_TINY,
@@ -141,12 +174,14 @@ def test_ppo_critic(tmp_path: Path, tiny: str) -> None:
     )
     assert re.search(r"RESULT acc_before=[\d.]+ acc_after=[\d.]+", out)
     assert final_checkpoint(tmp_path / "ppo-critic" / "trial0", 2).exists()
+    assert_disjoint_shares(tmp_path / "prompts", at_least=2 * 4)
 
 
 def test_multi_turn(tmp_path: Path, tiny: str) -> None:
-    out = run(
+    out = run_two_ranks(
         "multi_turn.py",
         "multi_turn.yaml",
+        tmp_path / "prompts",
         f"cluster.fileroot={tmp_path}",
         f"actor.path={tiny}",
         *RL_TINY,
@@ -156,6 +191,7 @@ def test_multi_turn(tmp_path: Path, tiny: str) -> None:
     )
     assert re.search(r"RESULT reward_before=[\d.]+ reward_after=[\d.]+", out)
     assert final_checkpoint(tmp_path / "multi-turn" / "trial0", 2).exists()
+    assert_disjoint_shares(tmp_path / "prompts", at_least=2 * 2)
 
 
 def test_dpo_on_local_pairs(tmp_path: Path, tiny: str) -> None:

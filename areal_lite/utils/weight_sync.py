@@ -84,7 +84,7 @@ class WeightSender:
         directory of a disk update, whose ``*.safetensors`` files the servers load (collective,
         rank 0 writes)."""
         rank = dist.get_rank()
-        if rank == 0 and self.engine is None:
+        if self.engine is None and (rank == 0 or meta.type == "in_process"):
             raise RuntimeError("update_weights needs connect_engine() first")
         meta = replace(meta, version=version if meta.version is None else meta.version)
         if meta.type == "distributed":
@@ -95,9 +95,10 @@ class WeightSender:
             if rank == 0:
                 self._engine().update_weights(meta).result()
         else:
+            # In process: every rank's script holds an engine of its own, and each gets the weights.
             named = {name: t.cpu() for name, t in tensors()}
-            if rank == 0:
-                self._engine().update_weights(replace(meta, named_tensors=named)).result()
+            if self.engine is not None:
+                self.engine.update_weights(replace(meta, named_tensors=named)).result()
         dist.barrier()
 
     def _engine(self) -> InferenceEngine:
