@@ -219,14 +219,6 @@ class FSDPEngine(TrainEngineBase):
         self.lr_scheduler = None
         super().destroy()
 
-    @property
-    def data_parallel_rank(self) -> int:
-        return dist.get_rank()
-
-    @property
-    def data_parallel_world_size(self) -> int:
-        return dist.get_world_size()
-
     def _data_parallel_group(self) -> dist.ProcessGroup | None:
         return None  # every rank holds a shard of the whole model: all are data-parallel
 

@@ -356,18 +356,6 @@ class MegatronEngine(TrainEngineBase):
             self._owns_model_parallel = False
         super().destroy()
 
-    @property
-    def data_parallel_rank(self) -> int:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_data_parallel_rank()
-
-    @property
-    def data_parallel_world_size(self) -> int:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_data_parallel_world_size()
-
     def _data_parallel_group(self) -> dist.ProcessGroup:
         from megatron.core import parallel_state as ps
 

@@ -81,6 +81,14 @@ class TrainEngineBase(TrainEngine):
             raise RuntimeError(f"{method} needs an optimizer: initialize the engine with a FinetuneSpec")
         return self.optimizer
 
+    @property
+    def data_parallel_rank(self) -> int:
+        return dist.get_rank(self._data_parallel_group())
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._data_parallel_group())
+
     def set_version(self, version: int) -> None:
         self._version = version
 
