@@ -2,7 +2,7 @@
 
 The checks themselves live in tests/scripts/fsdp_worker.py; each run writes its measurements
 and parameter files, and the tests here compare them, within a run and across world sizes.
-Three launches: 1 rank, 2 ranks, and a fresh 2-rank process that resumes from the DCP checkpoint.
+Three launches: 1 rank, 2 ranks, and a fresh 2-rank process that resumes from the train_state checkpoint.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def test_nonfinite_grad_norm_skips_step(pair: tuple[dict, Path]) -> None:
     assert res["next_stats"]["update_successful"] == 1.0
 
 
-def test_dcp_resume_in_new_process_matches_uninterrupted_run(pair: tuple[dict, Path], resumed: dict) -> None:
+def test_train_state_resume_in_new_process_matches_uninterrupted_run(pair: tuple[dict, Path], resumed: dict) -> None:
     res, out = pair
     assert resumed["resumed_version"] == 7
     assert resumed["next_stats"] == res["next_stats"]

@@ -4,7 +4,7 @@ with TP=2, TP=1 x DP=2 and PP=2, all under one torchrun launch of 2 gloo ranks
 parameters after one `train_batch` equal to 1e-5; the Megatron-saved HF directory loads with
 ``from_pretrained`` and gives the engine's log-probabilities (also for tied embeddings at TP=2 and
 PP=2); a critic equals FSDP's critic; weight updates of all three kinds deliver the same tensors; a non-finite step is skipped; a
-``dcp`` checkpoint resumes exactly. The vocabulary (301) is odd, so TP=2 exercises the padded
+``train_state`` checkpoint resumes exactly. The vocabulary (301) is odd, so TP=2 exercises the padded
 vocabulary.
 """
 
@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import TrainEngineConfig
+from areal_lite.api.io import SaveLoadMeta
 from areal_lite.engines import make_train_engine
 from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.tiny import build_tiny_model
@@ -159,7 +160,7 @@ def test_non_finite_gradient_skips_the_step(out: Path) -> None:
     assert checks["nan_changed"] == 0.0
 
 
-def test_dcp_checkpoint_resumes_exactly(out: Path) -> None:
+def test_train_state_checkpoint_resumes_exactly(out: Path) -> None:
     checks = json.loads((out / "checks.json").read_text())
     uninterrupted, resumed = checks["resume_stats"]
     assert uninterrupted == resumed
@@ -171,3 +172,18 @@ def test_backend_line_picks_the_engine() -> None:
     assert type(make_train_engine(TrainEngineConfig(path="x", backend="fsdp"))).__name__ == "FSDPEngine"
     with pytest.raises(ValueError, match="fsdp or megatron"):
         make_train_engine(TrainEngineConfig(path="x", backend="deepspeed"))
+
+
+def test_checkpoint_formats_are_named_and_checked(tmp_path: Path) -> None:
+    """An unknown weight_format (the old name ``dcp`` too) is refused by name; a train_state
+    directory that another backend wrote (here FSDP's files) is refused before anything is read."""
+    with pytest.raises(ValueError, match="'dcp' is called 'train_state'"):
+        SaveLoadMeta(path=str(tmp_path), weight_format="dcp")  # type: ignore[arg-type]
+    engine = make_train_engine(TrainEngineConfig(path="x", backend="megatron"))
+    meta = SaveLoadMeta(path=str(tmp_path))
+    meta.weight_format = "safetensors"  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="must be one of hf, train_state"):
+        engine.save(meta)
+    (tmp_path / "extra_state_rank0.pt").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no MegatronEngine training state"):
+        engine.load(SaveLoadMeta(path=str(tmp_path), weight_format="train_state"))

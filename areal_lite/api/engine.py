@@ -120,13 +120,13 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def save(self, meta: SaveLoadMeta) -> None:
-        """Write HF weights (``weight_format="hf"``) or the full training state (``"dcp"``).
-        Collective: every rank calls it."""
+        """Write HF weights (``weight_format="hf"``) or the full training state
+        (``"train_state"``; see `WeightFormat`). Collective: every rank calls it."""
 
     @abc.abstractmethod
     def load(self, meta: SaveLoadMeta) -> None:
-        """Read what `save` wrote. Loading ``"dcp"`` restores model, optimizer, scheduler, step and
-        RNG so that the next `train_batch` equals the uninterrupted run's."""
+        """Read what `save` wrote. Loading ``"train_state"`` restores model, optimizer, scheduler,
+        step and RNG so that the next `train_batch` equals the uninterrupted run's."""
 
     @abc.abstractmethod
     def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:

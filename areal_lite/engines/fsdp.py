@@ -390,6 +390,7 @@ class FSDPEngine(TrainEngineBase):
         )
 
     def _load_train_state(self, path: str) -> None:
+        extra_file = self._train_state_file(path, f"extra_state_rank{dist.get_rank()}.pt")
         model = self._module()
         state = self._training_state()
         dcp.load(state, checkpoint_id=path)
@@ -397,7 +398,7 @@ class FSDPEngine(TrainEngineBase):
             set_model_state_dict(model, state["model"])  # type: ignore[arg-type]
         else:
             set_state_dict(model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])  # type: ignore[arg-type]
-        extra = torch.load(os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt"), weights_only=False)
+        extra = torch.load(extra_file, weights_only=False)
         self._version = extra["version"]
         self._global_step = extra["global_step"]
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:

@@ -31,8 +31,8 @@ embedding that megatron keeps in sync (its gradients are summed with the first s
 On CPU (gloo) megatron-core's few hard-coded CUDA calls are redirected by `mcore_cpu`.
 
 Checkpoints: ``hf`` writes a HF directory from rank 0 (sharded safetensors and config);
-``dcp`` writes each rank's parameter shards, optimizer state, LR schedule, step and RNG with
-`torch.save` into one directory; it resumes under the same parallel layout.
+``train_state`` writes each rank's parameter shards, optimizer state, LR schedule, step and RNG
+with `torch.save` into one directory; it resumes under the same parallel layout.
 """
 
 from __future__ import annotations
@@ -712,7 +712,7 @@ class MegatronEngine(TrainEngineBase):
 
     @torch.no_grad()
     def _load_train_state(self, path: str) -> None:
-        with open(os.path.join(path, "megatron_layout.json")) as f:
+        with open(self._train_state_file(path, "megatron_layout.json")) as f:
             layout = json.load(f)
         if layout != self._layout():
             raise ValueError(f"checkpoint {path} was written with layout {layout}, this run has {self._layout()}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -26,7 +27,7 @@ from tensordict import TensorDict
 
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedBatch, TrainEngine
-from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta, unknown_weight_format
 from areal_lite.utils.distributed import destroy_default_group
 from areal_lite.utils.lr_schedule import lr_multiplier
 from areal_lite.utils.weight_sync import WeightSender
@@ -158,16 +159,31 @@ class TrainEngineBase(TrainEngine):
         """Collective: every rank calls it; all have finished writing when it returns."""
         if meta.weight_format == "hf":
             self._save_hf(meta.path, meta.tokenizer)
-        else:
+        elif meta.weight_format == "train_state":
             self._save_train_state(meta.path)
+        else:
+            raise unknown_weight_format(meta.weight_format)
         dist.barrier()
 
     def load(self, meta: SaveLoadMeta) -> None:
         if meta.weight_format == "hf":
             self._load_hf_weights(meta.path)
-        else:
+        elif meta.weight_format == "train_state":
             self._load_train_state(meta.path)
+        else:
+            raise unknown_weight_format(meta.weight_format)
         dist.barrier()
+
+    def _train_state_file(self, path: str, name: str) -> str:
+        """``path/name``, a file this backend's `_save_train_state` writes; a clear error when it
+        is missing (nothing there, or another backend's training state)."""
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise FileNotFoundError(
+                f"{path} holds no {type(self).__name__} training state ({name} is missing): a train_state "
+                "checkpoint is read back only by the backend that wrote it"
+            )
+        return file
 
     def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
         """Remember ``engine``; for distributed updates global rank 0 also builds the weight-update
@@ -232,11 +248,12 @@ class TrainEngineBase(TrainEngine):
 
     @abc.abstractmethod
     def _save_train_state(self, path: str) -> None:
-        """Everything a resumed run needs to continue exactly (see `load`)."""
+        """Everything a resumed run needs to continue exactly (``weight_format="train_state"``)."""
 
     @abc.abstractmethod
     def _load_train_state(self, path: str) -> None:
-        """Restore what `_save_train_state` wrote."""
+        """Restore what `_save_train_state` wrote; a directory another backend wrote is refused
+        with an error that says so."""
 
 
 __all__ = ["TrainEngineBase"]

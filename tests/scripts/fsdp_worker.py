@@ -10,9 +10,9 @@ comma-separated list of the checks below. Rank 0 writes ``OUT_DIR/<CHECKS>_w<wor
   with an uneven split over ranks (SGD, and AdamW); the test compares the parameters across runs.
   Also the engine's (fused) AdamW against torch's per-tensor AdamW on the same gradients.
 - ``checkpoint``: HF save -> from_pretrained; weight updates of all three kinds to a fake
-  receiver; a non-finite gradient skipping the step; DCP save, then eval_batch and one more
-  step (the uninterrupted run).
-- ``resume``: (a new process) load ``checkpoint``'s DCP state and take the same next step.
+  receiver; a non-finite gradient skipping the step; train_state save, then eval_batch and one
+  more step (the uninterrupted run).
+- ``resume``: (a new process) load ``checkpoint``'s train_state and take the same next step.
 - ``sft``: SFT loss over 40 steps on a small fixed text dataset.
 - ``critic``: a value model's forward and training.
 - ``shared_prefix``: log-probabilities, entropies, values and one SGD update with each group's
@@ -201,7 +201,7 @@ def check_checkpoint_and_updates(res: dict[str, object]) -> None:
 
     # Full training state, then the step an uninterrupted run takes next.
     e.set_version(7)
-    e.save(SaveLoadMeta(path=os.path.join(OUT, "dcp"), weight_format="dcp"))
+    e.save(SaveLoadMeta(path=os.path.join(OUT, "train_state"), weight_format="train_state"))
     res["eval_stats"] = e.eval_batch(shard(make_batch(5)), nll, n_tokens)
     res["next_stats"] = e.train_batch(shard(make_batch(5)), nll, n_tokens)
     after = e._full_state_dict()
@@ -288,7 +288,7 @@ def check_shared_prefix(res: dict[str, object]) -> None:
 
 def resume(res: dict[str, object]) -> None:
     e = engine(lr=1e-2)
-    e.load(SaveLoadMeta(path=os.path.join(OUT, "dcp"), weight_format="dcp"))
+    e.load(SaveLoadMeta(path=os.path.join(OUT, "train_state"), weight_format="train_state"))
     res["resumed_version"] = e.get_version()
     res["next_stats"] = e.train_batch(shard(make_batch(5)), nll, n_tokens)
     after = e._full_state_dict()

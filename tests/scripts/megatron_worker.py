@@ -9,7 +9,7 @@ schedule). Each forwards the whole batch, takes one `train_batch` on its
 data-parallel share and saves HF weights; rank 0 writes ``OUT_DIR/<run>.pt`` (log-probs,
 entropies, stats) and ``OUT_DIR/<run>_hf`` for tests/test_megatron.py to compare. The TP=2 run
 also sends weights of all three kinds to a receiver, skips a non-finite step, and resumes from a
-``dcp`` checkpoint; a tied Llama at TP=2 and PP=2 saves what it trained (results in
+``train_state`` checkpoint; a tied Llama at TP=2 and PP=2 saves what it trained (results in
 ``OUT_DIR/checks.json``). Critics (value heads) run through FSDP, TP=2 and PP=2
 (``OUT_DIR/critic_<run>.pt`` and ``_hf``).
 """
@@ -83,16 +83,16 @@ def weight_updates(e: TrainEngine, checks: dict[str, object]) -> None:
 
 
 def resume(e: TrainEngine, cfg: TrainEngineConfig, checks: dict[str, object]) -> None:
-    """dcp save after step 1; step 2 here and in a fresh engine loaded from it must agree."""
-    ckpt = os.path.join(OUT, "tp2_dcp")
-    e.save(SaveLoadMeta(path=ckpt, weight_format="dcp"))
+    """train_state save after step 1; step 2 here and in a fresh engine loaded from it must agree."""
+    ckpt = os.path.join(OUT, "tp2_train_state")
+    e.save(SaveLoadMeta(path=ckpt, weight_format="train_state"))
     batch = make_batch(2)
     e.step_lr_scheduler()
     stats = e.train_batch(my_share(batch, e), nll, n_tokens)
     e.save(SaveLoadMeta(path=os.path.join(OUT, "tp2_step2_hf")))
     fresh = make_train_engine(cfg)
     fresh.initialize(FT)
-    fresh.load(SaveLoadMeta(path=ckpt, weight_format="dcp"))
+    fresh.load(SaveLoadMeta(path=ckpt, weight_format="train_state"))
     fresh.step_lr_scheduler()
     stats_resumed = fresh.train_batch(my_share(batch, fresh), nll, n_tokens)
     fresh.save(SaveLoadMeta(path=os.path.join(OUT, "tp2_resumed_hf")))
