@@ -204,7 +204,11 @@ class FSDPEngine(TrainEngineBase):
                 # Norm weights and biases are 1-D; decaying them towards 0 only hurts.
                 (decay if p.ndim >= 2 else no_decay).append(p)
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            # wd_mult (megatron's name) tells `optim_step` which group a weight_decay override skips
+            [
+                {"params": decay, "weight_decay": opt.weight_decay, "wd_mult": 1.0},
+                {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+            ],
             lr=opt.lr,
             betas=(opt.beta1, opt.beta2),
             eps=opt.eps,

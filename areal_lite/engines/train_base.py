@@ -4,8 +4,9 @@ for `FSDPEngine` and `MegatronEngine` (two copies drifted apart before: STYLE.md
 What lives here: the policy version; the weight-update sender (`areal_lite.utils.weight_sync`);
 the global loss normalisation (each micro-batch loss weighted by ``loss_weight_fn(mb) / total``,
 ``total`` summed over the micro-batches and the data-parallel ranks) with the weighted means of
-the loss and the stats reduced over those ranks; the optimizer step with its skip on a non-finite
-gradient norm; `save` / `load` dispatch by `SaveLoadMeta.weight_format`; teardown.
+the loss and the stats reduced over those ranks; `train_batch` as `forward_backward` then
+`optim_step`, and the optimizer step itself (one-step hyperparameters, the skip on a non-finite
+gradient norm); `save` / `load` dispatch by `SaveLoadMeta.weight_format`; teardown.
 
 What a backend implements (the abstract methods at the end of the class): how a batch becomes
 packed micro-batches and runs through the model with its losses, how gradients are clipped and
@@ -104,11 +105,38 @@ class TrainEngineBase(TrainEngine):
     # ---------------------------------------------------------------- losses and updates
 
     def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
-        self._require_optimizer("train_batch")
-        self._zero_grad()
-        result = self._weighted_loss(batch, loss_fn, loss_weight_fn, train=True)
-        result.update(self._optimizer_step())
+        result = self.forward_backward(batch, loss_fn, loss_weight_fn)
+        result.update(self.optim_step())
         return result
+
+    def forward_backward(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        self._require_optimizer("forward_backward")
+        return self._weighted_loss(batch, loss_fn, loss_weight_fn, train=True)
+
+    def optim_step(
+        self, lr: float | None = None, weight_decay: float | None = None, max_grad_norm: float | None = None
+    ) -> dict[str, float]:
+        groups = self._require_optimizer("optim_step").param_groups
+        configured = [(group["lr"], group["weight_decay"]) for group in groups]
+        for group in groups:
+            if lr is not None:
+                group["lr"] = lr
+            if weight_decay is not None:
+                # wd_mult: 0 for the parameters never decayed (biases, norm weights), as megatron marks them
+                group["weight_decay"] = weight_decay * float(group.get("wd_mult", 1.0))  # type: ignore[arg-type]
+        step_lr = float(groups[0]["lr"])  # type: ignore[arg-type]
+        clip = self.config.optimizer.gradient_clipping if max_grad_norm is None else max_grad_norm
+        grad_norm = self._clip_gradients(clip)
+        ok = math.isfinite(grad_norm)
+        if ok:
+            self._apply_update()
+            self._global_step += 1
+        else:
+            logger.warning("non-finite gradient norm %s at step %d: skipping the update", grad_norm, self._global_step)
+        self._zero_grad()
+        for group, (group_lr, group_wd) in zip(groups, configured):
+            group["lr"], group["weight_decay"] = group_lr, group_wd
+        return {"grad_norm": grad_norm, "lr": step_lr, "update_successful": float(ok)}
 
     @torch.no_grad()
     def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
@@ -137,21 +165,6 @@ class TrainEngineBase(TrainEngine):
         vec = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
         dist.all_reduce(vec, group=self._data_parallel_group())
         return dict(zip(values, vec.tolist()))
-
-    def _optimizer_step(self) -> dict[str, float]:
-        """Clip the gradients and step, unless their norm is non-finite (then the step is skipped and
-        logged); gradients are zeroed either way."""
-        opt = self._require_optimizer("an optimizer step")
-        lr = float(opt.param_groups[0]["lr"])  # type: ignore[arg-type]
-        grad_norm = self._clip_gradients(self.config.optimizer.gradient_clipping)
-        ok = math.isfinite(grad_norm)
-        if ok:
-            self._apply_update()
-            self._global_step += 1
-        else:
-            logger.warning("non-finite gradient norm %s at step %d: skipping the update", grad_norm, self._global_step)
-        self._zero_grad()
-        return {"grad_norm": grad_norm, "lr": lr, "update_successful": float(ok)}
 
     # ---------------------------------------------------------------- checkpoints and weight updates
 
@@ -227,7 +240,7 @@ class TrainEngineBase(TrainEngine):
 
     @abc.abstractmethod
     def _zero_grad(self) -> None:
-        """Drop every accumulated gradient."""
+        """Drop every accumulated gradient (they start at zero, and `optim_step` ends with this)."""
 
     @abc.abstractmethod
     def _advance_lr_schedule(self) -> None:
