@@ -4,7 +4,8 @@ with TP=2, TP=1 x DP=2 and PP=2, all under one torchrun launch of 2 gloo ranks
 parameters after one `train_batch` equal to 1e-5; the Megatron-saved HF directory loads with
 ``from_pretrained`` and gives the engine's log-probabilities (also for tied embeddings at TP=2 and
 PP=2); a critic equals FSDP's critic; weight updates of all three kinds deliver the same tensors; a non-finite step is skipped; a
-``train_state`` checkpoint resumes exactly. The vocabulary (301) is odd, so TP=2 exercises the padded
+``train_state`` checkpoint resumes exactly; forward_backward calls then optim_step equal one
+train_batch on the union of their batches (SGD), and optim_step's explicit arguments are used. The vocabulary (301) is odd, so TP=2 exercises the padded
 vocabulary.
 """
 
@@ -165,6 +166,29 @@ def test_train_state_checkpoint_resumes_exactly(out: Path) -> None:
     uninterrupted, resumed = checks["resume_stats"]
     assert uninterrupted == resumed
     assert max_diff(safetensors_dir(out / "tp2_step2_hf"), safetensors_dir(out / "tp2_resumed_hf")) == 0.0
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_forward_backward_calls_then_optim_step_equal_one_train_batch(out: Path, layout: str) -> None:
+    """Three forward_backward calls (each loss scaled by its batch's share of the union's loss
+    weight) then optim_step: the SGD update of one train_batch on the union."""
+    res = json.loads((out / "checks.json").read_text())[f"accum_{layout}"]
+    assert res["changed"] > 1e-2
+    assert res["param_err"] < 1e-6
+    assert res["loss"][0] == pytest.approx(res["loss"][1], rel=1e-6)
+    assert res["grad_norm"][0] == pytest.approx(res["grad_norm"][1], rel=1e-6)
+
+
+def test_optim_step_uses_explicit_lr_weight_decay_and_max_grad_norm(out: Path) -> None:
+    res = json.loads((out / "checks.json").read_text())["override"]
+    stats = res["stats"]
+    assert stats["lr"] == 0.25 != res["configured_lr"] and stats["update_successful"] == 1.0
+    norm = stats["grad_norm"]
+    assert norm > 0.1  # clipped to 0.01, far from the configured 1.0
+    # SGD moves by lr x the gradient clipped to max_grad_norm (megatron adds 1e-6 to the norm)
+    assert res["step_norm"] == pytest.approx(0.25 * 0.01 * norm / (norm + 1e-6), rel=1e-5)
+    assert res["lr_after"] == res["configured_lr"]  # the schedule's LR is back for the next step
+    assert res["wd_err"] < 1e-7  # decayed by exactly 1 - lr x wd, 1-D tensors not at all
 
 
 def test_backend_line_picks_the_engine() -> None:
