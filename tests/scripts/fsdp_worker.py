@@ -29,12 +29,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from engine_checks import WeightReceiver, group_batch, make_batch, n_tokens, nll
+from engine_checks import WeightReceiver, group_batch, make_batch, n_tokens, nll, scaled
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
-from areal_lite.api.engine import LossFn, PackedBatch
+from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.engines.fsdp import FSDPEngine
 from areal_lite.utils.distributed import destroy_default_group
@@ -76,17 +76,6 @@ def with_sgd(e: FSDPEngine) -> FSDPEngine:
     FINDINGS.md)."""
     e.optimizer = torch.optim.SGD(e.model.parameters(), lr=1.0)
     return e
-
-
-def scaled(loss_fn: LossFn, share: float) -> LossFn:
-    """``loss_fn`` times ``share``: a forward_backward call's part of an update accumulated over
-    several calls (`TrainEngine.forward_backward`)."""
-
-    def fn(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, stats = loss_fn(out, ent, mb)
-        return loss * share, stats
-
-    return fn
 
 
 def hf_padded_logprobs(model: torch.nn.Module, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:

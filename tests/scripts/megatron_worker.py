@@ -25,29 +25,18 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from engine_checks import WeightReceiver, make_batch, n_tokens, nll
+from engine_checks import WeightReceiver, make_batch, n_tokens, nll, scaled
 from tensordict import TensorDict
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
-from areal_lite.api.engine import LossFn, PackedBatch, TrainEngine
+from areal_lite.api.engine import PackedBatch, TrainEngine
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.engines import make_train_engine
 from areal_lite.utils.distributed import destroy_default_group
 
 MODEL, OUT = sys.argv[1], sys.argv[2]
 FT = FinetuneSpec(total_train_epochs=1, dataset_size=80, train_batch_size=8)
-
-
-def scaled(loss_fn: LossFn, share: float) -> LossFn:
-    """``loss_fn`` times ``share``: a forward_backward call's part of an update accumulated over
-    several calls (`TrainEngine.forward_backward`)."""
-
-    def fn(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, stats = loss_fn(out, ent, mb)
-        return loss * share, stats
-
-    return fn
 
 
 def nan_loss(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
