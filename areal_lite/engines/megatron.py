@@ -530,7 +530,9 @@ class MegatronEngine(TrainEngineBase):
 
     def _clip_gradients(self, max_norm: float) -> float:
         """Sum the gradients over data-parallel ranks (and the tied embedding's over the first and
-        last stage), then clip them unless their norm is non-finite."""
+        last stage), once per `optim_step` however many `forward_backward` calls accumulated them
+        (a second reduction would add the others' gradients again), then clip them unless their
+        norm is non-finite."""
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 

@@ -1,5 +1,5 @@
 """`TrainEngineBase`: the half of a train engine that does not depend on the backend, written once
-for `FSDPEngine` and `MegatronEngine` (two copies drifted apart before: STYLE.md).
+for `FSDPEngine` and `MegatronEngine` (two copies of it drift apart: STYLE.md).
 
 What lives here: the policy version; the weight-update sender (`areal_lite.utils.weight_sync`);
 the global loss normalisation (each micro-batch loss weighted by ``loss_weight_fn(mb) / total``,
