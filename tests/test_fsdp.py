@@ -2,7 +2,7 @@
 
 The checks themselves live in tests/scripts/fsdp_worker.py; each run writes its measurements
 and parameter files, and the tests here compare them, within a run and across world sizes.
-Three launches: 1 rank, 2 ranks, and a fresh 2-rank process that resumes from the DCP checkpoint.
+Three launches: 1 rank, 2 ranks, and a fresh 2-rank process that resumes from the train_state checkpoint.
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def single(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("fsdp_w1")
-    return run_worker(1, "logprobs,invariance,sft,critic,shared_prefix", model_dir, out), out
+    return run_worker(1, "logprobs,invariance,sft,critic,shared_prefix,accumulation", model_dir, out), out
 
 
 @pytest.fixture(scope="module")
 def pair(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("fsdp_w2")
-    return run_worker(2, "logprobs,invariance,checkpoint", model_dir, out), out
+    return run_worker(2, "logprobs,invariance,checkpoint,accumulation", model_dir, out), out
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +153,34 @@ def test_loss_and_stats_invariant(single: tuple[dict, Path], pair: tuple[dict, P
         assert res[tag]["update_successful"] == 1.0
 
 
+def test_forward_backward_calls_then_optim_step_equal_one_train_batch(
+    single: tuple[dict, Path], pair: tuple[dict, Path]
+) -> None:
+    """Three forward_backward calls (each loss scaled by its batch's share of the union's loss
+    weight) then optim_step: the SGD update of one train_batch on the union, on 1 and 2 ranks."""
+    for res, _ in (single, pair):
+        assert res["accum_changed"] > 1e-2
+        assert res["accum_param_err"] < 1e-6
+        assert res["accum_loss"][0] == pytest.approx(res["accum_loss"][1], rel=1e-6)
+        assert res["accum_grad_norm"][0] == pytest.approx(res["accum_grad_norm"][1], abs=1e-6)
+    assert max_diff(params(single[1], "accum", 1), params(pair[1], "accum", 2)) < 1e-6
+
+
+def test_optim_step_uses_explicit_lr_weight_decay_and_max_grad_norm(
+    single: tuple[dict, Path], pair: tuple[dict, Path]
+) -> None:
+    for res, _ in (single, pair):
+        stats = res["override_stats"]
+        assert stats["lr"] == 0.25 and stats["update_successful"] == 1.0
+        norm = stats["grad_norm"]
+        assert norm > 0.1  # clipped to 0.01, far from the configured 1.0
+        # SGD moves by lr x the gradient clipped to max_grad_norm (torch adds 1e-6 to the norm)
+        assert res["override_step_norm"] == pytest.approx(0.25 * 0.01 * norm / (norm + 1e-6), rel=1e-5)
+        assert res["override_lr_after"] == 1.0  # the configured LR is back for the next step
+        assert res["override_wd_err"] < 1e-7  # decayed by exactly 1 - lr x wd, 1-D tensors not at all
+        assert res["override_wd_of_group"] == [0.01, 0.0]  # the configured weight decay is back
+
+
 def test_sft_loss_halves(single: tuple[dict, Path]) -> None:
     losses = single[0]["sft_losses"]
     assert len(losses) == 40
@@ -208,7 +236,7 @@ def test_nonfinite_grad_norm_skips_step(pair: tuple[dict, Path]) -> None:
     assert res["next_stats"]["update_successful"] == 1.0
 
 
-def test_dcp_resume_in_new_process_matches_uninterrupted_run(pair: tuple[dict, Path], resumed: dict) -> None:
+def test_train_state_resume_in_new_process_matches_uninterrupted_run(pair: tuple[dict, Path], resumed: dict) -> None:
     res, out = pair
     assert resumed["resumed_version"] == 7
     assert resumed["next_stats"] == res["next_stats"]

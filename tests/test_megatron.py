@@ -4,7 +4,8 @@ with TP=2, TP=1 x DP=2 and PP=2, all under one torchrun launch of 2 gloo ranks
 parameters after one `train_batch` equal to 1e-5; the Megatron-saved HF directory loads with
 ``from_pretrained`` and gives the engine's log-probabilities (also for tied embeddings at TP=2 and
 PP=2); a critic equals FSDP's critic; weight updates of all three kinds deliver the same tensors; a non-finite step is skipped; a
-``dcp`` checkpoint resumes exactly. The vocabulary (301) is odd, so TP=2 exercises the padded
+``train_state`` checkpoint resumes exactly; forward_backward calls then optim_step equal one
+train_batch on the union of their batches (SGD), and optim_step's explicit arguments are used. The vocabulary (301) is odd, so TP=2 exercises the padded
 vocabulary.
 """
 
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import TrainEngineConfig
+from areal_lite.api.io import SaveLoadMeta
 from areal_lite.kit import make_train_engine
 from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.tiny import build_tiny_model
@@ -159,11 +161,34 @@ def test_non_finite_gradient_skips_the_step(out: Path) -> None:
     assert checks["nan_changed"] == 0.0
 
 
-def test_dcp_checkpoint_resumes_exactly(out: Path) -> None:
+def test_train_state_checkpoint_resumes_exactly(out: Path) -> None:
     checks = json.loads((out / "checks.json").read_text())
     uninterrupted, resumed = checks["resume_stats"]
     assert uninterrupted == resumed
     assert max_diff(safetensors_dir(out / "tp2_step2_hf"), safetensors_dir(out / "tp2_resumed_hf")) == 0.0
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_forward_backward_calls_then_optim_step_equal_one_train_batch(out: Path, layout: str) -> None:
+    """Three forward_backward calls (each loss scaled by its batch's share of the union's loss
+    weight) then optim_step: the SGD update of one train_batch on the union."""
+    res = json.loads((out / "checks.json").read_text())[f"accum_{layout}"]
+    assert res["changed"] > 1e-2
+    assert res["param_err"] < 1e-6
+    assert res["loss"][0] == pytest.approx(res["loss"][1], rel=1e-6)
+    assert res["grad_norm"][0] == pytest.approx(res["grad_norm"][1], rel=1e-6)
+
+
+def test_optim_step_uses_explicit_lr_weight_decay_and_max_grad_norm(out: Path) -> None:
+    res = json.loads((out / "checks.json").read_text())["override"]
+    stats = res["stats"]
+    assert stats["lr"] == 0.25 != res["configured_lr"] and stats["update_successful"] == 1.0
+    norm = stats["grad_norm"]
+    assert norm > 0.1  # clipped to 0.01, far from the configured 1.0
+    # SGD moves by lr x the gradient clipped to max_grad_norm (megatron adds 1e-6 to the norm)
+    assert res["step_norm"] == pytest.approx(0.25 * 0.01 * norm / (norm + 1e-6), rel=1e-5)
+    assert res["lr_after"] == res["configured_lr"]  # the schedule's LR is back for the next step
+    assert res["wd_err"] < 1e-7  # decayed by exactly 1 - lr x wd, 1-D tensors not at all
 
 
 def test_backend_line_picks_the_engine() -> None:
@@ -171,3 +196,18 @@ def test_backend_line_picks_the_engine() -> None:
     assert type(make_train_engine(TrainEngineConfig(path="x", backend="fsdp"))).__name__ == "FSDPEngine"
     with pytest.raises(ValueError, match="fsdp or megatron"):
         make_train_engine(TrainEngineConfig(path="x", backend="deepspeed"))
+
+
+def test_checkpoint_formats_are_named_and_checked(tmp_path: Path) -> None:
+    """An unknown weight_format (the old name ``dcp`` too) is refused by name; a train_state
+    directory that another backend wrote (here FSDP's files) is refused before anything is read."""
+    with pytest.raises(ValueError, match="'dcp' is called 'train_state'"):
+        SaveLoadMeta(path=str(tmp_path), weight_format="dcp")  # type: ignore[arg-type]
+    engine = make_train_engine(TrainEngineConfig(path="x", backend="megatron"))
+    meta = SaveLoadMeta(path=str(tmp_path))
+    meta.weight_format = "safetensors"  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="must be one of hf, train_state"):
+        engine.save(meta)
+    (tmp_path / "extra_state_rank0.pt").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no MegatronEngine training state"):
+        engine.load(SaveLoadMeta(path=str(tmp_path), weight_format="train_state"))

@@ -63,7 +63,8 @@ rewards are all equal)."""
 LossWeightFn = Callable[[PackedBatch], float]
 """``loss_weight_fn(mb) -> weight`` of a micro-batch, e.g. its number of trained tokens. Each
 micro-batch loss is scaled by ``weight / total``, total summed over all micro-batches and all
-data-parallel ranks, so the update does not depend on how the batch was cut."""
+data-parallel ranks of one `TrainEngine.train_batch` (or `TrainEngine.forward_backward`) call, so
+the update does not depend on how the batch was cut."""
 
 
 class TrainEngine(abc.ABC):
@@ -106,13 +107,38 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
-        """One optimizer step on a padded trajectory batch (this rank's share of the data).
+        """One optimizer step on a padded trajectory batch (this rank's share of the data):
+        `forward_backward` then `optim_step` with the configured hyperparameters.
 
         Micro-batches by the configured `MicroBatchSpec`; each micro-batch loss is weighted by
         ``loss_weight_fn(mb) / total`` (total over all micro-batches and all data-parallel ranks);
         gradients are clipped; a non-finite gradient norm skips the step and logs a warning.
         Returns ``loss``, ``grad_norm``, ``lr``, ``update_successful`` (1.0/0.0) and the weighted
         means of the stats ``loss_fn`` returned."""
+
+    @abc.abstractmethod
+    def forward_backward(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        """Add the gradient of a padded trajectory batch (this rank's share) to the gradients
+        accumulated since the last `optim_step`, without stepping.
+
+        Micro-batched and normalised as in `train_batch`, with ``total`` the weight of this call
+        alone (its micro-batches, all data-parallel ranks): each call contributes the gradient of
+        its own normalised loss, and calls add up. To accumulate one update over several calls
+        equal to `train_batch` on the union of their batches, scale call ``c``'s loss by its share
+        ``total_c / sum(total)`` of the union's weight (``1 / N`` for N calls of equal weight).
+        Returns ``loss`` and the stats ``loss_fn`` returned, weighted means over this call."""
+
+    @abc.abstractmethod
+    def optim_step(
+        self, lr: float | None = None, weight_decay: float | None = None, max_grad_norm: float | None = None
+    ) -> dict[str, float]:
+        """Clip the accumulated gradients, step the optimizer and zero the gradients.
+
+        The arguments apply to this step only; None takes the configured value: the LR schedule's
+        current LR, ``optimizer.weight_decay`` (never applied to biases and norm weights),
+        ``optimizer.gradient_clipping`` (0 = no clipping). A non-finite gradient norm skips the
+        step (the gradients are still zeroed) and logs a warning. Returns ``grad_norm`` (before
+        clipping), ``lr`` (of this step) and ``update_successful`` (1.0/0.0)."""
 
     @abc.abstractmethod
     def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
@@ -124,13 +150,13 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def save(self, meta: SaveLoadMeta) -> None:
-        """Write HF weights (``weight_format="hf"``) or the full training state (``"dcp"``).
-        Collective: every rank calls it."""
+        """Write HF weights (``weight_format="hf"``) or the full training state
+        (``"train_state"``; see `WeightFormat`). Collective: every rank calls it."""
 
     @abc.abstractmethod
     def load(self, meta: SaveLoadMeta) -> None:
-        """Read what `save` wrote. Loading ``"dcp"`` restores model, optimizer, scheduler, step and
-        RNG so that the next `train_batch` equals the uninterrupted run's."""
+        """Read what `save` wrote. Loading ``"train_state"`` restores model, optimizer, scheduler,
+        step and RNG so that the next `train_batch` equals the uninterrupted run's."""
 
     @abc.abstractmethod
     def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:

@@ -25,6 +25,27 @@ StopReason = Literal["length", "stop", "interrupt", "abort"]
 
 WeightUpdateType = Literal["in_process", "disk", "distributed"]
 
+WeightFormat = Literal["hf", "train_state"]
+"""What `TrainEngine.save` writes and `TrainEngine.load` reads.
+
+- ``hf``: a HF model directory (safetensors, config, tokenizer when given) that
+  ``from_pretrained`` loads; the same from every backend.
+- ``train_state``: everything a resumed run needs to continue exactly (model, optimizer, LR
+  schedule, step, policy version, RNG). The files are the backend's own and only the backend
+  that wrote them reads them back: FSDP writes model and optimizer with
+  torch.distributed.checkpoint plus a `torch.save` file per rank for the rest; Megatron writes
+  one `torch.save` file per rank and needs the same parallel layout to resume.
+"""
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("hf", "train_state")
+
+
+def unknown_weight_format(name: str) -> ValueError:
+    """The error for a ``weight_format`` that is not one of `WEIGHT_FORMATS`."""
+    hint = " ('dcp' is called 'train_state': not every backend writes torch.distributed.checkpoint)"
+    return ValueError(
+        f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, got {name!r}" + (hint if name == "dcp" else "")
+    )
+
 
 @dataclass
 class GenerationConfig:
@@ -80,7 +101,6 @@ class ModelRequest:
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     """Request id. Requests with the same rid stay on one server (prefix-cache locality)."""
-    metadata: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -162,23 +182,17 @@ class WeightUpdateMeta:
 
 @dataclass
 class SaveLoadMeta:
-    """What `TrainEngine.save` / `load` write or read.
-
-    ``weight_format="hf"`` writes a HF model directory (safetensors, config, tokenizer when
-    given) that ``from_pretrained`` loads; ``"dcp"`` writes the full training state (model,
-    optimizer, LR scheduler, step, RNG) with torch.distributed.checkpoint so that a resumed run
-    continues exactly.
-    """
+    """What `TrainEngine.save` / `load` write or read: a directory in one of the `WeightFormat`s."""
 
     path: str
-    weight_format: Literal["hf", "dcp"] = "hf"
-    with_optim: bool = False
+    weight_format: WeightFormat = "hf"
+    """``hf`` (portable weights) or ``train_state`` (everything to resume; see `WeightFormat`)."""
     tokenizer: object | None = None
     """A tokenizer (anything with ``save_pretrained``) written beside HF weights."""
 
     def __post_init__(self) -> None:
-        if self.weight_format not in ("hf", "dcp"):
-            raise ValueError(f"SaveLoadMeta.weight_format must be hf or dcp, got {self.weight_format!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise unknown_weight_format(self.weight_format)
 
 
 @dataclass

@@ -20,12 +20,10 @@ fp32 master weights and optimizer state, computes in bf16 and reduces gradients 
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import replace
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -44,20 +42,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from areal_lite.api.config import TrainEngineConfig
-from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedBatch, TrainEngine
-from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal_lite.api.engine import LossFn, PackedBatch
+from areal_lite.api.io import FinetuneSpec
+from areal_lite.engines.train_base import TrainEngineBase
 from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatches, unpack_sequences
-from areal_lite.utils.distributed import destroy_default_group, init_default_group
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
-from areal_lite.utils.lr_schedule import lr_multiplier
 from areal_lite.utils.precision import compute_dtype
 from areal_lite.utils.recover import rng_state, set_rng_state
 from areal_lite.utils.shared_prefix import SharedPrefixLayout, shared_prefix_layout
 from areal_lite.utils.varlen_attention import register_varlen_sdpa
-from areal_lite.utils.weight_sync import WeightSender
-
-logger = logging.getLogger(__name__)
 
 _HF_PREFIX = "hf."
 
@@ -140,22 +134,16 @@ def _fused_adam_supported(params: list[torch.Tensor]) -> bool:
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
-class FSDPEngine(TrainEngine):
-    """FSDP2 train engine. See the module docstring; the methods follow `TrainEngine`."""
+class FSDPEngine(TrainEngineBase):
+    """FSDP2 train engine. See the module docstring; the methods follow `TrainEngine`, the
+    backend-independent ones are `TrainEngineBase`'s."""
 
     def __init__(self, config: TrainEngineConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.model: _PackedModel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
-        self.device = torch.device("cpu")
-        self.compute_dtype = torch.float32
-        """What ``config.dtype`` resolved to (``auto``: `areal_lite.utils.precision`)."""
         self._persistent_buffers: set[str] | None = None  # HF names of the buffers a state dict holds
-        self._version = 0
-        self._global_step = 0
-        self._owns_group = False
-        self._sender = WeightSender()
 
     # ---------------------------------------------------------------- setup
 
@@ -168,7 +156,7 @@ class FSDPEngine(TrainEngine):
         self.compute_dtype = compute_dtype(cfg.dtype, self.device)
         self.create_process_group()
         torch.manual_seed(cfg.seed)
-        hf = self._load_hf(cfg.path)
+        hf = self._from_pretrained(cfg.path)
         if cfg.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if ft_spec is None:
@@ -188,11 +176,7 @@ class FSDPEngine(TrainEngine):
             self._build_optimizer(ft_spec)
         freeze_startup_objects()
 
-    def create_process_group(self) -> None:
-        if not dist.is_initialized():
-            self._owns_group = init_default_group()
-
-    def _load_hf(self, path: str) -> nn.Module:
+    def _from_pretrained(self, path: str) -> nn.Module:
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         attn = self.config.attn_impl
@@ -219,7 +203,11 @@ class FSDPEngine(TrainEngine):
                 # Norm weights and biases are 1-D; decaying them towards 0 only hurts.
                 (decay if p.ndim >= 2 else no_decay).append(p)
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            # wd_mult (megatron's name) tells `optim_step` which group a weight_decay override skips
+            [
+                {"params": decay, "weight_decay": opt.weight_decay, "wd_mult": 1.0},
+                {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+            ],
             lr=opt.lr,
             betas=(opt.beta1, opt.beta2),
             eps=opt.eps,
@@ -228,45 +216,20 @@ class FSDPEngine(TrainEngine):
             # the fused one 1.7 ms, each op paying DTensor's dispatch.
             fused=_fused_adam_supported(decay + no_decay),
         )
-        total = ft_spec.total_train_steps
-        warmup = int(opt.warmup_steps_proportion * total)
-        factor = lr_multiplier(opt.lr_scheduler_type, total, warmup, opt.min_lr_ratio)
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor(ft_spec))
 
     def destroy(self) -> None:
-        self.model = None
-        self.optimizer = None
         self.lr_scheduler = None
-        self._sender = WeightSender()
-        if self._owns_group:
-            destroy_default_group()
-        self._owns_group = False
+        super().destroy()
 
-    @property
-    def data_parallel_rank(self) -> int:
-        return dist.get_rank()
+    def _data_parallel_group(self) -> dist.ProcessGroup | None:
+        return None  # every rank holds a shard of the whole model: all are data-parallel
 
-    @property
-    def data_parallel_world_size(self) -> int:
-        return dist.get_world_size()
-
-    def set_version(self, version: int) -> None:
-        self._version = version
-
-    def get_version(self) -> int:
-        return self._version
-
-    def step_lr_scheduler(self) -> None:
-        if self.lr_scheduler is None:
-            raise RuntimeError("a frozen engine (initialized without FinetuneSpec) has no LR scheduler")
+    def _advance_lr_schedule(self) -> None:
+        assert self.lr_scheduler is not None
         self.lr_scheduler.step()
 
     # ---------------------------------------------------------------- compute
-
-    def _module(self) -> _PackedModel:
-        if self.model is None:
-            raise RuntimeError("FSDPEngine.initialize() has not been called (or destroy() was)")
-        return self.model
 
     def _max_over_ranks(self, n: int) -> int:
         t = torch.tensor([n], dtype=torch.int64, device=self.device)
@@ -319,42 +282,27 @@ class FSDPEngine(TrainEngine):
             return result, torch.cat(ents)[order]
         return result
 
-    def _weights(self, mbs: list[PackedBatch], n_real: int, loss_weight_fn: LossWeightFn) -> tuple[list[float], float]:
-        weights = [float(loss_weight_fn(mb)) for mb in mbs[:n_real]] + [0.0] * (len(mbs) - n_real)
-        total = torch.tensor([sum(weights)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
-        if total.item() <= 0:
-            raise ValueError("loss_weight_fn gave a total weight of 0 over the whole batch (no trained tokens?)")
-        return weights, float(total.item())
-
-    def _reduce_stats(self, loss: float, stats: dict[str, float]) -> dict[str, float]:
-        """Sum the already-weighted loss and stats over ranks (their weights sum to 1 globally)."""
-        keys = sorted(stats)
-        vec = torch.tensor([loss] + [stats[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(vec)
-        out = {"loss": float(vec[0])}
-        out.update({k: float(v) for k, v in zip(keys, vec[1:].tolist())})
-        return out
-
-    def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
-        model = self._module()
-        if self.optimizer is None or self.lr_scheduler is None:
-            raise RuntimeError("train_batch needs an optimizer: initialize the engine with a FinetuneSpec")
-        model.train()
+    def _loss_microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], int]:
         mbs, _, n_real = self._microbatches(batch)
-        weights, total = self._weights(mbs, n_real, loss_weight_fn)
+        return mbs, n_real
+
+    def _loss_passes(
+        self, mbs: list[PackedBatch], n_real: int, weights: list[float], total: float, loss_fn: LossFn, train: bool
+    ) -> list[dict[str, float]]:
+        model = self._module()
+        model.train(train)
         world = dist.get_world_size()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, stats_sum = 0.0, {}
+        results = []
         for i, (mb, w) in enumerate(zip(mbs, weights)):
-            # Reduce-scatter gradients once, after the last micro-batch.
-            model.set_requires_gradient_sync(i == len(mbs) - 1)
+            if train:
+                # Reduce-scatter gradients once, after the last micro-batch.
+                model.set_requires_gradient_sync(i == len(mbs) - 1)
             out, ent = self._run(mb, with_entropy=not self.config.is_critic)
             if i < n_real:
                 loss, stats = loss_fn(out, ent, mb)
-                loss_sum += float(loss.detach()) * w / total
-                for k, v in stats.items():
-                    stats_sum[k] = stats_sum.get(k, 0.0) + float(v.detach()) * w / total
+                results.append({"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in stats.items()}})
+            if not train:
+                continue
             if w > 0:
                 # FSDP averages gradients over ranks; `world` turns that average into the sum.
                 (loss * (w / total * world)).backward()
@@ -362,42 +310,22 @@ class FSDPEngine(TrainEngine):
                 # A zero-weight pass still runs backward so that FSDP's collectives match, without
                 # touching the loss, which may be NaN here (e.g. a mean over no tokens).
                 ((out.sum() + ent.sum()) * 0.0).backward()
-        grad_norm = self._clip_grad_norm()
-        lr = self.optimizer.param_groups[0]["lr"]
-        ok = bool(np.isfinite(grad_norm))
-        if ok:
-            self.optimizer.step()
-            self._global_step += 1
-        else:
-            logger.warning("non-finite gradient norm %s at step %d: skipping the update", grad_norm, self._global_step)
-        self.optimizer.zero_grad(set_to_none=True)
-        result = self._reduce_stats(loss_sum, stats_sum)
-        result.update(grad_norm=grad_norm, lr=float(lr), update_successful=float(ok))
-        return result
+        return results
 
-    def _clip_grad_norm(self) -> float:
+    def _clip_gradients(self, max_norm: float) -> float:
         params = [p for p in self._module().parameters() if p.grad is not None]
-        clip = self.config.optimizer.gradient_clipping
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         return float(norm)
 
-    @torch.no_grad()
-    def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
-        model = self._module()
-        model.eval()
-        mbs, _, n_real = self._microbatches(batch)
-        weights, total = self._weights(mbs, n_real, loss_weight_fn)
-        loss_sum, stats_sum = 0.0, {}
-        for i, (mb, w) in enumerate(zip(mbs, weights)):
-            out, ent = self._run(mb, with_entropy=not self.config.is_critic)
-            if i < n_real:
-                loss, stats = loss_fn(out, ent, mb)
-                loss_sum += float(loss) * w / total
-                for k, v in stats.items():
-                    stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * w / total
-        return self._reduce_stats(loss_sum, stats_sum)
+    def _apply_update(self) -> None:
+        assert self.optimizer is not None
+        self.optimizer.step()
+
+    def _zero_grad(self) -> None:
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -408,19 +336,10 @@ class FSDPEngine(TrainEngine):
         weight update."""
         keep = dist.get_rank() == 0
         full = {}
-        for name, t in self._full_tensors(cast=False):
+        for name, t in self._hf_tensors(cast=False):
             if keep:
                 full[name] = t.cpu()
         return full
-
-    def save(self, meta: SaveLoadMeta) -> None:
-        """``hf``: a HF directory (and tokenizer) from rank 0. ``dcp``: model, optimizer (when the
-        engine has one), LR scheduler, step, version and every rank's RNG state."""
-        if meta.weight_format == "hf":
-            self._save_hf(meta.path, meta.tokenizer)
-        else:
-            self._save_dcp(meta.path)
-        dist.barrier()
 
     def _save_hf(self, path: str, tokenizer: object | None) -> None:
         sd = self._full_state_dict()
@@ -451,7 +370,9 @@ class FSDPEngine(TrainEngine):
         model_sd, optim_sd = get_state_dict(model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
-    def _save_dcp(self, path: str) -> None:
+    def _save_train_state(self, path: str) -> None:
+        """Model and optimizer (when the engine has one) with torch.distributed.checkpoint, and per
+        rank a `torch.save` file of the LR scheduler, step, version and RNG state."""
         os.makedirs(path, exist_ok=True)
         dcp.save(self._training_state(), checkpoint_id=path)
         extra = {
@@ -462,23 +383,17 @@ class FSDPEngine(TrainEngine):
         }
         torch.save(extra, os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt"))
 
-    def load(self, meta: SaveLoadMeta) -> None:
-        if meta.weight_format == "hf":
-            self._load_hf_weights(meta.path)
-        else:
-            self._load_dcp(meta.path)
-        dist.barrier()
-
     def _load_hf_weights(self, path: str) -> None:
         model = self._module()
         # Loading through HF resolves tied weights, sharded index files and dtype conversion.
-        full = self._load_hf(path).state_dict()
+        full = self._from_pretrained(path).state_dict()
         model.reshard()
         set_model_state_dict(
             model, {_HF_PREFIX + k: v for k, v in full.items()}, options=StateDictOptions(full_state_dict=True)
         )
 
-    def _load_dcp(self, path: str) -> None:
+    def _load_train_state(self, path: str) -> None:
+        extra_file = self._train_state_file(path, f"extra_state_rank{dist.get_rank()}.pt")
         model = self._module()
         state = self._training_state()
         dcp.load(state, checkpoint_id=path)
@@ -486,7 +401,7 @@ class FSDPEngine(TrainEngine):
             set_model_state_dict(model, state["model"])  # type: ignore[arg-type]
         else:
             set_state_dict(model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])  # type: ignore[arg-type]
-        extra = torch.load(os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt"), weights_only=False)
+        extra = torch.load(extra_file, weights_only=False)
         self._version = extra["version"]
         self._global_step = extra["global_step"]
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
@@ -495,12 +410,7 @@ class FSDPEngine(TrainEngine):
 
     # ---------------------------------------------------------------- weight updates
 
-    def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
-        """Remember ``engine``; for distributed updates rank 0 also builds the weight-update group
-        (`WeightSender.connect`: a ``master_port`` of 0 is replaced in ``meta`` by a free port)."""
-        self._sender.connect(engine, meta)
-
-    def _full_tensors(self, cast: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    def _hf_tensors(self, cast: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors with HF names, one at a time, cast to the compute dtype (``cast=False``:
         the parameters' own, fp32), as copies that later optimizer steps cannot change.
         Collective: every rank iterates to the end (non-zero ranks only take part in the gathers)."""
@@ -514,9 +424,6 @@ class FSDPEngine(TrainEngine):
         for name, t in named:
             full = t.full_tensor() if isinstance(t, DTensor) else t
             yield name, full.detach().to(self.compute_dtype if cast else full.dtype, copy=True)
-
-    def update_weights(self, meta: WeightUpdateMeta) -> None:
-        self._sender.send(meta, self._version, self._full_tensors, self._write_weights)
 
 
 __all__ = ["FSDPEngine"]

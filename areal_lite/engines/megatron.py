@@ -31,8 +31,8 @@ embedding that megatron keeps in sync (its gradients are summed with the first s
 On CPU (gloo) megatron-core's few hard-coded CUDA calls are redirected by `mcore_cpu`.
 
 Checkpoints: ``hf`` writes a HF directory from rank 0 (sharded safetensors and config);
-``dcp`` writes each rank's parameter shards, optimizer state, LR schedule, step and RNG with
-`torch.save` into one directory; it resumes under the same parallel layout.
+``train_state`` writes each rank's parameter shards, optimizer state, LR schedule, step and RNG
+with `torch.save` into one directory; it resumes under the same parallel layout.
 """
 
 from __future__ import annotations
@@ -40,37 +40,32 @@ from __future__ import annotations
 import copy
 import glob
 import json
-import logging
+import math
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
 from areal_lite.api.config import TrainEngineConfig
-from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedBatch, TrainEngine
-from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal_lite.api.engine import LossFn, PackedBatch
+from areal_lite.api.io import FinetuneSpec
 from areal_lite.engines.mcore_convert import ArchSpec, hf_to_mcore, mcore_split_dim, mcore_to_hf
 from areal_lite.engines.mcore_cpu import cpu_compat, cpu_mode, install_cpu_rng_tracker
+from areal_lite.engines.train_base import TrainEngineBase
 from areal_lite.utils.data import pack_batch, split_microbatches, unpack_sequences
-from areal_lite.utils.distributed import destroy_default_group, init_default_group
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
-from areal_lite.utils.lr_schedule import lr_multiplier
 from areal_lite.utils.precision import compute_dtype
 from areal_lite.utils.recover import rng_state, set_rng_state
 from areal_lite.utils.varlen_attention import varlen_sdpa_attention
-from areal_lite.utils.weight_sync import WeightSender
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
-
-logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES = ("float32", "bfloat16")
 _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -242,27 +237,20 @@ def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> to
     return gpt
 
 
-class MegatronEngine(TrainEngine):
-    """megatron-core train engine. See the module docstring; the methods follow `TrainEngine`."""
+class MegatronEngine(TrainEngineBase):
+    """megatron-core train engine. See the module docstring; the methods follow `TrainEngine`, the
+    backend-independent ones are `TrainEngineBase`'s."""
 
     def __init__(self, config: TrainEngineConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.arch: ArchSpec | None = None
         self._hf_config: object | None = None
-        self.model: torch.nn.Module | None = None
         self.optimizer: MegatronOptimizer | None = None
         self.lr_factor: Callable[[int], float] | None = None
         self._lr_step = 0
-        self._global_step = 0
-        self._version = 0
-        self._owns_group = False
         self._owns_model_parallel = False
-        self._sender = WeightSender()
         self._layer_ids: list[int] = []
         self._stage_specs: list[list[tuple[str, list[tuple[str, tuple[int, ...]]]]]] | None = None
-        self.device = torch.device("cpu")
-        self.compute_dtype = torch.float32
-        """What ``config.dtype`` resolved to (``auto``: `areal_lite.utils.precision`)."""
 
     # ---------------------------------------------------------------- setup
 
@@ -305,8 +293,7 @@ class MegatronEngine(TrainEngine):
     def create_process_group(self) -> None:
         from megatron.core import parallel_state as ps
 
-        if not dist.is_initialized():
-            self._owns_group = init_default_group()
+        super().create_process_group()
         tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
         if dist.get_world_size() % (tp * pp) != 0:
             raise ValueError(
@@ -339,7 +326,7 @@ class MegatronEngine(TrainEngine):
             adam_beta1=opt.beta1,
             adam_beta2=opt.beta2,
             adam_eps=opt.eps,
-            # clipping happens in `_optimizer_step`, after the finiteness check
+            # clipping happens in `_clip_gradients`, after the finiteness check
             clip_grad=0.0,
             bf16=dtype == torch.bfloat16,
             params_dtype=dtype,
@@ -353,10 +340,7 @@ class MegatronEngine(TrainEngine):
             self.optimizer = get_megatron_optimizer(
                 ocfg, [self.model], config_overrides=get_standard_config_overrides(ocfg)
             )
-        total = ft_spec.total_train_steps
-        self.lr_factor = lr_multiplier(
-            opt.lr_scheduler_type, total, int(opt.warmup_steps_proportion * total), opt.min_lr_ratio
-        )
+        self.lr_factor = self._lr_factor(ft_spec)
         self._set_lr()
 
     def _set_lr(self) -> None:
@@ -370,46 +354,21 @@ class MegatronEngine(TrainEngine):
     def destroy(self) -> None:
         from megatron.core import parallel_state as ps
 
-        self.model = None
-        self.optimizer = None
-        self._sender = WeightSender()
         if self._owns_model_parallel:
             ps.destroy_model_parallel()
             self._owns_model_parallel = False
-        if self._owns_group:
-            destroy_default_group()
-        self._owns_group = False
+        super().destroy()
 
-    @property
-    def data_parallel_rank(self) -> int:
+    def _data_parallel_group(self) -> dist.ProcessGroup:
         from megatron.core import parallel_state as ps
 
-        return ps.get_data_parallel_rank()
+        return ps.get_data_parallel_group(with_context_parallel=True)
 
-    @property
-    def data_parallel_world_size(self) -> int:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_data_parallel_world_size()
-
-    def set_version(self, version: int) -> None:
-        self._version = version
-
-    def get_version(self) -> int:
-        return self._version
-
-    def step_lr_scheduler(self) -> None:
-        if self.optimizer is None:
-            raise RuntimeError("a frozen engine (initialized without FinetuneSpec) has no LR scheduler")
+    def _advance_lr_schedule(self) -> None:
         self._lr_step += 1
         self._set_lr()
 
     # ---------------------------------------------------------------- compute
-
-    def _module(self) -> torch.nn.Module:
-        if self.model is None:
-            raise RuntimeError("MegatronEngine.initialize() has not been called (or destroy() was)")
-        return self.model
 
     def _gpt(self) -> torch.nn.Module:
         """The GPTModel itself (inside megatron's DDP wrapper when training)."""
@@ -540,33 +499,6 @@ class MegatronEngine(TrainEngine):
         lp, ent = self._from_last_stage(result)  # type: ignore[misc]
         return (lp, ent) if with_entropy else lp
 
-    def _weights(self, packed: list[PackedBatch], loss_weight_fn: LossWeightFn) -> tuple[list[float], float]:
-        from megatron.core import parallel_state as ps
-
-        weights = [float(loss_weight_fn(mb)) for mb in packed]
-        # on the compute device: megatron's groups may be NCCL-only on CUDA
-        total = torch.tensor([sum(weights)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
-        if total.item() <= 0:
-            raise ValueError("loss_weight_fn gave a total weight of 0 over the whole batch (no trained tokens?)")
-        return weights, float(total.item())
-
-    def _weighted_stats(
-        self, store: list[dict[str, torch.Tensor]], weights: list[float], total: float
-    ) -> dict[str, float]:
-        """Loss and stats averaged with the loss weights, over micro-batches and data-parallel ranks."""
-        from megatron.core import parallel_state as ps
-
-        sums: dict[str, float] = {}
-        for out, w in zip(store, weights):
-            for k, v in out.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * w / total
-        sums = self._from_last_stage(sums)  # type: ignore[assignment]
-        keys = ["loss"] + sorted(k for k in sums if k != "loss")
-        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(vec, group=ps.get_data_parallel_group(with_context_parallel=True))
-        return dict(zip(keys, vec.tolist()))
-
     def _loss_head(self, loss_fn: LossFn, total: float, train: bool) -> Callable[..., tuple]:
         def head(packed: PackedBatch, w: float, hidden: torch.Tensor) -> tuple:
             out, ent = self._token_outputs(hidden, packed, with_entropy=True)
@@ -583,66 +515,53 @@ class MegatronEngine(TrainEngine):
 
         return head
 
-    def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
-        from megatron.core.distributed import finalize_model_grads
-
-        model = self._module()
-        if self.optimizer is None:
-            raise RuntimeError("train_batch needs an optimizer: initialize the engine with a FinetuneSpec")
-        model.train()
+    def _loss_microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], int]:
         mbs, _ = self._microbatches(batch)
-        weights, total = self._weights(mbs, loss_weight_fn)
-        with cpu_compat():
-            model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            store = self._schedule(
-                list(zip(mbs, weights)),
-                self._loss_head(loss_fn, total, True),
-                forward_only=False,
-            )
-            # data-parallel reduce-scatter, and the tied-embedding gradient sum across stages
-            finalize_model_grads([model])
-            grad_norm, ok = self._optimizer_step()
-        result = self._weighted_stats(store, weights, total)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        result.update(grad_norm=grad_norm, lr=lr, update_successful=float(ok))
-        return result
+        return mbs, len(mbs)
 
-    def _optimizer_step(self) -> tuple[float, bool]:
-        """Clip and step unless the gradient norm is non-finite (then skip). Returns (norm, stepped)."""
+    def _loss_passes(
+        self, mbs: list[PackedBatch], n_real: int, weights: list[float], total: float, loss_fn: LossFn, train: bool
+    ) -> list[dict[str, float]]:
+        model = self._module()
+        model.train(train)
+        with cpu_compat():
+            store = self._schedule(
+                list(zip(mbs, weights)), self._loss_head(loss_fn, total, train), forward_only=not train
+            )
+        per_mb = [{k: float(v) for k, v in out.items()} for out in store]
+        return self._from_last_stage(per_mb)  # type: ignore[return-value]
+
+    def _clip_gradients(self, max_norm: float) -> float:
+        """Sum the gradients over data-parallel ranks (and the tied embedding's over the first and
+        last stage), once per `optim_step` however many `forward_backward` calls accumulated them
+        (a second reduction would add the others' gradients again), then clip them unless their
+        norm is non-finite."""
+        from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         opt = self.optimizer
         assert opt is not None
-        opt.prepare_grads()
-        grad_norm = float(opt.get_grad_norm())
-        if not np.isfinite(grad_norm):
-            logger.warning("non-finite gradient norm %s at step %d: skipping the update", grad_norm, self._global_step)
-            opt.zero_grad()
-            return grad_norm, False
-        clip = self.config.optimizer.gradient_clipping
-        if clip > 0:
-            for sub in _sub_optimizers(opt):
-                params = sub.get_parameters()
-                if params:
-                    clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=grad_norm)
-        opt.step_with_ready_grads()
-        self._global_step += 1
-        return grad_norm, True
-
-    @torch.no_grad()
-    def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
-        model = self._module()
-        model.eval()
-        mbs, _ = self._microbatches(batch)
-        weights, total = self._weights(mbs, loss_weight_fn)
         with cpu_compat():
-            store = self._schedule(
-                list(zip(mbs, weights)),
-                self._loss_head(loss_fn, total, False),
-                forward_only=True,
-            )
-        return self._weighted_stats(store, weights, total)
+            finalize_model_grads([self._module()])
+            opt.prepare_grads()
+            grad_norm = float(opt.get_grad_norm())
+            if max_norm > 0 and math.isfinite(grad_norm):
+                for sub in _sub_optimizers(opt):
+                    params = sub.get_parameters()
+                    if params:
+                        clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=grad_norm)
+        return grad_norm
+
+    def _apply_update(self) -> None:
+        assert self.optimizer is not None
+        with cpu_compat():
+            self.optimizer.step_with_ready_grads()
+
+    def _zero_grad(self) -> None:
+        assert self.optimizer is not None
+        with cpu_compat():
+            self._module().zero_grad_buffer()
+            self.optimizer.zero_grad()
 
     # ---------------------------------------------------------------- weights in HF form
 
@@ -695,7 +614,8 @@ class MegatronEngine(TrainEngine):
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors, one at a time, on every rank, cast to the configured dtype.
         Collective over the model-parallel group: every rank iterates to the end. Each stage
-        gathers its parameters over tensor-parallel ranks, then broadcasts them to the others."""
+        gathers its parameters over tensor-parallel ranks, then broadcasts them to the others;
+        data-parallel replicas hold identical weights, so nothing runs across them."""
         from megatron.core import parallel_state as ps
 
         assert self.arch is not None
@@ -753,24 +673,11 @@ class MegatronEngine(TrainEngine):
 
     # ---------------------------------------------------------------- checkpoints
 
-    def save(self, meta: SaveLoadMeta) -> None:
-        """``hf``: a HF directory (and tokenizer) from rank 0. ``dcp``: every rank's parameter
-        shards, optimizer state (when the engine has one), LR step, step, version and RNG state."""
-        if meta.weight_format == "hf":
-            self._save_hf(meta.path, meta.tokenizer)
-        else:
-            self._save_state(meta.path)
-        dist.barrier()
-
-    def load(self, meta: SaveLoadMeta) -> None:
-        if meta.weight_format == "hf":
-            with cpu_compat():
-                self._copy_hf_into(self._gpt(), _SafetensorsDir(meta.path))
-                if self.optimizer is not None:
-                    self.optimizer.reload_model_params()
-        else:
-            self._load_state(meta.path)
-        dist.barrier()
+    def _load_hf_weights(self, path: str) -> None:
+        with cpu_compat():
+            self._copy_hf_into(self._gpt(), _SafetensorsDir(path))
+            if self.optimizer is not None:
+                self.optimizer.reload_model_params()
 
     def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
         assert self.optimizer is not None
@@ -784,7 +691,10 @@ class MegatronEngine(TrainEngine):
             "pipeline_parallel_size": cfg.pipeline_parallel_size,
         }
 
-    def _save_state(self, path: str) -> None:
+    def _save_train_state(self, path: str) -> None:
+        """Per rank, one `torch.save` file of its parameter shards, optimizer state (when the engine
+        has one), LR step, step, version and RNG state; and the parallel layout, which a resumed
+        run must share."""
         os.makedirs(path, exist_ok=True)
         state: dict[str, object] = {
             "model": {n: p.detach().cpu().clone() for n, p in self._gpt().named_parameters()},
@@ -806,8 +716,8 @@ class MegatronEngine(TrainEngine):
                 json.dump(self._layout(), f)
 
     @torch.no_grad()
-    def _load_state(self, path: str) -> None:
-        with open(os.path.join(path, "megatron_layout.json")) as f:
+    def _load_train_state(self, path: str) -> None:
+        with open(self._train_state_file(path, "megatron_layout.json")) as f:
             layout = json.load(f)
         if layout != self._layout():
             raise ValueError(f"checkpoint {path} was written with layout {layout}, this run has {self._layout()}")
@@ -825,18 +735,6 @@ class MegatronEngine(TrainEngine):
         if self.optimizer is not None:
             self._set_lr()
         set_rng_state(state["rng"])
-
-    # ---------------------------------------------------------------- weight updates
-
-    def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
-        """Remember ``engine``; for distributed updates global rank 0 also builds the weight-update
-        group (a ``master_port`` of 0 is replaced in ``meta`` by a free port), as in FSDPEngine."""
-        self._sender.connect(engine, meta)
-
-    def update_weights(self, meta: WeightUpdateMeta) -> None:
-        """Full HF-named tensors gathered over tensor-parallel ranks; only global rank 0 sends.
-        Data-parallel replicas hold identical weights, so only the tensor-parallel gathers run."""
-        self._sender.send(meta, self._version, self._hf_tensors, lambda path: self._save_hf(path, None))
 
 
 __all__ = ["MegatronEngine"]

@@ -1,7 +1,7 @@
 """Crash recovery: the full training state, written atomically, and the resume that reads it.
 
 A recover checkpoint (``output_dir/recover/checkpoint``) holds the train engine's full state
-(model, optimizer, LR scheduler; `TrainEngine.save` with ``weight_format="dcp"``) and one small
+(model, optimizer, LR scheduler; `TrainEngine.save` with ``weight_format="train_state"``) and one small
 file per rank with the last finished step, the policy version, the data loader's position, the RNG
 states and anything else with a ``state_dict`` (the stats logger). It is dumped after a step
 finished, so a run resumed from it starts at the next step with the data loader positioned right
@@ -112,7 +112,7 @@ class RecoverHandler:
         }
 
         def write(tmp: str) -> None:
-            engine.save(SaveLoadMeta(path=os.path.join(tmp, "engine"), weight_format="dcp", with_optim=True))
+            engine.save(SaveLoadMeta(path=os.path.join(tmp, "engine"), weight_format="train_state"))
             torch.save(state, os.path.join(tmp, f"state_rank{_rank()}.pt"))
 
         write_atomically(self.path, write)
@@ -136,7 +136,7 @@ class RecoverHandler:
                 raise FileNotFoundError(f"recover.mode=resume but there is no recover checkpoint at {self.path}")
             return None
         state = torch.load(os.path.join(path, f"state_rank{_rank()}.pt"), weights_only=False)
-        engine.load(SaveLoadMeta(path=os.path.join(path, "engine"), weight_format="dcp", with_optim=True))
+        engine.load(SaveLoadMeta(path=os.path.join(path, "engine"), weight_format="train_state"))
         version = int(state["version"])
         engine.set_version(version)
         if dataloader is not None and state["dataloader"] is not None:

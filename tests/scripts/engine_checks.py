@@ -1,5 +1,5 @@
 """Pieces shared by fsdp_worker.py and megatron_worker.py: a fixed batch, a token-mean NLL loss with
-its weight, and a receiver of weight updates."""
+its weight (and a loss scaled by a share), and a receiver of weight updates."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
 
-from areal_lite.api.engine import InferenceEngine, PackedBatch
+from areal_lite.api.engine import InferenceEngine, LossFn, PackedBatch
 from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
 
@@ -54,6 +54,17 @@ def nll(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Te
 
 def n_tokens(mb: PackedBatch) -> float:
     return float(mb["loss_mask"].sum())  # type: ignore[union-attr]
+
+
+def scaled(loss_fn: LossFn, share: float) -> LossFn:
+    """``loss_fn`` times ``share``: a forward_backward call's part of an update accumulated over
+    several calls (`TrainEngine.forward_backward`)."""
+
+    def fn(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, stats = loss_fn(out, ent, mb)
+        return loss * share, stats
+
+    return fn
 
 
 class WeightReceiver(InferenceEngine):

@@ -10,13 +10,15 @@ comma-separated list of the checks below. Rank 0 writes ``OUT_DIR/<CHECKS>_w<wor
   with an uneven split over ranks (SGD, and AdamW); the test compares the parameters across runs.
   Also the engine's (fused) AdamW against torch's per-tensor AdamW on the same gradients.
 - ``checkpoint``: HF save -> from_pretrained; weight updates of all three kinds to a fake
-  receiver; a non-finite gradient skipping the step; DCP save, then eval_batch and one more
-  step (the uninterrupted run).
-- ``resume``: (a new process) load ``checkpoint``'s DCP state and take the same next step.
+  receiver; a non-finite gradient skipping the step; train_state save, then eval_batch and one
+  more step (the uninterrupted run).
+- ``resume``: (a new process) load ``checkpoint``'s train_state and take the same next step.
 - ``sft``: SFT loss over 40 steps on a small fixed text dataset.
 - ``critic``: a value model's forward and training.
 - ``shared_prefix``: log-probabilities, entropies, values and one SGD update with each group's
   prompt computed once equal those of the ordinary packed forward.
+- ``accumulation``: forward_backward on three batches, then one optim_step, against one
+  train_batch on their union (SGD); optim_step's one-step lr, weight_decay and max_grad_norm.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from engine_checks import WeightReceiver, group_batch, make_batch, n_tokens, nll
+from engine_checks import WeightReceiver, group_batch, make_batch, n_tokens, nll, scaled
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -65,6 +67,14 @@ def engine(n_mbs: int = 1, lr: float = 1e-3, ft: FinetuneSpec | None = FT, **kw:
     cfg = TrainEngineConfig(path=MODEL, optimizer=opt, mb_spec=MicroBatchSpec(n_mbs=n_mbs), logits_chunk_size=7, **kw)
     e = FSDPEngine(cfg)
     e.initialize(ft)
+    return e
+
+
+def with_sgd(e: FSDPEngine) -> FSDPEngine:
+    """``e`` with plain SGD (lr 1) for its optimizer: the update is linear in the gradient, so
+    parameter equality to 1e-6 is gradient equality (Adam's first step amplifies float noise:
+    FINDINGS.md)."""
+    e.optimizer = torch.optim.SGD(e.model.parameters(), lr=1.0)
     return e
 
 
@@ -122,9 +132,7 @@ def check_invariance(res: dict[str, object]) -> None:
         for n_mbs, ckpt, share in runs:
             e = engine(n_mbs=n_mbs, lr=1e-3, gradient_checkpointing=ckpt)
             if opt_name == "sgd":
-                # Plain SGD makes the update linear in the gradient, so parameter equality to 1e-6
-                # is gradient equality (Adam's first step amplifies float noise: FINDINGS.md).
-                e.optimizer = torch.optim.SGD(e.model.parameters(), lr=1.0)
+                with_sgd(e)
             before = e._full_state_dict()
             stats = e.train_batch(share(batch), nll, n_tokens)
             after = e._full_state_dict()
@@ -201,7 +209,7 @@ def check_checkpoint_and_updates(res: dict[str, object]) -> None:
 
     # Full training state, then the step an uninterrupted run takes next.
     e.set_version(7)
-    e.save(SaveLoadMeta(path=os.path.join(OUT, "dcp"), weight_format="dcp"))
+    e.save(SaveLoadMeta(path=os.path.join(OUT, "train_state"), weight_format="train_state"))
     res["eval_stats"] = e.eval_batch(shard(make_batch(5)), nll, n_tokens)
     res["next_stats"] = e.train_batch(shard(make_batch(5)), nll, n_tokens)
     after = e._full_state_dict()
@@ -263,8 +271,7 @@ def check_shared_prefix(res: dict[str, object]) -> None:
         e = engine(lr=1e-2, is_critic=True, shared_prefix=shared)
         values = e.forward(batch)
         e.destroy()
-        e = engine(shared_prefix=shared)
-        e.optimizer = torch.optim.SGD(e.model.parameters(), lr=1.0)  # parameter equality = gradient equality
+        e = with_sgd(engine(shared_prefix=shared))
         stats = e.train_batch(shard(batch), nll, n_tokens)
         out[shared] = {"lp": lp, "ent": ent, "values": values, "stats": stats, "params": e._full_state_dict()}
         e.destroy()
@@ -286,9 +293,54 @@ def check_shared_prefix(res: dict[str, object]) -> None:
     e.destroy()
 
 
+def check_accumulation(res: dict[str, object]) -> None:
+    """Three forward_backward calls, each loss scaled by its batch's share of the union's loss
+    weight, then one optim_step: the update of one train_batch on the union. Then optim_step's
+    explicit arguments: SGD moves the parameters by lr x the clipped gradient; with zero gradients
+    AdamW's step is the decoupled weight decay alone, which leaves 1-D parameters untouched."""
+    rank0 = dist.get_rank() == 0
+    parts = [make_batch(20, n=4), make_batch(21, n=6), make_batch(22, n=4)]
+    totals = [float(p["loss_mask"].sum()) for p in parts]
+    e = with_sgd(engine(n_mbs=2))
+    before = e._full_state_dict()
+    union_stats = e.train_batch(shard(torch.cat(parts)), nll, n_tokens)
+    union = e._full_state_dict()
+    e.destroy()
+    e = with_sgd(engine(n_mbs=2))
+    calls = [e.forward_backward(shard(p), scaled(nll, t / sum(totals)), n_tokens) for p, t in zip(parts, totals)]
+    step = e.optim_step()
+    accumulated = e._full_state_dict()
+    res["accum_loss"] = [sum(c["loss"] for c in calls), union_stats["loss"]]
+    res["accum_grad_norm"] = [step["grad_norm"], union_stats["grad_norm"]]
+    if rank0:
+        torch.save(accumulated, os.path.join(OUT, f"params_accum_w{dist.get_world_size()}.pt"))
+        res["accum_changed"] = max_diff(before, accumulated)
+        res["accum_param_err"] = max_diff(union, accumulated)
+
+    e.forward_backward(shard(parts[0]), nll, n_tokens)
+    before = e._full_state_dict()
+    res["override_stats"] = e.optim_step(lr=0.25, weight_decay=0.0, max_grad_norm=0.01)
+    after = e._full_state_dict()
+    res["override_lr_after"] = e.optimizer.param_groups[0]["lr"]
+    if rank0:
+        res["override_step_norm"] = float(torch.cat([(after[k] - before[k]).flatten() for k in after]).norm())
+    e.destroy()
+
+    e = engine(lr=1e-3)
+    before = e._full_state_dict()
+    e.forward_backward(shard(parts[0]), scaled(nll, 0.0), n_tokens)
+    e.optim_step(lr=0.1, weight_decay=0.5)
+    after = e._full_state_dict()
+    res["override_wd_of_group"] = [g["weight_decay"] for g in e.optimizer.param_groups]
+    if rank0:
+        decayed = {k: v * (1 - 0.1 * 0.5) if v.ndim >= 2 else v for k, v in before.items()}
+        res["override_wd_err"] = max_diff(decayed, after)
+    e.destroy()
+
+
 def resume(res: dict[str, object]) -> None:
     e = engine(lr=1e-2)
-    e.load(SaveLoadMeta(path=os.path.join(OUT, "dcp"), weight_format="dcp"))
+    e.load(SaveLoadMeta(path=os.path.join(OUT, "train_state"), weight_format="train_state"))
     res["resumed_version"] = e.get_version()
     res["next_stats"] = e.train_batch(shard(make_batch(5)), nll, n_tokens)
     after = e._full_state_dict()
@@ -309,6 +361,7 @@ def main() -> None:
         "sft": check_sft,
         "critic": check_critic,
         "shared_prefix": check_shared_prefix,
+        "accumulation": check_accumulation,
     }
     res: dict[str, object] = {}
     for name in CHECKS:

@@ -9,9 +9,11 @@ schedule). Each forwards the whole batch, takes one `train_batch` on its
 data-parallel share and saves HF weights; rank 0 writes ``OUT_DIR/<run>.pt`` (log-probs,
 entropies, stats) and ``OUT_DIR/<run>_hf`` for tests/test_megatron.py to compare. The TP=2 run
 also sends weights of all three kinds to a receiver, skips a non-finite step, and resumes from a
-``dcp`` checkpoint; a tied Llama at TP=2 and PP=2 saves what it trained (results in
+``train_state`` checkpoint; a tied Llama at TP=2 and PP=2 saves what it trained (results in
 ``OUT_DIR/checks.json``). Critics (value heads) run through FSDP, TP=2 and PP=2
-(``OUT_DIR/critic_<run>.pt`` and ``_hf``).
+(``OUT_DIR/critic_<run>.pt`` and ``_hf``). At DP=2, TP=2 and PP=2 (plain SGD), forward_backward
+on three batches then one optim_step equals one train_batch on their union, and optim_step's
+explicit lr, weight_decay and max_grad_norm are the ones used (``OUT_DIR/checks.json``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from engine_checks import WeightReceiver, make_batch, n_tokens, nll
+from engine_checks import WeightReceiver, make_batch, n_tokens, nll, scaled
 from tensordict import TensorDict
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -83,16 +85,16 @@ def weight_updates(e: TrainEngine, checks: dict[str, object]) -> None:
 
 
 def resume(e: TrainEngine, cfg: TrainEngineConfig, checks: dict[str, object]) -> None:
-    """dcp save after step 1; step 2 here and in a fresh engine loaded from it must agree."""
-    ckpt = os.path.join(OUT, "tp2_dcp")
-    e.save(SaveLoadMeta(path=ckpt, weight_format="dcp"))
+    """train_state save after step 1; step 2 here and in a fresh engine loaded from it must agree."""
+    ckpt = os.path.join(OUT, "tp2_train_state")
+    e.save(SaveLoadMeta(path=ckpt, weight_format="train_state"))
     batch = make_batch(2)
     e.step_lr_scheduler()
     stats = e.train_batch(my_share(batch, e), nll, n_tokens)
     e.save(SaveLoadMeta(path=os.path.join(OUT, "tp2_step2_hf")))
     fresh = make_train_engine(cfg)
     fresh.initialize(FT)
-    fresh.load(SaveLoadMeta(path=ckpt, weight_format="dcp"))
+    fresh.load(SaveLoadMeta(path=ckpt, weight_format="train_state"))
     fresh.step_lr_scheduler()
     stats_resumed = fresh.train_batch(my_share(batch, fresh), nll, n_tokens)
     fresh.save(SaveLoadMeta(path=os.path.join(OUT, "tp2_resumed_hf")))
@@ -167,6 +169,84 @@ def critics(full: TensorDict) -> None:
             torch.save({"before": before, "after": after, "stats": stats}, os.path.join(OUT, f"critic_{tag}.pt"))
 
 
+def sgd_engine(cfg: TrainEngineConfig) -> TrainEngine:
+    """An initialised engine whose distributed optimizer steps with SGD (decoupled weight decay,
+    the parameter groups' LR) instead of Adam: the update is linear in the gradient, so parameter
+    equality to 1e-6 is gradient equality. The Adam inside megatron's wrapper keeps its parameter
+    groups (shards that are views into megatron's buffers, which a new torch optimizer refuses)
+    and gets this step."""
+    e = make_train_engine(cfg)
+    e.initialize(FT)
+    for sub in getattr(e.optimizer, "chained_optimizers", [e.optimizer]):
+        inner = sub.optimizer
+
+        @torch.no_grad()
+        def sgd_step(closure: object = None, groups: list[dict] = inner.param_groups) -> None:
+            for group in groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.mul_(1 - group["lr"] * group["weight_decay"]).add_(p.grad, alpha=-group["lr"])
+
+        inner.step = sgd_step
+    return e
+
+
+def full_params(e: TrainEngine) -> dict[str, torch.Tensor]:
+    return {name: t.cpu() for name, t in e._hf_tensors()}  # type: ignore[attr-defined]
+
+
+def accumulation(checks: dict[str, object]) -> None:
+    """Three forward_backward calls (each loss scaled by its batch's share of the union's loss
+    weight) then one optim_step, against one train_batch on the union, at DP=2 (gradients reduced
+    over data-parallel ranks once, in optim_step), TP=2 and PP=2; at DP=2 also optim_step's
+    explicit lr, weight_decay and max_grad_norm (SGD moves by lr x the clipped gradient, and with
+    zero gradients by the weight decay alone)."""
+    parts = [make_batch(20, n=4), make_batch(21, n=6), make_batch(22, n=4)]
+    totals = [float(p["loss_mask"].sum()) for p in parts]
+    layouts = {
+        "dp2": {"mb_spec": MicroBatchSpec(n_mbs=2)},
+        "tp2": {"tensor_parallel_size": 2, "mb_spec": MicroBatchSpec(n_mbs=2)},
+        "pp2": {"pipeline_parallel_size": 2, "mb_spec": MicroBatchSpec(n_mbs=3)},
+    }
+    for tag, kw in layouts.items():
+        cfg = config("megatron", **kw)
+        e = sgd_engine(cfg)
+        before = full_params(e)
+        union_stats = e.train_batch(my_share(torch.cat(parts), e), nll, n_tokens)
+        union = full_params(e)
+        e.destroy()
+        e = sgd_engine(cfg)
+        calls = [
+            e.forward_backward(my_share(p, e), scaled(nll, t / sum(totals)), n_tokens) for p, t in zip(parts, totals)
+        ]
+        step = e.optim_step()
+        accumulated = full_params(e)
+        checks[f"accum_{tag}"] = {
+            "changed": max_diff(before, accumulated),
+            "param_err": max_diff(union, accumulated),
+            "loss": [sum(c["loss"] for c in calls), union_stats["loss"]],
+            "grad_norm": [step["grad_norm"], union_stats["grad_norm"]],
+        }
+        if tag == "dp2":
+            configured_lr = e.optimizer.param_groups[0]["lr"]  # type: ignore[attr-defined]
+            e.forward_backward(my_share(parts[0], e), nll, n_tokens)
+            before = full_params(e)
+            stats = e.optim_step(lr=0.25, weight_decay=0.0, max_grad_norm=0.01)
+            after = full_params(e)
+            checks["override"] = {
+                "stats": stats,
+                "step_norm": float(torch.cat([(after[k] - before[k]).flatten() for k in after]).norm()),
+                "configured_lr": configured_lr,
+                "lr_after": e.optimizer.param_groups[0]["lr"],  # type: ignore[attr-defined]
+            }
+            # zero gradients: the step is the weight decay alone, which spares 1-D parameters
+            e.forward_backward(my_share(parts[0], e), scaled(nll, 0.0), n_tokens)
+            e.optim_step(lr=0.1, weight_decay=0.5)
+            decayed = {k: v * (1 - 0.1 * 0.5) if v.ndim >= 2 else v for k, v in after.items()}
+            checks["override"]["wd_err"] = max_diff(decayed, full_params(e))  # type: ignore[index]
+        e.destroy()
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -209,6 +289,7 @@ def main() -> None:
         e.destroy()
     tied_embeddings(checks)
     critics(full)
+    accumulation(checks)
     frozen = make_train_engine(runs["mcore_tp2"])
     frozen.initialize(None)  # a reference policy: no optimizer, no DDP wrapper
     lp = frozen.forward(full)
