@@ -355,7 +355,26 @@ class StatsLoggerConfig:
     tensorboard: bool = False
     """Also write tensorboard event files."""
     console: bool = True
-    """Print a line per step and a progress bar."""
+    """Print one short line per step (the ``console_keys``) and the full table every
+    ``full_stats_every`` steps; on a terminal under a progress bar, elsewhere (a launcher's log,
+    CI) as plain lines without control characters."""
+    console_keys: list[str] = field(
+        default_factory=lambda: [
+            "reward=reward_mean",
+            "acc=eval/accuracy",
+            "loss",
+            "kl=approx_kl",
+            "kl_ref",
+            "stale=rollout/staleness_max",
+            "time=timing/step",
+        ]
+    )
+    """The statistics of the per-step console line, in order, each ``label=key`` or just ``key``;
+    a key missing from a step's statistics is left out of that step's line. ``timing/`` keys are
+    shown in seconds."""
+    full_stats_every: int = 50
+    """Print the table of every statistic every this many steps and at the last step (0 = never;
+    wandb and tensorboard always get every statistic)."""
     reward_std_key: str = "reward_std"
     """The statistic watched for a collapsing reward spread (all samples of a group scoring alike)."""
     collapse_steps: int = 5
