@@ -79,7 +79,8 @@ def test_missing_required_value_is_named() -> None:
 
 
 @pytest.mark.parametrize("override, message", [
-    ("actor.optimizer.lr_scheduler_type=step", "'actor.optimizer.lr_scheduler_type' is 'step'; choose one of constant, linear, cosine"),
+    ("actor.optimizer.lr_scheduler_type=step",
+     "'actor.optimizer.lr_scheduler_type' is 'step'; choose one of constant, linear, cosine"),
     ("actor.backend=deepspeed", "'actor.backend' is 'deepspeed'; choose one of fsdp, megatron"),
     ("actor.dtype=fp16", "'actor.dtype' is 'fp16'; choose one of float32, bfloat16, float16, auto"),
     ("stats_logger.wandb_mode=offline_sync", "'stats_logger.wandb_mode'"),

@@ -102,7 +102,8 @@ def test_console_shows_one_short_line_per_step(tmp_path) -> None:
     log.commit(1, PPO_STEP, {"eval/accuracy": 0.61})
     lines = out.getvalue().splitlines()
     assert len(lines) == 2, lines
-    assert re.fullmatch(r"step 1/3  reward 0\.52  loss -0\.012  kl 0\.0031  stale 2  time [\d.e-]+s", lines[0]), lines[0]
+    first = r"step 1/3  reward 0\.52  loss -0\.012  kl 0\.0031  stale 2  time [\d.e-]+s"
+    assert re.fullmatch(first, lines[0]), lines[0]
     assert re.fullmatch(r"step 2/3  reward 0\.52  acc 0\.61  loss .*  time [\d.e-]+s  eta \d+s", lines[1]), lines[1]
     assert "kl_ref" not in lines[1] and "grad_norm" not in lines[1], "missing keys and keys not asked for stay out"
     custom = io.StringIO()
@@ -118,7 +119,8 @@ def test_console_prints_the_full_table_every_n_steps(tmp_path) -> None:
     for step in range(5):
         log.commit(step, PPO_STEP)
     text = out.getvalue()
-    assert re.findall(r"^step (\d+), all statistics:$", text, re.MULTILINE) == ["2", "4", "5"], "every 2 steps and the last"
+    tables = re.findall(r"^step (\d+), all statistics:$", text, re.MULTILINE)
+    assert tables == ["2", "4", "5"], "every 2 steps and the last"
     table = text.split("step 4, all statistics:\n")[1].split("step 5/5")[0]
     for key in [*PPO_STEP, "timing/step"]:
         assert re.search(rf"(^  |   ){re.escape(key)} +-?[\d.]", table, re.MULTILINE), f"{key} missing from\n{table}"
@@ -132,7 +134,8 @@ def test_console_prints_the_full_table_every_n_steps(tmp_path) -> None:
 def test_no_control_characters_unless_on_a_terminal(tmp_path) -> None:
     plain, terminal = io.StringIO(), _Terminal()
     for stream in (plain, terminal):
-        log = StatsLogger(_config(console=True, full_stats_every=2), str(tmp_path), total_steps=3, run_name="run", stream=stream)
+        cfg = _config(console=True, full_stats_every=2)
+        log = StatsLogger(cfg, str(tmp_path), total_steps=3, run_name="run", stream=stream)
         for step in range(3):
             log.commit(step, PPO_STEP)
         log.close()
@@ -143,7 +146,8 @@ def test_no_control_characters_unless_on_a_terminal(tmp_path) -> None:
 
 
 def test_tensorboard_wandb_and_curves_get_every_statistic(tmp_path) -> None:
-    cfg = StatsLoggerConfig(console=False, tensorboard=True, wandb_mode="offline", plot_keys=["reward/mean", "eval/accuracy"])
+    cfg = StatsLoggerConfig(console=False, tensorboard=True, wandb_mode="offline",
+                            plot_keys=["reward/mean", "eval/accuracy"])
     log = StatsLogger(cfg, str(tmp_path), total_steps=4, run_name="t")
     for step in range(4):
         log.commit(step, {"reward/mean": 0.1 * step, "n_tokens": 100.0},

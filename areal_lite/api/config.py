@@ -28,12 +28,13 @@ from areal_lite.api.io import GenerationConfig, MicroBatchSpec
 
 __all__ = [
     "MISSING",
-    "BaseExperimentConfig",
     "READS_FILE",
     "READS_MODEL",
+    "BaseExperimentConfig",
     "ClusterConfig",
     "ConfigChecked",
     "ConfigError",
+    "DPOConfig",
     "DatasetConfig",
     "EvaluatorConfig",
     "GenerationConfig",
@@ -42,7 +43,6 @@ __all__ = [
     "LocalEngineConfig",
     "MicroBatchSpec",
     "OptimizerConfig",
-    "DPOConfig",
     "PPOActorConfig",
     "PPOCriticConfig",
     "RecoverConfig",
@@ -483,7 +483,7 @@ class ConfigError(ValueError):
     """A config file or override that does not fit the schema."""
 
 
-class ConfigChecked(BaseException):  # noqa: N818 (not an error: it ends a check early)
+class ConfigChecked(BaseException):
     """Raised by `load_config` in place of returning the config inside `checking_only`, to carry it
     out of a training script that is only being checked. A BaseException, so that a script's
     ``except Exception`` does not stop it."""
