@@ -62,6 +62,15 @@ def test_read_plan_rejects_bad_launcher_config(tmp_path, override: str, message:
         read_plan("train.py", cfg, [override])
 
 
+def test_read_plan_rejects_a_missing_or_broken_config_file(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_plan("train.py", str(tmp_path / "nope.yaml"), [])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("a: [1,\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml.*line 2"):
+        read_plan("train.py", str(broken), [])
+
+
 def test_servers_need_a_model(tmp_path) -> None:
     with pytest.raises(ConfigError, match="server_model_path"):
         read_plan("train.py", _write_config(tmp_path, launcher={"backend": "areal"}), [])

@@ -106,7 +106,7 @@ def read_plan(script: str, config_file: str | None, overrides: list[str]) -> Lau
     try:
         loaded = OmegaConf.load(config_file) if config_file else OmegaConf.create()
     except Exception as e:  # noqa: BLE001 (YAML errors come as several types)
-        raise ConfigError(f"config file {config_file!r}: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"config file {config_file!r}: {' '.join(str(e).split())}") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {config_file!r} must hold a mapping at the top level")
     for item in overrides:
