@@ -86,7 +86,9 @@ def run_quickstart(fileroot: str, trial: str, overrides: list[str]) -> Run:
         sys.executable, "-m", "areal_lite.launcher.local", "examples/quickstart.py",
         "--config", "configs/quickstart.yaml",
         f"cluster.fileroot={fileroot}", f"trial_name={trial}", "recover.mode=disabled", "recover.retries=0",
-        "stats_logger.tensorboard=false", "stats_logger.wandb_mode=disabled", *overrides,
+        "stats_logger.tensorboard=false", "stats_logger.wandb_mode=disabled",
+        "stats_logger.console_keys=[timing/rollout,timing/train,timing/weight_sync]",  # read by stage_seconds
+        *overrides,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

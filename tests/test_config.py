@@ -3,17 +3,35 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 import pytest
 import yaml
 
-from areal_lite.api.config import BaseExperimentConfig, ConfigError, PPOActorConfig, load_config
+from areal_lite.api.config import (
+    READS_FILE,
+    BaseExperimentConfig,
+    ConfigChecked,
+    ConfigError,
+    PPOActorConfig,
+    checking_only,
+    input_paths,
+    load_config,
+    one_of,
+)
+
+
+@dataclass
+class TaskConfig:
+    mode: str = field(default="fast", metadata=one_of("fast", "slow"))
+    data: str = field(default="", metadata=READS_FILE)
 
 
 @dataclass
 class ExpConfig(BaseExperimentConfig):
     actor: PPOActorConfig = field(default_factory=PPOActorConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
 
 
 def write_yaml(path: str, data: dict) -> str:
@@ -60,9 +78,39 @@ def test_missing_required_value_is_named() -> None:
         load_config([], ExpConfig, save=False)
 
 
-def test_invalid_choice_is_rejected() -> None:
-    with pytest.raises(ConfigError, match="lr_scheduler_type"):
-        load_config(["actor.path=/m", "actor.optimizer.lr_scheduler_type=step"], ExpConfig, save=False)
+@pytest.mark.parametrize("override, message", [
+    ("actor.optimizer.lr_scheduler_type=step",
+     "'actor.optimizer.lr_scheduler_type' is 'step'; choose one of constant, linear, cosine"),
+    ("actor.backend=deepspeed", "'actor.backend' is 'deepspeed'; choose one of fsdp, megatron"),
+    ("actor.dtype=fp16", "'actor.dtype' is 'fp16'; choose one of float32, bfloat16, float16, auto"),
+    ("stats_logger.wandb_mode=offline_sync", "'stats_logger.wandb_mode'"),
+    ("launcher.backend=vllm", "'launcher.backend' is 'vllm'; choose one of local, areal, sglang"),
+    ("task.mode=medium", "'task.mode' is 'medium'; choose one of fast, slow"),  # a script's own section
+])
+def test_invalid_choice_names_the_field_the_value_and_the_choices(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(["actor.path=/m", override], ExpConfig, save=False)
+
+
+def test_every_choice_field_accepts_its_default() -> None:
+    cfg = load_config(["actor.path=/m"], ExpConfig, save=False)
+    assert cfg.actor.adv_estimator == "grpo" and cfg.task.mode == "fast"
+
+
+def test_input_paths_are_the_marked_fields() -> None:
+    cfg = load_config(["actor.path=/m", "task.data=/d.jsonl", "train_dataset.path=/t.parquet"], ExpConfig, save=False)
+    assert input_paths(cfg) == {"actor.path": ("model", "/m"), "train_dataset.path": ("file", "/t.parquet"),
+                                "task.data": ("file", "/d.jsonl")}, "empty paths are left out"
+
+
+def test_checking_only_validates_and_neither_returns_nor_saves(tmp_path) -> None:
+    args = ["actor.path=/m", f"cluster.fileroot={tmp_path}"]
+    with checking_only(), pytest.raises(ConfigChecked) as checked:
+        load_config(args, ExpConfig)
+    assert isinstance(checked.value.config, ExpConfig) and not list(tmp_path.iterdir())
+    with checking_only(), pytest.raises(ConfigError, match="task.mode"):
+        load_config([*args, "task.mode=x"], ExpConfig)
+    assert isinstance(load_config(args, ExpConfig, save=False), ExpConfig), "only inside the block"
 
 
 def test_bad_arguments() -> None:

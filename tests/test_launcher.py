@@ -15,7 +15,15 @@ import pytest
 import yaml
 
 from areal_lite.api.config import ConfigError, LauncherConfig, RecoverConfig
-from areal_lite.launcher.local import LaunchPlan, read_plan, server_command, trainer_command, trainer_gpus
+from areal_lite.launcher.local import (
+    CONFIG_ERROR_EXIT,
+    LaunchPlan,
+    missing_inputs,
+    read_plan,
+    server_command,
+    trainer_command,
+    trainer_gpus,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROBE = os.path.join(HERE, "scripts", "launcher_probe.py")
@@ -52,6 +60,15 @@ def test_read_plan_rejects_bad_launcher_config(tmp_path, override: str, message:
     cfg = _write_config(tmp_path, actor={"path": "/m"})
     with pytest.raises(ConfigError, match=message):
         read_plan("train.py", cfg, [override])
+
+
+def test_read_plan_rejects_a_missing_or_broken_config_file(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_plan("train.py", str(tmp_path / "nope.yaml"), [])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("a: [1,\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml.*line 2"):
+        read_plan("train.py", str(broken), [])
 
 
 def test_servers_need_a_model(tmp_path) -> None:
@@ -105,13 +122,19 @@ def test_trainer_gets_the_gpus_after_the_sglang_servers() -> None:
     assert trainer_gpus(LauncherConfig(backend="areal", trainer_nproc=2), "0,1") is None
 
 
-def _launch(tmp_path, *overrides: str, timeout: float = 120) -> tuple[int, list[dict]]:
+def _launch_with_output(tmp_path, *overrides: str, timeout: float = 120) -> tuple[int, list[dict], str]:
+    """The launcher's exit code, the probe's records (one per start) and the launcher's stderr."""
     out = tmp_path / "probe.jsonl"
     cmd = [sys.executable, "-m", "areal_lite.launcher.local", PROBE, f"probe.out={out}",
            f"cluster.fileroot={tmp_path}", *overrides]
     proc = subprocess.run(cmd, env=ENV, check=False, capture_output=True, text=True, timeout=timeout)
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    return proc.returncode, records
+    return proc.returncode, records, proc.stderr
+
+
+def _launch(tmp_path, *overrides: str, timeout: float = 120) -> tuple[int, list[dict]]:
+    rc, records, _ = _launch_with_output(tmp_path, *overrides, timeout=timeout)
+    return rc, records
 
 
 def test_retries_restart_a_failed_trainer(tmp_path) -> None:
@@ -132,6 +155,53 @@ def test_prepare_run_comes_first_and_must_succeed(tmp_path) -> None:
     rc, records = _launch(tmp_path / "b", "launcher.prepare_overrides=[probe.tag=prepare,probe.fail_attempts=1]",
                           "recover.retries=2")
     assert rc == 3 and [r["tag"] for r in records] == ["prepare"], "a failed prepare run stops the launch"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.pause_mode=pause", "config field 'rollout.pause_mode' is 'pause'; choose one of abort, in_place"),
+    ("probe.model=/nonexistent/model", "the config names paths that do not exist: probe.model='/nonexistent/model'"),
+    ("launcher.prepare_overrides=[probe.tagg=prepare]",
+     ("unknown config key 'probe.tagg' (from command line); did you mean probe.tag, probe.out, probe.model? "
+      "(with launcher.prepare_overrides)")),
+    ("launcher.backend=vllm", "config field 'launcher.backend' is 'vllm'; choose one of local, areal, sglang"),
+])
+def test_a_config_error_is_one_line_and_nothing_starts(tmp_path, override: str, message: str) -> None:
+    """Checked before any server or trainer starts, with the script's own config class; a failure
+    that would repeat is never retried."""
+    rc, records, err = _launch_with_output(tmp_path, "recover.mode=auto", "recover.retries=3", override)
+    assert rc == CONFIG_ERROR_EXIT
+    assert records == [], "no attempt"
+    assert err.splitlines() == [f"[launcher] config error: {message}"], err
+
+
+def test_the_servers_model_must_exist_after_the_prepare_run(tmp_path) -> None:
+    model = tmp_path / "areal-lite" / "trial0" / "model"  # in the output directory: the prepare run could write it
+    rc, records, err = _launch_with_output(tmp_path, "launcher.backend=areal", f"launcher.server_model_path={model}",
+                                           "launcher.prepare_overrides=[probe.tag=prepare]", "recover.retries=3")
+    assert rc == CONFIG_ERROR_EXIT
+    assert [r["tag"] for r in records] == ["prepare"], "the prepare run, then no server and no trainer"
+    last = err.splitlines()[-1]
+    assert last == f"[launcher] config error: the servers' model launcher.server_model_path='{model}' does not exist"
+    assert "Traceback" not in err and not (model.parent / "logs" / "servers.json").exists()
+
+
+def test_which_paths_must_exist(tmp_path) -> None:
+    (tmp_path / "data.jsonl").write_text("")
+    inputs = {"a": ("model", str(tmp_path / "data.jsonl")), "b": ("model", "Qwen/Qwen2.5-1.5B-Instruct"),
+              "c": ("file", "data/train.parquet"), "d": ("model", "/models/m"), "e": ("model", "../m/x"),
+              "f": ("file", str(tmp_path / "out" / "made_by_the_run.jsonl"))}
+    assert missing_inputs(inputs, str(tmp_path / "out")) == ["c='data/train.parquet'", "d='/models/m'", "e='../m/x'"]
+
+
+def test_the_check_run_reports_a_script_that_cannot_load(tmp_path) -> None:
+    from areal_lite.launcher.check import check
+
+    nope = tmp_path / "nope.py"
+    assert check(str(nope), [], {}) == {"error": f"the training script '{nope}' does not exist"}
+    broken = tmp_path / "broken.py"
+    broken.write_text("import no_such_module_here\n")
+    assert check(str(broken), [], {}) == {"logged": True, "error": (f"{broken} failed before loading its config: "
+                                                  "ModuleNotFoundError: No module named 'no_such_module_here'")}
 
 
 def test_trainer_under_torchrun_is_pinned(tmp_path) -> None:

@@ -1,11 +1,14 @@
-"""Stats tracker reductions (one process and two ranks) and the stats logger's outputs: console,
+"""Stats tracker reductions (one process and two ranks) and the stats logger's outputs: the console
+(a short line per step, the full table every N steps, no control characters off a terminal),
 tensorboard, wandb offline, warnings on a failing run, the curves PNG, and its recover state."""
 
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -64,7 +67,7 @@ def test_tracker_reduces_across_two_ranks(tmp_path) -> None:
 
 
 def _config(**kw: object) -> StatsLoggerConfig:
-    return StatsLoggerConfig(console=False, wandb_mode="disabled", **kw)  # type: ignore[arg-type]
+    return StatsLoggerConfig(**{"console": False, "wandb_mode": "disabled", **kw})  # type: ignore[arg-type]
 
 
 def test_warnings_on_a_failing_run(tmp_path) -> None:
@@ -83,8 +86,68 @@ def test_warnings_on_a_failing_run(tmp_path) -> None:
     assert healthy.warnings == []
 
 
-def test_console_tensorboard_wandb_and_curves(tmp_path, capsys) -> None:
-    cfg = StatsLoggerConfig(console=True, tensorboard=True, wandb_mode="offline", plot_keys=["reward/mean", "eval/accuracy"])
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+PPO_STEP = {"reward_mean": 0.52, "reward_std": 0.3, "approx_kl": 0.0031, "loss": -0.012, "advantage_mean": 0.0,
+            "grad_norm": 1.7, "rollout/staleness_max": 2.0, "rollout/staleness_mean": 1.25, "rollout/accepted": 64.0}
+
+
+def test_console_shows_one_short_line_per_step(tmp_path) -> None:
+    out = io.StringIO()
+    log = StatsLogger(_config(console=True), str(tmp_path), total_steps=3, stream=out)
+    log.commit(0, PPO_STEP)
+    log.commit(1, PPO_STEP, {"eval/accuracy": 0.61})
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    first = r"step 1/3  reward 0\.52  loss -0\.012  kl 0\.0031  stale 2  time [\d.e-]+s"
+    assert re.fullmatch(first, lines[0]), lines[0]
+    assert re.fullmatch(r"step 2/3  reward 0\.52  acc 0\.61  loss .*  time [\d.e-]+s  eta \d+s", lines[1]), lines[1]
+    assert "kl_ref" not in lines[1] and "grad_norm" not in lines[1], "missing keys and keys not asked for stay out"
+    custom = io.StringIO()
+    log = StatsLogger(_config(console=True, console_keys=["grad_norm", "mean stale=rollout/staleness_mean", "nope"]),
+                      str(tmp_path), stream=custom)
+    log.commit(0, PPO_STEP)
+    assert custom.getvalue() == "step 1  grad_norm 1.7  mean stale 1.25\n"
+
+
+def test_console_prints_the_full_table_every_n_steps(tmp_path) -> None:
+    out = io.StringIO()
+    log = StatsLogger(_config(console=True, full_stats_every=2), str(tmp_path), total_steps=5, stream=out)
+    for step in range(5):
+        log.commit(step, PPO_STEP)
+    text = out.getvalue()
+    tables = re.findall(r"^step (\d+), all statistics:$", text, re.MULTILINE)
+    assert tables == ["2", "4", "5"], "every 2 steps and the last"
+    table = text.split("step 4, all statistics:\n")[1].split("step 5/5")[0]
+    for key in [*PPO_STEP, "timing/step"]:
+        assert re.search(rf"(^  |   ){re.escape(key)} +-?[\d.]", table, re.MULTILINE), f"{key} missing from\n{table}"
+    out = io.StringIO()
+    log = StatsLogger(_config(console=True, full_stats_every=0), str(tmp_path), total_steps=2, stream=out)
+    log.commit(0, PPO_STEP)
+    log.commit(1, PPO_STEP)
+    assert "all statistics" not in out.getvalue()
+
+
+def test_no_control_characters_unless_on_a_terminal(tmp_path) -> None:
+    plain, terminal = io.StringIO(), _Terminal()
+    for stream in (plain, terminal):
+        cfg = _config(console=True, full_stats_every=2)
+        log = StatsLogger(cfg, str(tmp_path), total_steps=3, run_name="run", stream=stream)
+        for step in range(3):
+            log.commit(step, PPO_STEP)
+        log.close()
+    assert not re.search(r"[\r\x1b]", plain.getvalue()), repr(plain.getvalue())
+    assert "run:" not in plain.getvalue(), "no progress bar in a log file"
+    assert "\r" in terminal.getvalue() and "3/3" in terminal.getvalue(), "a progress bar on a terminal"
+    assert re.search(r"\rstep 2  reward 0\.52", terminal.getvalue()), "the line above the bar"
+
+
+def test_tensorboard_wandb_and_curves_get_every_statistic(tmp_path) -> None:
+    cfg = StatsLoggerConfig(console=False, tensorboard=True, wandb_mode="offline",
+                            plot_keys=["reward/mean", "eval/accuracy"])
     log = StatsLogger(cfg, str(tmp_path), total_steps=4, run_name="t")
     for step in range(4):
         log.commit(step, {"reward/mean": 0.1 * step, "n_tokens": 100.0},
@@ -93,15 +156,13 @@ def test_console_tensorboard_wandb_and_curves(tmp_path, capsys) -> None:
     assert png == os.path.join(str(tmp_path), "curves.png")
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    err = capsys.readouterr()
-    assert "step 4: eval/accuracy 0.6" in err.out + err.err
-    assert "perf/tokens_per_s" in err.out + err.err
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(os.path.join(str(tmp_path), "tensorboard"))
     acc.Reload()
     assert [e.value for e in acc.Scalars("eval/accuracy")] == pytest.approx([0.0, 0.2, 0.4, 0.6])
+    assert "perf/tokens_per_s" in acc.Tags()["scalars"]
     assert "staleness" in acc.Tags()["histograms"]
     assert glob.glob(os.path.join(str(tmp_path), "wandb", "offline-run-*", "run-*.wandb"))
 

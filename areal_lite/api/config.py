@@ -1,9 +1,14 @@
 """Typed configuration dataclasses and their loader.
 
 Configs are dataclasses with one docstring per field. `load_config` merges a YAML file and dotted
-command-line overrides over the dataclass schema with OmegaConf: an unknown key or a value of the
-wrong type is an error that says what was meant. Values that can be derived (total steps, output
-directories) are properties, not fields.
+command-line overrides over the dataclass schema with OmegaConf: an unknown key, a value of the
+wrong type, or a string outside a field's choices is an error that says what was meant. Values that
+can be derived (total steps, output directories) are properties, not fields.
+
+Field metadata says what a string field holds, for checks made before a run starts:
+``metadata=one_of("a", "b")`` lists its valid values (`load_config` checks them, in a script's own
+sections too), and `READS_MODEL` / `READS_FILE` mark paths the run reads (the launcher checks that
+they exist before it starts anything).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TypeVar
 
@@ -21,9 +28,13 @@ from areal_lite.api.io import GenerationConfig, MicroBatchSpec
 
 __all__ = [
     "MISSING",
+    "READS_FILE",
+    "READS_MODEL",
     "BaseExperimentConfig",
     "ClusterConfig",
+    "ConfigChecked",
     "ConfigError",
+    "DPOConfig",
     "DatasetConfig",
     "EvaluatorConfig",
     "GenerationConfig",
@@ -32,7 +43,6 @@ __all__ = [
     "LocalEngineConfig",
     "MicroBatchSpec",
     "OptimizerConfig",
-    "DPOConfig",
     "PPOActorConfig",
     "PPOCriticConfig",
     "RecoverConfig",
@@ -40,9 +50,25 @@ __all__ = [
     "SlurmConfig",
     "StatsLoggerConfig",
     "TrainEngineConfig",
+    "check_choices",
+    "checking_only",
+    "input_paths",
     "load_config",
+    "one_of",
     "save_config",
 ]
+
+
+def one_of(*choices: str) -> dict[str, tuple[str, ...]]:
+    """Field metadata of a string field that takes one of ``choices``: `load_config` rejects any
+    other value, naming the field, the value and the choices."""
+    return {"choices": choices}
+
+
+READS_MODEL = {"reads": "model"}
+"""Field metadata of a model the run reads: a local directory, or a Hugging Face hub id."""
+READS_FILE = {"reads": "file"}
+"""Field metadata of a local file or directory the run reads (empty = none)."""
 
 
 @dataclass
@@ -59,8 +85,8 @@ class OptimizerConfig:
     """Adam beta2."""
     eps: float = 1e-8
     """Adam epsilon."""
-    lr_scheduler_type: str = "constant"
-    """One of constant, linear, cosine (after warm-up)."""
+    lr_scheduler_type: str = field(default="constant", metadata=one_of("constant", "linear", "cosine"))
+    """constant, linear or cosine (after warm-up)."""
     warmup_steps_proportion: float = 0.0
     """Fraction of the total training steps spent warming up linearly from 0."""
     min_lr_ratio: float = 0.0
@@ -68,20 +94,16 @@ class OptimizerConfig:
     gradient_clipping: float = 1.0
     """Clip the global gradient norm to this value (0 = no clipping)."""
 
-    def __post_init__(self) -> None:
-        if self.lr_scheduler_type not in ("constant", "linear", "cosine"):
-            raise ValueError(f"optimizer.lr_scheduler_type must be constant, linear or cosine, got {self.lr_scheduler_type!r}")
-
 
 @dataclass
 class TrainEngineConfig:
     """A train engine (FSDP or Megatron) and the model it owns."""
 
-    path: str = MISSING
-    """HF model directory to load (config, safetensors, tokenizer)."""
-    backend: str = "fsdp"
+    path: str = field(default=MISSING, metadata=READS_MODEL)
+    """HF model directory to load (config, safetensors, tokenizer), or a hub id."""
+    backend: str = field(default="fsdp", metadata=one_of("fsdp", "megatron"))
     """fsdp or megatron: the one line that swaps the train backend."""
-    dtype: str = "float32"
+    dtype: str = field(default="float32", metadata=one_of("float32", "bfloat16", "float16", "auto"))
     """Compute dtype: float32; bfloat16 (mixed precision: fp32 master weights and optimizer state,
     fp32 gradient reduction; float16 too on FSDP); or auto: bfloat16 where the device computes it
     natively (CUDA with bf16, a CPU with AVX-512 BF16 or AMX), else float32. Weights sent to the
@@ -138,13 +160,15 @@ class PPOActorConfig(TrainEngineConfig):
     recompute_logprob: bool = True
     """When the batch has no ``prox_logp``, recompute it with the train engine (True) or take the
     behaviour log-probabilities as the proximal policy (False: on-policy or plain PPO)."""
-    policy_loss: str = "ppo"
+    policy_loss: str = field(default="ppo", metadata=one_of("ppo", "gspo", "reinforce"))
     """ppo, gspo or reinforce."""
-    loss_agg: str = "token-mean"
+    loss_agg: str = field(
+        default="token-mean", metadata=one_of("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+    )
     """token-mean, seq-mean-token-mean or seq-mean-token-sum (Dr. GRPO)."""
     kl_ctl: float = 0.0
     """Coefficient of the KL penalty to the reference policy (0 = no reference model)."""
-    kl_estimator: str = "k1"
+    kl_estimator: str = field(default="k1", metadata=one_of("k1", "k2", "k3"))
     """k1, k2 or k3 (Schulman 2020)."""
     kl_in_reward: bool = False
     """Put the KL penalty into the per-token reward instead of the loss."""
@@ -165,11 +189,13 @@ class PPOActorConfig(TrainEngineConfig):
     mask_truncated: bool = False
     """Give zero reward to sequences cut off by the length limit: a per-sequence bool
     ``truncated`` key of the batch, or else completions of ``max_new_tokens`` tokens."""
-    adv_estimator: str = "grpo"
+    adv_estimator: str = field(
+        default="grpo", metadata=one_of("grpo", "dr_grpo", "rloo", "remax", "reinforce_pp", "gae")
+    )
     """grpo (group-normalised), dr_grpo (group mean only), rloo, remax (needs
     ``baseline_rewards`` [B] in the batch), reinforce_pp (whitened returns) or gae (needs
     ``values`` [B,L] from a `PPOCritic`)."""
-    adv_norm_level: str = "group"
+    adv_norm_level: str = field(default="group", metadata=one_of("group", "batch", "none"))
     """grpo: mean and std over the group, over the batch, or none (advantage = reward)."""
     discount: float = 1.0
     """Discount gamma of GAE and REINFORCE++ returns."""
@@ -206,7 +232,7 @@ class DPOConfig(TrainEngineConfig):
     """DPO's beta (IPO's tau): strength of the implicit KL to the reference."""
     label_smoothing: float = 0.0
     """Probability that a preference label is flipped (conservative DPO); sigmoid loss only."""
-    dpo_loss: str = "sigmoid"
+    dpo_loss: str = field(default="sigmoid", metadata=one_of("sigmoid", "ipo"))
     """sigmoid (DPO) or ipo."""
 
 
@@ -223,7 +249,7 @@ class InferenceEngineConfig:
     (0 = synchronous RL)."""
     queue_size: int | None = None
     """Cap on finished-but-unconsumed plus running episodes (None = 16 x consumer batch size)."""
-    on_workflow_error: str = "raise"
+    on_workflow_error: str = field(default="raise", metadata=one_of("raise", "skip"))
     """raise (fail fast, naming the input) or skip (count it and go on)."""
     addresses: list[str] = field(default_factory=list)
     """Remote engines: host:port of each server (the launcher fills this in)."""
@@ -235,7 +261,7 @@ class InferenceEngineConfig:
     """Seconds to wait for servers to become healthy."""
     api_key: str | None = None
     """Bearer token for servers started with --api-key."""
-    pause_mode: str = "abort"
+    pause_mode: str = field(default="abort", metadata=one_of("abort", "in_place"))
     """How servers pause for weight updates: abort (resume as prompt + generated) or in_place."""
     client_cores: list[int] = field(default_factory=list)
     """CPU cores for the rollout client's threads in the trainer process (executor loop, HTTP
@@ -255,10 +281,10 @@ class InferenceEngineConfig:
 class LocalEngineConfig:
     """The embedded engine (in-process, or behind our SGLang-protocol server)."""
 
-    path: str = MISSING
-    """HF model directory."""
-    dtype: str = "float32"
-    """float32 or bfloat16."""
+    path: str = field(default=MISSING, metadata=READS_MODEL)
+    """HF model directory, or a hub id."""
+    dtype: str = field(default="float32", metadata=one_of("float32", "bfloat16", "float16"))
+    """float32, bfloat16 or float16."""
     device: str = "cpu"
     """cpu or cuda."""
     max_running_requests: int = 128
@@ -275,9 +301,9 @@ class LocalEngineConfig:
 class DatasetConfig:
     """A dataset (a local parquet/jsonl path or a built-in synthetic task)."""
 
-    path: str = ""
+    path: str = field(default="", metadata=READS_FILE)
     """Local file or directory; empty for synthetic tasks."""
-    type: str = "rl"
+    type: str = field(default="rl", metadata=one_of("rl", "sft"))
     """rl or sft."""
     batch_size: int = 8
     """Items (prompts) per training batch."""
@@ -309,7 +335,7 @@ class EvaluatorConfig:
 class RecoverConfig:
     """Crash recovery from the full training state."""
 
-    mode: str = "disabled"
+    mode: str = field(default="disabled", metadata=one_of("disabled", "auto", "resume"))
     """disabled, auto (resume when a recover checkpoint exists) or resume (require one)."""
     freq_steps: int = 1
     """Write the recover checkpoint every this many steps."""
@@ -321,7 +347,7 @@ class RecoverConfig:
 class StatsLoggerConfig:
     """Where per-step statistics go."""
 
-    wandb_mode: str = "offline"
+    wandb_mode: str = field(default="offline", metadata=one_of("disabled", "offline", "online"))
     """wandb mode: offline (runs under the output directory's ``wandb/``; ``wandb sync`` uploads
     them later), online (needs a login) or disabled."""
     wandb_project: str = "areal-lite"
@@ -329,7 +355,26 @@ class StatsLoggerConfig:
     tensorboard: bool = False
     """Also write tensorboard event files."""
     console: bool = True
-    """Print a line per step and a progress bar."""
+    """Print one short line per step (the ``console_keys``) and the full table every
+    ``full_stats_every`` steps; on a terminal under a progress bar, elsewhere (a launcher's log,
+    CI) as plain lines without control characters."""
+    console_keys: list[str] = field(
+        default_factory=lambda: [
+            "reward=reward_mean",
+            "acc=eval/accuracy",
+            "loss",
+            "kl=approx_kl",
+            "kl_ref",
+            "stale=rollout/staleness_max",
+            "time=timing/step",
+        ]
+    )
+    """The statistics of the per-step console line, in order, each ``label=key`` or just ``key``;
+    a key missing from a step's statistics is left out of that step's line. ``timing/`` keys are
+    shown in seconds."""
+    full_stats_every: int = 50
+    """Print the table of every statistic every this many steps and at the last step (0 = never;
+    wandb and tensorboard always get every statistic)."""
     reward_std_key: str = "reward_std"
     """The statistic watched for a collapsing reward spread (all samples of a group scoring alike)."""
     collapse_steps: int = 5
@@ -370,7 +415,7 @@ class SlurmConfig:
 class LauncherConfig:
     """How `areal_lite.launcher.local` starts servers and trainers."""
 
-    backend: str = "local"
+    backend: str = field(default="local", metadata=one_of("local", "areal", "sglang"))
     """Rollout backend: local (embedded in the trainer), areal (our server) or sglang."""
     n_servers: int = 1
     """Rollout servers to start (areal, sglang)."""
@@ -384,7 +429,7 @@ class LauncherConfig:
     """CPU cores to pin the servers to (empty = no pinning)."""
     trainer_cores: list[int] = field(default_factory=list)
     """CPU cores to pin the trainer to (empty = no pinning)."""
-    server_model_path: str = ""
+    server_model_path: str = field(default="", metadata=READS_MODEL)
     """HF model directory the servers load; empty = the config's ``actor.path``."""
     server_host: str = "127.0.0.1"
     """Address the servers bind to and the trainer connects to."""
@@ -417,7 +462,7 @@ class BaseExperimentConfig:
     """Passes over the training set."""
     total_train_steps: int | None = None
     """Stop after this many steps (None = the epochs decide)."""
-    tokenizer_path: str = ""
+    tokenizer_path: str = field(default="", metadata=READS_MODEL)
     """Tokenizer directory (defaults to the actor's model path)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
@@ -452,6 +497,60 @@ class RLExperimentConfig(BaseExperimentConfig):
 
 class ConfigError(ValueError):
     """A config file or override that does not fit the schema."""
+
+
+class ConfigChecked(BaseException):
+    """Raised by `load_config` in place of returning the config inside `checking_only`, to carry it
+    out of a training script that is only being checked. A BaseException, so that a script's
+    ``except Exception`` does not stop it."""
+
+    def __init__(self, config: object) -> None:
+        super().__init__("config checked")
+        self.config = config
+
+
+_check_only = False
+
+
+@contextmanager
+def checking_only() -> Iterator[None]:
+    """Within the block, `load_config` validates and then raises `ConfigChecked` instead of
+    returning: the launcher's check run (`areal_lite.launcher.check`) runs a script this way, to
+    validate the config with the script's own config class without training."""
+    global _check_only
+    previous, _check_only = _check_only, True
+    try:
+        yield
+    finally:
+        _check_only = previous
+
+
+def _walk(cfg: object, prefix: str) -> Iterator[tuple[str, dict[str, object], object]]:
+    """(dotted name, metadata, value) of every field of a config dataclass, nested ones included."""
+    for f in fields(cfg):  # type: ignore[arg-type]
+        value = getattr(cfg, f.name)
+        yield prefix + f.name, dict(f.metadata), value
+        if is_dataclass(value) and not isinstance(value, type):
+            yield from _walk(value, f"{prefix}{f.name}.")
+
+
+def check_choices(cfg: object, prefix: str = "") -> None:
+    """Raise `ConfigError` for the first field of the config dataclass ``cfg`` (nested ones
+    included; their names start with ``prefix``) whose value is not one of its `one_of` choices."""
+    for name, meta, value in _walk(cfg, prefix):
+        choices = meta.get("choices")
+        if choices is not None and value not in choices:  # type: ignore[operator]
+            raise ConfigError(f"config field {name!r} is {value!r}; choose one of {', '.join(choices)}")  # type: ignore[arg-type]
+
+
+def input_paths(cfg: object, prefix: str = "") -> dict[str, tuple[str, str]]:
+    """The non-empty paths in the fields of ``cfg`` marked `READS_MODEL` or `READS_FILE`:
+    dotted name -> (``"model"`` or ``"file"``, path)."""
+    return {
+        name: (str(meta["reads"]), value)
+        for name, meta, value in _walk(cfg, prefix)
+        if "reads" in meta and isinstance(value, str) and value
+    }
 
 
 T = TypeVar("T")
@@ -501,8 +600,10 @@ def load_config(argv: list[str] | None, config_cls: type[T], save: bool = True) 
 
     The YAML file and then the overrides are merged, in that order, over the dataclass defaults.
     Unknown keys raise `ConfigError` naming the closest valid keys; values of the wrong type raise
-    `ConfigError` naming the field and its expected type. When ``save`` is true and the config has
-    an ``output_dir``, the resolved config is written to ``output_dir/config.yaml``.
+    `ConfigError` naming the field and its expected type, and values outside a field's `one_of`
+    choices naming the field, the value and the choices. When ``save`` is true and the config has
+    an ``output_dir``, the resolved config is written to ``output_dir/config.yaml``. Inside
+    `checking_only` it raises `ConfigChecked` instead of saving and returning.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     config_file: str | None = None
@@ -556,6 +657,9 @@ def load_config(argv: list[str] | None, config_cls: type[T], save: bool = True) 
         cfg = OmegaConf.to_object(merged)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_choices(cfg)
+    if _check_only:
+        raise ConfigChecked(cfg)
     output_dir = getattr(cfg, "output_dir", None)
     if save and isinstance(output_dir, str):
         save_config(cfg, os.path.join(output_dir, "config.yaml"))

@@ -2,7 +2,14 @@
 
     python -m areal_lite.launcher.local SCRIPT --config CONFIG [key=value ...]
 
-Reads the config's ``launcher`` and ``recover`` sections (the script itself validates the rest).
+Before it starts anything, the launcher checks the whole config: a check run
+(`areal_lite.launcher.check`) loads it with the script's own config class without training (unknown
+keys, wrong types, values outside a field's choices), and every path the config marks as read
+(`READS_MODEL`, `READS_FILE`) must exist, unless it is a hub id or lies inside the run's output
+directory (which the run may write first). A config error is the user's to fix and would fail every
+restart the same way: the launcher prints it as one line and exits with `CONFIG_ERROR_EXIT` without
+starting (or restarting) anything.
+
 With ``launcher.prepare_overrides`` set, the script first runs once with those overrides appended
 (e.g. to build the model that the servers then load) and must exit 0 before anything else starts.
 With ``launcher.backend=local`` the script runs the embedded inference engine in-process: it is
@@ -10,7 +17,8 @@ started directly (under torchrun when ``trainer_nproc > 1``). With ``areal`` (ou
 `areal_lite.engines.server`) or ``sglang`` (SGLang's own server), ``n_servers`` servers are started
 on free ports, the launcher waits until each answers ``GET /health`` with 200 (their addresses and
 pids go to ``output_dir/logs/servers.json``, their output to ``server<i>.log`` beside it), and the
-trainer runs under torchrun with the override ``rollout.addresses=[host:port, ...]``.
+trainer runs under torchrun with the override ``rollout.addresses=[host:port, ...]``. The servers'
+model must exist by then (after the prepare run).
 
 SIGINT and SIGTERM are forwarded to the trainer; on exit or failure every process the launcher
 started is stopped by process group (SIGTERM, then SIGKILL after a grace period), and children die
@@ -28,24 +36,26 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from areal_lite.api.config import BaseExperimentConfig, ConfigError, LauncherConfig, RecoverConfig
+from areal_lite.api.config import BaseExperimentConfig, ConfigError, LauncherConfig, RecoverConfig, check_choices
 from areal_lite.utils.distributed import find_free_port
 
 logger = logging.getLogger("areal_lite.launcher")
 
-BACKENDS = ("local", "areal", "sglang")
 ENGINE_FLAGS = (
     ("dtype", "--dtype"),
     ("device", "--device"),
@@ -56,6 +66,8 @@ ENGINE_FLAGS = (
 """``local_engine`` keys and the flags of `areal_lite.engines.server` that take them."""
 TEARDOWN_GRACE_S = 10.0
 ATTEMPT_ENV = "AREAL_LITE_ATTEMPT"
+CONFIG_ERROR_EXIT = 78
+"""Exit code of a launch stopped by a config error (sysexits' EX_CONFIG): it is never retried."""
 
 
 @dataclass
@@ -89,7 +101,12 @@ def _section(raw: DictConfig, name: str, cls: type) -> object:
 
 def read_plan(script: str, config_file: str | None, overrides: list[str]) -> LaunchPlan:
     """Read the ``launcher`` and ``recover`` sections (strictly) and the model and output paths."""
-    loaded = OmegaConf.load(config_file) if config_file else OmegaConf.create()
+    if config_file and not os.path.isfile(config_file):
+        raise ConfigError(f"config file {config_file!r} does not exist")
+    try:
+        loaded = OmegaConf.load(config_file) if config_file else OmegaConf.create()
+    except Exception as e:  # noqa: BLE001 (YAML errors come as several types)
+        raise ConfigError(f"config file {config_file!r}: {' '.join(str(e).split())}") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {config_file!r} must hold a mapping at the top level")
     for item in overrides:
@@ -102,8 +119,8 @@ def read_plan(script: str, config_file: str | None, overrides: list[str]) -> Lau
     launcher = _section(raw, "launcher", LauncherConfig)
     recover = _section(raw, "recover", RecoverConfig)
     assert isinstance(launcher, LauncherConfig) and isinstance(recover, RecoverConfig)
-    if launcher.backend not in BACKENDS:
-        raise ConfigError(f"launcher.backend must be one of {', '.join(BACKENDS)}, got {launcher.backend!r}")
+    check_choices(launcher, "launcher.")
+    check_choices(recover, "recover.")
     model_path = launcher.server_model_path or str(OmegaConf.select(raw, "actor.path", default="") or "")
     if launcher.backend != "local" and not model_path:
         raise ConfigError("the servers need a model: set launcher.server_model_path or actor.path")
@@ -116,6 +133,70 @@ def read_plan(script: str, config_file: str | None, overrides: list[str]) -> Lau
     return LaunchPlan(
         script, config_file, list(overrides), launcher, recover, model_path, output_dir, engine_args=engine_args
     )
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
+
+
+def is_hub_id(path: str) -> bool:
+    """Whether ``path`` has the form of a Hugging Face hub id (``org/name``)."""
+    return bool(_HUB_ID.match(path)) and ".." not in path
+
+
+def missing_inputs(inputs: dict[str, tuple[str, str]], output_dir: str) -> list[str]:
+    """``field='path'`` for each of ``inputs`` (field -> ("model" or "file", path)) that does not
+    exist, is not a model's hub id, and lies outside ``output_dir`` (which the run may write
+    before it reads it)."""
+    inside = os.path.abspath(output_dir) + os.sep
+    return [
+        f"{name}={path!r}"
+        for name, (kind, path) in inputs.items()
+        if not os.path.exists(path)
+        and not (kind == "model" and is_hub_id(path))
+        and not os.path.abspath(path).startswith(inside)
+    ]
+
+
+def check_config(plan: LaunchPlan, *, paths: bool = True) -> None:
+    """Validate the run's whole config in a check run of the script (`areal_lite.launcher.check`;
+    the prepare run's overrides too) and, with ``paths``, that the paths it reads exist (see
+    `missing_inputs`); `ConfigError` of one line otherwise. The check run's output goes to
+    ``logs/check.log``."""
+    os.makedirs(plan.log_dir, exist_ok=True)
+    log = os.path.join(plan.log_dir, "check.log")
+    extra = {"launcher.prepare_overrides": plan.launcher.prepare_overrides} if plan.launcher.prepare_overrides else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        request, out = os.path.join(tmp, "request.json"), os.path.join(tmp, "answer.json")
+        with open(request, "w") as f:
+            json.dump({"script": plan.script, "argv": script_args(plan, [])[1:], "extra": extra, "out": out}, f)
+        proc = spawn([plan.python, "-m", "areal_lite.launcher.check", request], cores=plan.launcher.trainer_cores,
+                     env={**os.environ}, log_path=log)
+        try:
+            rc = proc.wait()
+        finally:
+            stop([proc], grace=0.0)
+        if not os.path.exists(out):
+            raise ConfigError(f"the config check of {plan.script} exited with {rc} without an answer; see {log}")
+        with open(out) as f:
+            answer = json.load(f)
+    if "error" in answer:
+        raise ConfigError(answer["error"] + (f" (the traceback is in {log})" if answer.get("logged") else ""))
+    if "unchecked" in answer:
+        logger.warning("config not checked before the start: %s", answer["unchecked"])
+        return
+    missing = missing_inputs({k: (v[0], v[1]) for k, v in answer["inputs"].items()}, plan.output_dir)
+    if paths and missing:
+        raise ConfigError(f"the config names paths that do not exist: {', '.join(missing)}")
+
+
+def run_reporting_config_errors(launch: Callable[[], int]) -> int:
+    """``launch()``; a `ConfigError` becomes one line on stderr (no traceback) and the exit code
+    `CONFIG_ERROR_EXIT`."""
+    try:
+        return launch()
+    except ConfigError as e:
+        print(f"[launcher] config error: {e}", file=sys.stderr, flush=True)
+        return CONFIG_ERROR_EXIT
 
 
 def server_command(plan: LaunchPlan, port: int, *, base_gpu_id: int = 0, host: str | None = None) -> list[str]:
@@ -280,6 +361,7 @@ class LocalLauncher:
                     logger.error("the prepare run exited with %d", rc)
                     return 128 + self.received_signal if self.received_signal is not None else rc
             if self.plan.launcher.backend != "local":
+                self.check_server_model()
                 self.start_servers()
             retries = self.plan.recover.retries
             if retries and self.plan.recover.mode == "disabled":
@@ -301,6 +383,13 @@ class LocalLauncher:
 
     def _env(self, attempt: int) -> dict[str, str]:
         return {**os.environ, ATTEMPT_ENV: str(attempt)}
+
+    def check_server_model(self) -> None:
+        """The servers load ``model_path``: it must exist by now (or be a hub id)."""
+        path = self.plan.model_path
+        if not os.path.exists(path) and not is_hub_id(path):
+            name = "launcher.server_model_path" if self.plan.launcher.server_model_path else "actor.path"
+            raise ConfigError(f"the servers' model {name}={path!r} does not exist")
 
     def start_servers(self) -> None:
         cfg = self.plan.launcher
@@ -386,8 +475,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="[launcher] %(levelname)s %(message)s")
-    plan = read_plan(args.script, args.config, args.overrides)
-    return LocalLauncher(plan).run()
+
+    def launch() -> int:
+        plan = read_plan(args.script, args.config, args.overrides)
+        check_config(plan)
+        return LocalLauncher(plan).run()
+
+    try:
+        return run_reporting_config_errors(launch)
+    except KeyboardInterrupt:  # before the launcher's own handlers are in place: nothing to stop
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

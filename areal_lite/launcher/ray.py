@@ -7,7 +7,8 @@ Each rollout server is a Ray actor holding ``server_tp_size`` GPUs (Ray sets its
 the driver waits until every server answers ``GET /health``. The trainer takes a placement group
 of ``trainer_nnodes`` bundles (one per node, spread over distinct nodes) and runs one torchrun per
 bundle as a Ray task, restarted up to ``recover.retries`` times like the local launcher. Ray is an
-optional dependency (``pip install areal-lite[ray]``); it is imported only when a run starts.
+optional dependency (``pip install areal-lite[ray]``); it is imported only when a run starts. The
+config is checked first as by `launcher.local` (not its paths, which are the nodes' to see).
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ import subprocess
 import sys
 import time
 
-from areal_lite.launcher.local import ATTEMPT_ENV, LaunchPlan, is_healthy, read_plan, server_command, torchrun_command
+from areal_lite.launcher.local import (
+    ATTEMPT_ENV,
+    LaunchPlan,
+    check_config,
+    is_healthy,
+    read_plan,
+    run_reporting_config_errors,
+    server_command,
+    torchrun_command,
+)
 from areal_lite.utils.distributed import find_free_port
 
 
@@ -149,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
-    return run(read_plan(args.script, args.config, args.overrides))
+
+    def launch() -> int:
+        plan = read_plan(args.script, args.config, args.overrides)
+        check_config(plan, paths=False)  # paths are those of the cluster's nodes, not of this one
+        return run(plan)
+
+    return run_reporting_config_errors(launch)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ set; as many per node as ``gpus_per_node / server_tp_size`` allows; all
 on one node on CPU) with ``srun --overlap`` on fixed ports, the script waits until each answers
 ``GET /health``, then the trainer nodes run torchrun with ``rollout.addresses`` set, restarted up to
 ``recover.retries`` times with ``AREAL_LITE_ATTEMPT`` like the local launcher. Slurm kills the
-servers when the job ends.
+servers when the job ends. The config is checked before submission as by `launcher.local` (not its
+paths, which are the nodes' to see).
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ import shlex
 import subprocess
 import sys
 
-from areal_lite.launcher.local import LaunchPlan, read_plan, script_args, server_command
+from areal_lite.launcher.local import (
+    LaunchPlan,
+    check_config,
+    read_plan,
+    run_reporting_config_errors,
+    script_args,
+    server_command,
+)
 
 SERVER_BASE_PORT = 30000
 TRAINER_PORT = 29500
@@ -130,8 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the job script instead of submitting it")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
-    print(submit(read_plan(args.script, args.config, args.overrides), dry_run=args.dry_run))
-    return 0
+
+    def launch() -> int:
+        plan = read_plan(args.script, args.config, args.overrides)
+        check_config(plan, paths=False)  # paths are those of the job's nodes, not of this one
+        print(submit(plan, dry_run=args.dry_run))
+        return 0
+
+    return run_reporting_config_errors(launch)
 
 
 if __name__ == "__main__":

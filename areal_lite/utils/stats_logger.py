@@ -1,6 +1,11 @@
-"""Where per-step statistics go: the console (a line per step under a progress bar), wandb
-(offline unless configured), tensorboard, warnings on the signs of a failing run, and a PNG of
+"""Where per-step statistics go: the console (one short line per step under a progress bar, and
+the full table every ``full_stats_every`` steps), wandb (offline unless configured) and
+tensorboard (every statistic, every step), warnings on the signs of a failing run, and a PNG of
 the reward and accuracy curves when the run ends.
+
+On a terminal the short lines scroll above one tqdm bar for the run; anywhere else (a launcher's
+log file, CI) there is no bar, and the lines are plain text with no carriage returns or escape
+sequences.
 
 Only rank 0 writes anything; on other ranks `StatsLogger.commit` is a no-op, so a script calls it
 on every rank after the collective `StatsTracker.export`.
@@ -11,13 +16,16 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
+import sys
 import time
 from dataclasses import asdict, is_dataclass
+from typing import TextIO
 
 import numpy as np
 import torch.distributed as dist
 
-from areal_lite.api.config import StatsLoggerConfig
+from areal_lite.api.config import StatsLoggerConfig, check_choices
 from areal_lite.utils.stats import StepStats
 
 logger = logging.getLogger("areal_lite.stats")
@@ -31,9 +39,101 @@ def _format(value: float) -> str:
     return f"{value:.4g}"
 
 
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def console_line(scalars: dict[str, float], keys: list[str]) -> str:
+    """The per-step console line: ``label value`` for each ``label=key`` (or ``key``) of ``keys``
+    present in ``scalars``, in order; ``timing/`` keys in seconds."""
+    parts = []
+    for entry in keys:
+        label, _, key = entry.rpartition("=")
+        if key in scalars:
+            value = scalars[key]
+            parts.append(f"{label or key} {value:.3g}{'s' if key.startswith('timing/') else ''}")
+    return "  ".join(parts)
+
+
+def stats_table(scalars: dict[str, float], width: int = 100) -> str:
+    """Every statistic, sorted by key, in as many ``key value`` columns as fit in ``width``."""
+    items = [(k, _format(v)) for k, v in sorted(scalars.items())]
+    if not items:
+        return ""
+    kw, vw = max(len(k) for k, _ in items), max(len(v) for _, v in items)
+    n_cols = max(1, (width + 3) // (kw + vw + 5))
+    n_rows = -(-len(items) // n_cols)
+    rows = []
+    for r in range(n_rows):
+        cells = [items[c * n_rows + r] for c in range(n_cols) if c * n_rows + r < len(items)]
+        rows.append("   ".join(f"{k:<{kw}}  {v:>{vw}}" for k, v in cells).rstrip())
+    return "\n".join(rows)
+
+
+class _Console:
+    """The console side of a `StatsLogger`: on a terminal, lines written above one tqdm bar; on
+    anything else, plain lines (with the time left, which the missing bar would have shown)."""
+
+    def __init__(self, stream: TextIO, total: int | None, desc: str) -> None:
+        self.stream = stream
+        self.total = total
+        isatty = getattr(stream, "isatty", None)
+        self.tty = bool(isatty and isatty())
+        self.bar = None
+        if self.tty:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, file=stream)
+        self._start: tuple[int, float] | None = None
+        """(steps done, time) at the first step this console showed: the pace for the time left."""
+
+    @property
+    def width(self) -> int:
+        return shutil.get_terminal_size((100, 24)).columns if self.tty else 100
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def step(self, done: int, line: str) -> None:
+        """Show the line of a step after which ``done`` steps are done."""
+        now = time.perf_counter()
+        if self._start is None:
+            self._start = (done, now)
+        if self.bar is not None:
+            self.write(f"step {done}  {line}")
+            self.bar.n = done
+            self.bar.refresh()
+            return
+        progress = f"step {done}/{self.total}" if self.total else f"step {done}"
+        steps, seconds = done - self._start[0], now - self._start[1]
+        left = ""
+        if self.total and steps > 0 and done < self.total:
+            left = f"  eta {_duration(seconds / steps * (self.total - done))}"
+        self.write(f"{progress}  {line}{left}")
+
+    def resume_at(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.n = done
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 class StatsLogger:
     """Logs one step's statistics per `commit` and draws the curves at `close`.
 
+    The console (``config.console``; ``stream``, default stdout) gets one line per step of the
+    ``config.console_keys`` and, every ``config.full_stats_every`` steps and at the last step,
+    the table of every statistic; wandb and tensorboard get every statistic at every step.
     Derived values: ``timing/step`` (seconds since the previous commit) and, when the stats hold
     ``n_tokens``, ``perf/tokens_per_s``. Warnings (`logging` and the `warnings` list): the
     ``reward_std_key`` at 0 for ``collapse_steps`` steps in a row, the ``kl_key`` above ``kl_max``,
@@ -48,27 +148,25 @@ class StatsLogger:
         total_steps: int | None = None,
         run_name: str = "areal-lite",
         run_config: object | None = None,
+        stream: TextIO | None = None,
     ) -> None:
         self.config = config
         self.output_dir = output_dir
         self.total_steps = total_steps
-        if config.wandb_mode not in ("disabled", "offline", "online"):
-            raise ValueError(f"stats_logger.wandb_mode must be disabled, offline or online, got {config.wandb_mode!r}")
+        check_choices(config, "stats_logger.")
         self.enabled = _is_rank0()
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.warnings: list[str] = []
         self._collapsed_for = 0
         self._last_commit = time.perf_counter()
-        self._bar = None
+        self._console: _Console | None = None
         self._wandb = None
         self._tb = None
         if not self.enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
         if config.console:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, desc=run_name, unit="step", dynamic_ncols=True)
+            self._console = _Console(stream or sys.stdout, total_steps, run_name)
         if config.wandb_mode != "disabled":
             import wandb
 
@@ -103,11 +201,12 @@ class StatsLogger:
             if key in scalars:
                 self.history.setdefault(key, []).append((step, scalars[key]))
         self._check(step, scalars)
-        if self._bar is not None:
-            line = " | ".join(f"{k} {_format(v)}" for k, v in sorted(scalars.items()))
-            self._bar.write(f"step {step + 1}: {line}")
-            self._bar.n = step + 1
-            self._bar.refresh()
+        if self._console is not None:
+            self._console.step(step + 1, console_line(scalars, self.config.console_keys))
+            every = self.config.full_stats_every
+            if every > 0 and ((step + 1) % every == 0 or step + 1 == self.total_steps):
+                table = stats_table(scalars, self._console.width - 2).replace("\n", "\n  ")
+                self._console.write(f"step {step + 1}, all statistics:\n  {table}")
         if self._wandb is not None:
             import wandb
 
@@ -153,10 +252,9 @@ class StatsLogger:
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.history = {k: [tuple(p) for p in v] for k, v in state["history"].items()}  # type: ignore[union-attr]
         self._collapsed_for = int(state["collapsed_for"])  # type: ignore[arg-type]
-        if self._bar is not None:
+        if self._console is not None:
             last = max((p[0] for v in self.history.values() for p in v), default=-1)
-            self._bar.n = last + 1
-            self._bar.refresh()
+            self._console.resume_at(last + 1)
 
     def plot(self, path: str | None = None) -> str | None:
         """Draw each recorded ``plot_keys`` curve in its own panel; returns the PNG path, or None
@@ -184,9 +282,9 @@ class StatsLogger:
     def close(self) -> str | None:
         """Draw the curves, close the progress bar, wandb and tensorboard; returns the PNG path."""
         png = self.plot()
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        if self._console is not None:
+            self._console.close()
+            self._console = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from areal_lite.api.config import BaseExperimentConfig, InferenceEngineConfig, load_config
+from areal_lite.api.config import READS_MODEL, BaseExperimentConfig, InferenceEngineConfig, load_config
 from areal_lite.launcher.local import is_healthy
 
 
@@ -23,6 +23,8 @@ class ProbeConfig:
     wait_for_signal: bool = False
     tag: str = "main"
     """Recorded, to tell the prepare run from the main one."""
+    model: str = field(default="", metadata=READS_MODEL)
+    """A model the probe would read (it reads nothing): for the launcher's path check."""
 
 
 @dataclass
