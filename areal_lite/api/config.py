@@ -489,7 +489,7 @@ class RLExperimentConfig(BaseExperimentConfig):
     local_engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
     """The embedded engine (``launcher.backend=local``; our server, ``areal``, takes its settings too)."""
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
-    weight_update: str = "disk"
+    weight_update: str = field(default="disk", metadata=one_of("disk", "distributed"))
     """How weights reach rollout servers: disk (safetensors files every server loads) or
     distributed (a broadcast from trainer rank 0: NCCL on GPU, gloo on CPU). The embedded engine
     takes them in process whatever this says."""
