@@ -31,7 +31,8 @@ import torch
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import ParamSpec, WeightUpdateMeta
-from areal_lite.engines.local import LocalInferenceEngine, SamplingParams
+from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.engines.request import SamplingParams
 from areal_lite.utils.distributed import find_free_port, init_custom_process_group
 from areal_lite.utils.tiny import build_tiny_model
 
@@ -55,7 +56,7 @@ def engine_runner(engine: LocalInferenceEngine, requests: list[tuple[list[int], 
 
     async def run() -> int:
         results = await asyncio.gather(
-            *[engine.generate(p, SamplingParams(max_new_tokens=m, ignore_eos=True)) for p, m in requests]
+            *[engine.scheduler.generate(p, SamplingParams(max_new_tokens=m, ignore_eos=True)) for p, m in requests]
         )
         return sum(len(r.output_ids) for r in results)
 

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ParamSpec, WeightUpdateMeta
-from areal_lite.engines.local import GenerationError, LocalInferenceEngine, SamplingParams
+from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.engines.request import GenerationError, SamplingParams
 from areal_lite.utils.distributed import find_free_port, init_custom_process_group
 from areal_lite.utils.tiny import build_tiny_model
 
@@ -56,7 +57,7 @@ def perturbed_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor
 
 def generate_all(engine: LocalInferenceEngine, jobs: list[tuple[list[int], SamplingParams]]):
     async def run():
-        return await asyncio.gather(*[engine.generate(p, sp) for p, sp in jobs])
+        return await asyncio.gather(*[engine.scheduler.generate(p, sp) for p, sp in jobs])
 
     return asyncio.run(run())
 
@@ -119,17 +120,17 @@ def test_logprobs_equal_hf_forward_other_layouts(kind: str, tmp_path) -> None:
 
 
 def test_split_prefill_gives_the_same_logprobs(model_path: str, hf: torch.nn.Module, monkeypatch) -> None:
-    monkeypatch.setattr("areal_lite.engines.local.PREFILL_MASK_ELEMENTS", 200)  # split any batch
+    monkeypatch.setattr("areal_lite.engines.model_runner.PREFILL_MASK_ELEMENTS", 200)  # split any batch
     eng = make_engine(model_path)
-    real_prefill, calls = eng._runner.prefill, []
-    monkeypatch.setattr(eng._runner, "prefill", lambda seqs: calls.append(len(seqs)) or real_prefill(seqs))
+    real_prefill, calls = eng.scheduler._runner.prefill, []
+    monkeypatch.setattr(eng.scheduler._runner, "prefill", lambda seqs: calls.append(len(seqs)) or real_prefill(seqs))
     jobs = [(list(range(5, 5 + 3 * (i + 1))), SamplingParams(max_new_tokens=5, ignore_eos=True)) for i in range(5)]
 
     async def run():
-        eng.pause_generation("in_place")  # queue all five, then admit them in one prefill
-        tasks = [asyncio.ensure_future(eng.generate(p, sp)) for p, sp in jobs]
+        eng.scheduler.pause_generation("in_place")  # queue all five, then admit them in one prefill
+        tasks = [asyncio.ensure_future(eng.scheduler.generate(p, sp)) for p, sp in jobs]
         await asyncio.sleep(0)
-        eng.continue_generation()
+        eng.scheduler.continue_generation()
         return await asyncio.gather(*tasks)
 
     try:
@@ -147,9 +148,9 @@ def test_identical_prompts_share_one_prefill_row(model_path: str, hf: torch.nn.M
     """A GRPO group (one prompt, several samples) is prefilled as one row whose cache every sample
     gets; each sample is still drawn on its own and scored right, prompt log-probs included."""
     eng = make_engine(model_path)
-    real_forward, widths = eng._runner._layers_forward, []
+    real_forward, widths = eng.scheduler._runner._layers_forward, []
     monkeypatch.setattr(
-        eng._runner, "_layers_forward", lambda h, *a: widths.append(tuple(h.shape[:2])) or real_forward(h, *a)
+        eng.scheduler._runner, "_layers_forward", lambda h, *a: widths.append(tuple(h.shape[:2])) or real_forward(h, *a)
     )
     group, other = [5, 6, 7, 8, 9], [40, 41]
     jobs = [(group, SamplingParams(max_new_tokens=8, ignore_eos=True))] * 4 + [
@@ -157,10 +158,13 @@ def test_identical_prompts_share_one_prefill_row(model_path: str, hf: torch.nn.M
     ] * 2
 
     async def run():
-        eng.pause_generation("in_place")  # queue them all, then admit them in one prefill
-        tasks = [asyncio.ensure_future(eng.generate(p, sp, return_input_logprobs=i == 1)) for i, (p, sp) in enumerate(jobs)]
+        eng.scheduler.pause_generation("in_place")  # queue them all, then admit them in one prefill
+        tasks = [
+            asyncio.ensure_future(eng.scheduler.generate(p, sp, return_input_logprobs=i == 1))
+            for i, (p, sp) in enumerate(jobs)
+        ]
         await asyncio.sleep(0)
-        eng.continue_generation()
+        eng.scheduler.continue_generation()
         return await asyncio.gather(*tasks)
 
     try:
@@ -192,7 +196,7 @@ def test_prompt_logprobs_equal_hf_forward(engine: LocalInferenceEngine, hf: torc
     prompt = [7, 8, 9, 10, 200, 31]
 
     async def run():
-        return await engine.generate(prompt, SamplingParams(max_new_tokens=0), return_input_logprobs=True)
+        return await engine.scheduler.generate(prompt, SamplingParams(max_new_tokens=0), return_input_logprobs=True)
 
     r = asyncio.run(run())
     assert r.output_ids == [] and r.input_logprobs[0] is None
@@ -298,9 +302,11 @@ def test_eos_stops_unless_ignored(tmp_path) -> None:
 
 def test_short_requests_leave_before_the_long_one(engine: LocalInferenceEngine) -> None:
     async def run() -> tuple[bool, int]:
-        long = asyncio.ensure_future(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=300, ignore_eos=True)))
+        long = asyncio.ensure_future(
+            engine.scheduler.generate([1, 2, 3], SamplingParams(max_new_tokens=300, ignore_eos=True))
+        )
         shorts = await asyncio.gather(
-            *[engine.generate([4 + i], SamplingParams(max_new_tokens=4, ignore_eos=True)) for i in range(6)]
+            *[engine.scheduler.generate([4 + i], SamplingParams(max_new_tokens=4, ignore_eos=True)) for i in range(6)]
         )
         long_running = not long.done()
         r = await long
@@ -322,7 +328,7 @@ def test_agenerate_from_many_event_loops(engine: LocalInferenceEngine) -> None:
 
 
 async def _wait_tokens(engine: LocalInferenceEngine, rid: str, n: int) -> None:
-    while (engine.generated_tokens(rid) or 0) < n:
+    while (engine.scheduler.generated_tokens(rid) or 0) < n:
         await asyncio.sleep(0.005)
 
 
@@ -335,7 +341,7 @@ def test_in_process_update_mid_generation_tags_both_versions(model_path: str, hf
 
         async def run():
             task = asyncio.ensure_future(
-                eng.generate([1, 2, 3], SamplingParams(max_new_tokens=120, ignore_eos=True), rid="long")
+                eng.scheduler.generate([1, 2, 3], SamplingParams(max_new_tokens=120, ignore_eos=True), rid="long")
             )
             await _wait_tokens(eng, "long", 5)
             meta = WeightUpdateMeta(type="in_process", named_tensors=new_state, version=1)
@@ -400,23 +406,23 @@ def test_pause_holds_requests_and_abort_returns_partial_output(model_path: str, 
     try:
 
         async def run():
-            eng.pause_generation("in_place")
+            eng.scheduler.pause_generation("in_place")
             held = asyncio.ensure_future(
-                eng.generate([1, 2], SamplingParams(max_new_tokens=3, ignore_eos=True), rid="held")
+                eng.scheduler.generate([1, 2], SamplingParams(max_new_tokens=3, ignore_eos=True), rid="held")
             )
             await asyncio.sleep(0)
             # A command runs while paused (the scheduler is alive), yet the request was not admitted.
             await asyncio.wrap_future(
                 eng.update_weights(WeightUpdateMeta(type="in_process", named_tensors={}, version=None))
             )
-            assert eng.generated_tokens("held") is None and not held.done()
-            eng.continue_generation()
+            assert eng.scheduler.generated_tokens("held") is None and not held.done()
+            eng.scheduler.continue_generation()
             r_held = await held
             long = asyncio.ensure_future(
-                eng.generate([1, 2], SamplingParams(max_new_tokens=400, ignore_eos=True), rid="long-1")
+                eng.scheduler.generate([1, 2], SamplingParams(max_new_tokens=400, ignore_eos=True), rid="long-1")
             )
             await _wait_tokens(eng, "long-1", 3)
-            eng.abort("long-")
+            eng.scheduler.abort("long-")
             return r_held, await long
 
         held, aborted = asyncio.run(run())
@@ -433,17 +439,19 @@ def test_pause_modes_abort_and_retract(model_path: str, hf: torch.nn.Module) -> 
 
         async def run():
             a = asyncio.ensure_future(
-                eng.generate([1, 2], SamplingParams(max_new_tokens=400, ignore_eos=True), rid="a")
+                eng.scheduler.generate([1, 2], SamplingParams(max_new_tokens=400, ignore_eos=True), rid="a")
             )
             await _wait_tokens(eng, "a", 2)
-            await asyncio.get_running_loop().run_in_executor(None, eng.pause_generation, "abort")
+            await asyncio.get_running_loop().run_in_executor(None, eng.scheduler.pause_generation, "abort")
             ra = await a
-            eng.continue_generation()
-            b = asyncio.ensure_future(eng.generate([1, 2], SamplingParams(max_new_tokens=60, ignore_eos=True), rid="b"))
+            eng.scheduler.continue_generation()
+            b = asyncio.ensure_future(
+                eng.scheduler.generate([1, 2], SamplingParams(max_new_tokens=60, ignore_eos=True), rid="b")
+            )
             await _wait_tokens(eng, "b", 2)
-            await asyncio.get_running_loop().run_in_executor(None, eng.pause_generation, "retract")
-            assert eng.generated_tokens("b") is None  # back in the queue, cache dropped
-            eng.continue_generation()
+            await asyncio.get_running_loop().run_in_executor(None, eng.scheduler.pause_generation, "retract")
+            assert eng.scheduler.generated_tokens("b") is None  # back in the queue, cache dropped
+            eng.scheduler.continue_generation()
             return ra, await b
 
         ra, rb = asyncio.run(run())
@@ -459,11 +467,11 @@ def test_pause_modes_abort_and_retract(model_path: str, hf: torch.nn.Module) -> 
 
 def test_bad_requests_raise(engine: LocalInferenceEngine) -> None:
     with pytest.raises(ValueError, match="empty"):
-        engine.validate_request([], SamplingParams())
+        engine.scheduler.validate_request([], SamplingParams())
     with pytest.raises(ValueError, match="context length"):
-        engine.validate_request([1] * engine.context_len, SamplingParams())
+        engine.scheduler.validate_request([1] * engine.scheduler.context_len, SamplingParams())
     with pytest.raises(ValueError, match="token ids"):
-        engine.validate_request([10**6], SamplingParams())
+        engine.scheduler.validate_request([10**6], SamplingParams())
     for bad in ({"max_new_tokens": -1}, {"top_p": 0.0}, {"top_k": 0}, {"temperature": -1.0}, {"min_new_tokens": -2}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
@@ -480,7 +488,7 @@ def test_bad_requests_raise(engine: LocalInferenceEngine) -> None:
 def test_engine_failure_fails_the_running_requests_and_keeps_serving(model_path: str, monkeypatch) -> None:
     eng = make_engine(model_path)
     try:
-        runner = eng._runner
+        runner = eng.scheduler._runner
         real_decode = runner.decode
         calls = {"n": 0}
 

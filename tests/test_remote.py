@@ -119,10 +119,10 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, model_pa
                 atol=1e-4,
                 rtol=0,
             )
-        assert {engine.assigned_server(r.rid) for r in reqs} == set(addresses)  # least loaded spreads them
+        assert {engine.fleet.assigned_server(r.rid) for r in reqs} == set(addresses)  # least loaded spreads them
         again = ModelRequest(input_ids=[1, 2], gconfig=GenerationConfig(max_new_tokens=2), rid=reqs[0].rid)
         asyncio.run(engine.agenerate(again))
-        assert engine.assigned_server(again.rid) == engine.assigned_server(reqs[0].rid)
+        assert engine.fleet.assigned_server(again.rid) == engine.fleet.assigned_server(reqs[0].rid)
 
         new_model = perturbed_copy(model_path, str(tmp_path / "v1"))
         long = [
@@ -175,8 +175,8 @@ def test_batch_requests_go_to_one_server_and_resume_across_an_update(servers, mo
         servers_used = []
         for group, resps in zip(groups, results):
             assert [r.rid for r in resps] == [r.rid for r in group]
-            assert len({engine.assigned_server(r.rid) for r in group}) == 1  # one batch, one server
-            servers_used.append(engine.assigned_server(group[0].rid))
+            assert len({engine.fleet.assigned_server(r.rid) for r in group}) == 1  # one batch, one server
+            servers_used.append(engine.fleet.assigned_server(group[0].rid))
             for req, resp in zip(group, resps):
                 assert resp.stop_reason == "length"
                 assert_switched_models(req, resp, model, new_model, 200)
@@ -259,7 +259,7 @@ def test_timed_out_request_moves_to_another_server(servers, model_path: str) -> 
         assert asyncio.run(post(addresses[0], "/pause_generation", {"mode": "in_place"})) == 200
         req = ModelRequest(input_ids=[3, 4], gconfig=GenerationConfig(max_new_tokens=6, ignore_eos=True))
         resp = asyncio.run(engine.agenerate(req))
-        assert resp.output_len == 6 and engine.assigned_server(req.rid) == addresses[1]
+        assert resp.output_len == 6 and engine.fleet.assigned_server(req.rid) == addresses[1]
 
         async def abandoned_request_dropped() -> None:
             # The server drops the request whose client went away: nothing stays queued there.
@@ -299,7 +299,7 @@ def test_server_killed_mid_run_loses_no_request(servers, model_path: str) -> Non
         assert sorted(r.rid for r in results) == sorted(r.rid for r in reqs)
         assert all(r.output_len == 150 and r.stop_reason == "length" for r in results)
         assert all(len(r.output_logprobs) == len(r.output_versions) == 150 for r in results)
-        assert {engine.assigned_server(r.rid) for r in reqs} == {addresses[1]}  # all finished on the survivor
+        assert {engine.fleet.assigned_server(r.rid) for r in reqs} == {addresses[1]}  # all finished on the survivor
         # Control calls skip the dead server: the training loop's weight sync carries on.
         engine.pause()
         engine.update_weights(WeightUpdateMeta(type="disk", path=model_path, version=3)).result()
@@ -348,7 +348,7 @@ def test_weight_update_group_formed_again_without_a_dead_server(model_path: str,
         loaded.result(timeout=60)
         req = ModelRequest(input_ids=[3, 4], gconfig=GenerationConfig(max_new_tokens=4, ignore_eos=True))
         resp = asyncio.run(engine.agenerate(req))
-        assert engine.assigned_server(req.rid) == addresses[0] and resp.output_versions == [1] * 4
+        assert engine.fleet.assigned_server(req.rid) == addresses[0] and resp.output_versions == [1] * 4
         lp = hf_logprobs(new, req.input_ids, resp.output_tokens)
         torch.testing.assert_close(torch.tensor(resp.output_logprobs), lp, atol=1e-4, rtol=0)
     finally:

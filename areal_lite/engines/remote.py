@@ -1,19 +1,18 @@
 """The client of a fleet of SGLang-protocol servers (real SGLang on GPU nodes, or ours on CPU).
 
-Generation: one async HTTP request per `agenerate` call (PROTOCOL.md, ``/generate`` with
+Generation: one async HTTP request per `agenerate` call (docs/protocol.md, ``/generate`` with
 ``input_ids``), over pooled connections; `agenerate_batch` (a GRPO group) sends its requests as
-one batch request to one server, which saves most of the per-request cost on both sides. Every
-HTTP call runs on the client's own event loop in a background thread (an aiohttp session must not
-cross loops), whatever loop awaits `agenerate`. A request whose rid was seen before goes to the
-same server; others go to the server with the fewest requests in flight. A generation that comes
-back aborted (the servers paused for a weight update) is resubmitted as prompt + generated tokens
-with the remaining token budget, keeping every token's log-probability and version; while this
-client keeps the servers paused it waits, so that hundreds of resubmissions do not queue up on
-the paused servers and delay the weight update. When a server fails (connection error, timeout,
-5xx) the request is resent from its last known state to another server, so a
-server dying loses no request and returns none twice. A server that refuses connections is
-dead: it gets no more generation or control calls, and the rest of the fleet carries on (a
-distributed weight update cannot: its process group counted the dead server).
+one batch request to one server, which saves most of the per-request cost on both sides. The
+servers, the HTTP session and its event loop, routing and which servers are alive are the
+`ServerFleet`'s (`areal_lite.engines.server_fleet`); this module is what the calls mean. A
+generation that comes back aborted (the servers paused for a weight update) is resubmitted as
+prompt + generated tokens with the remaining token budget, keeping every token's log-probability
+and version; while this client keeps the servers paused it waits, so that hundreds of
+resubmissions do not queue up on the paused servers and delay the weight update. When a server
+fails (connection error, timeout, 5xx) the request is resent from its last known state to another
+server, so a server dying loses no request and returns none twice. A server that refuses
+connections is dead: it gets no more generation or control calls, and the rest of the fleet
+carries on (a distributed weight update cannot: its process group counted the dead server).
 
 A stop string that straddles two parts of a resumed generation is not seen (each part is checked
 on its own), as with SGLang-based AReaL.
@@ -30,11 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-import urllib.parse
-from collections import OrderedDict
-from collections.abc import Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -43,23 +38,11 @@ import aiohttp
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
-from areal_lite.utils.cpu import check_cores, pin_this_thread
+from areal_lite.engines.server_fleet import ServerError, ServerFleet
+from areal_lite.utils.cpu import check_cores
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
-
-DOWN_SECONDS = 5.0
-"""A server that failed a request gets no new requests for this long (unless all are down)."""
-STICKY_RIDS = 100_000
-"""How many rid -> server assignments are remembered."""
-
-
-class ServerError(RuntimeError):
-    """A server answered with an error status."""
-
-    def __init__(self, address: str, status: int, message: str) -> None:
-        super().__init__(f"{address} answered {status}: {message}")
-        self.status = status
 
 
 def _parse_version(value: object, fallback: int) -> int:
@@ -117,202 +100,40 @@ class RemoteSGLangEngine(InferenceEngine):
             raise ValueError("RemoteSGLangEngine needs at least one server address (config.addresses)")
         check_cores(config.client_cores, "rollout.client_cores")
         self.config = config
-        self.addresses = [a if a.startswith("http") else f"http://{a}" for a in config.addresses]
+        self.fleet = ServerFleet(config)
         self.control_servers = control_servers
         self._version = 0
         self._paused = False
-        self._lock = threading.Lock()
-        self._inflight = [0] * len(self.addresses)
-        self._down_until = [0.0] * len(self.addresses)
-        self._dead: set[int] = set()
         self._group_members: list[int] = []
         """The servers in the weight-update group (distributed updates), as ranks 1, 2, ..."""
-        self._sticky: OrderedDict[str, int] = OrderedDict()
-        self._session: aiohttp.ClientSession | None = None
-        """The one HTTP session; it lives on (and is only used from) the client loop."""
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: threading.Thread | None = None
-        self._resumed: asyncio.Event | None = None
+        self._resumed = asyncio.Event()
         """Clear while this client is paused: generations aborted by the pause wait for it before
-        they resume, instead of queueing on a paused server during the update."""
+        they resume, instead of queueing on a paused server during the update. Used on the
+        fleet's loop only."""
+        self._resumed.set()
 
     # ----- lifecycle -----------------------------------------------------------------------
 
     def initialize(self) -> None:
         """Start the client loop and wait until every server is healthy."""
-        self._start_client()
-        self._call(self._await_healthy()).result()
+        self.fleet.start()
+        self.fleet.call(self.fleet.wait_healthy()).result()
         freeze_startup_objects()
 
-    def _start_client(self) -> None:
-        """Start the client's event loop in a background thread. Every HTTP call runs there,
-        whatever loop or thread asked for it."""
-        if self._loop is not None:
-            return
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def run() -> None:
-            pin_this_thread(self.config.client_cores)
-            asyncio.set_event_loop(loop)
-            self._resumed = asyncio.Event()
-            self._resumed.set()
-            loop.call_soon(ready.set)
-            loop.run_forever()
-
-        self._loop_thread = threading.Thread(target=run, name="remote-engine-client", daemon=True)
-        self._loop_thread.start()
-        ready.wait()
-        self._loop = loop
-
     def destroy(self) -> None:
-        if self._loop is not None:
-            if self._session is not None:
-                self._call(self._session.close()).result()
-                self._session = None
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            if self._loop_thread is not None:
-                self._loop_thread.join()
-            self._loop.close()
-            self._loop = None
-
-    # ----- HTTP ----------------------------------------------------------------------------
-
-    def _http(self) -> aiohttp.ClientSession:
-        """The session (created on first use, on the client loop)."""
-        if self._session is None:
-            headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
-            # limit=0: the executor's admission already bounds concurrency; the pool reuses sockets.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
-        return self._session
-
-    async def _request(
-        self, idx: int, path: str, payload: dict[str, object] | None, timeout: float, method: str = "POST"
-    ) -> object:
-        """One call to server ``idx``; returns the decoded JSON body (or text). Raises ServerError
-        for a non-200 answer and aiohttp / timeout errors for transport failures."""
-        url = self.addresses[idx] + path
-        async with self._http().request(
-            method, url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as resp:
-            if resp.content_type == "application/json":
-                body: object = await resp.json()
-            else:
-                body = await resp.text()
-            if resp.status != 200:
-                message = body.get("error", {}).get("message", body.get("message")) if isinstance(body, dict) else body
-                raise ServerError(self.addresses[idx], resp.status, str(message))
-            return body
-
-    async def _fanout(
-        self, path: str, payloads: list[dict[str, object]] | dict[str, object], timeout: float | None = None
-    ) -> list[tuple[int, object]]:
-        """Send one call to every live server concurrently (``payloads`` per server, or one for
-        all); returns (server index, answer) of each. A server that refuses connections is dead:
-        it gets no more calls of any kind (the rest of the fleet carries on)."""
-
-        async def call(i: int) -> object:
-            try:
-                return await self._request(i, path, each[i], timeout)
-            except aiohttp.ClientConnectorError:
-                raise
-            except aiohttp.ClientConnectionError:
-                # The connection dropped mid-call (a server killed while it answered): ask once
-                # more, so that a dead server shows as refusing connections, not as a failed call.
-                return await self._request(i, path, each[i], timeout)
-
-        timeout = timeout if timeout is not None else self.config.request_timeout
-        each = payloads if isinstance(payloads, list) else [payloads] * len(self.addresses)
-        live = [i for i in range(len(self.addresses)) if i not in self._dead]
-        answers = await asyncio.gather(
-            *[call(i) for i in live], return_exceptions=True
-        )
-        out: list[tuple[int, object]] = []
-        for i, answer in zip(live, answers):
-            if isinstance(answer, aiohttp.ClientConnectorError):
-                self._mark_dead(i, answer)
-            elif isinstance(answer, BaseException):
-                raise answer
-            else:
-                out.append((i, answer))
-        if not out:
-            raise RuntimeError(f"no rollout server is reachable (calling {path})")
-        return out
-
-    def _mark_dead(self, idx: int, error: BaseException) -> None:
-        with self._lock:
-            if idx not in self._dead:
-                logger.error("server %s is unreachable (%s); it gets no more requests", self.addresses[idx], error)
-            self._dead.add(idx)
-
-    def _call(self, coro: Coroutine[object, object, object]) -> Future:
-        """Run ``coro`` on the client loop; the returned future completes with its result."""
-        if self._loop is None:
-            self._start_client()
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    async def _await_healthy(self) -> None:
-        deadline = time.monotonic() + self.config.setup_timeout
-        for i, address in enumerate(self.addresses):
-            while True:
-                try:
-                    await self._request(i, "/health", None, timeout=5.0, method="GET")
-                    break
-                except (aiohttp.ClientError, asyncio.TimeoutError, ServerError) as e:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"server {address} not healthy after {self.config.setup_timeout}s: {e}"
-                        ) from e
-                    await asyncio.sleep(0.5)
-
-    # ----- routing -------------------------------------------------------------------------
-
-    def _choose(self, rid: str, exclude: set[int], also: tuple[str, ...] = ()) -> int:
-        """The server for ``rid`` (and the requests ``also`` sent with it in one batch)."""
-        with self._lock:
-            now = time.monotonic()
-            alive = [i for i in range(len(self.addresses)) if i not in self._dead]
-            if not alive:
-                raise RuntimeError("every rollout server is unreachable")
-            up = [i for i in alive if self._down_until[i] <= now and i not in exclude]
-            sticky = self._sticky.get(rid)
-            if sticky is not None and sticky in up:
-                self._sticky.move_to_end(rid)
-                idx = sticky
-            else:
-                candidates = up or [i for i in alive if i not in exclude] or alive
-                idx = min(candidates, key=lambda i: (self._inflight[i], self._down_until[i]))
-                self._sticky[rid] = idx
-            for other in also:
-                self._sticky[other] = idx
-            while len(self._sticky) > STICKY_RIDS:
-                self._sticky.popitem(last=False)
-            self._inflight[idx] += 1 + len(also)
-            return idx
-
-    def assigned_server(self, rid: str) -> str | None:
-        """The server (``host:port``) that requests with ``rid`` go to, if one was chosen."""
-        with self._lock:
-            idx = self._sticky.get(rid)
-        return None if idx is None else self.addresses[idx].removeprefix("http://")
-
-    def _release(self, idx: int, failed: bool, count: int = 1) -> None:
-        with self._lock:
-            self._inflight[idx] -= count
-            if failed:
-                self._down_until[idx] = time.monotonic() + DOWN_SECONDS
+        self.fleet.stop()
+        self._resumed = asyncio.Event()  # a new loop would not take one bound to the old
 
     # ----- generation ----------------------------------------------------------------------
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         # Runs on the client loop, awaited from the caller's (cancelling one cancels the other).
-        return await asyncio.wrap_future(self._call(self._generate(req)))
+        return await asyncio.wrap_future(self.fleet.call(self._generate(req)))
 
     async def agenerate_batch(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
         if len(reqs) < 2 or any(r.gconfig != reqs[0].gconfig for r in reqs):
             return await super().agenerate_batch(reqs)
-        return await asyncio.wrap_future(self._call(self._generate_batch(reqs)))
+        return await asyncio.wrap_future(self.fleet.call(self._generate_batch(reqs)))
 
     def _payload(self, req: ModelRequest, part: _Partial) -> dict[str, object]:
         g = req.gconfig
@@ -326,7 +147,9 @@ class RemoteSGLangEngine(InferenceEngine):
             "rid": req.rid,
         }
 
-    async def _generate_batch(self, reqs: list[ModelRequest], parts: list[_Partial] | None = None) -> list[ModelResponse]:
+    async def _generate_batch(
+        self, reqs: list[ModelRequest], parts: list[_Partial] | None = None
+    ) -> list[ModelResponse]:
         """One batch ``/generate`` call to one server (SGLang's list forms of ``input_ids`` and
         ``rid``) for requests with the same remaining token budget. Requests that come back
         aborted continue after the resume, again as batch calls (one per remaining budget: the
@@ -343,7 +166,7 @@ class RemoteSGLangEngine(InferenceEngine):
             "return_logprob": True,
             "rid": [r.rid for r in reqs],
         }
-        idx = self._choose(reqs[0].rid, set(), also=tuple(r.rid for r in reqs[1:]))
+        idx = self.fleet.choose(reqs[0].rid, set(), also=tuple(r.rid for r in reqs[1:]))
         data, error = await self._post_generate(idx, payload, count=len(reqs))
         if error is not None:
             return list(await asyncio.gather(*(self._generate(r, p) for r, p in zip(reqs, parts))))
@@ -379,18 +202,21 @@ class RemoteSGLangEngine(InferenceEngine):
         error: BaseException | None = None
         data: object = None
         try:
-            data = await self._request(idx, "/generate", payload, self.config.request_timeout)
+            data = await self.fleet.request(idx, "/generate", payload, self.config.request_timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, ServerError) as e:
             if isinstance(e, ServerError) and e.status < 500:
                 raise  # the request itself is bad
             error = e
         finally:  # also when cancelled
-            self._release(idx, failed=error is not None, count=count)
+            self.fleet.release(idx, failed=error is not None, count=count)
         if error is not None:
             if isinstance(error, aiohttp.ClientConnectorError):
-                self._mark_dead(idx, error)
+                self.fleet.mark_dead(idx, error)
             logger.warning(
-                "generation on %s failed (%s: %s); retrying elsewhere", self.addresses[idx], type(error).__name__, error
+                "generation on %s failed (%s: %s); retrying elsewhere",
+                self.fleet.addresses[idx],
+                type(error).__name__,
+                error,
             )
         return data, error
 
@@ -403,12 +229,12 @@ class RemoteSGLangEngine(InferenceEngine):
         while True:
             if len(part.out_ids) >= req.gconfig.max_new_tokens:
                 return part.response(req, "length")
-            idx = self._choose(req.rid, failed_on)
+            idx = self.fleet.choose(req.rid, failed_on)
             data, error = await self._post_generate(idx, self._payload(req, part))
             if error is not None:
                 failures += 1
                 failed_on.add(idx)
-                if len(failed_on) == len(self.addresses):
+                if len(failed_on) == len(self.fleet):
                     failed_on.clear()
                 if failures >= self.config.request_retries:
                     raise RuntimeError(f"request {req.rid} failed {failures} times; last error: {error}") from error
@@ -422,25 +248,22 @@ class RemoteSGLangEngine(InferenceEngine):
 
     async def _until_resumed(self) -> None:
         """Wait while this client keeps the servers paused (a no-op when the pause was not ours)."""
-        assert self._resumed is not None
         await self._resumed.wait()
 
     async def _pause_servers(self) -> None:
-        assert self._resumed is not None
         self._resumed.clear()  # before the aborted generations come back
         if not self.control_servers:
             return
         try:
-            await self._fanout("/pause_generation", {"mode": self.config.pause_mode})
+            await self.fleet.fanout("/pause_generation", {"mode": self.config.pause_mode})
         except BaseException:
             self._resumed.set()
             raise
 
     async def _resume_servers(self) -> None:
-        assert self._resumed is not None
         try:
             if self.control_servers:
-                await self._fanout("/continue_generation", {})
+                await self.fleet.fanout("/continue_generation", {})
         finally:
             self._resumed.set()
 
@@ -450,12 +273,11 @@ class RemoteSGLangEngine(InferenceEngine):
         """Every live server joins ``meta``'s group: the i-th as rank 1 + i of 1 + their number
         (``meta.world_size`` is set here). Called again after a member died, it first asks the
         live servers to leave the old group."""
-        with self._lock:
-            live = [i for i in range(len(self.addresses)) if i not in self._dead]
+        live = self.fleet.live()
         if not live:
             raise RuntimeError("no rollout server is reachable to form a weight-update group with")
         meta.world_size = 1 + len(live)
-        payloads: list[dict[str, object]] = [{} for _ in self.addresses]
+        payloads: list[dict[str, object]] = [{} for _ in range(len(self.fleet))]
         for rank, i in enumerate(live, start=1):
             payloads[i] = {
                 "master_address": meta.master_address,
@@ -470,49 +292,28 @@ class RemoteSGLangEngine(InferenceEngine):
 
         async def join() -> None:
             if regroup:
-                await self._fanout_checked("/destroy_weights_update_group", {"group_name": meta.group_name})
-            await self._fanout_checked("/init_weights_update_group", payloads)
+                await self.fleet.fanout_checked("/destroy_weights_update_group", {"group_name": meta.group_name})
+            await self.fleet.fanout_checked("/init_weights_update_group", payloads)
 
-        return self._call(join())
+        return self.fleet.call(join())
 
     def weight_update_group_intact(self) -> bool:
         """Whether every server of the weight-update group still takes TCP connections (one that
         refuses is marked dead). A connection, not an HTTP call: a paused or busy server answers
         it at once."""
-        return bool(self._call(self._members_alive()).result())
-
-    async def _members_alive(self) -> bool:
-        async def refused(i: int) -> OSError | None:
-            url = urllib.parse.urlsplit(self.addresses[i])
-            try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(url.hostname, url.port), 5.0)
-            except asyncio.TimeoutError:  # before OSError, of which it is a subclass
-                return None  # slow, not gone
-            except OSError as e:
-                return e
-            writer.close()
-            return None
-
-        members = [i for i in self._group_members if i not in self._dead]
-        for i, error in zip(members, await asyncio.gather(*(refused(i) for i in members))):
-            if error is not None:
-                self._mark_dead(i, error)
-        return all(i not in self._dead for i in self._group_members)
+        return bool(self.fleet.call(self.fleet.all_accept_connections(self._group_members)).result())
 
     def destroy_weights_update_group(self, meta: WeightUpdateMeta) -> None:
-        self._call(self._fanout_checked("/destroy_weights_update_group", {"group_name": meta.group_name})).result()
-
-    async def _fanout_checked(self, path: str, payloads: list[dict[str, object]] | dict[str, object]) -> None:
-        for idx, body in await self._fanout(path, payloads):
-            if isinstance(body, dict) and body.get("success") is False:
-                raise RuntimeError(f"{path} failed on {self.addresses[idx]}: {body.get('message')}")
+        self.fleet.call(
+            self.fleet.fanout_checked("/destroy_weights_update_group", {"group_name": meta.group_name})
+        ).result()
 
     def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
         if not self.control_servers:
             raise RuntimeError("this client does not control the servers (control_servers=False)")
         if meta.type == "in_process":
             raise ValueError("remote servers cannot take in_process weight updates: use disk or distributed")
-        return self._call(self._update_weights(meta))
+        return self.fleet.call(self._update_weights(meta))
 
     async def _update_weights(self, meta: WeightUpdateMeta) -> None:
         pause_here = not self._paused
@@ -521,7 +322,7 @@ class RemoteSGLangEngine(InferenceEngine):
         try:
             version = str(meta.version) if meta.version is not None else None
             if meta.type == "disk":
-                await self._fanout_checked(
+                await self.fleet.fanout_checked(
                     "/update_weights_from_disk",
                     {
                         "model_path": meta.path,
@@ -531,8 +332,8 @@ class RemoteSGLangEngine(InferenceEngine):
                     },
                 )
             else:
-                session = await self._optional_fanout("/begin_weight_update", {"selector": "all"})
-                await self._fanout_checked(
+                session = await self.fleet.optional_fanout("/begin_weight_update", {"selector": "all"})
+                await self.fleet.fanout_checked(
                     "/update_weights_from_distributed",
                     {
                         "names": [s.name for s in meta.param_specs],
@@ -545,30 +346,20 @@ class RemoteSGLangEngine(InferenceEngine):
                     },
                 )
                 if session:
-                    await self._fanout("/end_weight_update", {})
+                    await self.fleet.fanout("/end_weight_update", {})
             if meta.version is not None:
                 self._version = meta.version
         finally:
             if pause_here:
                 await self._resume_servers()
 
-    async def _optional_fanout(self, path: str, payload: dict[str, object]) -> bool:
-        """Call an endpoint that older SGLang versions lack; False when a server answers 404."""
-        try:
-            await self._fanout(path, payload)
-            return True
-        except ServerError as e:
-            if e.status == 404:
-                return False
-            raise
-
     def set_version(self, version: int) -> None:
         """Tag tokens generated from now on with ``version`` (on every server too, when this
         client controls them)."""
         self._version = version
         if self.control_servers:
-            self._call(
-                self._fanout("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+            self.fleet.call(
+                self.fleet.fanout("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
             ).result()
 
     def get_version(self) -> int:
@@ -578,10 +369,9 @@ class RemoteSGLangEngine(InferenceEngine):
         """Pause every server (running generations are aborted and resumed after `resume`, or
         frozen, per ``config.pause_mode``); generations of this client that come back aborted
         wait for the resume."""
-        self._call(self._pause_servers()).result()
+        self.fleet.call(self._pause_servers()).result()
         self._paused = True
 
     def resume(self) -> None:
-        self._call(self._resume_servers()).result()
+        self.fleet.call(self._resume_servers()).result()
         self._paused = False
-

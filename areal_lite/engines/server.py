@@ -1,4 +1,4 @@
-"""An HTTP server over the embedded engine that answers like an SGLang server (PROTOCOL.md).
+"""An HTTP server over the embedded engine that answers like an SGLang server (docs/protocol.md).
 
     python -m areal_lite.engines.server --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key K]
 
@@ -27,7 +27,8 @@ from aiohttp import web
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
-from areal_lite.engines.local import GenerationResult, LocalInferenceEngine, SamplingParams
+from areal_lite.engines.request import GenerationResult, SamplingParams
+from areal_lite.engines.scheduler import Scheduler
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger("areal_lite.server")
@@ -166,11 +167,11 @@ class ServerArgs:
 
 
 class Server:
-    """Request handlers over one `LocalInferenceEngine`."""
+    """Request handlers over the embedded engine's `Scheduler`."""
 
-    def __init__(self, args: ServerArgs, engine: LocalInferenceEngine) -> None:
+    def __init__(self, args: ServerArgs, scheduler: Scheduler) -> None:
         self.args = args
-        self.engine = engine
+        self.scheduler = scheduler
         self.weight_version = args.weight_version
         self.ready = False
 
@@ -281,10 +282,10 @@ class Server:
         want_input = return_logprob and start_len >= 0
         try:
             for prompt, _ in jobs:
-                self.engine.validate_request(prompt, params)
+                self.scheduler.validate_request(prompt, params)
         except ValueError as e:
             raise BadRequest(str(e)) from e
-        results = await asyncio.gather(*[self.engine.generate(p, params, rid, want_input) for p, rid in jobs])
+        results = await asyncio.gather(*[self.scheduler.generate(p, params, rid, want_input) for p, rid in jobs])
         out = [self._response(r, return_logprob, start_len, skip_special, no_stop_trim) for r in results]
         return web.json_response(out if is_batch or n > 1 else out[0])
 
@@ -302,15 +303,15 @@ class Server:
         texts = text if isinstance(text, list) else [text]
         if not all(isinstance(t, str) for t in texts):
             raise BadRequest("text must be a string or a list of strings")
-        if self.engine.tokenizer is None:
+        if self.scheduler.tokenizer is None:
             raise BadRequest("this model directory has no tokenizer: send input_ids")
-        return [self.engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return [self.scheduler.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
     def _response(
         self, r: GenerationResult, return_logprob: bool, start_len: int, skip_special: bool, no_stop_trim: bool
     ) -> dict[str, object]:
         text = ""
-        tok = self.engine.tokenizer
+        tok = self.scheduler.tokenizer
         if tok is not None:
             text = tok.decode(r.output_ids, skip_special_tokens=skip_special)
             matched = r.finish_reason.get("matched")
@@ -342,7 +343,7 @@ class Server:
             raise BadRequest("rid must be a string")
         abort_all = _bool(body, "abort_all", False)
         if abort_all or rid:
-            self.engine.abort(rid, abort_all=abort_all, message="aborted by /abort_request")
+            self.scheduler.abort(rid, abort_all=abort_all, message="aborted by /abort_request")
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
@@ -350,12 +351,12 @@ class Server:
         mode = body.get("mode", "abort")
         if mode not in ("abort", "in_place", "retract"):
             raise BadRequest(f"mode must be abort, in_place or retract, got {mode!r}")
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.pause_generation, mode)
+        await asyncio.get_running_loop().run_in_executor(None, self.scheduler.pause_generation, mode)
         return web.json_response({"message": "Generation paused."})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         await self._body(request)
-        self.engine.continue_generation()
+        self.scheduler.continue_generation()
         return web.json_response({"message": "Generation continued."})
 
     # ----- info ----------------------------------------------------------------------------
@@ -371,17 +372,17 @@ class Server:
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": self.weight_version,
-                "context_length": self.engine.context_len,
+                "context_length": self.scheduler.context_len,
             }
         )
 
     async def server_info(self, request: web.Request) -> web.Response:
         info = {k: v for k, v in vars(self.args).items() if k != "api_key"}
-        info.update(version="areal-lite", weight_version=self.weight_version, context_length=self.engine.context_len)
+        info.update(version="areal-lite", weight_version=self.weight_version, context_length=self.scheduler.context_len)
         return web.json_response(info)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        if self.engine.num_running:
+        if self.scheduler.num_running:
             return web.Response(status=400, text="Cache not flushed: requests are running.")
         return web.Response(status=200, text="Cache flushed.")
 
@@ -393,10 +394,10 @@ class Server:
         if not isinstance(path, str) or not path:
             raise BadRequest("model_path must be a non-empty string")
         if _bool(body, "abort_all_requests", False):
-            self.engine.abort(abort_all=True, message="aborted for a weight update")
+            self.scheduler.abort(abort_all=True, message="aborted for a weight update")
         version = body.get("weight_version")
         v = self._version_int(version) if version is not None else None
-        return await self._weight_op(lambda: self.engine.load_weights_from_disk(path, v).result(), version)
+        return await self._weight_op(lambda: self.scheduler.load_weights_from_disk(path, v).result(), version)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -419,14 +420,14 @@ class Server:
         if not 0 < rank < meta.world_size:
             raise BadRequest(f"rank_offset {rank} must be in [1, world_size={meta.world_size})")
         try:
-            await asyncio.wrap_future(self.engine.join_weights_update_group(meta, rank))
+            await asyncio.wrap_future(self.scheduler.join_weights_update_group(meta, rank))
         except (RuntimeError, ValueError, OSError) as e:  # e.g. the trainer never came: the store timed out
             return web.json_response({"success": False, "message": f"could not join the group: {e}"}, status=400)
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         await self._body(request)
-        self.engine.destroy_weights_update_group()
+        self.scheduler.destroy_weights_update_group()
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
@@ -452,21 +453,23 @@ class Server:
         if not all(isinstance(x, str) for x in names + dtypes):
             raise BadRequest("names and dtypes must be strings")
         try:
-            self.engine.check_param_specs(names, dtypes, shapes)
+            self.scheduler.check_param_specs(names, dtypes, shapes)
         except ValueError as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         if _bool(body, "abort_all_requests", False):
-            self.engine.abort(abort_all=True, message="aborted for a weight update")
+            self.scheduler.abort(abort_all=True, message="aborted for a weight update")
         version = body.get("weight_version")
         v = self._version_int(version) if version is not None else None
-        return await self._weight_op(lambda: self.engine.receive_broadcast(names, dtypes, shapes, v), version)
+        return await self._weight_op(
+            lambda: self.scheduler.receive_broadcast(names, dtypes, shapes, v).result(), version
+        )
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         v = self._version_int(body.get("new_version"))
         if _bool(body, "abort_all_requests", True):
-            self.engine.abort(abort_all=True, message="aborted for a weight version update")
-        self.engine.set_version(v)
+            self.scheduler.abort(abort_all=True, message="aborted for a weight version update")
+        self.scheduler.version = v
         self.weight_version = str(v)
         return web.json_response({"success": True, "message": f"Weight version updated to {v}."})
 
@@ -477,7 +480,7 @@ class Server:
             raise BadRequest("name must be a string")
         size = int(body.get("truncate_size", 100)) if request.method == "GET" else _int(body, "truncate_size", 100)
         try:
-            return web.json_response(self.engine.get_weights_by_name(name, size))
+            return web.json_response(self.scheduler.get_weights_by_name(name, size))
         except ValueError as e:
             raise BadRequest(str(e)) from e
 
@@ -500,7 +503,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
-    engine = LocalInferenceEngine(
+    scheduler = Scheduler(
         LocalEngineConfig(
             path=args.model_path,
             dtype=args.dtype,
@@ -510,10 +513,10 @@ def main(argv: list[str] | None = None) -> None:
             seed=args.random_seed,
         )
     )
-    engine.initialize()
-    engine.set_version(int(args.weight_version))
+    scheduler.start()
+    scheduler.version = int(args.weight_version)
     freeze_startup_objects()
-    server = Server(args, engine)
+    server = Server(args, scheduler)
     app = server.build_app()
 
     async def on_startup(_: web.Application) -> None:
@@ -522,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
 
     async def on_shutdown(_: web.Application) -> None:
         server.ready = False
-        engine.destroy()
+        scheduler.stop()
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)

@@ -1,0 +1,353 @@
+"""The embedded engine's model: loading it, a lean forward over a slot-based KV cache, and sampling.
+
+It calls the HF model's own modules (embeddings, norms, projections, MLPs, LM head) but runs
+attention itself over a slot-based KV cache (row ``i`` of the cache belongs to the ``i``-th
+running request; finished rows are refilled from the tail), with per-row positions and one
+additive mask per step. This needs the Llama layer layout, shared by the supported
+``model_type``s (llama, qwen2, qwen3, mistral); the numerics are those of the HF forward (same
+modules, same rotary tables), so reported log-probabilities equal a HF forward of the same tokens
+to float tolerance.
+
+Reported log-probabilities are those of the policy itself (temperature 1, before top-p/top-k and
+before min-token suppression), as the train engine recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from areal_lite.engines.request import SamplingParams, Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+PREFILL_MASK_ELEMENTS = 32 * 1024 * 1024
+"""A batched prefill is split when its attention mask would hold more elements than this."""
+
+
+_DTYPES = {
+    n: getattr(torch, n)
+    for n in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
+}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """A torch dtype from its name (``float32`` or ``torch.float32``); ValueError when unknown."""
+    dtype = _DTYPES.get(name.removeprefix("torch."))
+    if dtype is None:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(_DTYPES)}")
+    return dtype
+
+
+def load_model(path: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, PreTrainedTokenizerBase | None]:
+    """The HF causal LM of a model directory, frozen for inference, and its tokenizer (None when
+    the directory has none)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    tokenizer: PreTrainedTokenizerBase | None = None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        logger.warning("no tokenizer in %s: stop strings and text prompts are unavailable", path)
+    return model, tokenizer
+
+
+def context_length(model: torch.nn.Module, max_total_tokens: int) -> int:
+    """Prompt + output tokens a request may reach: ``max_total_tokens`` (0 = no limit of its own),
+    the model's position range, and its sliding window."""
+    max_pos = model.config.max_position_embeddings
+    context_len = min(max_total_tokens, max_pos) if max_total_tokens > 0 else max_pos
+    window = getattr(model.config, "sliding_window", None)
+    if window and (model.config.model_type == "mistral" or getattr(model.config, "use_sliding_window", False)):
+        # The runner attends over the whole cache; within one window that is exact.
+        context_len = min(context_len, window)
+    return context_len
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A HF RMSNorm module's computation in one fused op."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class ModelRunner:
+    """The model, its slot-based KV cache and batched prefill / decode / sampling.
+
+    Used only from the scheduler thread. Row ``i`` of the cache holds the ``i``-th running
+    sequence; ``lens[i]`` tokens of it are cached and ``last[i]`` is the sampled token not yet fed.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_rows: int, context_len: int, seed: int) -> None:
+        cfg = model.config
+        rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+        if "dynamic" in rope_type:
+            # Rotary tables are computed once for all positions; dynamic scaling depends on length.
+            raise ValueError(f"the embedded engine does not support rope_type {rope_type!r}")
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"the embedded engine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}"
+            )
+        self.model = model
+        self.base = model.model
+        self.layers = list(self.base.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.scaling = attn.scaling
+        self.has_qk_norm = hasattr(attn, "q_norm")
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_rows = max_rows
+        self.context_len = context_len
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        positions = torch.arange(context_len, device=self.device)[None]
+        dummy = torch.zeros(1, device=self.device, dtype=self.dtype)
+        cos, sin = self.base.rotary_emb(dummy, positions)
+        self.cos, self.sin = cos[0], sin[0]  # [context_len, head_dim]
+        self.cap = 0
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.lens = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.last = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.rows: list[Sequence] = []
+        self._ensure_capacity(min(256, context_len))
+        self.fused = [self._fuse(layer) for layer in self.layers]
+
+    @staticmethod
+    def _fuse(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """One matmul for q/k/v and one for gate/up instead of five (fewer ops per step).
+
+        The HF modules' parameters become views into the fused tensors, so a weight update that
+        copies into the model's parameters (as every update here does) updates both at once.
+        """
+
+        def fuse(linears: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
+            parts = [getattr(m, attr) for m in linears]
+            if parts[0] is None:
+                return None
+            fused = torch.cat([p.data for p in parts])
+            start = 0
+            for m, p in zip(linears, parts):
+                getattr(m, attr).data = fused[start : start + p.shape[0]]
+                start += p.shape[0]
+            return fused
+
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+        return fuse(qkv, "weight"), fuse(qkv, "bias"), fuse(gate_up, "weight"), fuse(gate_up, "bias")  # type: ignore[return-value]
+
+    def _ensure_capacity(self, needed: int) -> None:
+        """Grow the cache (doubling, capped at the context length) to hold ``needed`` positions."""
+        if needed <= self.cap:
+            return
+        cap = max(needed, min(self.context_len, max(2 * self.cap, 64)))
+        shape = (self.max_rows, self.n_kv, cap, self.head_dim)
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        for old, new in zip(self.k_cache + self.v_cache, new_k + new_v):
+            new[:, :, : self.cap].copy_(old)
+        self.k_cache, self.v_cache, self.cap = new_k, new_v, cap
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + _rotate_half(x) * sin
+
+    def _layers_forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Run every decoder layer on ``h`` [B, T, H]; ``write(layer, k, v)`` stores the new keys
+        and values in the cache and returns the keys and values to attend over."""
+        b, t, _ = h.shape
+        cos = self.cos[positions][:, None]  # [B, 1, T, D]
+        sin = self.sin[positions][:, None]
+        nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            w_qkv, b_qkv, w_gate_up, b_gate_up = self.fused[i]
+            x = _rms_norm(layer.input_layernorm, h)
+            qk, v = F.linear(x, w_qkv, b_qkv).split([nq + nkv, nkv], dim=-1)
+            qk = qk.view(b, t, self.n_heads + self.n_kv, self.head_dim)
+            v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            if self.has_qk_norm:
+                qk = torch.cat([attn.q_norm(qk[:, :, : self.n_heads]), attn.k_norm(qk[:, :, self.n_heads :])], dim=2)
+            # Rotary embedding on queries and keys in one go.
+            q, k = self._rope(qk.transpose(1, 2), cos, sin).split([self.n_heads, self.n_kv], dim=1)
+            keys, values = write(i, k, v)
+            o = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
+            )
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+            gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, h), w_gate_up, b_gate_up).chunk(2, dim=-1)
+            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+        return _rms_norm(self.base.norm, h)
+
+    @torch.no_grad()
+    def prefill(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Add ``seqs`` as new rows and fill their cache. A sequence without output yet gets its
+        first token sampled (returned); one with output (re-prefilled after a weight update or a
+        retract) caches all but its last token, which becomes the next one fed.
+
+        Rows with the same tokens (the samples of a GRPO group) share one forward pass, which
+        fills each row's cache and gives each row its own first sample: prompts are most of the
+        tokens a group costs when completions are short."""
+        if not seqs:
+            return []
+        tokens = [s.prompt + s.out[:-1] if s.out else s.prompt for s in seqs]
+        first_of: dict[tuple[int, ...], int] = {}
+        inverse = [first_of.setdefault(tuple(t), len(first_of)) for t in tokens]
+        unique = [list(t) for t in first_of]
+        lengths = [len(t) for t in tokens]
+        n, width = len(unique), max(lengths)
+        if n > 1 and n * width * width > PREFILL_MASK_ELEMENTS:
+            # The mask is [n, width, width]: split long batches, shortest and longest apart.
+            ordered = [seqs[j] for j in sorted(range(len(seqs)), key=lengths.__getitem__)]
+            half = len(ordered) // 2
+            return self.prefill(ordered[:half]) + self.prefill(ordered[half:])
+        start = len(self.rows)
+        self._ensure_capacity(width + 1)
+        ids = torch.zeros(n, width, dtype=torch.long, device=self.device)
+        for j, t in enumerate(unique):
+            ids[j, : len(t)] = torch.tensor(t, dtype=torch.long)
+        unique_lens = torch.tensor([len(t) for t in unique], device=self.device)
+        pos = torch.arange(width, device=self.device)
+        allowed = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, None, :] < unique_lens[:, None, None])
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))[
+            :, None
+        ]
+        rows = slice(start, start + len(seqs))
+        of_row = torch.tensor(inverse, device=self.device)  # row -> its unique token sequence
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            self.k_cache[i][rows, :, :width] = k[of_row]
+            self.v_cache[i][rows, :, :width] = v[of_row]
+            return k, v
+
+        h = self._layers_forward(self.base.embed_tokens(ids), pos[None].expand(n, width), mask, write)
+        self.rows.extend(seqs)
+        self.lens[rows] = unique_lens[of_row]
+        fresh = [j for j, s in enumerate(seqs) if not s.out]
+        for j, s in enumerate(seqs):
+            if s.out:
+                self.last[start + j] = s.out[-1]
+            if s.want_input_logprobs and s.input_logprobs is None:
+                u = inverse[j]
+                logp = torch.log_softmax(self.model.lm_head(h[u, : lengths[j] - 1]).float(), dim=-1)
+                target = ids[u, 1 : lengths[j]]
+                s.input_logprobs = [None] + logp.gather(1, target[:, None])[:, 0].tolist()
+        if fresh:
+            idx = torch.tensor(fresh, device=self.device)
+            u = of_row[idx]
+            last_h = h[u, unique_lens[u] - 1]
+            self._sample_and_append(self.model.lm_head(last_h).float(), [seqs[j] for j in fresh], start + idx)
+        return [seqs[j] for j in fresh]
+
+    @torch.no_grad()
+    def decode(self) -> None:
+        """One decode step for every row: feed ``last``, sample the next token of each row."""
+        b = len(self.rows)
+        pos = self.lens[:b]
+        needed = int(pos.max()) + 1
+        self._ensure_capacity(needed)
+        ar = torch.arange(b, device=self.device)
+        visible = torch.arange(needed, device=self.device)[None, :] <= pos[:, None]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))[
+            :, None, None
+        ]
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc[ar, :, pos] = k[:, :, 0]
+            vc[ar, :, pos] = v[:, :, 0]
+            return kc[:b, :, :needed], vc[:b, :, :needed]
+
+        h = self._layers_forward(self.base.embed_tokens(self.last[:b, None]), pos[:, None], mask, write)
+        self.lens[:b] += 1
+        self._sample_and_append(self.model.lm_head(h[:, 0]).float(), self.rows, ar)
+
+    def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tensor) -> None:
+        """Sample one token per row of ``logits`` [n, V] (fp32) and record it with its logprob."""
+        logp = torch.log_softmax(logits, dim=-1)
+        params = [s.params for s in seqs]
+        suppress = [(j, s.stop_ids) for j, s in enumerate(seqs) if s.stop_ids and len(s.out) < s.params.min_new_tokens]
+        if suppress:
+            logits = logits.clone()
+            for j, ids in suppress:
+                logits[j, list(ids)] = float("-inf")
+        greedy = [p.greedy for p in params]
+        tokens = logits.argmax(dim=-1)
+        if not all(greedy):
+            temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=logits.device)
+            scores = logits / temps[:, None]
+            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+                scores = _top_k_top_p(scores, params)
+            # argmax(p / E) with E ~ Exp(1) samples from p (exponential race). On CPU, -log(U)
+            # is several times cheaper than torch.multinomial or Tensor.exponential_.
+            probs = torch.softmax(scores, dim=-1)
+            race = torch.rand(probs.shape, generator=self.generator, device=probs.device).log_().neg_()
+            sampled = (probs / race).argmax(dim=-1)
+            tokens = (
+                sampled if not any(greedy) else torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
+            )
+        self.last[rows] = tokens
+        chosen = logp.gather(1, tokens[:, None])[:, 0]
+        for s, t, lp in zip(seqs, tokens.tolist(), chosen.tolist()):
+            s.out.append(t)
+            s.logprobs.append(lp)
+
+    def remove(self, done: set[int]) -> None:
+        """Drop the rows in ``done``, moving tail rows into the holes so that rows stay 0..B-1."""
+        if not done:
+            return
+        b = len(self.rows)
+        keep = b - len(done)
+        holes = [i for i in sorted(done) if i < keep]
+        sources = [i for i in range(keep, b) if i not in done]
+        if holes:
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(sources, device=self.device)
+            width = int(self.lens[:b].max()) + 1
+            for cache in self.k_cache + self.v_cache:
+                cache[dst, :, :width] = cache[src, :, :width]
+            self.lens[dst] = self.lens[src]
+            self.last[dst] = self.last[src]
+            for h_, s_ in zip(holes, sources):
+                self.rows[h_] = self.rows[s_]
+        del self.rows[keep:]
+
+    def clear(self) -> list[Sequence]:
+        """Forget every row (their caches); returns the sequences that were running."""
+        seqs, self.rows = self.rows, []
+        return seqs
+
+
+def _top_k_top_p(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside each row's top-k and top-p nucleus."""
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    vocab = scores.shape[-1]
+    ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=scores.device)
+    ps = torch.tensor([p.top_p for p in params], device=scores.device)
+    rank = torch.arange(vocab, device=scores.device)[None]
+    cut = rank >= ks[:, None]
+    probs = torch.softmax(sorted_scores, dim=-1)
+    # A token stays while the mass before it is below top_p, so the most likely token always stays.
+    cut |= (probs.cumsum(dim=-1) - probs) >= ps[:, None]
+    sorted_scores = sorted_scores.masked_fill(cut, float("-inf"))
+    return torch.empty_like(scores).scatter_(1, order, sorted_scores)

@@ -1,0 +1,126 @@
+"""A generation request of the embedded engine: its sampling parameters (SGLang's
+``sampling_params``), its state while the scheduler runs it, and its result."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from areal_lite.api.io import GenerationConfig
+
+GREEDY_TEMPERATURE = 1e-6
+"""Temperatures below this mean greedy decoding (SGLang's convention)."""
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request, in SGLang's vocabulary (``sampling_params``)."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @classmethod
+    def from_gconfig(cls, g: GenerationConfig) -> SamplingParams:
+        return cls(
+            max_new_tokens=g.max_new_tokens,
+            min_new_tokens=g.min_new_tokens,
+            temperature=0.0 if g.greedy else g.temperature,
+            top_p=g.top_p,
+            top_k=g.top_k,
+            stop=list(g.stop),
+            stop_token_ids=list(g.stop_token_ids),
+            ignore_eos=g.ignore_eos,
+        )
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced. ``finish_reason`` is SGLang's dict: ``{"type": "length",
+    "length": n}``, ``{"type": "stop", "matched": id_or_str}`` or ``{"type": "abort", "message": s}``."""
+
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: dict[str, object]
+    input_logprobs: list[float | None] | None
+    """Log-probability of each prompt token given the ones before it (None at position 0);
+    only when asked for."""
+    latency: float
+    ttft: float
+    error: str | None = None
+    """Set when the engine failed while running the request (`generate` raises it)."""
+
+
+class GenerationError(RuntimeError):
+    """The engine failed while running a request (not the request's fault)."""
+
+
+class Sequence:
+    """A request inside the scheduler: its prompt and parameters, and what it has produced so far
+    (plain attributes: touched once per token)."""
+
+    __slots__ = (
+        "abort_message", "deliver", "input_logprobs", "logprobs", "out", "params", "prompt", "rid", "stop_ids", "t0",
+        "ttft", "versions", "want_input_logprobs",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        deliver: Callable[[GenerationResult], None],
+        stop_ids: frozenset[int],
+        want_input_logprobs: bool,
+    ) -> None:
+        self.rid = rid
+        self.prompt = prompt
+        self.params = params
+        self.deliver = deliver
+        self.out: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.stop_ids = stop_ids
+        self.want_input_logprobs = want_input_logprobs
+        self.input_logprobs: list[float | None] | None = None
+        self.t0 = time.monotonic()
+        self.ttft = 0.0
+        self.abort_message: str | None = None
+
+    def result(self, finish_reason: dict[str, object]) -> GenerationResult:
+        return GenerationResult(
+            rid=self.rid,
+            input_ids=self.prompt,
+            output_ids=self.out,
+            output_logprobs=self.logprobs,
+            output_versions=self.versions,
+            finish_reason=finish_reason,
+            input_logprobs=self.input_logprobs,
+            latency=time.monotonic() - self.t0,
+            ttft=self.ttft,
+        )

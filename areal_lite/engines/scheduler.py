@@ -1,0 +1,453 @@
+"""The embedded engine's scheduler: one thread that owns the model and serves every request.
+
+Requests from any thread or event loop join a queue; between two decode steps the scheduler
+admits waiting requests (one batched prefill), then runs one batched decode step over every
+running request, so a short request leaves as soon as it is done and never waits for the longest
+one. Aborts, pauses (in place, abort, retract) and weight loads (from tensors, from disk, or
+received by broadcast in a weight-update group) are applied between two steps; after a weight
+load, running requests get their KV cache recomputed under the new weights and continue, so
+every later token is produced by (and tagged with the version of) the new weights.
+
+This is the API of our HTTP server (`areal_lite.engines.server`); `LocalInferenceEngine` adapts
+it to the `InferenceEngine` contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from areal_lite.api.config import LocalEngineConfig
+from areal_lite.api.io import WeightUpdateMeta
+from areal_lite.engines.model_runner import ModelRunner, context_length, dtype_of, load_model
+from areal_lite.engines.request import GenerationError, GenerationResult, SamplingParams, Sequence
+from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
+from areal_lite.utils.gc_freeze import freeze_startup_objects
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+ADMIT_BATCH = 16
+"""While requests are decoding, waiting ones are admitted once this many rows (or all they need)
+are free."""
+
+
+def _complete(fut: Future, fn: Callable[[], object]) -> None:
+    """Run ``fn`` and put its result, or the exception it raised, into ``fut``."""
+    try:
+        fut.set_result(fn())
+    except Exception as e:  # noqa: BLE001 - whoever waits on the future gets it
+        fut.set_exception(e)
+
+
+def _in_thread(fn: Callable[[], None], name: str) -> Future[None]:
+    """Run ``fn`` in a new daemon thread; the returned future completes when it returns or raises."""
+    fut: Future[None] = Future()
+    threading.Thread(target=_complete, args=(fut, fn), name=name, daemon=True).start()
+    return fut
+
+
+def _set_future(fut: asyncio.Future, value: GenerationResult) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+class Scheduler:
+    """Continuous-batching generation on a HF causal LM (CPU or CUDA), in a thread of its own.
+
+    `generate` may be awaited from any event loop and any thread; the other methods may be called
+    from any thread.
+    """
+
+    def __init__(self, config: LocalEngineConfig) -> None:
+        self.config = config
+        self.model: torch.nn.Module | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self._runner: ModelRunner | None = None
+        self.version = 0
+        """The version new tokens are tagged with."""
+        self._cond = threading.Condition()
+        self._waiting: list[Sequence] = []
+        self._commands: list[tuple[Callable[[], object], Future]] = []
+        self._paused = False
+        self._stopping = False
+        self._abort_pending = False
+        self._admitting: list[Sequence] = []
+        """Taken from the queue, not yet in the batch (an abort must still find them)."""
+        self._thread: threading.Thread | None = None
+        self._group: CustomGroup | None = None
+        self._group_backend = "gloo"
+        self._eos_ids: frozenset[int] = frozenset()
+
+    # ----- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the model and tokenizer and start the scheduler thread."""
+        cfg = self.config
+        model, self.tokenizer = load_model(cfg.path, dtype_of(cfg.dtype), cfg.device)
+        eos = (
+            model.generation_config.eos_token_id
+            if model.generation_config.eos_token_id is not None
+            else model.config.eos_token_id
+        )
+        self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.model = model
+        context_len = context_length(model, cfg.max_total_tokens)
+        self._runner = ModelRunner(model, cfg.max_running_requests, context_len, cfg.seed)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="local-engine-scheduler", daemon=True)
+        self._thread.start()
+        freeze_startup_objects()
+
+    def stop(self) -> None:
+        """Stop the thread; queued and running requests end aborted, pending commands fail."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for seq in self._waiting + (self._runner.clear() if self._runner else []):
+            seq.deliver(seq.result({"type": "abort", "message": "engine stopped"}))
+        self._waiting.clear()
+        for _, fut in self._commands:
+            fut.set_exception(RuntimeError("the scheduler was stopped before this command ran"))
+        self._commands.clear()
+        self._group = None
+        self.model = None
+        self._runner = None
+
+    @property
+    def context_len(self) -> int:
+        assert self._runner is not None, "call start() first"
+        return self._runner.context_len
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted or waiting."""
+        with self._cond:
+            return len(self._waiting) + (len(self._runner.rows) if self._runner else 0)
+
+    # ----- generation ----------------------------------------------------------------------
+
+    def validate_request(self, input_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request the engine cannot serve (empty or too long prompt,
+        token ids outside the vocabulary, stop strings without a tokenizer)."""
+        if self._runner is None:
+            raise RuntimeError("the scheduler is not started: call start() first")
+        if not input_ids:
+            raise ValueError("the prompt is empty")
+        if len(input_ids) >= self._runner.context_len:
+            raise ValueError(
+                f"the prompt has {len(input_ids)} tokens; the context length is {self._runner.context_len}"
+            )
+        vocab = self._runner.model.config.vocab_size
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model directory has none")
+
+    def submit_request(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        deliver: Callable[[GenerationResult], None],
+        rid: str | None = None,
+        return_input_logprobs: bool = False,
+    ) -> str:
+        """Queue a request; ``deliver`` is called once, from the scheduler thread, with its
+        result. Returns the rid. Raises ValueError for an empty or too long prompt."""
+        self.validate_request(input_ids, params)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
+        seq = Sequence(rid or uuid.uuid4().hex, list(input_ids), params, deliver, stop_ids, return_input_logprobs)
+        if params.max_new_tokens == 0 and not return_input_logprobs:
+            deliver(seq.result({"type": "length", "length": 0}))
+            return seq.rid
+        with self._cond:
+            self._waiting.append(seq)
+            self._cond.notify_all()
+        return seq.rid
+
+    async def generate(
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, return_input_logprobs: bool = False
+    ) -> GenerationResult:
+        """Generate from ``input_ids`` in the caller's event loop (any loop, any thread)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[GenerationResult] = loop.create_future()
+        rid = self.submit_request(
+            input_ids, params, lambda r: loop.call_soon_threadsafe(_set_future, fut, r), rid, return_input_logprobs
+        )
+        try:
+            res = await fut
+        except asyncio.CancelledError:
+            self.abort(rid, message="the caller cancelled the request")
+            raise
+        if res.error is not None:
+            raise GenerationError(f"request {rid} failed in the engine: {res.error}")
+        return res
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> None:
+        """End the requests whose rid starts with ``rid`` (or all) with their partial output."""
+        with self._cond:
+            match = (lambda s: True) if abort_all else (lambda s: rid is not None and s.rid.startswith(rid))
+            hit = [s for s in self._waiting if match(s)]
+            self._waiting = [s for s in self._waiting if not match(s)]
+            running = (list(self._runner.rows) if self._runner else []) + self._admitting
+            for s in running:
+                if match(s):
+                    s.abort_message = message
+                    self._abort_pending = True
+            self._cond.notify_all()
+        for s in hit:
+            s.deliver(s.result({"type": "abort", "message": message}))
+
+    def pause_generation(self, mode: str = "in_place") -> None:
+        """Stop decoding. ``in_place`` keeps running requests and their cache; ``abort`` ends them
+        (and the queued ones) with their partial output; ``retract`` sends them back to the queue.
+        New requests are queued until `continue_generation`."""
+        if mode not in ("abort", "in_place", "retract"):
+            raise ValueError(f"pause mode must be abort, in_place or retract, got {mode!r}")
+        with self._cond:
+            self._paused = True
+        if mode == "abort":
+            self.abort(abort_all=True, message="paused")
+        elif mode == "retract":
+            self._run_in_scheduler(self._retract).result()
+
+    def continue_generation(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def generated_tokens(self, rid: str) -> int | None:
+        """Tokens generated so far by a running request (None when it is not running)."""
+        with self._cond:
+            for s in self._runner.rows if self._runner else []:
+                if s.rid == rid:
+                    return len(s.out)
+        return None
+
+    # ----- the loop ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        runner = self._runner
+        assert runner is not None
+        while True:
+            with self._cond:
+                while (
+                    not self._stopping
+                    and not self._commands
+                    and not self._abort_pending
+                    and (self._paused or not (self._waiting or runner.rows))
+                ):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                commands, self._commands = self._commands, []
+                abort_pending, self._abort_pending = self._abort_pending, False
+                admitted: list[Sequence] = []
+                free = runner.max_rows - len(runner.rows)
+                # While others decode, wait until a batch's worth of rows is free: one prefill of
+                # many requests costs about what one of a few does.
+                if not self._paused and (not runner.rows or free >= min(len(self._waiting), ADMIT_BATCH)):
+                    admitted, self._waiting = self._waiting[:free], self._waiting[free:]
+                    self._admitting = admitted
+            for fn, fut in commands:
+                _complete(fut, fn)
+            if abort_pending:  # also while paused: aborted requests return at once
+                self._finish_aborted()
+            if self._paused:
+                continue
+            try:
+                version = self.version
+                fresh = runner.prefill(admitted)
+                with self._cond:
+                    self._admitting = []
+                for s in fresh:
+                    if s.params.max_new_tokens == 0:  # admitted only for its prompt logprobs
+                        s.out.clear()
+                        s.logprobs.clear()
+                        continue
+                    s.versions.append(version)
+                    s.ttft = time.monotonic() - s.t0
+                self._finish_done()
+                if runner.rows and not self._paused:
+                    before = [len(s.out) for s in runner.rows]
+                    runner.decode()
+                    for s, n in zip(runner.rows, before):
+                        if len(s.out) > n:
+                            s.versions.append(version)
+                    self._finish_done()
+            except Exception as e:  # fail the requests, keep serving
+                logger.exception("generation step failed")
+                with self._cond:
+                    failed, self._admitting = runner.clear(), []
+                failed += [s for s in admitted if all(s is not r for r in failed)]
+                for s in failed:
+                    res = s.result({"type": "abort", "message": f"internal error: {e}"})
+                    res.error = f"{type(e).__name__}: {e}"
+                    s.deliver(res)
+
+    def _finish_aborted(self) -> None:
+        runner = self._runner
+        assert runner is not None
+        done = {i for i, s in enumerate(runner.rows) if s.abort_message is not None}
+        for i in done:
+            s = runner.rows[i]
+            s.deliver(s.result({"type": "abort", "message": s.abort_message}))
+        runner.remove(done)
+
+    def _finish_done(self) -> None:
+        runner = self._runner
+        assert runner is not None
+        done: set[int] = set()
+        for i, s in enumerate(runner.rows):
+            reason = self._finish_reason(s)
+            if reason is not None:
+                done.add(i)
+                s.deliver(s.result(reason))
+        runner.remove(done)
+
+    def _finish_reason(self, s: Sequence) -> dict[str, object] | None:
+        n = len(s.out)
+        if s.abort_message is not None:
+            return {"type": "abort", "message": s.abort_message}
+        p = s.params
+        if n >= p.min_new_tokens and n > 0:
+            if s.out[-1] in s.stop_ids:
+                return {"type": "stop", "matched": s.out[-1]}
+            if p.stop:
+                text = self.tokenizer.decode(s.out[-64:])
+                for stop in p.stop:
+                    if stop in text:
+                        return {"type": "stop", "matched": stop}
+        if n >= p.max_new_tokens or len(s.prompt) + n >= self._runner.context_len:
+            return {"type": "length", "length": n}
+        return None
+
+    def _retract(self) -> None:
+        seqs = self._runner.clear()
+        with self._cond:
+            self._waiting = seqs + self._waiting
+
+    def _run_in_scheduler(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` in the scheduler thread between two steps; its result comes in the future."""
+        fut: Future = Future()
+        if self._thread is None or threading.current_thread() is self._thread:
+            _complete(fut, fn)
+            return fut
+        with self._cond:
+            self._commands.append((fn, fut))
+            self._cond.notify_all()
+        return fut
+
+    # ----- weights -------------------------------------------------------------------------
+
+    def load_tensors(self, named: dict[str, torch.Tensor], version: int | None = None) -> Future[None]:
+        """Copy tensors into the model by HF name between two steps (all checked before any is
+        copied), recompute the running requests' caches under the new weights, and set the
+        version (unless None). The future completes once loaded."""
+        return self._run_in_scheduler(lambda: self._load_tensors(named.items(), version))
+
+    def _load_tensors(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None) -> None:
+        assert self.model is not None and self._runner is not None
+        params = self.model.state_dict()
+        pairs = list(named)
+        for name, t in pairs:
+            if name not in params:
+                raise ValueError(f"unknown parameter {name!r}")
+            if tuple(t.shape) != tuple(params[name].shape):
+                raise ValueError(f"parameter {name!r} has shape {tuple(params[name].shape)}, got {tuple(t.shape)}")
+        with torch.no_grad():
+            for name, t in pairs:
+                params[name].copy_(t)
+        if version is not None:
+            self.version = version
+        seqs = self._runner.clear()
+        self._runner.prefill(seqs)
+
+    def load_weights_from_disk(self, path: str, version: int | None = None) -> Future:
+        """Load every ``*.safetensors`` file of a HF model directory (reading off the scheduler)."""
+        from safetensors.torch import load_file
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            fut: Future = Future()
+            fut.set_exception(ValueError(f"no *.safetensors files in {path!r}"))
+            return fut
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(f))
+        return self.load_tensors(tensors, version)
+
+    def join_weights_update_group(self, meta: WeightUpdateMeta, rank: int) -> Future[None]:
+        """Join ``meta``'s group at ``rank`` in a helper thread (the trainer joins concurrently)."""
+
+        def join() -> None:
+            self._group = init_custom_process_group(
+                meta.backend, meta.master_address, meta.master_port, rank, meta.world_size, meta.group_name
+            )
+            self._group_backend = meta.backend
+
+        return _in_thread(join, "weight-group-join")
+
+    def destroy_weights_update_group(self) -> None:
+        self._group = None
+
+    def check_param_specs(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        """Raise ValueError when a broadcast announcement does not fit the model."""
+        assert self.model is not None
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
+        params = self.model.state_dict()
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            dtype_of(dtype)
+            if name not in params:
+                raise ValueError(f"unknown parameter {name!r}")
+            if tuple(shape) != tuple(params[name].shape):
+                raise ValueError(f"parameter {name!r} has shape {tuple(params[name].shape)}, got {tuple(shape)}")
+
+    def receive_broadcast(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None
+    ) -> Future[None]:
+        """Receive the announced tensors from rank 0 in order, in a helper thread (the sender
+        broadcasts after this returns), then load them. The future completes once loaded, or
+        fails with ValueError when the announcement does not fit the model or no group exists."""
+
+        def receive() -> None:
+            if self._group is None:
+                raise ValueError("no weight-update group: call join_weights_update_group first")
+            self.check_param_specs(names, dtypes, shapes)
+            # gloo moves CPU tensors, nccl CUDA tensors, whatever device the model is on.
+            device = "cuda" if self._group_backend == "nccl" else "cpu"
+            received: dict[str, torch.Tensor] = {}
+            for name, dtype, shape in zip(names, dtypes, shapes):
+                t = torch.empty(tuple(shape), dtype=dtype_of(dtype), device=device)
+                self._group.broadcast(t, src=0)
+                received[name] = t
+            self.load_tensors(received, version).result()
+
+        return _in_thread(receive, "weight-receive")
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        assert self.model is not None
+        params = self.model.state_dict()
+        if name not in params:
+            raise ValueError(f"unknown parameter {name!r}")
+        return params[name].detach().flatten()[:truncate_size].float().tolist()
