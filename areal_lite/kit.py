@@ -50,10 +50,6 @@ from areal_lite.utils.stats import StatsTracker
 from areal_lite.utils.stats_logger import StatsLogger
 from areal_lite.utils.step import StepInfo
 
-WEIGHT_UPDATES = ("disk", "distributed")
-"""How weights reach rollout servers (the embedded engine takes them in process)."""
-
-
 def make_train_engine(config: TrainEngineConfig) -> TrainEngine:
     """An uninitialised `FSDPEngine` or `MegatronEngine` for ``config.backend``, so swapping
     backends is one config line. The backends are imported lazily: megatron-core is optional."""
@@ -98,11 +94,12 @@ def make_rollout(cfg: RLExperimentConfig, model_dir: str | None = None) -> tuple
         factory = functools.partial(RemoteSGLangEngine, cfg.rollout, control_servers=False)
         rollout = RolloutController(RemoteSGLangEngine(cfg.rollout, control_servers=control), cfg.rollout, factory)
         if cfg.weight_update == "distributed":
-            meta = WeightUpdateMeta(type="distributed", world_size=1 + len(cfg.rollout.addresses))
+            backend = "nccl" if torch.cuda.is_available() else "gloo"  # GPU tensors by NCCL, else gloo
+            meta = WeightUpdateMeta(type="distributed", backend=backend, world_size=1 + len(cfg.rollout.addresses))
         elif cfg.weight_update == "disk":
             meta = WeightUpdateMeta(type="disk", path=os.path.join(cfg.output_dir, "weight_update"))
         else:
-            raise ValueError(f"weight_update must be one of {', '.join(WEIGHT_UPDATES)}, got {cfg.weight_update!r}")
+            raise ValueError(f"weight_update must be disk or distributed, got {cfg.weight_update!r}")
     rollout.initialize()
     return rollout, meta
 

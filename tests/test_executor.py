@@ -314,6 +314,41 @@ def test_workflow_error_raises_with_its_input() -> None:
         ex.destroy()
 
 
+class Malformed(RolloutWorkflow):
+    """Returns a trajectory that breaks the data contract as the item says."""
+
+    async def arun_episode(self, engine, data: dict[str, object]) -> TensorDict | None:
+        traj = await OneShot().arun_episode(engine, data)
+        assert traj is not None
+        if data["break"] == "drop":
+            del traj["logprobs"]
+        elif data["break"] == "shape":
+            traj["loss_mask"] = traj["loss_mask"][:, :-1]
+        else:
+            return {"input_ids": traj["input_ids"]}  # type: ignore[return-value]
+        return traj
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("drop", r"Malformed returned a trajectory that breaks the data contract: it lacks key 'logprobs'"),
+        ("shape", r"Malformed returned a trajectory .*: 'loss_mask' has shape \[1, 5\], expected \[1, 6\]"),
+        ("dict", r"Malformed must return a TensorDict or None, got dict"),
+    ],
+)
+def test_a_malformed_trajectory_is_reported_with_the_key(how: str, message: str) -> None:
+    engine = GatedEngine()
+    ex = make(engine, consumer_batch_size=1)
+    try:
+        ex.submit({"i": 0, "break": how}, Malformed())
+        with pytest.raises(WorkflowError, match=message):
+            ex.wait(1, timeout=60)
+    finally:
+        engine.close()
+        ex.destroy()
+
+
 def test_workflow_error_skip_counts_and_goes_on() -> None:
     engine = GatedEngine()
     ex = make(engine, consumer_batch_size=3, max_concurrent_rollouts=6, on_workflow_error="skip")

@@ -12,12 +12,15 @@ import sys
 import time
 
 import pytest
+import torch
 import yaml
 
 from areal_lite.api.config import ConfigError, LauncherConfig, RecoverConfig
 from areal_lite.launcher.local import (
     CONFIG_ERROR_EXIT,
+    CPU_OVERRIDES,
     LaunchPlan,
+    check_machine,
     missing_inputs,
     read_plan,
     server_command,
@@ -183,6 +186,25 @@ def test_the_servers_model_must_exist_after_the_prepare_run(tmp_path) -> None:
     last = err.splitlines()[-1]
     assert last == f"[launcher] config error: the servers' model launcher.server_model_path='{model}' does not exist"
     assert "Traceback" not in err and not (model.parent / "logs" / "servers.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU is told")
+def test_the_gpu_recipe_on_a_cpu_machine_names_the_overrides_it_needs(tmp_path) -> None:
+    """configs/gsm8k_grpo.yaml as shipped asks for SGLang servers; here the launcher says, in one
+    line and before starting anything, which overrides run it on the CPU; with them it passes."""
+    root = os.path.dirname(HERE)
+    recipe = ["examples/gsm8k_grpo.py", "--config", "configs/gsm8k_grpo.yaml", f"cluster.fileroot={tmp_path}"]
+    proc = subprocess.run([sys.executable, "-m", "areal_lite.launcher.local", *recipe], cwd=root, env=ENV,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == CONFIG_ERROR_EXIT
+    assert proc.stderr.splitlines() == [f"[launcher] config error: launcher.backend=sglang needs GPUs and this "
+                                        f"machine has none; on CPU set {CPU_OVERRIDES}"], proc.stderr
+    plan = read_plan(recipe[0], recipe[2], [*recipe[3:], *CPU_OVERRIDES.split()])
+    check_machine(plan)  # no error
+    with pytest.raises(ConfigError, match=r"local_engine.device=cuda but this machine has no GPU; set "):
+        check_machine(read_plan(recipe[0], recipe[2], [*recipe[3:], "launcher.backend=areal", "launcher.server_args=[]"]))
+    with pytest.raises(ConfigError, match=r"launcher.server_args \['--mem-fraction-static', '0.8'\] are not flags of our"):
+        check_machine(read_plan(recipe[0], recipe[2], [*recipe[3:], *CPU_OVERRIDES.split()[:1], *CPU_OVERRIDES.split()[2:]]))
 
 
 def test_which_paths_must_exist(tmp_path) -> None:

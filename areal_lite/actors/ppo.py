@@ -4,7 +4,7 @@ The actor turns a rollout batch into advantages and takes ``ppo_n_minibatches`` 
 on it with a policy loss from `areal_lite.algorithms.functional`: PPO (decoupled, with clip-higher
 and dual clip), GSPO or REINFORCE; with GRPO, Dr. GRPO, RLOO, ReMax, REINFORCE++ or GAE
 advantages. It calls only ``engine.forward`` and ``engine.train_batch``, so it runs unchanged on
-FSDP and Megatron. The loop it serves (DESIGN.md)::
+FSDP and Megatron. The loop it serves (docs/design.md)::
 
     actor.compute_advantages(batch)     # adds "advantages" (and "returns" for GAE) [B, L]
     stats = actor.ppo_update(batch)     # proximal log-probs: see `PPOActor.ppo_update`

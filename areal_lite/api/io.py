@@ -77,7 +77,7 @@ class GenerationConfig:
         return replace(self, **changes)
 
     def to_sglang(self) -> dict[str, object]:
-        """The ``sampling_params`` dict of PROTOCOL.md for this config."""
+        """The ``sampling_params`` dict of the SGLang protocol (docs/protocol.md) for this config."""
         params: dict[str, object] = {
             "max_new_tokens": self.max_new_tokens,
             "min_new_tokens": self.min_new_tokens,

@@ -345,7 +345,7 @@ class FSDPEngine(TrainEngineBase):
         sd = self._full_state_dict()
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
-            # save_pretrained empties the dict it is given (FINDINGS.md): hand it a copy.
+            # save_pretrained empties the dict it is given (transformers 5): hand it a copy.
             self._module().hf.save_pretrained(path, state_dict=dict(sd))
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)  # type: ignore[attr-defined]

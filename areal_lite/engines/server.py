@@ -485,7 +485,8 @@ class Server:
             raise BadRequest(str(e)) from e
 
 
-def parse_args(argv: list[str] | None = None) -> ServerArgs:
+def argument_parser() -> argparse.ArgumentParser:
+    """The server's command line (the launcher also checks ``launcher.server_args`` against it)."""
     p = argparse.ArgumentParser(prog="python -m areal_lite.engines.server", description=__doc__.split("\n")[0])
     p.add_argument("--model-path", required=True, help="HF model directory")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
@@ -497,7 +498,11 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--context-length", type=int, default=0, help="0 = the model's max_position_embeddings")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="0", help="initial weight version (an integer)")
-    return ServerArgs(**vars(p.parse_args(argv)))
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    return ServerArgs(**vars(argument_parser().parse_args(argv)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -189,6 +189,36 @@ def check_config(plan: LaunchPlan, *, paths: bool = True) -> None:
         raise ConfigError(f"the config names paths that do not exist: {', '.join(missing)}")
 
 
+CPU_OVERRIDES = "launcher.backend=areal launcher.server_args=[] local_engine.device=cpu local_engine.dtype=float32"
+"""What a GPU config needs on a machine without one: our server on the CPU instead of SGLang."""
+
+
+def check_machine(plan: LaunchPlan) -> None:
+    """`ConfigError` naming the overrides to set when the config asks for what this machine lacks
+    (SGLang or an engine on a GPU without one) or gives our server flags it does not take."""
+    import torch
+
+    cfg = plan.launcher
+    if cfg.backend == "sglang" and not torch.cuda.is_available():
+        raise ConfigError(f"launcher.backend=sglang needs GPUs and this machine has none; on CPU set {CPU_OVERRIDES}")
+    flags = dict(zip(plan.engine_args[::2], plan.engine_args[1::2]))
+    device = flags.get("--device", "cpu")
+    if cfg.backend != "sglang" and device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"local_engine.device={device} but this machine has no GPU; set local_engine.device=cpu "
+            "local_engine.dtype=float32"
+        )
+    if cfg.backend == "areal":
+        from areal_lite.engines.server import argument_parser
+
+        _, unknown = argument_parser().parse_known_args(["--model-path", "-", *plan.engine_args, *cfg.server_args])
+        if unknown:
+            raise ConfigError(
+                f"launcher.server_args {unknown} are not flags of our server (launcher.backend=areal): "
+                "set launcher.server_args=[] or see python -m areal_lite.engines.server --help"
+            )
+
+
 def run_reporting_config_errors(launch: Callable[[], int]) -> int:
     """``launch()``; a `ConfigError` becomes one line on stderr (no traceback) and the exit code
     `CONFIG_ERROR_EXIT`."""
@@ -478,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def launch() -> int:
         plan = read_plan(args.script, args.config, args.overrides)
+        check_machine(plan)
         check_config(plan)
         return LocalLauncher(plan).run()
 

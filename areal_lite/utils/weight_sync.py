@@ -84,7 +84,7 @@ class WeightSender:
         directory of a disk update, whose ``*.safetensors`` files the servers load (collective,
         rank 0 writes)."""
         rank = dist.get_rank()
-        if self.engine is None and (rank == 0 or meta.type == "in_process"):
+        if rank == 0 and self.engine is None:
             raise RuntimeError("update_weights needs connect_engine() first")
         meta = replace(meta, version=version if meta.version is None else meta.version)
         if meta.type == "distributed":
@@ -95,7 +95,7 @@ class WeightSender:
             if rank == 0:
                 self._engine().update_weights(meta).result()
         else:
-            # In process: every rank's script holds an engine of its own, and each gets the weights.
+            # In process: each rank's own engine (the examples give every rank one) gets the weights.
             named = {name: t.cpu() for name, t in tensors()}
             if self.engine is not None:
                 self.engine.update_weights(replace(meta, named_tensors=named)).result()

@@ -72,8 +72,8 @@ def engine(n_mbs: int = 1, lr: float = 1e-3, ft: FinetuneSpec | None = FT, **kw:
 
 def with_sgd(e: FSDPEngine) -> FSDPEngine:
     """``e`` with plain SGD (lr 1) for its optimizer: the update is linear in the gradient, so
-    parameter equality to 1e-6 is gradient equality (Adam's first step amplifies float noise:
-    FINDINGS.md)."""
+    parameter equality to 1e-6 is gradient equality (Adam's first step divides each gradient by
+    its own magnitude, so float noise in a near-zero gradient can move a parameter by ~lr)."""
     e.optimizer = torch.optim.SGD(e.model.parameters(), lr=1.0)
     return e
 

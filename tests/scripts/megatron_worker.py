@@ -45,7 +45,7 @@ def nan_loss(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[tor
 
 def config(backend: str, **kw: object) -> TrainEngineConfig:
     # eps=1 makes Adam's first step lr * g / (|g| + 1), continuous in the gradient: float noise
-    # from a different reduction order cannot flip the sign of an update (FINDINGS.md); lr=1
+    # from a different reduction order cannot flip the sign of an update; lr=1
     # makes the updates large enough (~1e-2) for a 1e-5 comparison to mean something.
     opt = OptimizerConfig(lr=1.0, eps=1.0, weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps_proportion=0.2)
     return TrainEngineConfig(path=MODEL, backend=backend, optimizer=opt, logits_chunk_size=7, **kw)  # type: ignore[arg-type]
