@@ -23,7 +23,7 @@ from areal_lite.engines.remote import RemoteSGLangEngine
 from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-from episode_workflows import Continue, HoldsALock
+from episode_workflows import Continue, HoldsALock, SignalsProgress, all_exist
 from inference_servers import perturbed_copy, running_on, start_servers, stop_servers
 
 
@@ -79,11 +79,13 @@ def test_a_weight_update_pauses_the_child_generations_and_tags_versions(server: 
         e.engine.update_weights(WeightUpdateMeta(type="disk", path=model_path, version=0)).result()
         e.set_version(0)
         out: dict[str, object] = {}
-        run = threading.Thread(target=lambda: out.update(batch=e.rollout_batch(items(3), Continue(300))))
+        markers = [str(tmp_path / f"started{i}") for i in range(3)]
+        episodes = [{**item, "marker": m} for item, m in zip(items(3), markers)]
+        run = threading.Thread(target=lambda: out.update(batch=e.rollout_batch(episodes, SignalsProgress(8, 292))))
         run.start()
         deadline = time.monotonic() + 60
-        while not asyncio.run(running_on(server)):
-            assert time.monotonic() < deadline, "the child's generations never reached the server"
+        while not all_exist(markers):  # every episode has produced tokens at version 0
+            assert time.monotonic() < deadline, "the child's generations never produced tokens"
             time.sleep(0.01)
         e.pause()
         time.sleep(0.3)  # aborted answers are back in the child by now
