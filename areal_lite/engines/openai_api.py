@@ -365,7 +365,7 @@ class OpenAIRoutes:
             )
         except BadRequest:
             raise
-        except Exception as e:  # noqa: BLE001 - a template error is the request's (e.g. a role it rejects)
+        except Exception as e:
             raise BadRequest(f"the chat template failed on these messages: {e}") from e
         return tok.encode(text, add_special_tokens=False)
 

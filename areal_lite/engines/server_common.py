@@ -5,7 +5,6 @@ otherwise), and the decoded text of a generation."""
 from __future__ import annotations
 
 import json
-
 from typing import TYPE_CHECKING
 
 from aiohttp import web

@@ -53,7 +53,7 @@ def _args(raw: str) -> dict[str, object]:
     except (TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"the call's argument must be one JSON object as a string: {e}") from e
     if not isinstance(args, dict):
-        raise ValueError("the call's argument must be one JSON object as a string")
+        raise ValueError("the call's argument must be one JSON object as a string")  # noqa: TRY004 - a 400, not a bug
     return args
 
 
@@ -67,7 +67,7 @@ def _field(args: dict[str, object], key: str, kind: type) -> object:
 def torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
+        raise ValueError(f"unknown dtype {name!r}")  # noqa: TRY004 - a 400, not a bug
     return dtype
 
 
@@ -113,7 +113,7 @@ class BroadcastSpec:
         a = _args(raw)
         names, dtypes, shapes = a.get("names"), a.get("dtypes"), a.get("shapes")
         if not isinstance(names, list) or not isinstance(dtypes, list) or not isinstance(shapes, list):
-            raise ValueError("names, dtypes and shapes must be lists")
+            raise ValueError("names, dtypes and shapes must be lists")  # noqa: TRY004 - a 400, not a bug
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
         if not all(isinstance(x, str) for x in names + dtypes):
