@@ -45,7 +45,7 @@ def _answer(choice: dict[str, object]) -> Answer:
     ids = choice.get("token_ids")
     logprobs = choice.get("logprobs")
     if not isinstance(ids, list) or not isinstance(logprobs, dict):
-        raise RuntimeError("a /v1/completions answer lacks token_ids or logprobs (is this a vLLM server?)")
+        raise RuntimeError("a /v1/completions answer lacks token_ids or logprobs")  # noqa: TRY004 - the server's fault
     return Answer(
         output_ids=[int(t) for t in ids],
         logprobs=[float(x) for x in logprobs["token_logprobs"]],
