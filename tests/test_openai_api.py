@@ -166,7 +166,7 @@ def test_tool_calls_sync_and_streamed(base_url: str, model_path: str) -> None:
     follow = client.chat.completions.create(
         model=model_path,
         messages=[*QUESTION, choice.message.model_dump(exclude_none=True),
-                  {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}],  # fmt: skip
+                  {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}],
         tools=[WEATHER_TOOL],
         max_tokens=4,
     )

@@ -211,7 +211,7 @@ BAD_INPUTS = [
         {"method": "areal_join_weight_update_group",
          "args": ['{"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 3, "world_size": 2}']},
         "rank_offset",
-    ),  # fmt: skip
+    ),
 ]
 
 
