@@ -22,6 +22,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -89,6 +90,43 @@ def _stop_reason(r: GenerationResult) -> int | str | None:
 
 def _sse(obj: object) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+@dataclass
+class Options:
+    """What both routes read alike from a request: how to answer, and its id."""
+
+    stream: bool
+    include_usage: bool
+    """A streamed answer ends with a usage chunk (``stream_options.include_usage``)."""
+    n: int
+    skip_special: bool
+    keep_stop: bool
+    """``include_stop_str_in_output``: keep a matched stop string in the text."""
+    with_ids: bool
+    """``return_token_ids``: add the prompt's and the output's token ids (vLLM)."""
+    request_id: str
+
+    @classmethod
+    def parse(cls, body: dict[str, object]) -> Options:
+        stream = bool_field(body, "stream", False)
+        opts = body.get("stream_options")
+        if opts is not None and not stream:
+            raise BadRequest("stream_options can only be given with stream: true")
+        if opts is not None and not isinstance(opts, dict):
+            raise BadRequest("stream_options must be an object")
+        request_id = body.get("request_id") or uuid.uuid4().hex
+        if not isinstance(request_id, str):
+            raise BadRequest("request_id must be a string")
+        return cls(
+            stream=stream,
+            include_usage=opts is not None and bool_field(opts, "include_usage", False),
+            n=int_field(body, "n", 1),
+            skip_special=bool_field(body, "skip_special_tokens", True),
+            keep_stop=bool_field(body, "include_stop_str_in_output", False),
+            with_ids=bool_field(body, "return_token_ids", False),
+            request_id=request_id,
+        )
 
 
 class OpenAIRoutes:
@@ -207,18 +245,6 @@ class OpenAIRoutes:
         completion = sum(len(r.output_ids) for r in results)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
-    @staticmethod
-    def _stream_options(body: dict[str, object], stream: bool) -> bool:
-        """Whether a streamed answer ends with a usage chunk (``stream_options.include_usage``)."""
-        opts = body.get("stream_options")
-        if opts is None:
-            return False
-        if not stream:
-            raise BadRequest("stream_options can only be given with stream: true")
-        if not isinstance(opts, dict):
-            raise BadRequest("stream_options must be an object")
-        return bool_field(opts, "include_usage", False)
-
     # ----- /v1/completions -----------------------------------------------------------------
 
     def _completion_prompts(self, prompt: object) -> list[list[int]]:
@@ -244,22 +270,13 @@ class OpenAIRoutes:
             raise BadRequest(f"logprobs must be an integer, got {logprobs!r}")
         if logprobs:
             raise BadRequest("logprobs above 0 (top log-probabilities) are not supported by the areal-lite server")
-        stream = bool_field(body, "stream", False)
-        include_usage = self._stream_options(body, stream)
-        max_tokens = int_field(body, "max_tokens", 16)
-        params = self._sampling(body, max_tokens, max(len(p) for p in prompts))
-        n = int_field(body, "n", 1)
-        skip_special = bool_field(body, "skip_special_tokens", True)
-        keep_stop = bool_field(body, "include_stop_str_in_output", False)
-        with_ids = bool_field(body, "return_token_ids", False)
+        o = Options.parse(body)
+        params = self._sampling(body, int_field(body, "max_tokens", 16), max(len(p) for p in prompts))
         as_ids = bool_field(body, "return_tokens_as_token_ids", False)
-        request_id = body.get("request_id") or uuid.uuid4().hex
-        if not isinstance(request_id, str):
-            raise BadRequest("request_id must be a string")
-        results = await self._generate(prompts, params, n, request_id)
-        head = {"id": f"cmpl-{request_id}", "created": int(time.time()), "model": self.model_name}
-        texts = [output_text(self.scheduler.tokenizer, r, skip_special, keep_stop) for r in results]
-        usage = self._usage(results, sum(len(p) for p in prompts) * n)
+        results = await self._generate(prompts, params, o.n, o.request_id)
+        head = {"id": f"cmpl-{o.request_id}", "created": int(time.time()), "model": self.model_name}
+        texts = [output_text(self.scheduler.tokenizer, r, o.skip_special, o.keep_stop) for r in results]
+        usage = self._usage(results, sum(len(p) for p in prompts) * o.n)
 
         def logprob_block(r: GenerationResult, tokens: range) -> dict[str, object]:
             strings = [self._token_text(r.output_ids[k], as_ids) for k in tokens]
@@ -271,7 +288,7 @@ class OpenAIRoutes:
             return {"tokens": strings, "token_logprobs": lps, "top_logprobs": [{s: lp} for s, lp in zip(strings, lps)],
                     "text_offset": offsets}  # fmt: skip
 
-        if not stream:
+        if not o.stream:
             choices = []
             for i, (r, text) in enumerate(zip(results, texts)):
                 choice: dict[str, object] = {
@@ -281,21 +298,21 @@ class OpenAIRoutes:
                     "finish_reason": _finish_reason(r),
                     "stop_reason": _stop_reason(r),
                 }
-                if with_ids:
+                if o.with_ids:
                     choice.update(prompt_token_ids=r.input_ids, token_ids=r.output_ids)
                 choices.append(choice)
             return web.json_response({**head, "object": "text_completion", "choices": choices, "usage": usage})
 
         def chunks() -> Iterator[dict[str, object]]:
             for i, (r, text) in enumerate(zip(results, texts)):
-                for k, delta in self._deltas(r, text, skip_special):
+                for k, delta in self._deltas(r, text, o.skip_special):
                     choice: dict[str, object] = {
                         "index": i,
                         "text": delta,
                         "logprobs": logprob_block(r, range(k, k + 1)) if logprobs is not None else None,
                         "finish_reason": None,
                     }
-                    if with_ids:
+                    if o.with_ids:
                         choice["token_ids"] = [r.output_ids[k]]
                         if k == 0:
                             choice["prompt_token_ids"] = r.input_ids
@@ -303,7 +320,7 @@ class OpenAIRoutes:
                 end = {"index": i, "text": "", "logprobs": None, "finish_reason": _finish_reason(r),
                        "stop_reason": _stop_reason(r)}  # fmt: skip
                 yield {**head, "object": "text_completion", "choices": [end]}
-            if include_usage:
+            if o.include_usage:
                 yield {**head, "object": "text_completion", "choices": [], "usage": usage}
 
         return await self._stream(request, chunks())
@@ -378,25 +395,17 @@ class OpenAIRoutes:
         want_logprobs = bool_field(body, "logprobs", False)
         if int_field(body, "top_logprobs", 0):
             raise BadRequest("top_logprobs above 0 are not supported by the areal-lite server")
-        stream = bool_field(body, "stream", False)
-        include_usage = self._stream_options(body, stream)
+        o = Options.parse(body)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
             raise BadRequest(f"max_tokens must be an integer, got {max_tokens!r}")
         params = self._sampling(body, max_tokens, len(prompt))
-        n = int_field(body, "n", 1)
-        skip_special = bool_field(body, "skip_special_tokens", True)
-        keep_stop = bool_field(body, "include_stop_str_in_output", False)
-        with_ids = bool_field(body, "return_token_ids", False)
-        request_id = body.get("request_id") or uuid.uuid4().hex
-        if not isinstance(request_id, str):
-            raise BadRequest("request_id must be a string")
-        results = await self._generate([prompt], params, n, request_id)
-        head = {"id": f"chatcmpl-{request_id}", "created": int(time.time()), "model": self.model_name}
-        usage = self._usage(results, len(prompt) * n)
+        results = await self._generate([prompt], params, o.n, o.request_id)
+        head = {"id": f"chatcmpl-{o.request_id}", "created": int(time.time()), "model": self.model_name}
+        usage = self._usage(results, len(prompt) * o.n)
         answers = []  # (result, full text, content, tool calls)
         for r in results:
-            text = output_text(self.scheduler.tokenizer, r, skip_special, keep_stop)
+            text = output_text(self.scheduler.tokenizer, r, o.skip_special, o.keep_stop)
             content, calls = parse_tool_calls(text) if tools else (text, [])
             answers.append((r, text, content, calls))
 
@@ -410,7 +419,7 @@ class OpenAIRoutes:
                 out.append({"token": s, "logprob": r.output_logprobs[k], "bytes": list(s.encode()), "top_logprobs": []})
             return out
 
-        if not stream:
+        if not o.stream:
             choices = []
             for i, (r, _, content, calls) in enumerate(answers):
                 message: dict[str, object] = {"role": "assistant", "content": content or (None if calls else "")}
@@ -423,11 +432,11 @@ class OpenAIRoutes:
                     "finish_reason": finish(r, calls),
                     "stop_reason": _stop_reason(r),
                 }
-                if with_ids:
+                if o.with_ids:
                     choice["token_ids"] = r.output_ids
                 choices.append(choice)
             out = {**head, "object": "chat.completion", "choices": choices, "usage": usage}
-            if with_ids:
+            if o.with_ids:
                 out["prompt_token_ids"] = prompt
             return web.json_response(out)
 
@@ -438,7 +447,7 @@ class OpenAIRoutes:
             for i, (r, text, content, calls) in enumerate(answers):
                 first: dict[str, object] = {"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}  # fmt: skip
-                if with_ids:
+                if o.with_ids:
                     first["prompt_token_ids"] = prompt
                 yield chunk(first)
                 if calls:  # the text around the calls, then the calls, each as one delta
@@ -447,18 +456,18 @@ class OpenAIRoutes:
                     tool_calls = [{"index": j, **c.to_openai()} for j, c in enumerate(calls)]
                     yield chunk({"index": i, "delta": {"tool_calls": tool_calls}, "logprobs": None, "finish_reason": None})
                 else:
-                    for k, delta in self._deltas(r, text, skip_special):
+                    for k, delta in self._deltas(r, text, o.skip_special):
                         c: dict[str, object] = {
                             "index": i,
                             "delta": {"content": delta},
                             "logprobs": {"content": logprob_entries(r, range(k, k + 1))} if want_logprobs else None,
                             "finish_reason": None,
                         }
-                        if with_ids:
+                        if o.with_ids:
                             c["token_ids"] = [r.output_ids[k]]
                         yield chunk(c)
                 yield chunk({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish(r, calls)})
-            if include_usage:
+            if o.include_usage:
                 yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage}
 
         return await self._stream(request, chunks())
