@@ -56,7 +56,7 @@ def test_read_plan_takes_the_launcher_and_recover_sections(tmp_path) -> None:
 
 @pytest.mark.parametrize("override, message", [
     ("launcher.n_server=2", "n_server"),
-    ("launcher.backend=vllm", "launcher.backend"),
+    ("launcher.backend=tgi", "launcher.backend"),
     ("launcher.n_servers=two", "n_servers"),
 ])
 def test_read_plan_rejects_bad_launcher_config(tmp_path, override: str, message: str) -> None:
