@@ -56,7 +56,7 @@ def test_read_plan_takes_the_launcher_and_recover_sections(tmp_path) -> None:
 
 @pytest.mark.parametrize("override, message", [
     ("launcher.n_server=2", "n_server"),
-    ("launcher.backend=vllm", "launcher.backend"),
+    ("launcher.backend=tgi", "launcher.backend"),
     ("launcher.n_servers=two", "n_servers"),
 ])
 def test_read_plan_rejects_bad_launcher_config(tmp_path, override: str, message: str) -> None:
@@ -166,7 +166,7 @@ def test_prepare_run_comes_first_and_must_succeed(tmp_path) -> None:
     ("launcher.prepare_overrides=[probe.tagg=prepare]",
      ("unknown config key 'probe.tagg' (from command line); did you mean probe.tag, probe.out, probe.model? "
       "(with launcher.prepare_overrides)")),
-    ("launcher.backend=vllm", "config field 'launcher.backend' is 'vllm'; choose one of local, areal, sglang"),
+    ("launcher.backend=tgi", "config field 'launcher.backend' is 'tgi'; choose one of local, areal, sglang, vllm"),
 ])
 def test_a_config_error_is_one_line_and_nothing_starts(tmp_path, override: str, message: str) -> None:
     """Checked before any server or trainer starts, with the script's own config class; a failure

@@ -1,4 +1,5 @@
-"""The client of SGLang-protocol servers, against two of our servers on 127.0.0.1: log-probabilities
+"""The clients of generation servers, each against two of our servers on 127.0.0.1 (which speak
+both protocols): `RemoteSGLangEngine` and `RemoteVLLMEngine` pass the same tests. Log-probabilities
 equal to HF's, routing, weight updates from a 2-rank torchrun FSDPEngine trainer (disk and gloo
 broadcast), an update in the middle of long generations, a server killed mid-run, and the
 weight-update group formed again without a dead server."""
@@ -21,7 +22,8 @@ from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ParamSpec, WeightUpdateMeta
-from areal_lite.engines.remote import RemoteSGLangEngine
+from areal_lite.engines.remote import RemoteEngine, RemoteSGLangEngine
+from areal_lite.engines.vllm import RemoteVLLMEngine
 from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
 from areal_lite.utils.tiny import build_tiny_model
 
@@ -36,21 +38,31 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("remote") / "m"), hidden_size=32, num_layers=2, vocab_size=260)
 
 
+CLIENTS = {"sglang": RemoteSGLangEngine, "vllm": RemoteVLLMEngine}
+
+
+@pytest.fixture(scope="module", params=sorted(CLIENTS))
+def kind(request: pytest.FixtureRequest) -> str:
+    """The protocol under test; the module's tests run for one, then for the other."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def servers(model_path: str):
-    """Two servers shared by the module (starting one costs seconds); tests reset their weights,
-    and the test that kills one runs last."""
+def servers(model_path: str, kind: str):
+    """Two servers shared by one protocol's tests (starting one costs seconds); tests reset their
+    weights, and the test that kills one runs last."""
     procs, addresses = start_servers(model_path, 2)
     yield procs, addresses
     stop_servers(procs)
 
 
-def reset_weights(engine: RemoteSGLangEngine, model_path: str) -> None:
+def reset_weights(engine: RemoteEngine, model_path: str) -> None:
     engine.update_weights(WeightUpdateMeta(type="disk", path=model_path, version=0)).result()
 
 
-def client(addresses: list[str]) -> RemoteSGLangEngine:
-    engine = RemoteSGLangEngine(InferenceEngineConfig(addresses=addresses, request_timeout=60, setup_timeout=60))
+def client(addresses: list[str], kind: str, request_timeout: float = 60) -> RemoteEngine:
+    config = InferenceEngineConfig(addresses=addresses, request_timeout=request_timeout, setup_timeout=60)
+    engine = CLIENTS[kind](config)
     engine.initialize()
     return engine
 
@@ -96,9 +108,9 @@ def assert_switched_models(req: ModelRequest, resp, model, new_model, n: int) ->
     torch.testing.assert_close(lp[switch:], hf_logprobs(new_model, req.input_ids, resp.output_tokens)[switch:], atol=1e-4, rtol=0)
 
 
-def test_generation_logprobs_routing_and_mid_generation_update(servers, model_path: str, tmp_path) -> None:
+def test_generation_logprobs_routing_and_mid_generation_update(servers, kind: str, model_path: str, tmp_path) -> None:
     _, addresses = servers
-    engine = client(addresses)
+    engine = client(addresses, kind)
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     try:
         reset_weights(engine, model_path)
@@ -144,18 +156,18 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, model_pa
         engine.destroy()
 
 
-def test_batch_requests_go_to_one_server_and_resume_across_an_update(servers, model_path: str, tmp_path) -> None:
+def test_batch_requests_go_to_one_server_and_resume_across_an_update(servers, kind: str, model_path: str, tmp_path) -> None:
     """agenerate_batch (a GRPO group) sends one batch request; its generations, interrupted by a
     weight update, resume as batch requests again and end with tokens of both versions, each
     scored right."""
     _, addresses = servers
-    engine = client(addresses)
+    engine = client(addresses, kind)
     calls = []
     post = engine._post_generate
 
-    async def counted(idx, payload, count=1):
+    async def counted(idx, path, payload, count=1):
         calls.append(count)
-        return await post(idx, payload, count)
+        return await post(idx, path, payload, count)
 
     engine._post_generate = counted
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
@@ -188,12 +200,12 @@ def test_batch_requests_go_to_one_server_and_resume_across_an_update(servers, mo
         engine.destroy()
 
 
-def test_generations_aborted_by_our_pause_wait_for_the_resume(servers, model_path: str) -> None:
+def test_generations_aborted_by_our_pause_wait_for_the_resume(servers, kind: str, model_path: str) -> None:
     """While this client keeps the servers paused, the generations the pause aborted wait in the
     client instead of queueing again on the paused servers (where they would delay the weight
     update); after the resume they run to the end, scored right."""
     _, addresses = servers
-    engine = client(addresses)
+    engine = client(addresses, kind)
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     try:
         reset_weights(engine, model_path)
@@ -219,9 +231,9 @@ def test_generations_aborted_by_our_pause_wait_for_the_resume(servers, model_pat
         engine.destroy()
 
 
-def test_weight_updates_from_torchrun_fsdp_trainer(servers, model_path: str, tmp_path) -> None:
+def test_weight_updates_from_torchrun_fsdp_trainer(servers, kind: str, model_path: str, tmp_path) -> None:
     _, addresses = servers
-    engine = client(addresses)
+    engine = client(addresses, kind)
     try:
         reset_weights(engine, model_path)
     finally:
@@ -229,7 +241,7 @@ def test_weight_updates_from_torchrun_fsdp_trainer(servers, model_path: str, tmp
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
-        str(TRAINER), model_path, ",".join(addresses), str(tmp_path),
+        str(TRAINER), model_path, ",".join(addresses), str(tmp_path), kind,
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -248,10 +260,9 @@ def test_weight_updates_from_torchrun_fsdp_trainer(servers, model_path: str, tmp
     assert report["broadcast"]["versions"] == [2] and report["broadcast"]["max_err"] < 1e-4
 
 
-def test_timed_out_request_moves_to_another_server(servers, model_path: str) -> None:
+def test_timed_out_request_moves_to_another_server(servers, kind: str, model_path: str) -> None:
     _, addresses = servers
-    engine = RemoteSGLangEngine(InferenceEngineConfig(addresses=addresses, request_timeout=2.0, setup_timeout=60))
-    engine.initialize()
+    engine = client(addresses, kind, request_timeout=2.0)
 
     try:
         reset_weights(engine, model_path)
@@ -275,9 +286,9 @@ def test_timed_out_request_moves_to_another_server(servers, model_path: str) -> 
         engine.destroy()
 
 
-def test_server_killed_mid_run_loses_no_request(servers, model_path: str) -> None:
+def test_server_killed_mid_run_loses_no_request(servers, kind: str, model_path: str) -> None:
     procs, addresses = servers
-    engine = client(addresses)
+    engine = client(addresses, kind)
     try:
         reqs = [
             ModelRequest(input_ids=[4, 5 + i], gconfig=GenerationConfig(max_new_tokens=150, ignore_eos=True))
@@ -313,12 +324,12 @@ def test_server_killed_mid_run_loses_no_request(servers, model_path: str) -> Non
         engine.destroy()
 
 
-def test_weight_update_group_formed_again_without_a_dead_server(model_path: str, tmp_path) -> None:
+def test_weight_update_group_formed_again_without_a_dead_server(kind: str, model_path: str, tmp_path) -> None:
     """Distributed updates after a server died: the client, which has sent nothing since, tells by
     a connection probe that the group lost a member; the group formed again holds the survivor
     only, and a broadcast through it reaches the survivor's model."""
     procs, addresses = start_servers(model_path, 2)  # its own: one of them is killed
-    engine = client(addresses)
+    engine = client(addresses, kind)
     try:
         meta = WeightUpdateMeta(type="distributed", backend="gloo")
 

@@ -1,6 +1,7 @@
-"""Our SGLang-protocol server, over real HTTP on 127.0.0.1: generation with log-probabilities equal
-to a HF forward, the info and control endpoints, weight updates from disk and by gloo broadcast,
-pause / abort semantics, the API key, and a 400 (then normal service) for each kind of bad input."""
+"""Our server, over real HTTP on 127.0.0.1: generation with log-probabilities equal to a HF forward,
+the info and control endpoints, weight updates from disk and by gloo broadcast, pause / abort
+semantics, the API key, and a 400 (then normal service) for each kind of bad input on the SGLang,
+OpenAI and vLLM routes (tests/test_openai_api.py drives the OpenAI routes with the SDK)."""
 
 from __future__ import annotations
 
@@ -165,6 +166,52 @@ BAD_INPUTS = [
     ),
     ("/pause_generation", {"mode": "sideways"}, "mode"),
     ("/update_weight_version", {"new_version": "v-two"}, "integers"),
+    # The OpenAI-compatible routes.
+    ("/v1/chat/completions", b'{"messages": [', "malformed JSON"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text parts"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "4"}, "integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 7}, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "x"}]}, "tools"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [], "tool_choice": "required"},
+        "tool_choice",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "boolean"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": {}}, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi" * CONTEXT}]}, "context length"),
+    ("/v1/completions", {"max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+    ("/v1/completions", {"prompt": [10**7]}, "token ids"),
+    ("/v1/completions", {"prompt": [1, 2], "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": [1, 2], "stop": 5}, "stop"),
+    ("/v1/completions", {"prompt": [1, 2], "stop_token_ids": ["x"]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [1, 2], "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": [1, 2], "response_format": {"type": "json_object"}}, "response_format"),
+    # vLLM's control routes and our worker extension's calls.
+    ("/pause?mode=wait", {}, "mode"),
+    ("/collective_rpc", {"method": "execute_model", "args": []}, "method"),
+    ("/collective_rpc", {"method": "areal_load_weights_from_disk", "args": [{"model_path": "/x"}]}, "JSON object"),
+    ("/collective_rpc", {"method": "areal_load_weights_from_disk", "args": ['{"model_path": "/nonexistent"}']}, "safetensors"),
+    (
+        "/collective_rpc",
+        {"method": "areal_receive_weights", "args": ['{"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]]}']},
+        "shape",
+    ),
+    (
+        "/collective_rpc",
+        {"method": "areal_join_weight_update_group",
+         "args": ['{"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 3, "world_size": 2}']},
+        "rank_offset",
+    ),
 ]
 
 
@@ -177,6 +224,8 @@ def test_bad_input_is_400_and_server_keeps_serving(server: str, path: str, body:
     assert message.lower() in text.lower()
     status, ok = run(call(server, "/generate", {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}}))
     assert status == 200 and len(ok["output_ids"]) <= 2
+    status, ok = run(call(server, "/v1/completions", {"prompt": [3, 4], "max_tokens": 2}))
+    assert status == 200 and len(ok["choices"]) == 1
 
 
 async def wait_running(url: str, task: asyncio.Future) -> None:

@@ -415,10 +415,11 @@ class SlurmConfig:
 class LauncherConfig:
     """How `areal_lite.launcher.local` starts servers and trainers."""
 
-    backend: str = field(default="local", metadata=one_of("local", "areal", "sglang"))
-    """Rollout backend: local (embedded in the trainer), areal (our server) or sglang."""
+    backend: str = field(default="local", metadata=one_of("local", "areal", "sglang", "vllm"))
+    """Rollout backend: local (embedded in the trainer), areal (our server), sglang or vllm
+    (``vllm serve`` with our weight-update worker extension)."""
     n_servers: int = 1
-    """Rollout servers to start (areal, sglang)."""
+    """Rollout servers to start (areal, sglang, vllm)."""
     trainer_nproc: int = 1
     """Trainer processes per node (torchrun --nproc-per-node)."""
     server_args: list[str] = field(default_factory=list)
@@ -434,7 +435,8 @@ class LauncherConfig:
     server_host: str = "127.0.0.1"
     """Address the servers bind to and the trainer connects to."""
     server_tp_size: int = 1
-    """GPUs per server (SGLang ``--tp-size``); servers take consecutive GPUs from 0."""
+    """GPUs per server (SGLang ``--tp-size``, vLLM ``--tensor-parallel-size``); servers take
+    consecutive GPUs from 0."""
     server_startup_timeout: float = 300.0
     """Seconds to wait for every server to answer ``GET /health`` with 200."""
     trainer_nnodes: int = 1

@@ -1,7 +1,9 @@
-"""The client of a fleet of SGLang-protocol servers (real SGLang on GPU nodes, or ours on CPU).
+"""Clients of a fleet of generation servers: `RemoteEngine`, what every client shares, and
+`RemoteSGLangEngine`, the client of SGLang-protocol servers (real SGLang on GPU nodes, or ours on
+CPU). `RemoteVLLMEngine` (`areal_lite.engines.vllm`) is the other protocol on the same base.
 
 Generation: one async HTTP request per `agenerate` call (docs/protocol.md, ``/generate`` with
-``input_ids``), over pooled connections; `agenerate_batch` (a GRPO group) sends its requests as
+``input_ids`` for SGLang), over pooled connections; `agenerate_batch` (a GRPO group) sends its requests as
 one batch request to one server, which saves most of the per-request cost on both sides. The
 servers, the HTTP session and its event loop, routing and which servers are alive are the
 `ServerFleet`'s (`areal_lite.engines.server_fleet`); this module is what the calls mean. A
@@ -15,7 +17,9 @@ connections is dead: it gets no more generation or control calls, and the rest o
 carries on (a distributed weight update cannot: its process group counted the dead server).
 
 A stop string that straddles two parts of a resumed generation is not seen (each part is checked
-on its own), as with SGLang-based AReaL.
+on its own), as with SGLang-based AReaL. While this client keeps the servers paused, new
+generations wait in the client too: every call is sent while the weights it will run on are
+current, which is what tags the tokens of a server that reports no versions (vLLM).
 
 Control: pause / resume, weight updates (disk or distributed) and version updates fan out to every
 server; weight updates pause generation around them unless the caller already did. A client built
@@ -23,10 +27,14 @@ with ``control_servers=False`` generates only: its pause, resume and version cha
 with its own requests (aborted generations wait for the resume; tokens a server does not tag get
 its version), while another client of the same servers (the trainer's) controls them. The
 rollout controller's episode child uses one.
+
+A subclass says how its protocol spells each of these: the generation call and its answer, the
+pause and resume calls, the weight-update and version calls.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import time
@@ -37,7 +45,7 @@ import aiohttp
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import InferenceEngine
-from areal_lite.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
+from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdateMeta
 from areal_lite.engines.server_fleet import ServerError, ServerFleet
 from areal_lite.utils.cpu import check_cores
 from areal_lite.utils.gc_freeze import freeze_startup_objects
@@ -53,6 +61,18 @@ def _parse_version(value: object, fallback: int) -> int:
 
 
 @dataclass
+class Answer:
+    """One generation answer of a server, whatever its protocol."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int] | None
+    """The version of each output token, when the server reports it."""
+    finish: str
+    """``length``, ``stop`` or ``abort`` (a pause ended it: resume)."""
+
+
+@dataclass
 class _Partial:
     """What a generation has produced so far, across resumptions and retries."""
 
@@ -62,20 +82,20 @@ class _Partial:
     versions: list[int] = field(default_factory=list)
     ttft: float = 0.0
 
-    def absorb(self, data: dict[str, object], fallback_version: int) -> str:
-        """Append one ``/generate`` answer; returns its finish reason (``abort`` = resume)."""
-        meta = data["meta_info"]
-        assert isinstance(meta, dict)
-        new_ids = list(data["output_ids"])  # type: ignore[call-overload]
-        if new_ids and not self.out_ids:
+    def absorb(self, answer: Answer, sent_version: int) -> str:
+        """Append one answer to a call sent while ``sent_version`` was current (the version of
+        tokens the server does not tag); returns its finish reason (``abort`` = resume)."""
+        if len(answer.logprobs) != len(answer.output_ids):
+            raise RuntimeError(f"{len(answer.output_ids)} tokens came with {len(answer.logprobs)} log-probabilities")
+        if answer.output_ids and not self.out_ids:
             self.ttft = time.monotonic() - self.t0
-        self.out_ids += new_ids
-        self.logprobs += [float(x[0]) for x in meta["output_token_logprobs"]]
-        server_versions = meta.get("output_token_versions")
-        if server_versions is None or len(server_versions) != len(new_ids):
-            server_versions = [_parse_version(meta.get("weight_version"), fallback_version)] * len(new_ids)
-        self.versions += [int(v) for v in server_versions]
-        return meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
+        self.out_ids += answer.output_ids
+        self.logprobs += answer.logprobs
+        versions = answer.versions
+        if versions is None or len(versions) != len(answer.output_ids):
+            versions = [sent_version] * len(answer.output_ids)
+        self.versions += versions
+        return answer.finish
 
     def response(self, req: ModelRequest, stop_reason: str) -> ModelResponse:
         return ModelResponse(
@@ -90,14 +110,14 @@ class _Partial:
         )
 
 
-class RemoteSGLangEngine(InferenceEngine):
+class RemoteEngine(InferenceEngine, abc.ABC):
     """`InferenceEngine` over HTTP servers listed in ``config.addresses`` (``host:port``); with
     ``control_servers=False`` a client that generates but never pauses, updates or re-versions
-    the servers (another client does)."""
+    the servers (another client does). Subclasses implement one protocol's calls."""
 
     def __init__(self, config: InferenceEngineConfig, control_servers: bool = True) -> None:
         if not config.addresses:
-            raise ValueError("RemoteSGLangEngine needs at least one server address (config.addresses)")
+            raise ValueError(f"{type(self).__name__} needs at least one server address (config.addresses)")
         check_cores(config.client_cores, "rollout.client_cores")
         self.config = config
         self.fleet = ServerFleet(config)
@@ -107,10 +127,49 @@ class RemoteSGLangEngine(InferenceEngine):
         self._group_members: list[int] = []
         """The servers in the weight-update group (distributed updates), as ranks 1, 2, ..."""
         self._resumed = asyncio.Event()
-        """Clear while this client is paused: generations aborted by the pause wait for it before
-        they resume, instead of queueing on a paused server during the update. Used on the
+        """Clear while this client is paused: generations aborted by the pause, and new ones,
+        wait for it instead of queueing on a paused server during the update. Used on the
         fleet's loop only."""
         self._resumed.set()
+
+    # ----- the protocol ---------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _generate_call(self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int) -> tuple[str, dict[str, object]]:
+        """(path, payload) of one generation call for ``prompts`` (one, or a batch of several)
+        that have each produced ``produced`` of ``g``'s tokens so far."""
+
+    @abc.abstractmethod
+    def _answers(self, data: object, count: int) -> list[Answer]:
+        """The ``count`` answers of a generation call, in the order of its prompts."""
+
+    @abc.abstractmethod
+    async def _pause_call(self) -> None:
+        """Pause every live server (``config.pause_mode``)."""
+
+    @abc.abstractmethod
+    async def _resume_call(self) -> None:
+        """Resume every live server."""
+
+    @abc.abstractmethod
+    async def _join_group_call(self, payloads: list[dict[str, object]]) -> None:
+        """Each live server joins the weight-update group (``payloads[i]``: server i's place in it)."""
+
+    @abc.abstractmethod
+    async def _leave_group_call(self, group_name: str) -> None:
+        """Every live server leaves the weight-update group."""
+
+    @abc.abstractmethod
+    async def _load_from_disk_call(self, meta: WeightUpdateMeta) -> None:
+        """Every live server loads the weights in ``meta.path``."""
+
+    @abc.abstractmethod
+    async def _receive_broadcast_call(self, meta: WeightUpdateMeta) -> None:
+        """Every server of the group receives ``meta.param_specs`` by broadcast; answers once loaded."""
+
+    @abc.abstractmethod
+    async def _version_call(self, version: int) -> None:
+        """Tell every live server the version of later tokens (a no-op where they are not told)."""
 
     # ----- lifecycle -----------------------------------------------------------------------
 
@@ -123,6 +182,7 @@ class RemoteSGLangEngine(InferenceEngine):
     def destroy(self) -> None:
         self.fleet.stop()
         self._resumed = asyncio.Event()  # a new loop would not take one bound to the old
+        self._resumed.set()
 
     # ----- generation ----------------------------------------------------------------------
 
@@ -135,46 +195,33 @@ class RemoteSGLangEngine(InferenceEngine):
             return await super().agenerate_batch(reqs)
         return await asyncio.wrap_future(self.fleet.call(self._generate_batch(reqs)))
 
-    def _payload(self, req: ModelRequest, part: _Partial) -> dict[str, object]:
-        g = req.gconfig
-        params = g.to_sglang()
-        params["max_new_tokens"] = g.max_new_tokens - len(part.out_ids)
-        params["min_new_tokens"] = max(0, g.min_new_tokens - len(part.out_ids))
-        return {
-            "input_ids": list(req.input_ids) + part.out_ids,
-            "sampling_params": params,
-            "return_logprob": True,
-            "rid": req.rid,
-        }
+    def _call_for(self, reqs: list[ModelRequest], parts: list[_Partial]) -> tuple[str, dict[str, object]]:
+        prompts = [list(r.input_ids) + p.out_ids for r, p in zip(reqs, parts)]
+        return self._generate_call(prompts, [r.rid for r in reqs], reqs[0].gconfig, len(parts[0].out_ids))
 
     async def _generate_batch(
         self, reqs: list[ModelRequest], parts: list[_Partial] | None = None
     ) -> list[ModelResponse]:
-        """One batch ``/generate`` call to one server (SGLang's list forms of ``input_ids`` and
-        ``rid``) for requests with the same remaining token budget. Requests that come back
-        aborted continue after the resume, again as batch calls (one per remaining budget: the
-        call has one ``sampling_params``), so that a pause in asynchronous RL, which aborts every
-        group in flight, is not followed by one call per sample. If a call fails, its requests are
-        retried one by one in `_generate`, from what they had produced before it."""
+        """One batch call to one server for requests with the same remaining token budget.
+        Requests that come back aborted continue after the resume, again as batch calls (one per
+        remaining budget: the call has one set of sampling parameters), so that a pause in
+        asynchronous RL, which aborts every group in flight, is not followed by one call per
+        sample. If a call fails, its requests are retried one by one in `_generate`, from what
+        they had produced before it."""
         if len(reqs) == 1 and parts is not None:
             return [await self._generate(reqs[0], parts[0])]
         parts = parts or [_Partial() for _ in reqs]
-        payloads = [self._payload(r, p) for r, p in zip(reqs, parts)]
-        payload = {
-            "input_ids": [p["input_ids"] for p in payloads],
-            "sampling_params": payloads[0]["sampling_params"],
-            "return_logprob": True,
-            "rid": [r.rid for r in reqs],
-        }
+        await self._until_resumed()
+        sent_version = self._version
+        path, payload = self._call_for(reqs, parts)
         idx = self.fleet.choose(reqs[0].rid, set(), also=tuple(r.rid for r in reqs[1:]))
-        data, error = await self._post_generate(idx, payload, count=len(reqs))
+        data, error = await self._post_generate(idx, path, payload, count=len(reqs))
         if error is not None:
             return list(await asyncio.gather(*(self._generate(r, p) for r, p in zip(reqs, parts))))
-        assert isinstance(data, list) and len(data) == len(reqs), "a batch request answers one result per prompt"
         out: list[ModelResponse | None] = [None] * len(reqs)
         by_budget: dict[int, list[int]] = {}  # aborted requests by tokens produced so far
-        for i, (req, part, answer) in enumerate(zip(reqs, parts, data)):
-            reason = part.absorb(answer, self._version)
+        for i, (req, part, answer) in enumerate(zip(reqs, parts, self._answers(data, len(reqs)))):
+            reason = part.absorb(answer, sent_version)
             if reason != "abort":
                 out[i] = part.response(req, reason)
             elif len(part.out_ids) >= req.gconfig.max_new_tokens:
@@ -182,7 +229,6 @@ class RemoteSGLangEngine(InferenceEngine):
             else:
                 by_budget.setdefault(len(part.out_ids), []).append(i)
         if by_budget:
-            await self._until_resumed()
             groups = list(by_budget.values())
             resumed = await asyncio.gather(
                 *(self._generate_batch([reqs[i] for i in g], [parts[i] for i in g]) for g in groups)
@@ -194,15 +240,15 @@ class RemoteSGLangEngine(InferenceEngine):
         return out  # type: ignore[return-value]
 
     async def _post_generate(
-        self, idx: int, payload: dict[str, object], count: int = 1
+        self, idx: int, path: str, payload: dict[str, object], count: int = 1
     ) -> tuple[object, BaseException | None]:
-        """One ``/generate`` call to server ``idx`` (which `_choose` charged ``count`` requests):
-        its answer, or the transport / server error it failed with (logged; a server refusing
-        connections is marked dead). A 4xx answer is raised: no other server would take it."""
+        """One generation call to server ``idx`` (which `ServerFleet.choose` charged ``count``
+        requests): its answer, or the transport / server error it failed with (logged; a server
+        refusing connections is marked dead). A 4xx answer is raised: no other server would take it."""
         error: BaseException | None = None
         data: object = None
         try:
-            data = await self.fleet.request(idx, "/generate", payload, self.config.request_timeout)
+            data = await self.fleet.request(idx, path, payload, self.config.request_timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, ServerError) as e:
             if isinstance(e, ServerError) and e.status < 500:
                 raise  # the request itself is bad
@@ -229,8 +275,11 @@ class RemoteSGLangEngine(InferenceEngine):
         while True:
             if len(part.out_ids) >= req.gconfig.max_new_tokens:
                 return part.response(req, "length")
+            # Also after an abort by our pause: resume as prompt + generated once it ends.
+            await self._until_resumed()
+            sent_version = self._version
             idx = self.fleet.choose(req.rid, failed_on)
-            data, error = await self._post_generate(idx, self._payload(req, part))
+            data, error = await self._post_generate(idx, *self._call_for([req], [part]))
             if error is not None:
                 failures += 1
                 failed_on.add(idx)
@@ -239,12 +288,9 @@ class RemoteSGLangEngine(InferenceEngine):
                 if failures >= self.config.request_retries:
                     raise RuntimeError(f"request {req.rid} failed {failures} times; last error: {error}") from error
                 continue
-            assert isinstance(data, dict)
-            reason = part.absorb(data, self._version)
+            reason = part.absorb(self._answers(data, 1)[0], sent_version)
             if reason != "abort":
                 return part.response(req, reason)
-            # Aborted by a pause for a weight update: resume as prompt + generated.
-            await self._until_resumed()
 
     async def _until_resumed(self) -> None:
         """Wait while this client keeps the servers paused (a no-op when the pause was not ours)."""
@@ -255,7 +301,7 @@ class RemoteSGLangEngine(InferenceEngine):
         if not self.control_servers:
             return
         try:
-            await self.fleet.fanout("/pause_generation", {"mode": self.config.pause_mode})
+            await self._pause_call()
         except BaseException:
             self._resumed.set()
             raise
@@ -263,7 +309,7 @@ class RemoteSGLangEngine(InferenceEngine):
     async def _resume_servers(self) -> None:
         try:
             if self.control_servers:
-                await self.fleet.fanout("/continue_generation", {})
+                await self._resume_call()
         finally:
             self._resumed.set()
 
@@ -292,8 +338,8 @@ class RemoteSGLangEngine(InferenceEngine):
 
         async def join() -> None:
             if regroup:
-                await self.fleet.fanout_checked("/destroy_weights_update_group", {"group_name": meta.group_name})
-            await self.fleet.fanout_checked("/init_weights_update_group", payloads)
+                await self._leave_group_call(meta.group_name)
+            await self._join_group_call(payloads)
 
         return self.fleet.call(join())
 
@@ -304,9 +350,7 @@ class RemoteSGLangEngine(InferenceEngine):
         return bool(self.fleet.call(self.fleet.all_accept_connections(self._group_members)).result())
 
     def destroy_weights_update_group(self, meta: WeightUpdateMeta) -> None:
-        self.fleet.call(
-            self.fleet.fanout_checked("/destroy_weights_update_group", {"group_name": meta.group_name})
-        ).result()
+        self.fleet.call(self._leave_group_call(meta.group_name)).result()
 
     def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
         if not self.control_servers:
@@ -320,33 +364,10 @@ class RemoteSGLangEngine(InferenceEngine):
         if pause_here:
             await self._pause_servers()
         try:
-            version = str(meta.version) if meta.version is not None else None
             if meta.type == "disk":
-                await self.fleet.fanout_checked(
-                    "/update_weights_from_disk",
-                    {
-                        "model_path": meta.path,
-                        "weight_version": version,
-                        "abort_all_requests": False,
-                        "flush_cache": True,
-                    },
-                )
+                await self._load_from_disk_call(meta)
             else:
-                session = await self.fleet.optional_fanout("/begin_weight_update", {"selector": "all"})
-                await self.fleet.fanout_checked(
-                    "/update_weights_from_distributed",
-                    {
-                        "names": [s.name for s in meta.param_specs],
-                        "dtypes": [s.dtype for s in meta.param_specs],
-                        "shapes": [list(s.shape) for s in meta.param_specs],
-                        "group_name": meta.group_name,
-                        "weight_version": version,
-                        "flush_cache": True,
-                        "abort_all_requests": False,
-                    },
-                )
-                if session:
-                    await self.fleet.fanout("/end_weight_update", {})
+                await self._receive_broadcast_call(meta)
             if meta.version is not None:
                 self._version = meta.version
         finally:
@@ -355,23 +376,100 @@ class RemoteSGLangEngine(InferenceEngine):
 
     def set_version(self, version: int) -> None:
         """Tag tokens generated from now on with ``version`` (on every server too, when this
-        client controls them)."""
+        client controls them and the protocol tells servers versions)."""
         self._version = version
         if self.control_servers:
-            self.fleet.call(
-                self.fleet.fanout("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
-            ).result()
+            self.fleet.call(self._version_call(version)).result()
 
     def get_version(self) -> int:
         return self._version
 
     def pause(self) -> None:
         """Pause every server (running generations are aborted and resumed after `resume`, or
-        frozen, per ``config.pause_mode``); generations of this client that come back aborted
-        wait for the resume."""
+        frozen, per ``config.pause_mode``); generations of this client that come back aborted,
+        and new ones, wait for the resume."""
         self.fleet.call(self._pause_servers()).result()
         self._paused = True
 
     def resume(self) -> None:
         self.fleet.call(self._resume_servers()).result()
         self._paused = False
+
+
+def _sglang_answer(data: object) -> Answer:
+    assert isinstance(data, dict), f"a /generate answer is an object, got {type(data).__name__}"
+    meta = data["meta_info"]
+    versions = meta.get("output_token_versions")
+    if versions is None:  # SGLang: one version for the answer, when it is an integer
+        v = _parse_version(meta.get("weight_version"), -1)
+        versions = None if v < 0 else [v] * len(data["output_ids"])
+    return Answer(
+        output_ids=list(data["output_ids"]),
+        logprobs=[float(x[0]) for x in meta["output_token_logprobs"]],
+        versions=None if versions is None else [int(v) for v in versions],
+        finish=meta["finish_reason"]["type"] if meta.get("finish_reason") else "length",
+    )
+
+
+class RemoteSGLangEngine(RemoteEngine):
+    """The client of SGLang-protocol servers (docs/protocol.md): SGLang itself, or ours."""
+
+    def _generate_call(self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int) -> tuple[str, dict[str, object]]:
+        params = g.to_sglang()
+        params["max_new_tokens"] = g.max_new_tokens - produced
+        params["min_new_tokens"] = max(0, g.min_new_tokens - produced)
+        batch = len(prompts) > 1  # SGLang's list forms of input_ids and rid
+        return "/generate", {
+            "input_ids": prompts if batch else prompts[0],
+            "sampling_params": params,
+            "return_logprob": True,
+            "rid": rids if batch else rids[0],
+        }
+
+    def _answers(self, data: object, count: int) -> list[Answer]:
+        answers = data if count > 1 else [data]
+        assert isinstance(answers, list) and len(answers) == count, "a batch request answers one result per prompt"
+        return [_sglang_answer(a) for a in answers]
+
+    async def _pause_call(self) -> None:
+        await self.fleet.fanout("/pause_generation", {"mode": self.config.pause_mode})
+
+    async def _resume_call(self) -> None:
+        await self.fleet.fanout("/continue_generation", {})
+
+    async def _join_group_call(self, payloads: list[dict[str, object]]) -> None:
+        await self.fleet.fanout_checked("/init_weights_update_group", payloads)
+
+    async def _leave_group_call(self, group_name: str) -> None:
+        await self.fleet.fanout_checked("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def _load_from_disk_call(self, meta: WeightUpdateMeta) -> None:
+        await self.fleet.fanout_checked(
+            "/update_weights_from_disk",
+            {
+                "model_path": meta.path,
+                "weight_version": None if meta.version is None else str(meta.version),
+                "abort_all_requests": False,
+                "flush_cache": True,
+            },
+        )
+
+    async def _receive_broadcast_call(self, meta: WeightUpdateMeta) -> None:
+        session = await self.fleet.optional_fanout("/begin_weight_update", {"selector": "all"})
+        await self.fleet.fanout_checked(
+            "/update_weights_from_distributed",
+            {
+                "names": [s.name for s in meta.param_specs],
+                "dtypes": [s.dtype for s in meta.param_specs],
+                "shapes": [list(s.shape) for s in meta.param_specs],
+                "group_name": meta.group_name,
+                "weight_version": None if meta.version is None else str(meta.version),
+                "flush_cache": True,
+                "abort_all_requests": False,
+            },
+        )
+        if session:
+            await self.fleet.fanout("/end_weight_update", {})
+
+    async def _version_call(self, version: int) -> None:
+        await self.fleet.fanout("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})

@@ -1,11 +1,14 @@
-"""An HTTP server over the embedded engine that answers like an SGLang server (docs/protocol.md).
+"""An HTTP server over the embedded engine that answers like an SGLang server, and like vLLM's
+OpenAI server too (docs/protocol.md).
 
     python -m areal_lite.engines.server --model-path DIR [--host 127.0.0.1] [--port 30000] [--api-key K]
 
-It exists so that `RemoteSGLangEngine` is tested against a real HTTP server on machines where
-SGLang cannot run, and so that CPU deployments get rollout servers with no extra dependency. Same
-endpoints, payloads, status codes and error shapes as SGLang for what areal-lite uses; bad input
-is a 400 with ``{"error": {"message": ...}}`` and the server keeps serving.
+It exists so that `RemoteSGLangEngine` and `RemoteVLLMEngine` are tested against a real HTTP server
+on machines where SGLang and vLLM cannot run, and so that CPU deployments get rollout servers with
+no extra dependency. Same endpoints, payloads, status codes and error shapes as SGLang for what
+areal-lite uses; the OpenAI-compatible routes (`areal_lite.engines.openai_api`) and vLLM's RL
+control routes (`areal_lite.engines.vllm_routes`) are registered here too. Bad input is a 400
+with ``{"error": {"message": ...}}`` and the server keeps serving.
 
 Deliberate differences from SGLang: weight versions are integers (as strings on the wire, "0" at
 start); ``meta_info`` carries one extra key, ``output_token_versions`` (the version of each output
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import uuid
 from dataclasses import dataclass
@@ -27,8 +29,19 @@ from aiohttp import web
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
+from areal_lite.engines.openai_api import OpenAIRoutes
 from areal_lite.engines.request import GenerationResult, SamplingParams
 from areal_lite.engines.scheduler import Scheduler
+from areal_lite.engines.server_common import (
+    BadRequest,
+    bool_field,
+    error_response,
+    float_field,
+    int_field,
+    output_text,
+    read_json,
+)
+from areal_lite.engines.vllm_routes import VLLMRoutes
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger("areal_lite.server")
@@ -76,41 +89,6 @@ UNSUPPORTED_SAMPLING = (
 """Keys this server accepts only at their default (no-op) value."""
 
 
-class BadRequest(ValueError):
-    """Invalid client input: answered with HTTP 400."""
-
-
-def error_response(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
-
-
-def _int(d: dict[str, object], key: str, default: int) -> int:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest(f"{key} must be an integer, got {v!r}")
-    return v
-
-
-def _float(d: dict[str, object], key: str, default: float) -> float:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise BadRequest(f"{key} must be a number, got {v!r}")
-    return float(v)
-
-
-def _bool(d: dict[str, object], key: str, default: bool) -> bool:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise BadRequest(f"{key} must be a boolean, got {v!r}")
-    return v
-
-
 def parse_sampling_params(raw: object) -> tuple[SamplingParams, int, bool, bool]:
     """``sampling_params`` -> (params, n, skip_special_tokens, no_stop_trim). Raises BadRequest."""
     if raw is None:
@@ -131,23 +109,23 @@ def parse_sampling_params(raw: object) -> tuple[SamplingParams, int, bool, bool]
     stop_ids = raw.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise BadRequest("stop_token_ids must be a list of integers")
-    n = _int(raw, "n", 1)
+    n = int_field(raw, "n", 1)
     if n < 1:
         raise BadRequest(f"n must be >= 1, got {n}")
     try:
         params = SamplingParams(
-            max_new_tokens=_int(raw, "max_new_tokens", 128),
-            min_new_tokens=_int(raw, "min_new_tokens", 0),
-            temperature=_float(raw, "temperature", 1.0),
-            top_p=_float(raw, "top_p", 1.0),
-            top_k=_int(raw, "top_k", -1),
+            max_new_tokens=int_field(raw, "max_new_tokens", 128),
+            min_new_tokens=int_field(raw, "min_new_tokens", 0),
+            temperature=float_field(raw, "temperature", 1.0),
+            top_p=float_field(raw, "top_p", 1.0),
+            top_k=int_field(raw, "top_k", -1),
             stop=list(stop),
             stop_token_ids=list(stop_ids),
-            ignore_eos=_bool(raw, "ignore_eos", False),
+            ignore_eos=bool_field(raw, "ignore_eos", False),
         )
     except ValueError as e:
         raise BadRequest(str(e)) from e
-    return params, n, _bool(raw, "skip_special_tokens", True), _bool(raw, "no_stop_trim", False)
+    return params, n, bool_field(raw, "skip_special_tokens", True), bool_field(raw, "no_stop_trim", False)
 
 
 @dataclass
@@ -199,6 +177,8 @@ class Server:
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
+        OpenAIRoutes(self.scheduler, self.args.model_path).register(r)
+        VLLMRoutes(self.scheduler, self.args.device).register(r)
         return app
 
     @web.middleware
@@ -217,24 +197,12 @@ class Server:
         try:
             return await handler(request)
         except BadRequest as e:
-            return error_response(str(e))
+            return error_response(str(e), e.status)
         except web.HTTPException:
             raise
         except Exception as e:  # one bad request must not take the server down
             logger.exception("request to %s failed", request.path)
             return error_response(f"internal error: {e}", status=500)
-
-    async def _body(self, request: web.Request) -> dict[str, object]:
-        raw = await request.read()
-        if not raw.strip():
-            return {}
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"malformed JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-        return body
 
     def _version_int(self, value: object) -> int:
         try:
@@ -256,10 +224,10 @@ class Server:
     # ----- generation ----------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await read_json(request)
         if body.get("stream"):
             raise BadRequest("stream is not supported by the areal-lite server")
-        if _int(body, "top_logprobs_num", 0) != 0:
+        if int_field(body, "top_logprobs_num", 0) != 0:
             raise BadRequest("top_logprobs_num is not supported by the areal-lite server")
         has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
         if has_text == has_ids:
@@ -267,8 +235,8 @@ class Server:
         prompts = self._prompts(body)
         is_batch = isinstance(body["text"], list) if has_text else isinstance(body["input_ids"][0], list)  # type: ignore[index]
         params, n, skip_special, no_stop_trim = parse_sampling_params(body.get("sampling_params"))
-        return_logprob = _bool(body, "return_logprob", False)
-        start_len = _int(body, "logprob_start_len", -1)
+        return_logprob = bool_field(body, "return_logprob", False)
+        start_len = int_field(body, "logprob_start_len", -1)
         rids = body.get("rid")
         if rids is None:
             rids = [uuid.uuid4().hex for _ in prompts] if is_batch else uuid.uuid4().hex
@@ -310,13 +278,7 @@ class Server:
     def _response(
         self, r: GenerationResult, return_logprob: bool, start_len: int, skip_special: bool, no_stop_trim: bool
     ) -> dict[str, object]:
-        text = ""
-        tok = self.scheduler.tokenizer
-        if tok is not None:
-            text = tok.decode(r.output_ids, skip_special_tokens=skip_special)
-            matched = r.finish_reason.get("matched")
-            if isinstance(matched, str) and not no_stop_trim and matched in text:
-                text = text[: text.index(matched)]
+        text = output_text(self.scheduler.tokenizer, r, skip_special, no_stop_trim)
         meta: dict[str, object] = {
             "id": r.rid,
             "prompt_tokens": len(r.input_ids),
@@ -337,17 +299,17 @@ class Server:
         return {"text": text, "output_ids": r.output_ids, "meta_info": meta}
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await read_json(request)
         rid = body.get("rid", "")
         if not isinstance(rid, str):
             raise BadRequest("rid must be a string")
-        abort_all = _bool(body, "abort_all", False)
+        abort_all = bool_field(body, "abort_all", False)
         if abort_all or rid:
             self.scheduler.abort(rid, abort_all=abort_all, message="aborted by /abort_request")
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await read_json(request)
         mode = body.get("mode", "abort")
         if mode not in ("abort", "in_place", "retract"):
             raise BadRequest(f"mode must be abort, in_place or retract, got {mode!r}")
@@ -355,7 +317,7 @@ class Server:
         return web.json_response({"message": "Generation paused."})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await self._body(request)
+        await read_json(request)
         self.scheduler.continue_generation()
         return web.json_response({"message": "Generation continued."})
 
@@ -389,18 +351,18 @@ class Server:
     # ----- weights -------------------------------------------------------------------------
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await read_json(request)
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             raise BadRequest("model_path must be a non-empty string")
-        if _bool(body, "abort_all_requests", False):
+        if bool_field(body, "abort_all_requests", False):
             self.scheduler.abort(abort_all=True, message="aborted for a weight update")
         version = body.get("weight_version")
         v = self._version_int(version) if version is not None else None
         return await self._weight_op(lambda: self.scheduler.load_weights_from_disk(path, v).result(), version)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await read_json(request)
         address = body.get("master_address")
         if not isinstance(address, str):
             raise BadRequest("master_address must be a string")
@@ -411,12 +373,12 @@ class Server:
         meta = WeightUpdateMeta(
             type="distributed",
             master_address=address,
-            master_port=_int(body, "master_port", 0),
-            world_size=_int(body, "world_size", 0),
+            master_port=int_field(body, "master_port", 0),
+            world_size=int_field(body, "world_size", 0),
             group_name=str(group_name),
             backend=str(backend),
         )
-        rank = _int(body, "rank_offset", 1)
+        rank = int_field(body, "rank_offset", 1)
         if not 0 < rank < meta.world_size:
             raise BadRequest(f"rank_offset {rank} must be in [1, world_size={meta.world_size})")
         try:
@@ -426,7 +388,7 @@ class Server:
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        await self._body(request)
+        await read_json(request)
         self.scheduler.destroy_weights_update_group()
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
@@ -434,15 +396,15 @@ class Server:
         """SGLang >= 0.5.21 brackets distributed updates with begin/end. Here each update call is
         applied between two decode steps on its own, so the session needs no state; both calls
         are accepted so that clients of either SGLang generation work."""
-        await self._body(request)
+        await read_json(request)
         return web.json_response({"success": True, "message": "Weight update session started."})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
-        await self._body(request)
+        await read_json(request)
         return web.json_response({"success": True, "message": "Weight update session ended."})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await read_json(request)
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not isinstance(names, list) or not isinstance(dtypes, list) or not isinstance(shapes, list):
             raise BadRequest("names, dtypes and shapes must be lists")
@@ -456,7 +418,7 @@ class Server:
             self.scheduler.check_param_specs(names, dtypes, shapes)
         except ValueError as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
-        if _bool(body, "abort_all_requests", False):
+        if bool_field(body, "abort_all_requests", False):
             self.scheduler.abort(abort_all=True, message="aborted for a weight update")
         version = body.get("weight_version")
         v = self._version_int(version) if version is not None else None
@@ -465,20 +427,20 @@ class Server:
         )
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await read_json(request)
         v = self._version_int(body.get("new_version"))
-        if _bool(body, "abort_all_requests", True):
+        if bool_field(body, "abort_all_requests", True):
             self.scheduler.abort(abort_all=True, message="aborted for a weight version update")
         self.scheduler.version = v
         self.weight_version = str(v)
         return web.json_response({"success": True, "message": f"Weight version updated to {v}."})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = dict(request.query) if request.method == "GET" else await self._body(request)
+        body = dict(request.query) if request.method == "GET" else await read_json(request)
         name = body.get("name")
         if not isinstance(name, str):
             raise BadRequest("name must be a string")
-        size = int(body.get("truncate_size", 100)) if request.method == "GET" else _int(body, "truncate_size", 100)
+        size = int(body.get("truncate_size", 100)) if request.method == "GET" else int_field(body, "truncate_size", 100)
         try:
             return web.json_response(self.scheduler.get_weights_by_name(name, size))
         except ValueError as e:

@@ -14,7 +14,10 @@ With ``launcher.prepare_overrides`` set, the script first runs once with those o
 (e.g. to build the model that the servers then load) and must exit 0 before anything else starts.
 With ``launcher.backend=local`` the script runs the embedded inference engine in-process: it is
 started directly (under torchrun when ``trainer_nproc > 1``). With ``areal`` (our
-`areal_lite.engines.server`) or ``sglang`` (SGLang's own server), ``n_servers`` servers are started
+`areal_lite.engines.server`), ``sglang`` (SGLang's own server) or ``vllm`` (``vllm serve`` in its
+RL mode, ``VLLM_SERVER_DEV_MODE=1``, with our weight-update worker extension
+`areal_lite.engines.vllm_worker.WeightUpdateExtension` and each server's GPUs in
+``CUDA_VISIBLE_DEVICES``), ``n_servers`` servers are started
 on free ports, the launcher waits until each answers ``GET /health`` with 200 (their addresses and
 pids go to ``output_dir/logs/servers.json``, their output to ``server<i>.log`` beside it), and the
 trainer runs under torchrun with the override ``rollout.addresses=[host:port, ...]``. The servers'
@@ -66,6 +69,10 @@ ENGINE_FLAGS = (
 """``local_engine`` keys and the flags of `areal_lite.engines.server` that take them."""
 TEARDOWN_GRACE_S = 10.0
 ATTEMPT_ENV = "AREAL_LITE_ATTEMPT"
+VLLM_WORKER_EXTENSION = "areal_lite.engines.vllm_worker.WeightUpdateExtension"
+"""What ``vllm serve --worker-extension-cls`` loads: the weight-update calls `RemoteVLLMEngine` makes."""
+GPU_BACKENDS = ("sglang", "vllm")
+"""Rollout backends whose servers run only on GPUs."""
 CONFIG_ERROR_EXIT = 78
 """Exit code of a launch stopped by a config error (sysexits' EX_CONFIG): it is never retried."""
 
@@ -199,11 +206,13 @@ def check_machine(plan: LaunchPlan) -> None:
     import torch
 
     cfg = plan.launcher
-    if cfg.backend == "sglang" and not torch.cuda.is_available():
-        raise ConfigError(f"launcher.backend=sglang needs GPUs and this machine has none; on CPU set {CPU_OVERRIDES}")
+    if cfg.backend in GPU_BACKENDS and not torch.cuda.is_available():
+        raise ConfigError(
+            f"launcher.backend={cfg.backend} needs GPUs and this machine has none; on CPU set {CPU_OVERRIDES}"
+        )
     flags = dict(zip(plan.engine_args[::2], plan.engine_args[1::2]))
     device = flags.get("--device", "cpu")
-    if cfg.backend != "sglang" and device.startswith("cuda") and not torch.cuda.is_available():
+    if cfg.backend not in GPU_BACKENDS and device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(
             f"local_engine.device={device} but this machine has no GPU; set local_engine.device=cpu "
             "local_engine.dtype=float32"
@@ -231,7 +240,7 @@ def run_reporting_config_errors(launch: Callable[[], int]) -> int:
 
 def server_command(plan: LaunchPlan, port: int, *, base_gpu_id: int = 0, host: str | None = None) -> list[str]:
     """The command line of a server listening on ``host:port`` (default ``launcher.server_host``),
-    using GPUs ``base_gpu_id ..`` (SGLang)."""
+    using GPUs ``base_gpu_id ..`` (SGLang, vLLM)."""
     cfg = plan.launcher
     common = ["--model-path", plan.model_path, "--host", host or cfg.server_host, "--port", str(port)]
     if cfg.backend == "areal":
@@ -240,6 +249,16 @@ def server_command(plan: LaunchPlan, port: int, *, base_gpu_id: int = 0, host: s
     if cfg.backend == "sglang":
         gpus = ["--tp-size", str(cfg.server_tp_size), "--base-gpu-id", str(base_gpu_id)]
         return [plan.python, "-m", "sglang.launch_server", *common, *gpus, *cfg.server_args]
+    if cfg.backend == "vllm":
+        # vLLM has no base GPU id: the server sees only its own GPUs. Its RL routes (/pause,
+        # /resume, /collective_rpc) need the dev mode.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(base_gpu_id + cfg.server_tp_size)]
+        env = ["env", "VLLM_SERVER_DEV_MODE=1", "CUDA_VISIBLE_DEVICES=" + ",".join(ids[base_gpu_id : base_gpu_id + cfg.server_tp_size])]
+        serve = ["-m", "vllm.entrypoints.cli.main", "serve", plan.model_path, *common[2:]]
+        extension = ["--tensor-parallel-size", str(cfg.server_tp_size), "--worker-extension-cls", VLLM_WORKER_EXTENSION,
+                     "--logprobs-mode", "raw_logprobs"]  # fmt: skip
+        return [*env, plan.python, *serve, *extension, *cfg.server_args]
     raise ValueError(f"launcher.backend={cfg.backend!r} starts no servers")
 
 
@@ -287,11 +306,11 @@ def trainer_command(plan: LaunchPlan, addresses: list[str], master_port: int, *,
 
 
 def trainer_gpus(launcher: LauncherConfig, visible: str | None) -> str | None:
-    """``CUDA_VISIBLE_DEVICES`` of the trainer when SGLang servers on this node hold the first
-    ``n_servers * server_tp_size`` GPUs (of ``visible``, the launcher's own list, when set): the
-    next ``trainer_nproc``, so that trainer ranks (``cuda:LOCAL_RANK``) do not share the servers'
-    GPUs. None for other backends (nothing to change)."""
-    if launcher.backend != "sglang":
+    """``CUDA_VISIBLE_DEVICES`` of the trainer when SGLang or vLLM servers on this node hold the
+    first ``n_servers * server_tp_size`` GPUs (of ``visible``, the launcher's own list, when set):
+    the next ``trainer_nproc``, so that trainer ranks (``cuda:LOCAL_RANK``) do not share the
+    servers' GPUs. None for other backends (nothing to change)."""
+    if launcher.backend not in GPU_BACKENDS:
         return None
     first = launcher.n_servers * launcher.server_tp_size
     ids = visible.split(",") if visible else [str(i) for i in range(first + launcher.trainer_nproc)]

@@ -1,6 +1,6 @@
 """A 2-rank FSDPEngine trainer (torchrun, gloo) that pushes its weights to rollout servers.
 
-Usage: ``torchrun --nproc-per-node 2 inference_trainer.py MODEL_DIR ADDR[,ADDR...] WORKDIR``
+Usage: ``torchrun --nproc-per-node 2 inference_trainer.py MODEL_DIR ADDR[,ADDR...] WORKDIR sglang|vllm``
 
 It trains one step, sends the weights by disk, and checks that the servers' log-probabilities of
 freshly generated tokens equal its own `forward`; then trains again, sends the weights by gloo
@@ -23,10 +23,12 @@ from areal_lite.api.config import InferenceEngineConfig, OptimizerConfig, TrainE
 from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, WeightUpdateMeta
 from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.remote import RemoteSGLangEngine
+from areal_lite.engines.remote import RemoteEngine, RemoteSGLangEngine
+from areal_lite.engines.vllm import RemoteVLLMEngine
 from areal_lite.utils.distributed import destroy_default_group
 
 MODEL, ADDRESSES, WORKDIR = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+CLIENT = {"sglang": RemoteSGLangEngine, "vllm": RemoteVLLMEngine}[sys.argv[4]]
 
 
 def nll(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -48,7 +50,7 @@ def train_step(engine: FSDPEngine, seed: int) -> None:
     engine.train_batch(batch[dist.get_rank() :: 2], nll, lambda mb: float(mb["loss_mask"].sum()))  # type: ignore[union-attr]
 
 
-def generate(rollout: RemoteSGLangEngine | None) -> list[tuple[list[int], list[int], list[float], list[int]]]:
+def generate(rollout: RemoteEngine | None) -> list[tuple[list[int], list[int], list[float], list[int]]]:
     """Rank 0 generates 8 samples through the servers; every rank gets them."""
     out: list[object] = [None]
     if rollout is not None:
@@ -63,7 +65,7 @@ def generate(rollout: RemoteSGLangEngine | None) -> list[tuple[list[int], list[i
     return out[0]  # type: ignore[return-value]
 
 
-def check(engine: FSDPEngine, rollout: RemoteSGLangEngine | None) -> dict[str, object]:
+def check(engine: FSDPEngine, rollout: RemoteEngine | None) -> dict[str, object]:
     samples = generate(rollout)
     width = max(len(p) + len(o) for p, o, _, _ in samples)
     ids = torch.zeros(len(samples), width, dtype=torch.long)
@@ -83,7 +85,7 @@ def main() -> None:
     rank = dist.get_rank()
     rollout = None
     if rank == 0:
-        rollout = RemoteSGLangEngine(InferenceEngineConfig(addresses=ADDRESSES, request_timeout=120, setup_timeout=120))
+        rollout = CLIENT(InferenceEngineConfig(addresses=ADDRESSES, request_timeout=120, setup_timeout=120))
         rollout.initialize()
     engine = FSDPEngine(TrainEngineConfig(path=MODEL, optimizer=OptimizerConfig(lr=1e-2)))
     engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=16, train_batch_size=4))
