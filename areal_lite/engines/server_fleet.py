@@ -26,11 +26,18 @@ from areal_lite.utils.cpu import pin_this_thread
 
 logger = logging.getLogger(__name__)
 
+DYING_SECONDS = 10.0
+"""How long a fan-out call keeps retrying a server whose connections drop but whose port still
+takes new ones (a killed process not gone yet) before the error is raised."""
 DOWN_SECONDS = 5.0
 """A server that failed a request gets no new requests for this long (unless all are down)."""
 STICKY_RIDS = 100_000
 """How many rid -> server assignments are remembered."""
 
+
+
+_GONE = object()
+"""What `ServerFleet.fanout` gets from a server found dead during the call."""
 
 class ServerError(RuntimeError):
     """A server answered with an error status."""
@@ -134,14 +141,25 @@ class ServerFleet:
         dead; any other failure is raised."""
 
         async def call(i: int) -> object:
-            try:
-                return await self.request(i, path, each[i], timeout)
-            except aiohttp.ClientConnectorError:
-                raise
-            except aiohttp.ClientConnectionError:
-                # The connection dropped mid-call (a server killed while it answered): ask once
-                # more, so that a dead server shows as refusing connections, not as a failed call.
-                return await self.request(i, path, each[i], timeout)
+            deadline = time.monotonic() + DYING_SECONDS
+            while True:
+                try:
+                    return await self.request(i, path, each[i], timeout)
+                except aiohttp.ClientConnectorError as e:
+                    self.mark_dead(i, e)
+                    return _GONE
+                except aiohttp.ClientConnectionError:
+                    # The connection dropped mid-call: the server was killed while it answered, a
+                    # pooled keep-alive connection reached one killed since, or its process is still
+                    # dying (the kernel takes connections on its port until it is gone). A new TCP
+                    # connection tells once it is over: a dead server refuses it.
+                    refused = await self._refused(i)
+                    if refused is not None:
+                        self.mark_dead(i, refused)
+                        return _GONE
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.2)
 
         timeout = timeout if timeout is not None else self.config.request_timeout
         each = payloads if isinstance(payloads, list) else [payloads] * len(self.addresses)
@@ -149,11 +167,9 @@ class ServerFleet:
         answers = await asyncio.gather(*[call(i) for i in live], return_exceptions=True)
         out: list[tuple[int, object]] = []
         for i, answer in zip(live, answers):
-            if isinstance(answer, aiohttp.ClientConnectorError):
-                self.mark_dead(i, answer)
-            elif isinstance(answer, BaseException):
+            if isinstance(answer, BaseException):
                 raise answer
-            else:
+            if answer is not _GONE:
                 out.append((i, answer))
         if not out:
             raise RuntimeError(f"no rollout server is reachable (calling {path})")
@@ -204,23 +220,25 @@ class ServerFleet:
                 logger.error("server %s is unreachable (%s); it gets no more requests", self.addresses[idx], error)
             self._dead.add(idx)
 
+    async def _refused(self, i: int) -> OSError | None:
+        """The error of a new TCP connection to server ``i``, or None when it takes one. A
+        connection, not an HTTP call: a paused or busy server answers it at once, and a slow
+        answer is taken for a busy server, not a dead one."""
+        url = urllib.parse.urlsplit(self.addresses[i])
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(url.hostname, url.port), 5.0)
+        except asyncio.TimeoutError:  # before OSError, of which it is a subclass
+            return None
+        except OSError as e:
+            return e
+        writer.close()
+        return None
+
     async def all_accept_connections(self, members: list[int]) -> bool:
         """Whether every server in ``members`` still takes TCP connections; one that refuses is
-        marked dead. A connection, not an HTTP call: a paused or busy server answers it at once."""
-
-        async def refused(i: int) -> OSError | None:
-            url = urllib.parse.urlsplit(self.addresses[i])
-            try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(url.hostname, url.port), 5.0)
-            except asyncio.TimeoutError:  # before OSError, of which it is a subclass
-                return None  # slow, not gone
-            except OSError as e:
-                return e
-            writer.close()
-            return None
-
+        marked dead."""
         probed = [i for i in members if i not in self._dead]
-        for i, error in zip(probed, await asyncio.gather(*(refused(i) for i in probed))):
+        for i, error in zip(probed, await asyncio.gather(*(self._refused(i) for i in probed))):
             if error is not None:
                 self.mark_dead(i, error)
         return all(i not in self._dead for i in members)

@@ -253,7 +253,8 @@ class TrainEngineBase(TrainEngine):
     @abc.abstractmethod
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors in the compute dtype, one at a time, as copies later steps cannot
-        change. Collective: every rank iterates to the end; rank 0 gets the real values."""
+        change. Collective: every rank iterates to the end and gets the real values (with the
+        embedded engine, each rank's own engine loads them)."""
 
     @abc.abstractmethod
     def _save_hf(self, path: str, tokenizer: object | None) -> None:
