@@ -84,7 +84,7 @@ def test_missing_required_value_is_named() -> None:
     ("actor.backend=deepspeed", "'actor.backend' is 'deepspeed'; choose one of fsdp, megatron"),
     ("actor.dtype=fp16", "'actor.dtype' is 'fp16'; choose one of float32, bfloat16, float16, auto"),
     ("stats_logger.wandb_mode=offline_sync", "'stats_logger.wandb_mode'"),
-    ("launcher.backend=vllm", "'launcher.backend' is 'vllm'; choose one of local, areal, sglang"),
+    ("launcher.backend=tgi", "'launcher.backend' is 'tgi'; choose one of local, areal, sglang, vllm"),
     ("task.mode=medium", "'task.mode' is 'medium'; choose one of fast, slow"),  # a script's own section
 ])
 def test_invalid_choice_names_the_field_the_value_and_the_choices(override: str, message: str) -> None:
