@@ -59,7 +59,7 @@ def lora_config_of(config: Mapping[str, object]) -> LoraConfig:
     except (KeyError, TypeError) as e:
         raise ValueError(f"not a PEFT adapter config: {e}") from e
     if not isinstance(parsed, LoraConfig):
-        raise ValueError(f"only LoRA adapters are supported, got peft_type {config.get('peft_type')!r}")
+        raise ValueError(f"only LoRA adapters are supported, got peft_type {config.get('peft_type')!r}")  # noqa: TRY004 - a bad value, read from a file
     if parsed.use_dora or parsed.modules_to_save or parsed.bias != "none" or parsed.target_parameters:
         raise ValueError(
             "only plain LoRA adapters on linear layers are supported (no DoRA, modules_to_save, bias or target_parameters)"
@@ -128,7 +128,7 @@ class MergedLoRA:
                 raise ValueError(f"adapter tensor {name!r} has shape {shape}, got {tuple(t.shape)}")
         missing = set(self.shapes) - {peft_name(n) for n in tensors}
         if complete and missing:
-            raise ValueError(f"{len(missing)} adapter tensors are missing, e.g. {sorted(missing)[0]!r}")
+            raise ValueError(f"{len(missing)} adapter tensors are missing, e.g. {min(missing)!r}")
 
     def merged(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every targeted weight with the adapter ``tensors`` (all of them) merged in, as new
