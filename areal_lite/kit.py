@@ -77,7 +77,8 @@ def make_rollout(cfg: RLExperimentConfig, model_dir: str | None = None) -> tuple
     ``local`` generates in this process (`LocalInferenceEngine` on ``model_dir``, default
     ``cfg.actor.path``; weights copied in place). ``areal`` and ``sglang`` talk to the servers the
     launcher started (``cfg.rollout.addresses``) with `RemoteSGLangEngine`, ``vllm`` with
-    `RemoteVLLMEngine`; weights go through the disk or a process group (``cfg.weight_update``). Every trainer rank generates its own share of
+    `RemoteVLLMEngine`; weights go through the disk or a process group (``cfg.weight_update``).
+    With ``actor.lora`` on, requests name the trained adapter. Every trainer rank generates its own share of
     the rollouts, but only rank 0 controls the servers (pauses, versions, weights); the other
     ranks' clients follow.
     """
@@ -88,13 +89,15 @@ def make_rollout(cfg: RLExperimentConfig, model_dir: str | None = None) -> tuple
         rollout = RolloutController(engine, cfg.rollout)
         meta = WeightUpdateMeta(type="in_process")
     else:
+        from areal_lite.engines.local import ADAPTER as POLICY_ADAPTER
         from areal_lite.engines.remote import RemoteSGLangEngine
         from areal_lite.engines.vllm import RemoteVLLMEngine
 
         client = RemoteVLLMEngine if cfg.launcher.backend == "vllm" else RemoteSGLangEngine
         control = _is_rank0()
-        factory = functools.partial(client, cfg.rollout, control_servers=False)
-        rollout = RolloutController(client(cfg.rollout, control_servers=control), cfg.rollout, factory)
+        adapter = POLICY_ADAPTER if cfg.actor.lora.enabled else None  # the name requests give the trained adapter
+        factory = functools.partial(client, cfg.rollout, control_servers=False, adapter_name=adapter)
+        rollout = RolloutController(client(cfg.rollout, control_servers=control, adapter_name=adapter), cfg.rollout, factory)
         if cfg.weight_update == "distributed":
             backend = "nccl" if torch.cuda.is_available() else "gloo"  # GPU tensors by NCCL, else gloo
             meta = WeightUpdateMeta(type="distributed", backend=backend, world_size=1 + len(cfg.rollout.addresses))

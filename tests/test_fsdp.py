@@ -2,7 +2,8 @@
 
 The checks themselves live in tests/scripts/fsdp_worker.py; each run writes its measurements
 and parameter files, and the tests here compare them, within a run and across world sizes.
-Three launches: 1 rank, 2 ranks, and a fresh 2-rank process that resumes from the train_state checkpoint.
+Three launches: 1 rank, 2 ranks (also training LoRA adapters), and a fresh 2-rank process that
+resumes from the train_state checkpoint.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def single(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[di
 @pytest.fixture(scope="module")
 def pair(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("fsdp_w2")
-    return run_worker(2, "logprobs,invariance,checkpoint,accumulation", model_dir, out), out
+    return run_worker(2, "logprobs,invariance,checkpoint,accumulation,lora", model_dir, out), out
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +243,51 @@ def test_train_state_resume_in_new_process_matches_uninterrupted_run(pair: tuple
     assert resumed["next_stats"] == res["next_stats"]
     uninterrupted, again = params(out, "uninterrupted", 2), params(out, "resumed", 2)
     assert all(torch.equal(uninterrupted[k], again[k]) for k in uninterrupted)
+
+
+def test_lora_trains_only_adapters(pair: tuple[dict, Path]) -> None:
+    res = pair[0]
+    assert res["lora_trainable"] == ["lora_A"] * 14 + ["lora_B"] * 14  # 7 linear layers x 2 decoder layers
+    assert res["lora_optimizer_params_trainable"] and res["lora_state_only_adapters"]
+    assert res["lora_optimizer_state"] == [28, 28]
+    assert res["lora_base_change"] == 0.0  # three AdamW steps left every base weight as it was
+
+
+def test_lora_fsdp_step_equals_plain_peft_step(pair: tuple[dict, Path]) -> None:
+    """2 ranks, 2 micro-batches, adapters sharded with their layers: one SGD step moves the adapters
+    as a plain peft model's step on the whole batch does."""
+    res = pair[0]
+    assert res["lora_sgd_moved"] > 1e-3
+    assert res["lora_sgd_vs_peft"] < 1e-6
+
+
+def test_lora_saves_merged_model_and_peft_adapter(pair: tuple[dict, Path]) -> None:
+    res = pair[0]
+    assert res["lora_merged_vs_peft_logits"] < 1e-5  # PeftModel.from_pretrained(base, adapter) = merged model
+    assert res["lora_engine_vs_peft_logprobs"] < 1e-5
+    assert res["lora_merged_keys_equal_base_keys"] and res["lora_adapter_keys_equal_sent"]
+
+
+@pytest.mark.parametrize("kind,version", [("in_process", 1), ("disk", 2), ("distributed", 3)])
+def test_lora_updates_ship_the_adapter_and_the_engine_matches_the_trainer(
+    pair: tuple[dict, Path], kind: str, version: int
+) -> None:
+    res = pair[0]
+    update = res[f"lora_update_{kind}"]
+    assert update["versions"] == [version] and update["err"] < 1e-5
+    received = [(names, nbytes) for k, names, nbytes in res["lora_received"] if k == kind]
+    if kind == "disk":
+        assert received == [(["README.md", "adapter_config.json", "adapter_model.safetensors"], received[0][1])]
+    else:
+        # The adapter alone, by PEFT name: connect_engine sent it once more by broadcast, in chunks.
+        assert all(".lora_A." in n or ".lora_B." in n for names, _ in received for n in names)
+        assert len({n for names, _ in received for n in names}) == 28
+    adapter_bytes = sum(nbytes for names, nbytes in received) / (1 if kind != "distributed" else 2)
+    assert adapter_bytes < res["lora_full_bytes"] / 5
+
+
+def test_lora_train_state_resumes_adapters_and_optimizer(pair: tuple[dict, Path]) -> None:
+    assert pair[0]["lora_resumed_equal"] and pair[0]["lora_resumed_optimizer_state"] == 28
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The clients of generation servers, each against two of our servers on 127.0.0.1 (which speak
 both protocols): `RemoteSGLangEngine` and `RemoteVLLMEngine` pass the same tests. Log-probabilities
 equal to HF's, routing, weight updates from a 2-rank torchrun FSDPEngine trainer (disk and gloo
-broadcast), an update in the middle of long generations, a server killed mid-run, and the
+broadcast; with SGLang's protocol also LoRA adapter updates), an update in the middle of long generations, a server killed mid-run, and the
 weight-update group formed again without a dead server."""
 
 from __future__ import annotations
@@ -258,6 +258,9 @@ def test_weight_updates_from_torchrun_fsdp_trainer(servers, kind: str, model_pat
     assert report["before"]["versions"] == [0] and report["before"]["max_err"] < 1e-4
     assert report["disk"]["versions"] == [1] and report["disk"]["max_err"] < 1e-4
     assert report["broadcast"]["versions"] == [2] and report["broadcast"]["max_err"] < 1e-4
+    if kind == "sglang":  # a LoRA trainer: the adapter alone reaches the servers, requests name it
+        for key, version in (("lora_connect", 0), ("lora_disk", 3), ("lora_broadcast", 4)):
+            assert report[key]["versions"] == [version] and report[key]["max_err"] < 1e-5, (key, report[key])
 
 
 def test_timed_out_request_moves_to_another_server(servers, kind: str, model_path: str) -> None:

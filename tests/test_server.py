@@ -345,3 +345,93 @@ def test_weight_updates_disk_and_broadcast(server: str, model_path: str, tmp_pat
     status, out = run(call(server, "/update_weight_version", {"new_version": "5"}))
     assert status == 200 and run(call(server, "/model_info", method="GET"))[1]["weight_version"] == "5"
     check_logprobs(server, model, "5")
+
+
+def test_lora_adapter_routes(server: str, model_path: str, tmp_path) -> None:
+    """SGLang's LoRA routes: an adapter loaded from a PEFT directory, or registered and then filled
+    by a broadcast announced as ``<adapter>:<tensor>``, serves requests that name it with
+    log-probabilities equal to peft's forward (1e-5); unloading puts the base model back."""
+    from peft import get_peft_model
+    from peft.utils import get_peft_model_state_dict
+
+    from areal_lite.api.config import LoRAConfig
+    from areal_lite.utils.lora import config_dict, peft_config
+
+    def adapter(seed: int, rank: int):
+        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_path), peft_config(LoRAConfig(rank=rank)))
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        return peft_model.eval()
+
+    def assert_serves(model: torch.nn.Module, lora_path: object) -> None:
+        body = {"input_ids": [[11, 12, 13], [20, 21]], "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
+        status, out = run(call(server, "/generate", {**body, "return_logprob": True, "lora_path": lora_path}))
+        assert status == 200, out
+        for prompt, o in zip(body["input_ids"], out):
+            lps = torch.tensor([x[0] for x in o["meta_info"]["output_token_logprobs"]])
+            torch.testing.assert_close(lps, hf_logprobs(model, prompt, o["output_ids"]), atol=1e-5, rtol=0)
+
+    base = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    assert run(call(server, "/update_weights_from_disk", {"model_path": model_path, "weight_version": "0"}))[0] == 200
+    status, out = run(call(server, "/generate", {"input_ids": [1, 2], "lora_path": "policy"}))
+    assert status == 400 and "not loaded" in out["error"]["message"]
+
+    first = adapter(seed=1, rank=4)
+    first.save_pretrained(str(tmp_path / "a1"))
+    status, out = run(call(server, "/load_lora_adapter", {"lora_name": "policy", "lora_path": str(tmp_path / "a1"), "pinned": False}))
+    assert status == 200 and out == {"success": True, "error_message": "", "loaded_adapters": {"policy": str(tmp_path / "a1")}}
+    assert_serves(first, "policy")
+    assert_serves(first, ["policy", None])  # one entry per prompt; the server holds one adapter, merged
+
+    for path, body, message in [
+        ("/load_lora_adapter", {"lora_name": "other", "lora_path": str(tmp_path / "a1")}, "one adapter at a time"),
+        ("/load_lora_adapter", {"lora_name": "policy", "lora_path": str(tmp_path)}, "not a PEFT adapter directory"),
+        ("/update_weights_from_disk", {"model_path": model_path}, "unload it"),
+        ("/unload_lora_adapter", {"lora_name": "other"}, "not loaded"),
+        ("/register_lora_adapter", {"lora_name": "policy", "config_dict": {"peft_type": "NOPE"}}, "PEFT adapter config"),
+    ]:
+        status, out = run(call(server, path, body))
+        assert status == 400 and out["success"] is False and message in (out.get("error_message") or out["message"]), (path, out)
+    assert_serves(first, "policy")  # nothing changed
+
+    status, out = run(call(server, "/unload_lora_adapter", {"lora_name": "policy"}))
+    assert status == 200 and out["loaded_adapters"] == {}
+    assert_serves(base, None)
+
+    second = adapter(seed=2, rank=2)
+    config = config_dict(second.peft_config["default"])
+    status, out = run(call(server, "/register_lora_adapter", {"lora_name": "policy", "config_dict": config}))
+    assert status == 200 and out["loaded_adapters"] == {"policy": "registered"}
+    assert_serves(base, "policy")  # registered with zero weights: the base model
+    tensors = get_peft_model_state_dict(second)
+    port = find_free_port()
+
+    async def broadcast() -> None:
+        join = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": "lora", "backend": "gloo"}
+        joined = asyncio.ensure_future(call(server, "/init_weights_update_group", join))
+        group = await asyncio.to_thread(init_custom_process_group, "gloo", "127.0.0.1", port, 0, 2, "lora", 60)
+        assert (await joined)[0] == 200
+        names = sorted(tensors)
+        bad = {"names": ["other:" + names[0]], "dtypes": ["float32"], "shapes": [list(tensors[names[0]].shape)], "group_name": "lora"}
+        assert (await call(server, "/update_weights_from_distributed", bad))[0] == 400
+        for chunk in (names[::2], names[1::2]):
+            body = {
+                "names": [f"policy:{n}" for n in chunk],
+                "dtypes": ["float32"] * len(chunk),
+                "shapes": [list(tensors[n].shape) for n in chunk],
+                "group_name": "lora",
+                "weight_version": "3",
+            }
+            fut = asyncio.ensure_future(call(server, "/update_weights_from_distributed", body))
+            for n in chunk:
+                await asyncio.to_thread(group.broadcast, tensors[n].detach().clone())
+            status, out = await fut
+            assert status == 200 and out["success"] is True
+        assert (await call(server, "/destroy_weights_update_group", {"group_name": "lora"}))[0] == 200
+
+    run(broadcast())
+    assert_serves(second, "policy")
+    assert run(call(server, "/unload_lora_adapter", {"lora_name": "policy"}))[0] == 200

@@ -40,6 +40,7 @@ __all__ = [
     "GenerationConfig",
     "InferenceEngineConfig",
     "LauncherConfig",
+    "LoRAConfig",
     "LocalEngineConfig",
     "MicroBatchSpec",
     "OptimizerConfig",
@@ -96,6 +97,30 @@ class OptimizerConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021, arXiv:2106.09685) on the trained model, built by
+    peft: each targeted linear layer computes ``W x + (alpha / rank) * B A x`` with ``W`` frozen and
+    only ``A`` [rank, in] and ``B`` [out, rank] trained (B starts at 0, so training starts from the
+    base model). Weight updates then ship the adapter alone. FSDP only."""
+
+    rank: int = 0
+    """Rank r of every adapter; 0 = off (full-parameter training)."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's output is multiplied by alpha / rank. Changing the rank with
+    alpha fixed changes the effective learning rate."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (peft's ``lora_dropout``)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Which linear layers get adapters, as peft matches them: module names such as ``q_proj`` or
+    ``down_proj`` (a name matches every module whose name ends with it), or ``all-linear``: every
+    linear layer but the output head."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass
 class TrainEngineConfig:
     """A train engine (FSDP or Megatron) and the model it owns."""
 
@@ -131,7 +156,9 @@ class TrainEngineConfig:
     pipeline_parallel_size: int = 1
     """Megatron only: pipeline-parallel degree."""
     seed: int = 1
-    """Seed for initialisation of new heads and dropout."""
+    """Seed for initialisation of new heads, adapters and dropout."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full-parameter training (off by default)."""
 
 
 @dataclass

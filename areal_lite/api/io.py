@@ -25,18 +25,22 @@ StopReason = Literal["length", "stop", "interrupt", "abort"]
 
 WeightUpdateType = Literal["in_process", "disk", "distributed"]
 
-WeightFormat = Literal["hf", "train_state"]
+WeightFormat = Literal["hf", "peft", "train_state"]
 """What `TrainEngine.save` writes and `TrainEngine.load` reads.
 
 - ``hf``: a HF model directory (safetensors, config, tokenizer when given) that
-  ``from_pretrained`` loads; the same from every backend.
+  ``from_pretrained`` loads; the same from every backend. An engine that trains LoRA adapters
+  writes the model with its adapter merged into the weights, and the adapter itself (``peft``
+  below) in the subdirectory ``adapter``.
+- ``peft``: a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) that
+  ``peft.PeftModel.from_pretrained`` loads over the base model; engines that train LoRA only.
 - ``train_state``: everything a resumed run needs to continue exactly (model, optimizer, LR
   schedule, step, policy version, RNG). The files are the backend's own and only the backend
   that wrote them reads them back: FSDP writes model and optimizer with
   torch.distributed.checkpoint plus a `torch.save` file per rank for the rest; Megatron writes
   one `torch.save` file per rank and needs the same parallel layout to resume.
 """
-WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("hf", "train_state")
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("hf", "peft", "train_state")
 
 
 def unknown_weight_format(name: str) -> ValueError:
@@ -165,7 +169,12 @@ class WeightUpdateMeta:
     param_specs: list[ParamSpec] = field(default_factory=list)
     """Distributed only: the tensors of the chunk about to be broadcast, in broadcast order."""
     named_tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
-    """In-process only: full (unsharded) tensors keyed by HF parameter name."""
+    """In-process only: full (unsharded) tensors keyed by HF parameter name (adapter tensors keyed
+    by their PEFT name when ``lora_config`` is set)."""
+    lora_config: dict[str, object] | None = None
+    """Set by a train engine that trains LoRA adapters: the update carries the adapter alone (its
+    tensors under the names a PEFT adapter file gives them; a directory in PEFT's layout for
+    ``disk``), and this is its PEFT config (what ``adapter_config.json`` holds). None: full weights."""
 
     def __post_init__(self) -> None:
         if self.type not in ("in_process", "disk", "distributed"):

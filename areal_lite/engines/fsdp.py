@@ -16,6 +16,11 @@ cuts into fewer micro-batches run extra zero-weight passes so that FSDP's collec
 
 Mixed precision (``dtype=bfloat16``, or ``auto`` where the device computes bf16 natively) keeps
 fp32 master weights and optimizer state, computes in bf16 and reduces gradients in fp32.
+
+LoRA (``lora.rank > 0``): peft wraps the model before it is sharded, so each layer's adapters are
+sharded with it; only the adapters require gradients, and so only they get optimizer state. Weight
+updates send the adapter alone (fp32, under its PEFT tensor names); HF saves write the model with
+the adapter merged in (`areal_lite.utils.lora.MergedLoRA`) and the PEFT adapter beside it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,16 +48,20 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from areal_lite.api.config import TrainEngineConfig
-from areal_lite.api.engine import LossFn, PackedBatch
-from areal_lite.api.io import FinetuneSpec
+from areal_lite.api.engine import InferenceEngine, LossFn, PackedBatch
+from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
 from areal_lite.engines.train_base import TrainEngineBase
 from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatches, unpack_sequences
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
+from areal_lite.utils.lora import PEFT_PREFIX, MergedLoRA, config_dict, peft_config
 from areal_lite.utils.precision import compute_dtype
 from areal_lite.utils.recover import rng_state, set_rng_state
 from areal_lite.utils.shared_prefix import SharedPrefixLayout, shared_prefix_layout
 from areal_lite.utils.varlen_attention import register_varlen_sdpa
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 _HF_PREFIX = "hf."
 
@@ -144,6 +154,10 @@ class FSDPEngine(TrainEngineBase):
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self._persistent_buffers: set[str] | None = None  # HF names of the buffers a state dict holds
+        self._peft: PeftModel | None = None
+        """With LoRA: peft's wrapper of the HF model (which `model` shards and runs)."""
+        self._adapter_names: dict[str, str] = {}
+        """With LoRA: each adapter parameter's name in the HF model -> its name in a PEFT file."""
 
     # ---------------------------------------------------------------- setup
 
@@ -157,6 +171,8 @@ class FSDPEngine(TrainEngineBase):
         self.create_process_group()
         torch.manual_seed(cfg.seed)
         hf = self._from_pretrained(cfg.path)
+        if cfg.lora.enabled:
+            hf = self._add_adapters(hf)
         if cfg.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if ft_spec is None:
@@ -193,6 +209,21 @@ class FSDPEngine(TrainEngineBase):
             hf = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         hf.config.use_cache = False
         return hf
+
+    def _add_adapters(self, hf: nn.Module) -> nn.Module:
+        """Wrap ``hf`` with peft's LoRA (before sharding: FSDP then shards the adapters with their
+        layers) and return the HF model, now with adapters, of which only they require gradients."""
+        from peft import get_peft_model
+        from peft.utils import get_peft_model_state_dict
+
+        if self.config.is_critic:
+            raise ValueError("lora is for policies: a critic's new value head needs full training (set lora.rank=0)")
+        self._peft = get_peft_model(hf, peft_config(self.config.lora))
+        # Names as a PEFT file gives them, by peft's own renaming of the wrapper's state dict.
+        tagged = {PEFT_PREFIX + n: torch.empty(0) for n, p in hf.named_parameters() if p.requires_grad}
+        renamed = {id(t): name for name, t in get_peft_model_state_dict(self._peft, state_dict=tagged).items()}
+        self._adapter_names = {n.removeprefix(PEFT_PREFIX): renamed[id(t)] for n, t in tagged.items()}
+        return self._peft.get_base_model()
 
     def _build_optimizer(self, ft_spec: FinetuneSpec) -> None:
         assert self.model is not None
@@ -339,6 +370,10 @@ class FSDPEngine(TrainEngineBase):
         for name, t in self._hf_tensors(cast=False):
             if keep:
                 full[name] = t.cpu()
+        if self._peft is not None:
+            adapter = self._adapter_tensors()
+            if keep:
+                full.update(MergedLoRA(self._module().hf.config, self._adapter_config(), full).merged(adapter))
         return full
 
     def _save_hf(self, path: str, tokenizer: object | None) -> None:
@@ -349,6 +384,53 @@ class FSDPEngine(TrainEngineBase):
             self._module().hf.save_pretrained(path, state_dict=dict(sd))
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)  # type: ignore[attr-defined]
+        if self._peft is not None:
+            self._save_adapter(os.path.join(path, "adapter"))
+
+    # ---------------------------------------------------------------- LoRA adapters
+
+    def _lora(self) -> PeftModel:
+        if self._peft is None:
+            raise ValueError("this engine trains no LoRA adapter (lora.rank is 0)")
+        return self._peft
+
+    def _adapter_config(self) -> dict[str, object]:
+        """The adapter's PEFT config, as ``adapter_config.json`` holds it."""
+        return config_dict(self._lora().peft_config["default"])
+
+    def _adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The adapter's full fp32 tensors on CPU under their PEFT names, on every rank (collective)."""
+        model = self._module()
+        model.reshard()
+        out = {}
+        for name, p in model.hf.named_parameters():
+            if name in self._adapter_names:
+                full = p.full_tensor() if isinstance(p, DTensor) else p
+                out[self._adapter_names[name]] = full.detach().to("cpu", copy=True)
+        return out
+
+    def _save_adapter(self, path: str) -> None:
+        """A PEFT adapter directory from rank 0, written by peft itself (collective)."""
+        tensors = self._adapter_tensors()
+        if dist.get_rank() == 0:
+            # peft's save takes the wrapper's state dict (and renames it as it does its own).
+            state = {PEFT_PREFIX + name: tensors[file_name] for name, file_name in self._adapter_names.items()}
+            self._lora().save_pretrained(path, state_dict=state)
+
+    def connect_engine(self, engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
+        """With LoRA the adapter is sent at once (collective): generation requests name it, so the
+        inference side must hold it before any rollout."""
+        super().connect_engine(engine, meta)
+        if self._peft is not None:
+            self.update_weights(meta)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        """Send the weights, or with LoRA the adapter alone (see `WeightUpdateMeta.lora_config`)."""
+        if self._peft is None:
+            return super().update_weights(meta)
+        meta = replace(meta, lora_config=self._adapter_config())
+        self._sender.send(meta, self._version, lambda: iter(self._adapter_tensors().items()), self._save_adapter)
+        return None
 
     def _write_weights(self, path: str) -> None:
         """A disk weight update: ``model.safetensors`` (and ``config.json``, once) in ``path`` from
@@ -384,6 +466,8 @@ class FSDPEngine(TrainEngineBase):
         torch.save(extra, os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt"))
 
     def _load_hf_weights(self, path: str) -> None:
+        if self._peft is not None:
+            raise ValueError("a LoRA engine keeps its base weights: resume it from a train_state checkpoint")
         model = self._module()
         # Loading through HF resolves tied weights, sharded index files and dtype conversion.
         full = self._from_pretrained(path).state_dict()
@@ -412,7 +496,8 @@ class FSDPEngine(TrainEngineBase):
 
     def _hf_tensors(self, cast: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors with HF names, one at a time, cast to the compute dtype (``cast=False``:
-        the parameters' own, fp32), as copies that later optimizer steps cannot change.
+        the parameters' own, fp32), as copies that later optimizer steps cannot change. With
+        LoRA: the base model's (the adapter not merged in).
         Collective: every rank iterates to the end (non-zero ranks only take part in the gathers)."""
         model = self._module()
         model.reshard()
@@ -422,8 +507,11 @@ class FSDPEngine(TrainEngineBase):
         persistent = self._persistent_buffers
         named = list(hf.named_parameters()) + [(n, b) for n, b in hf.named_buffers() if n in persistent]
         for name, t in named:
+            if name in self._adapter_names:
+                continue
             full = t.full_tensor() if isinstance(t, DTensor) else t
-            yield name, full.detach().to(self.compute_dtype if cast else full.dtype, copy=True)
+            # peft keeps an adapted layer's own weights under ``<layer>.base_layer``.
+            yield name.replace(".base_layer.", "."), full.detach().to(self.compute_dtype if cast else full.dtype, copy=True)
 
 
 __all__ = ["FSDPEngine"]

@@ -6,7 +6,8 @@ decode steps. This adapter gives it the contract the rollout controller drives: 
 `ModelRequest`s, `update_weights` from a `WeightUpdateMeta` (in-process tensors, a directory on
 disk, or a broadcast in a weight-update group that the engine joins as rank 1 of 2), the version
 new tokens are tagged with, and pause (in place: running requests keep their KV cache, which is
-recomputed if the weights change) / resume.
+recomputed if the weights change) / resume. An update from a LoRA train engine carries its adapter
+alone, which the scheduler merges into the weights (as adapter `ADAPTER`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ import torch
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
+from areal_lite.engines.adapter_slot import SEPARATOR
 from areal_lite.engines.request import SamplingParams
 from areal_lite.engines.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+ADAPTER = "policy"
+"""The name the trained LoRA adapter is held under."""
 
 
 class LocalInferenceEngine(InferenceEngine):
@@ -35,6 +40,8 @@ class LocalInferenceEngine(InferenceEngine):
     def __init__(self, config: LocalEngineConfig) -> None:
         self.config = config
         self.scheduler = Scheduler(config)
+        self._registered: dict[str, object] | None = None
+        """The config of the adapter registered for broadcasts (None: none yet)."""
 
     def initialize(self) -> None:
         """Load the model and tokenizer and start the scheduler thread."""
@@ -72,16 +79,26 @@ class LocalInferenceEngine(InferenceEngine):
         return self.scheduler.join_weights_update_group(meta, rank=1)
 
     def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
+        lora = meta.lora_config
         if meta.type == "in_process":
             if meta.named_tensors is None:
                 raise ValueError("an in_process weight update needs named_tensors")
+            if lora is not None:
+                return self.scheduler.load_adapter(ADAPTER, lora, dict(meta.named_tensors), meta.version)
             return self.scheduler.load_tensors(dict(meta.named_tensors), meta.version)
         if meta.type == "disk":
+            if lora is not None:
+                return self.scheduler.load_adapter_from_disk(ADAPTER, meta.path or "", meta.version)
             return self.scheduler.load_weights_from_disk(meta.path or "", meta.version)
         specs = list(meta.param_specs)
-        return self.scheduler.receive_broadcast(
-            [s.name for s in specs], [s.dtype for s in specs], [list(s.shape) for s in specs], meta.version
-        )
+        names = [s.name for s in specs]
+        if lora is not None:
+            # As a server is told: the adapter is registered once, then its tensors are announced by name.
+            if self._registered != lora:
+                self.scheduler.register_adapter(ADAPTER, lora).result()
+                self._registered = lora
+            names = [f"{ADAPTER}{SEPARATOR}{n}" for n in names]
+        return self.scheduler.receive_broadcast(names, [s.dtype for s in specs], [list(s.shape) for s in specs], meta.version)
 
     def set_version(self, version: int) -> None:
         self.scheduler.version = version

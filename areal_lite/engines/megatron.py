@@ -242,6 +242,11 @@ class MegatronEngine(TrainEngineBase):
     backend-independent ones are `TrainEngineBase`'s."""
 
     def __init__(self, config: TrainEngineConfig) -> None:
+        if config.lora.enabled:
+            raise ValueError(
+                "LoRA (lora.rank > 0) is not supported by the megatron backend: use backend=fsdp, which trains "
+                "peft adapters, or set lora.rank=0"
+            )
         super().__init__(config)
         self.arch: ArchSpec | None = None
         self._hf_config: object | None = None

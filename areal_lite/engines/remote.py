@@ -30,6 +30,13 @@ rollout controller's episode child uses one.
 
 A subclass says how its protocol spells each of these: the generation call and its answer, the
 pause and resume calls, the weight-update and version calls.
+
+LoRA: a client built with an ``adapter_name`` names that adapter in every generation call (SGLang's
+``lora_path``), and a weight update from a LoRA train engine (``WeightUpdateMeta.lora_config``)
+reaches the servers through SGLang's adapter routes: a PEFT adapter directory loaded with
+``/load_lora_adapter`` (after ``/unload_lora_adapter`` of the previous one), or a broadcast of
+the adapter's tensors announced as ``<adapter name>:<tensor name>`` after
+``/register_lora_adapter`` (once per adapter config).
 """
 
 from __future__ import annotations
@@ -115,13 +122,15 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     ``control_servers=False`` a client that generates but never pauses, updates or re-versions
     the servers (another client does). Subclasses implement one protocol's calls."""
 
-    def __init__(self, config: InferenceEngineConfig, control_servers: bool = True) -> None:
+    def __init__(self, config: InferenceEngineConfig, control_servers: bool = True, adapter_name: str | None = None) -> None:
         if not config.addresses:
             raise ValueError(f"{type(self).__name__} needs at least one server address (config.addresses)")
         check_cores(config.client_cores, "rollout.client_cores")
         self.config = config
         self.fleet = ServerFleet(config)
         self.control_servers = control_servers
+        self.adapter_name = adapter_name
+        """The LoRA adapter every generation call names (None: the servers' own weights)."""
         self._version = 0
         self._paused = False
         self._group_members: list[int] = []
@@ -360,6 +369,8 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         return self.fleet.call(self._update_weights(meta))
 
     async def _update_weights(self, meta: WeightUpdateMeta) -> None:
+        if meta.lora_config is not None and self.adapter_name is None:
+            raise ValueError("a LoRA adapter update needs a client built with adapter_name (the name requests use)")
         pause_here = not self._paused
         if pause_here:
             await self._pause_servers()
@@ -414,17 +425,25 @@ def _sglang_answer(data: object) -> Answer:
 class RemoteSGLangEngine(RemoteEngine):
     """The client of SGLang-protocol servers (docs/protocol.md): SGLang itself, or ours."""
 
+    def __init__(self, config: InferenceEngineConfig, control_servers: bool = True, adapter_name: str | None = None) -> None:
+        super().__init__(config, control_servers, adapter_name)
+        self._adapter_held: dict[str, object] | None = None
+        """The config of the adapter the servers hold (loaded or registered by this client)."""
+
     def _generate_call(self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int) -> tuple[str, dict[str, object]]:
         params = g.to_sglang()
         params["max_new_tokens"] = g.max_new_tokens - produced
         params["min_new_tokens"] = max(0, g.min_new_tokens - produced)
-        batch = len(prompts) > 1  # SGLang's list forms of input_ids and rid
-        return "/generate", {
+        batch = len(prompts) > 1  # SGLang's list forms of input_ids, rid and lora_path
+        payload: dict[str, object] = {
             "input_ids": prompts if batch else prompts[0],
             "sampling_params": params,
             "return_logprob": True,
             "rid": rids if batch else rids[0],
         }
+        if self.adapter_name is not None:
+            payload["lora_path"] = [self.adapter_name] * len(prompts) if batch else self.adapter_name
+        return "/generate", payload
 
     def _answers(self, data: object, count: int) -> list[Answer]:
         answers = data if count > 1 else [data]
@@ -444,6 +463,9 @@ class RemoteSGLangEngine(RemoteEngine):
         await self.fleet.fanout_checked("/destroy_weights_update_group", {"group_name": group_name})
 
     async def _load_from_disk_call(self, meta: WeightUpdateMeta) -> None:
+        if meta.lora_config is not None:
+            await self._load_adapter_call(meta)
+            return
         await self.fleet.fanout_checked(
             "/update_weights_from_disk",
             {
@@ -454,12 +476,34 @@ class RemoteSGLangEngine(RemoteEngine):
             },
         )
 
+    async def _load_adapter_call(self, meta: WeightUpdateMeta) -> None:
+        """The PEFT adapter directory ``meta.path`` in place of the held adapter (SGLang refuses to
+        load a name it holds), then the version of later tokens (the load call carries none)."""
+        name = self.adapter_name
+        if self._adapter_held is not None:
+            await self.fleet.fanout_checked("/unload_lora_adapter", {"lora_name": name})
+            self._adapter_held = None
+        await self.fleet.fanout_checked("/load_lora_adapter", {"lora_name": name, "lora_path": meta.path})
+        self._adapter_held = meta.lora_config
+        if meta.version is not None:
+            await self._version_call(meta.version)
+
     async def _receive_broadcast_call(self, meta: WeightUpdateMeta) -> None:
+        names = [s.name for s in meta.param_specs]
+        if meta.lora_config is not None:
+            if self._adapter_held != meta.lora_config:
+                if self._adapter_held is not None:
+                    await self.fleet.fanout_checked("/unload_lora_adapter", {"lora_name": self.adapter_name})
+                    self._adapter_held = None
+                register = {"lora_name": self.adapter_name, "config_dict": meta.lora_config}
+                await self.fleet.fanout_checked("/register_lora_adapter", register)
+                self._adapter_held = meta.lora_config
+            names = [f"{self.adapter_name}:{n}" for n in names]
         session = await self.fleet.optional_fanout("/begin_weight_update", {"selector": "all"})
         await self.fleet.fanout_checked(
             "/update_weights_from_distributed",
             {
-                "names": [s.name for s in meta.param_specs],
+                "names": names,
                 "dtypes": [s.dtype for s in meta.param_specs],
                 "shapes": [list(s.shape) for s in meta.param_specs],
                 "group_name": meta.group_name,

@@ -8,6 +8,9 @@ received by broadcast in a weight-update group) are applied between two steps; a
 load, running requests get their KV cache recomputed under the new weights and continue, so
 every later token is produced by (and tagged with the version of) the new weights.
 
+A LoRA adapter is one more kind of weight load: merged into the weights (`AdapterSlot`), then
+applied like any other update.
+
 This is the API of our HTTP server (`areal_lite.engines.server`); `LocalInferenceEngine` adapts
 it to the `InferenceEngine` contract.
 """
@@ -21,7 +24,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -29,10 +32,12 @@ import torch
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
+from areal_lite.engines.adapter_slot import AdapterSlot, split_adapter_names
 from areal_lite.engines.model_runner import ModelRunner, context_length, dtype_of, load_model
 from areal_lite.engines.request import GenerationError, GenerationResult, SamplingParams, Sequence
 from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
 from areal_lite.utils.gc_freeze import freeze_startup_objects
+from areal_lite.utils.lora import read_adapter
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -90,6 +95,8 @@ class Scheduler:
         self._group: CustomGroup | None = None
         self._group_backend = "gloo"
         self._eos_ids: frozenset[int] = frozenset()
+        self.adapter = AdapterSlot()
+        """The LoRA adapter merged into the weights, if any (read it from the scheduler thread)."""
 
     # ----- lifecycle -----------------------------------------------------------------------
 
@@ -366,9 +373,19 @@ class Scheduler:
         return self._run_in_scheduler(lambda: self._load_tensors(named.items(), version))
 
     def _load_tensors(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None) -> None:
+        pairs = list(named)
+        merged_into = self.adapter.targets([name for name, _ in pairs])
+        if merged_into:
+            raise ValueError(
+                f"adapter {self.adapter.name!r} is merged into {merged_into[0]!r}: unload it before loading base weights"
+            )
+        self._copy_weights(pairs, version)
+
+    def _copy_weights(self, pairs: list[tuple[str, torch.Tensor]], version: int | None) -> None:
+        """Copy the tensors into the model (all checked first), recompute the running requests'
+        caches, set the version (unless None)."""
         assert self.model is not None and self._runner is not None
         params = self.model.state_dict()
-        pairs = list(named)
         for name, t in pairs:
             if name not in params:
                 raise ValueError(f"unknown parameter {name!r}")
@@ -396,6 +413,40 @@ class Scheduler:
             tensors.update(load_file(f))
         return self.load_tensors(tensors, version)
 
+    def load_adapter(
+        self, name: str, config: Mapping[str, object], tensors: Mapping[str, torch.Tensor], version: int | None = None,
+        source: str = "tensors",
+    ) -> Future[None]:  # fmt: skip
+        """Merge LoRA adapter ``name`` (its PEFT config and every tensor, PEFT names) into the
+        weights between two steps, replacing the loaded adapter of that name (another name is a
+        ValueError), as `load_tensors` does with weights."""
+        return self._adapter_op(lambda model: self.adapter.load(model, name, config, tensors, source), version)
+
+    def load_adapter_from_disk(self, name: str, path: str, version: int | None = None) -> Future[None]:
+        """`load_adapter` from a PEFT adapter directory (read off the scheduler thread)."""
+        try:
+            config, tensors = read_adapter(path)
+        except (OSError, ValueError) as e:
+            fut: Future[None] = Future()
+            fut.set_exception(ValueError(f"cannot read the adapter in {path!r}: {e}"))
+            return fut
+        return self.load_adapter(name, config, tensors, version, source=path)
+
+    def register_adapter(self, name: str, config: Mapping[str, object]) -> Future[None]:
+        """Load adapter ``name`` with zero tensors (the base model's outputs): a broadcast fills it."""
+        return self._adapter_op(lambda model: self.adapter.register(model, name, config), None)
+
+    def unload_adapter(self, name: str) -> Future[None]:
+        """Put the base weights back in place of adapter ``name``."""
+        return self._adapter_op(lambda model: self.adapter.unload(name), None)
+
+    def _adapter_op(self, op: Callable[[torch.nn.Module], dict[str, torch.Tensor]], version: int | None) -> Future[None]:
+        def run() -> None:
+            assert self.model is not None
+            self._copy_weights(list(op(self.model).items()), version)
+
+        return self._run_in_scheduler(run)
+
     def join_weights_update_group(self, meta: WeightUpdateMeta, rank: int) -> Future[None]:
         """Join ``meta``'s group at ``rank`` in a helper thread (the trainer joins concurrently)."""
 
@@ -415,9 +466,15 @@ class Scheduler:
         assert self.model is not None
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
-        params = self.model.state_dict()
-        for name, dtype, shape in zip(names, dtypes, shapes):
+        for dtype in dtypes:
             dtype_of(dtype)
+        adapter, names = split_adapter_names(names)
+        if adapter is not None:
+            specs = {n: tuple(shape) for n, shape in zip(names, shapes)}
+            self.adapter.check_tensors(adapter, specs)  # reads one reference: safe from any thread
+            return
+        params = self.model.state_dict()
+        for name, shape in zip(names, shapes):
             if name not in params:
                 raise ValueError(f"unknown parameter {name!r}")
             if tuple(shape) != tuple(params[name].shape):
@@ -441,7 +498,12 @@ class Scheduler:
                 t = torch.empty(tuple(shape), dtype=dtype_of(dtype), device=device)
                 self._group.broadcast(t, src=0)
                 received[name] = t
-            self.load_tensors(received, version).result()
+            adapter, tensor_names = split_adapter_names(list(received))
+            if adapter is None:
+                self.load_tensors(received, version).result()
+            else:
+                part = dict(zip(tensor_names, received.values()))
+                self._adapter_op(lambda model: self.adapter.update(adapter, part), version).result()
 
         return _in_thread(receive, "weight-receive")
 

@@ -7,8 +7,9 @@ It exists so that `RemoteSGLangEngine` and `RemoteVLLMEngine` are tested against
 on machines where SGLang and vLLM cannot run, and so that CPU deployments get rollout servers with
 no extra dependency. Same endpoints, payloads, status codes and error shapes as SGLang for what
 areal-lite uses; the OpenAI-compatible routes (`areal_lite.engines.openai_api`) and vLLM's RL
-control routes (`areal_lite.engines.vllm_routes`) are registered here too. Bad input is a 400
-with ``{"error": {"message": ...}}`` and the server keeps serving.
+control routes (`areal_lite.engines.vllm_routes`) and SGLang's LoRA adapter routes
+(`areal_lite.engines.lora_routes`) are registered here too. Bad input is a 400 with
+``{"error": {"message": ...}}`` and the server keeps serving.
 
 Deliberate differences from SGLang: weight versions are integers (as strings on the wire, "0" at
 start); ``meta_info`` carries one extra key, ``output_token_versions`` (the version of each output
@@ -29,6 +30,7 @@ from aiohttp import web
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
+from areal_lite.engines.lora_routes import LoRARoutes, check_lora_path
 from areal_lite.engines.openai_api import OpenAIRoutes
 from areal_lite.engines.request import GenerationResult, SamplingParams
 from areal_lite.engines.scheduler import Scheduler
@@ -179,6 +181,7 @@ class Server:
         r.add_post("/continue_generation", self.continue_generation)
         OpenAIRoutes(self.scheduler, self.args.model_path).register(r)
         VLLMRoutes(self.scheduler, self.args.device).register(r)
+        LoRARoutes(self.scheduler).register(r)
         return app
 
     @web.middleware
@@ -235,6 +238,7 @@ class Server:
         prompts = self._prompts(body)
         is_batch = isinstance(body["text"], list) if has_text else isinstance(body["input_ids"][0], list)  # type: ignore[index]
         params, n, skip_special, no_stop_trim = parse_sampling_params(body.get("sampling_params"))
+        check_lora_path(body.get("lora_path"), len(prompts), self.scheduler.adapter.name)
         return_logprob = bool_field(body, "return_logprob", False)
         start_len = int_field(body, "logprob_start_len", -1)
         rids = body.get("rid")

@@ -6,7 +6,8 @@ the global loss normalisation (each micro-batch loss weighted by ``loss_weight_f
 ``total`` summed over the micro-batches and the data-parallel ranks) with the weighted means of
 the loss and the stats reduced over those ranks; `train_batch` as `forward_backward` then
 `optim_step`, and the optimizer step itself (one-step hyperparameters, the skip on a non-finite
-gradient norm); `save` / `load` dispatch by `SaveLoadMeta.weight_format`; teardown.
+gradient norm); `save` / `load` dispatch by `SaveLoadMeta.weight_format`; teardown. LoRA is the
+FSDP engine's alone (it overrides the adapter methods).
 
 What a backend implements (the abstract methods at the end of the class): how a batch becomes
 packed micro-batches and runs through the model with its losses, how gradients are clipped and
@@ -176,6 +177,8 @@ class TrainEngineBase(TrainEngine):
         """Collective: every rank calls it; all have finished writing when it returns."""
         if meta.weight_format == "hf":
             self._save_hf(meta.path, meta.tokenizer)
+        elif meta.weight_format == "peft":
+            self._save_adapter(meta.path)
         elif meta.weight_format == "train_state":
             self._save_train_state(meta.path)
         else:
@@ -185,6 +188,8 @@ class TrainEngineBase(TrainEngine):
     def load(self, meta: SaveLoadMeta) -> None:
         if meta.weight_format == "hf":
             self._load_hf_weights(meta.path)
+        elif meta.weight_format == "peft":
+            raise ValueError("loading a PEFT adapter into a train engine is not supported: resume from a train_state")
         elif meta.weight_format == "train_state":
             self._load_train_state(meta.path)
         else:
@@ -213,6 +218,10 @@ class TrainEngineBase(TrainEngine):
     def _write_weights(self, path: str) -> None:
         """A disk weight update: the HF directory the inference servers load (collective)."""
         self._save_hf(path, None)
+
+    def _save_adapter(self, path: str) -> None:
+        """A PEFT adapter directory (``weight_format="peft"``); engines that train LoRA override it."""
+        raise ValueError(f"{type(self).__name__} trains no LoRA adapter: there is no PEFT adapter to save")
 
     # ---------------------------------------------------------------- what a backend implements
 

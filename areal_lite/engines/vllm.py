@@ -57,7 +57,12 @@ def _answer(choice: dict[str, object]) -> Answer:
 class RemoteVLLMEngine(RemoteEngine):
     """`InferenceEngine` over vLLM servers (or ours, which serves the same routes)."""
 
-    def __init__(self, config: InferenceEngineConfig, control_servers: bool = True) -> None:
+    def __init__(self, config: InferenceEngineConfig, control_servers: bool = True, adapter_name: str | None = None) -> None:
+        if adapter_name is not None:
+            raise ValueError(
+                "LoRA adapters are served through SGLang's protocol only: use launcher.backend sglang or areal "
+                "(or local), or train full weights (actor.lora.rank=0)"
+            )
         if config.pause_mode != "abort":
             raise ValueError(
                 "RemoteVLLMEngine needs rollout.pause_mode=abort: vLLM does not tell which tokens a "

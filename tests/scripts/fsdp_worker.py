@@ -19,6 +19,7 @@ comma-separated list of the checks below. Rank 0 writes ``OUT_DIR/<CHECKS>_w<wor
   prompt computed once equal those of the ordinary packed forward.
 - ``accumulation``: forward_backward on three batches, then one optim_step, against one
   train_batch on their union (SGD); optim_step's one-step lr, weight_decay and max_grad_norm.
+- ``lora``: LoRA adapters (tests/scripts/lora_checks.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import sys
 import torch
 import torch.distributed as dist
 from engine_checks import WeightReceiver, group_batch, make_batch, n_tokens, nll, scaled
+from lora_checks import check_lora
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -362,6 +364,7 @@ def main() -> None:
         "critic": check_critic,
         "shared_prefix": check_shared_prefix,
         "accumulation": check_accumulation,
+        "lora": lambda res: check_lora(res, MODEL, OUT),
     }
     res: dict[str, object] = {}
     for name in CHECKS:

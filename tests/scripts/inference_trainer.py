@@ -4,8 +4,11 @@ Usage: ``torchrun --nproc-per-node 2 inference_trainer.py MODEL_DIR ADDR[,ADDR..
 
 It trains one step, sends the weights by disk, and checks that the servers' log-probabilities of
 freshly generated tokens equal its own `forward`; then trains again, sends the weights by gloo
-broadcast, and checks again. Rank 0 writes ``WORKDIR/trainer.json``: per update, the largest
-log-probability difference and the versions the tokens carried.
+broadcast, and checks again. With sglang it then does the same with a LoRA engine, whose updates
+carry the adapter alone (a PEFT directory through ``/load_lora_adapter``, then a broadcast of its
+tensors) and whose requests name it, and unloads the adapter at the end. Rank 0 writes
+``WORKDIR/trainer.json``: per update, the largest log-probability difference and the versions the
+tokens carried.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ import json
 import os
 import sys
 
+import aiohttp
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from areal_lite.api.config import InferenceEngineConfig, OptimizerConfig, TrainEngineConfig
+from areal_lite.api.config import InferenceEngineConfig, LoRAConfig, OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, WeightUpdateMeta
 from areal_lite.engines.fsdp import FSDPEngine
@@ -103,12 +107,52 @@ def main() -> None:
     engine.update_weights(dist_meta)
     report["broadcast"] = check(engine, rollout)
 
+    engine.destroy()
+    if CLIENT is RemoteSGLangEngine:
+        report.update(check_lora(rollout))
     if rollout is not None:
         with open(os.path.join(WORKDIR, "trainer.json"), "w") as f:
             json.dump(report, f)
         rollout.destroy()
-    engine.destroy()
     destroy_default_group()
+
+
+def check_lora(full_rollout: RemoteEngine | None) -> dict[str, object]:
+    """The servers back on the base weights, then a LoRA engine: its adapter sent at connect, after
+    a step through disk, after another by broadcast; then the servers unload it."""
+    rollout = None
+    if full_rollout is not None:
+        full_rollout.update_weights(WeightUpdateMeta(type="disk", path=MODEL, version=0)).result()
+        rollout = RemoteSGLangEngine(InferenceEngineConfig(addresses=ADDRESSES, request_timeout=120), adapter_name="policy")
+        rollout.initialize()
+    lora = LoRAConfig(rank=4, alpha=16.0)
+    engine = FSDPEngine(TrainEngineConfig(path=MODEL, optimizer=OptimizerConfig(lr=1e-2), lora=lora))
+    engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=16, train_batch_size=4))
+    disk_meta = WeightUpdateMeta(type="disk", path=os.path.join(WORKDIR, "adapter"))
+    engine.connect_engine(rollout, disk_meta)  # type: ignore[arg-type]
+    report: dict[str, object] = {"lora_connect": check(engine, rollout)}
+    train_step(engine, seed=3)
+    engine.set_version(3)
+    engine.update_weights(disk_meta)
+    report["lora_disk"] = check(engine, rollout)
+    dist_meta = WeightUpdateMeta(type="distributed", backend="gloo", group_name="lora_group", chunk_bytes=16 * 1024)
+    engine.connect_engine(rollout, dist_meta)  # type: ignore[arg-type]
+    train_step(engine, seed=4)
+    engine.set_version(4)
+    engine.update_weights(dist_meta)
+    report["lora_broadcast"] = check(engine, rollout)
+    if rollout is not None:
+        asyncio.run(unload_adapter())
+        rollout.destroy()
+    engine.destroy()
+    return report
+
+
+async def unload_adapter() -> None:
+    async with aiohttp.ClientSession() as session:
+        for address in ADDRESSES:
+            async with session.post(f"http://{address}/unload_lora_adapter", json={"lora_name": "policy"}) as r:
+                assert r.status == 200, await r.text()
 
 
 if __name__ == "__main__":
