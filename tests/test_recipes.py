@@ -44,7 +44,7 @@ from areal_lite.utils.tiny import build_tiny_model
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-from recipes_worker import grpo_delta, random_samples
+from recipes_worker import grpo_delta, random_samples, sample
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +291,8 @@ def test_bad_input_gets_a_clear_error(model_dir):
             await model.train_ppo(StringThread([("user", "q")]).assistant("a"), [0.0], 1.0)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="longer than max_seq_len"):
             await model.tokenize_thread(StringThread([("user", "x " * 200)]))
+        with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
+            await model.logprobs_per_token(sample([1, 2], [10**6]))
         with pytest.raises(ValueError, match="exists already"):
             await ModelBuilder(model_dir).spawn_train("errors")
         await shutdown(model)

@@ -266,7 +266,7 @@ class InferenceModel:
     async def _score(self, thread: TokenizedThread) -> list[float]:
         if thread.n_trained == 0:
             raise ValueError("the thread has no trained token (no assistant turn): there is nothing to score")
-        self.threads.check_length(thread)
+        self.threads.check(thread)
         return await self._packed("forward", thread)  # type: ignore[return-value]
 
     def _forward_handler(self, items: list[object]) -> list[object]:
@@ -370,6 +370,14 @@ class _Trainable(InferenceModel):
         self._queued: list[tuple[Loss, list[TrainRow]]] = []
         self.version = 0
         """Optimizer steps taken: the policy version its generations are tagged with."""
+
+    def _trainable(self, sample: TokenizedThread, what: str) -> TokenizedThread:
+        if not isinstance(sample, TokenizedThread):
+            raise TypeError(f"{what} takes a TokenizedThread (tokenize_thread gives one), got {type(sample).__name__}")
+        if sample.n_trained == 0:
+            raise ValueError(f"{what}: the thread has no assistant turn (no token of weight > 0): nothing to train on")
+        self.threads.check(sample)
+        return sample
 
     def _queue(self, loss: Loss, *rows: TrainRow) -> None:
         if self._closed:
@@ -497,14 +505,6 @@ class TrainingModel(_Trainable):
         return WeightUpdateMeta(type="disk", path=path)
 
     # ---------------------------------------------------------------- gradient contributions
-
-    def _trainable(self, sample: TokenizedThread, what: str) -> TokenizedThread:
-        if not isinstance(sample, TokenizedThread):
-            raise TypeError(f"{what} takes a TokenizedThread (tokenize_thread gives one), got {type(sample).__name__}")
-        if sample.n_trained == 0:
-            raise ValueError(f"{what}: the thread has no assistant turn (no token of weight > 0): nothing to train on")
-        self.threads.check_length(sample)
-        return sample
 
     async def train_sft(self, sample: TokenizedThread | StringThread) -> None:
         """Supervised fine-tuning: the token-mean negative log-likelihood of the trained tokens."""
@@ -649,8 +649,7 @@ class ValueModel(_Trainable):
     ) -> None:
         """PPO's clipped value loss toward ``returns``, the new values clipped to within
         ``clip_range`` of ``values`` (the ones the returns were computed with)."""
-        if sample.n_trained == 0:
-            raise ValueError("train_value: the thread has no assistant turn (no token of weight > 0)")
+        sample = self._trainable(sample, "train_value")
         row = train_row(sample, values=per_token("values", values, sample), returns=per_token("returns", returns, sample))
         self._queue(ValueLoss(eps_clip=clip_range), row)
 

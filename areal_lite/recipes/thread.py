@@ -183,7 +183,7 @@ class ThreadTokenizer:
                 turns.append(self._assistant_turn(full[len(rendered) :], content))
             rendered = full
         out = TokenizedThread(turns, dict(thread.metadata))
-        self.check_length(out)
+        self.check(out)
         return out
 
     def _assistant_turn(self, text: str, content: str) -> TokenizedTurn:
@@ -209,6 +209,12 @@ class ThreadTokenizer:
     def detokenize(self, thread: TokenizedThread) -> StringThread:
         return StringThread([(t.role, t.content) for t in thread.turns], dict(thread.metadata))
 
-    def check_length(self, thread: TokenizedThread) -> None:
+    def check(self, thread: TokenizedThread) -> None:
+        """A clear error for a thread the model cannot take: too long, or a token id the
+        tokenizer does not have."""
         if len(thread) > self.max_seq_len:
             raise ValueError(f"a thread of {len(thread)} tokens is longer than max_seq_len={self.max_seq_len}")
+        vocab = len(self.tokenizer)  # type: ignore[arg-type]
+        bad = [t for t in thread.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the tokenizer's vocabulary of {vocab}")
