@@ -265,7 +265,9 @@ def test_save_writes_the_current_weights(model_dir, tmp_path):
         await model.save(str(tmp_path / "out"))
         loaded = await ModelBuilder(str(tmp_path / "out"), sgd_config()).spawn_inference("loaded")
         torch.testing.assert_close(await loaded.logprobs_per_token(s[1]), await model.logprobs_per_token(s[1]))
-        await shutdown(loaded, model)
+        await loaded.close()
+        again = await ModelBuilder(str(tmp_path / "out"), sgd_config()).spawn_inference("loaded")  # the name is free again
+        await shutdown(again, model)
 
     run(go())
 

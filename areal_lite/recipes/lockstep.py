@@ -90,6 +90,11 @@ class EngineThread:
                 raise ValueError(f"a packed operation {key!r} is already registered (two models with one name?)")
             self._handlers[key] = handler
 
+    def unregister(self, key: str) -> None:
+        """Forget a packed operation (its model was closed)."""
+        with self._cond:
+            self._handlers.pop(key, None)
+
     def pack(self, key: str, item: object) -> Future:
         """Request ``item`` be processed by ``key``'s handler, with every other pending request of that key."""
         if key not in self._handlers:

@@ -56,7 +56,7 @@ from areal_lite.api.io import (
     WeightUpdateMeta,
 )
 from areal_lite.kit import make_train_engine
-from areal_lite.recipes.lockstep import EngineThread, close_engine_thread, engine_thread
+from areal_lite.recipes.lockstep import EngineThread, PackHandler, close_engine_thread, engine_thread
 from areal_lite.recipes.losses import (
     DPOLoss,
     Loss,
@@ -218,7 +218,8 @@ class InferenceModel:
         self.tokenizer = tokenizer
         self.threads = ThreadTokenizer(tokenizer, config.use_chat_template, config.max_seq_len)
         self._thread = engine_thread()
-        self._thread.register(f"{name}/forward", self._forward_handler)
+        self._packed_keys: list[str] = []
+        self._register("forward", self._forward_handler)
         self._generator: InferenceEngine | None = None
         self._generator_lock = threading.Lock()
         self._closed = False
@@ -234,9 +235,19 @@ class InferenceModel:
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
         model = cls(name, path, config, engine, tokenizer)
         ft_spec = FinetuneSpec(total_train_epochs=1, dataset_size=1, train_batch_size=1) if trainable else None
-        await model._call("spawn", lambda: engine.initialize(ft_spec))
+        try:
+            await model._call("spawn", lambda: engine.initialize(ft_spec))
+        except BaseException:
+            for key in model._packed_keys:
+                model._thread.unregister(key)
+            raise
         _Process.names.add(name)
         return model
+
+    def _register(self, what: str, handler: PackHandler) -> None:
+        key = f"{self.name}/{what}"
+        self._thread.register(key, handler)
+        self._packed_keys.append(key)
 
     async def _call(self, what: str, fn: Callable[[], T]) -> T:
         """``fn()`` on the engine thread, once every rank has asked for ``what`` of this model."""
@@ -358,6 +369,8 @@ class InferenceModel:
         if self._generator is not None:
             await asyncio.to_thread(self._generator.destroy)
         self._closed = True
+        for key in self._packed_keys:
+            self._thread.unregister(key)
         _Process.names.discard(self.name)
 
 
@@ -457,7 +470,7 @@ class TrainingModel(_Trainable):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        self._thread.register(f"{self.name}/sync", self._sync_handler)
+        self._register("sync", self._sync_handler)
         self._weights = 0
         """Counts the changes of the train engine's weights (steps, loads)."""
         self._generator_weights: int | None = None
