@@ -5,20 +5,21 @@ a step's pairs whose implicit reward ranks the preferred answer first, before th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 from areal_lite.recipes.concurrency import async_map
-from areal_lite.recipes.data import CosineScheduler, DataSet
+from areal_lite.recipes.data import CosineScheduler
 from areal_lite.recipes.model import InferenceModel, TrainingModel
-from areal_lite.recipes.run import Evaluate, RecipeRun, RecipeRunConfig, per_rank
+from areal_lite.recipes.recipe import BatchRecipe
+from areal_lite.recipes.run import Evaluate, RecipeRunConfig
 from areal_lite.recipes.thread import StringThread
 
 Pair = tuple[StringThread, StringThread]
 """(preferred, dispreferred): the same prompt with two answers."""
 
 
-class DPO:
+class DPO(BatchRecipe[Pair]):
     """Train ``model`` on preference pairs.
 
     Args:
@@ -34,6 +35,8 @@ class DPO:
         run_config: checkpoints, recovery, evaluation and logging.
         evaluate: held-out scores, logged when due and after the last step.
     """
+
+    name: ClassVar[str] = "dpo"
 
     def __init__(
         self,
@@ -55,43 +58,23 @@ class DPO:
         for i, pair in enumerate(dataset):
             if len(pair) != 2:
                 raise ValueError(f"DPO item {i} is not a (preferred, dispreferred) pair")
-        self.dataset = DataSet(dataset, allow_looping=True, seed=data_seed)
-        self.model = model
-        self.samples_per_batch = per_rank(samples_per_batch, "samples_per_batch")
+        super().__init__(
+            dataset, model, lr=lr, samples_per_batch=samples_per_batch, max_grad_norm=max_grad_norm,
+            num_epochs=num_epochs, max_num_steps=max_num_steps, weight_decay=weight_decay, lr_scheduler=lr_scheduler,
+            data_seed=data_seed, run_config=run_config, evaluate=evaluate,
+        )  # fmt: skip
         self.beta = beta
-        self.lr_schedule = lr_scheduler or CosineScheduler(lr)
-        self.max_grad_norm = max_grad_norm
-        self.weight_decay = weight_decay
-        steps = num_epochs * math.ceil(len(self.dataset) / self.samples_per_batch)
-        self.total_steps = min(steps, max_num_steps) if max_num_steps else steps
-        self.run_config = run_config or RecipeRunConfig()
-        self.evaluate = evaluate
-        self.history: list[dict[str, float]] = []
-        """What each step logged (statistics, rewards, scores)."""
         self.model_ref: InferenceModel | None = None
 
-    async def train_pair(self, pair: Pair) -> None:
+    async def setup(self) -> None:
+        self.model_ref = await self.model.clone_inf()
+
+    async def teardown(self) -> None:
+        if self.model_ref is not None:
+            await self.model_ref.close()
+
+    async def train_item(self, item: Pair) -> None:
         assert self.model_ref is not None
-        preferred, dispreferred = await async_map(self.model.tokenize_thread, pair)
+        preferred, dispreferred = await async_map(self.model.tokenize_thread, item)
         ref_pos, ref_neg = await async_map(self.model_ref.logprobs_per_token, [preferred, dispreferred])
         await self.model.train_dpo(preferred, dispreferred, sum(ref_pos), sum(ref_neg), self.beta)
-
-    async def run(self) -> dict[str, float]:
-        """Train for ``total_steps`` steps (resuming after a crash when recovery is on); returns
-        the last step's statistics."""
-        self.model_ref = await self.model.clone_inf()
-        run = RecipeRun(self.run_config, "dpo", self.total_steps, {"policy": self.model}, self.dataset, self.evaluate)
-        stats: dict[str, float] = {}
-        try:
-            for step in range(await run.resume(), self.total_steps):
-                batch = [next(self.dataset) for _ in range(self.samples_per_batch)]
-                with run.timer("train"):
-                    await async_map(self.train_pair, batch)
-                    lr = self.lr_schedule(step / self.total_steps)
-                    stats = await self.model.optim_step(lr, wd=self.weight_decay, max_grad_norm=self.max_grad_norm)
-                stats = await run.end_step(step, stats)
-                self.history.append(stats)
-        finally:
-            run.close()
-            await self.model_ref.close()
-        return stats

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from areal_lite.algorithms import functional as F
 from areal_lite.api.io import GenerationConfig
 from areal_lite.recipes.concurrency import async_map, async_map_batch
-from areal_lite.recipes.data import CosineScheduler, DataSet, get_minibatches
+from areal_lite.recipes.data import CosineScheduler, DataSet
 from areal_lite.recipes.graders import Grader
 from areal_lite.recipes.model import InferenceModel, TrainingModel
+from areal_lite.recipes.recipe import Recipe, train_minibatches
 from areal_lite.recipes.run import Evaluate, RecipeRun, RecipeRunConfig, mean_of, per_rank
 from areal_lite.recipes.thread import StringThread, TokenizedThread, repeat_thread
 
@@ -37,7 +39,7 @@ class Sample:
     score: float
 
 
-class GRPO:
+class GRPO(Recipe):
     """GRPO on ``dataset`` (prompts as `StringThread`s) with ``grader`` as the reward.
 
     Args:
@@ -59,6 +61,8 @@ class GRPO:
         run_config: checkpoints, recovery, evaluation and logging.
         evaluate: held-out scores, logged when due and after the last step.
     """
+
+    name: ClassVar[str] = "grpo"
 
     def __init__(
         self,
@@ -84,11 +88,13 @@ class GRPO:
     ) -> None:
         if samples_per_batch % completions_per_sample:
             raise ValueError(f"samples_per_batch={samples_per_batch} is not a multiple of completions_per_sample={completions_per_sample}")
-        self.dataset = DataSet(dataset, allow_looping=True, seed=data_seed)
+        data = DataSet(dataset, allow_looping=True, seed=data_seed)
+        self.prompts_per_batch = per_rank(samples_per_batch // completions_per_sample, "prompts per batch")
+        steps = max_num_grpo_steps or max(1, len(data) // self.prompts_per_batch)
+        super().__init__({"policy": model}, data, steps, run_config, evaluate)
         self.model = model
         self.grader = grader
         self.completions_per_sample = completions_per_sample
-        self.prompts_per_batch = per_rank(samples_per_batch // completions_per_sample, "prompts per batch")
         self.samples_per_mini_batch = per_rank(samples_per_mini_batch, "samples_per_mini_batch")
         self.mini_epochs_per_batch = mini_epochs_per_batch
         self.lr_schedule = lr_scheduler or CosineScheduler(lr)
@@ -97,18 +103,7 @@ class GRPO:
         self.max_grad_norm = max_grad_norm
         self.weight_decay = weight_decay
         self.gconfig = gconfig
-        self.data_seed = data_seed
-        self.total_steps = max_num_grpo_steps or max(1, len(self.dataset) // self.prompts_per_batch)
-        self.run_config = run_config or RecipeRunConfig()
-        self.evaluate = evaluate
-        self.history: list[dict[str, float]] = []
-        """What each step logged (statistics, rewards, scores)."""
         self.model_ref: InferenceModel | None = None
-        self.step = 0
-
-    @property
-    def training_completion_percentage(self) -> float:
-        return self.step / self.total_steps
 
     async def gen_data(self, prompt: StringThread) -> list[Sample]:
         """A graded group of completions of ``prompt``, with advantages and log-probabilities."""
@@ -129,36 +124,27 @@ class GRPO:
     async def train_sample(self, s: Sample) -> None:
         await self.model.train_grpo(s.sample, s.logprobs, s.ref_logprobs, s.advantage, self.clip_range, self.kl_beta)
 
-    async def run(self) -> dict[str, float]:
-        """Train for ``total_steps`` steps (resuming after a crash when recovery is on); returns
-        the last step's statistics."""
+    async def setup(self) -> None:
         await self.grader.setup()
         # The reference is the policy as the recipe found it (cloned before a resume loads weights).
         self.model_ref = await self.model.clone_inf() if self.kl_beta > 0 else None
-        run = RecipeRun(self.run_config, "grpo", self.total_steps, {"policy": self.model}, self.dataset, self.evaluate)
-        stats: dict[str, float] = {}
-        try:
-            for step in range(await run.resume(), self.total_steps):
-                self.step = step
-                with run.timer("generate"):
-                    groups = await async_map_batch(self.gen_data, self.dataset, self.prompts_per_batch)
-                data = [s for group in groups for s in group]
-                lr = self.lr_schedule(self.training_completion_percentage)
-                step_stats = []
-                with run.timer("train"):
-                    for mini_batch in get_minibatches(data, self.samples_per_mini_batch, self.mini_epochs_per_batch, seed=step):
-                        await async_map(self.train_sample, mini_batch)
-                        step_stats.append(await self.model.optim_step(lr, wd=self.weight_decay, max_grad_norm=self.max_grad_norm))
-                run.record(
-                    reward_mean=mean_of([s.score for s in data]),
-                    completion_tokens=mean_of([len(s.logprobs) for s in data]),
-                    kl_k1=mean_of([lp - r for s in data for lp, r in zip(s.logprobs, s.ref_logprobs)]),
-                )
-                stats = {k: mean_of([s[k] for s in step_stats]) for k in step_stats[0]}
-                stats = await run.end_step(step, stats)
-                self.history.append(stats)
-        finally:
-            run.close()
-            if self.model_ref is not None:
-                await self.model_ref.close()
-        return stats
+
+    async def teardown(self) -> None:
+        if self.model_ref is not None:
+            await self.model_ref.close()
+
+    async def train_step(self, run: RecipeRun) -> dict[str, float]:
+        with run.timer("generate"):
+            groups = await async_map_batch(self.gen_data, self.dataset, self.prompts_per_batch)
+        data = [s for group in groups for s in group]
+        run.record(
+            reward_mean=mean_of([s.score for s in data]),
+            completion_tokens=mean_of([len(s.logprobs) for s in data]),
+            kl_k1=mean_of([lp - r for s in data for lp, r in zip(s.logprobs, s.ref_logprobs)]),
+        )
+        lr = self.lr_schedule(self.training_completion_percentage)
+        with run.timer("train"):
+            return await train_minibatches(
+                data, self.samples_per_mini_batch, self.mini_epochs_per_batch, self.step, self.train_sample,
+                lambda: self.model.optim_step(lr, wd=self.weight_decay, max_grad_norm=self.max_grad_norm),
+            )  # fmt: skip

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from areal_lite.algorithms import functional as F
 from areal_lite.api.io import GenerationConfig
-from areal_lite.recipes.concurrency import async_map, async_map_batch
-from areal_lite.recipes.data import CosineScheduler, DataSet, get_minibatches
+from areal_lite.recipes.concurrency import async_map_batch
+from areal_lite.recipes.data import CosineScheduler, DataSet
 from areal_lite.recipes.graders import Grader
 from areal_lite.recipes.model import InferenceModel, TrainingModel, ValueModel
+from areal_lite.recipes.recipe import Recipe, train_minibatches
 from areal_lite.recipes.run import Evaluate, RecipeRun, RecipeRunConfig, mean_of, per_rank
 from areal_lite.recipes.thread import StringThread, TokenizedThread
 
@@ -46,7 +48,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
     return float(1.0 - (returns - values).var(unbiased=False) / var) if var > 0 else 0.0
 
 
-class PPO:
+class PPO(Recipe):
     """PPO on ``dataset`` (prompts as `StringThread`s) with ``grader`` as the reward.
 
     Args:
@@ -69,6 +71,8 @@ class PPO:
         run_config: checkpoints, recovery, evaluation and logging.
         evaluate: held-out scores, logged when due and after the last step.
     """
+
+    name: ClassVar[str] = "ppo"
 
     def __init__(
         self,
@@ -94,14 +98,16 @@ class PPO:
         run_config: RecipeRunConfig | None = None,
         evaluate: Evaluate | None = None,
     ) -> None:
-        self.dataset = DataSet(dataset, allow_looping=True, seed=data_seed)
+        data = DataSet(dataset, allow_looping=True, seed=data_seed)
+        self.samples_per_batch = per_rank(samples_per_batch, "samples_per_batch")
+        steps = max_num_ppo_steps or max(1, len(data) // self.samples_per_batch)
+        super().__init__({"policy": policy_model, "value": value_model}, data, steps, run_config, evaluate)
         self.policy = policy_model
         self.value = value_model
         self.grader = grader
         self.policy_schedule = CosineScheduler(lr_policy)
         self.value_schedule = CosineScheduler(lr_value)
         self.kl_beta = kl_beta
-        self.samples_per_batch = per_rank(samples_per_batch, "samples_per_batch")
         self.samples_per_mini_batch = per_rank(samples_per_mini_batch or samples_per_batch, "samples_per_mini_batch")
         self.mini_epochs_per_batch = mini_epochs_per_batch
         self.gamma = gamma
@@ -110,11 +116,6 @@ class PPO:
         self.value_clip_range = value_clip_range
         self.max_grad_norm = max_grad_norm
         self.gconfig = gconfig
-        self.total_steps = max_num_ppo_steps or max(1, len(self.dataset) // self.samples_per_batch)
-        self.run_config = run_config or RecipeRunConfig()
-        self.evaluate = evaluate
-        self.history: list[dict[str, float]] = []
-        """What each step logged (statistics, rewards, scores)."""
         self.policy_ref: InferenceModel | None = None
 
     async def gen_data(self, prompt: StringThread) -> Rollout:
@@ -152,32 +153,26 @@ class PPO:
         await self.policy.train_ppo(r.sample, r.logprobs, r.advantages, self.clip_range)
         await self.value.train_value(r.sample, r.values, r.returns, self.value_clip_range)
 
-    async def run(self) -> dict[str, float]:
-        """Train for ``total_steps`` steps (resuming after a crash when recovery is on); returns
-        the last step's statistics."""
+    async def setup(self) -> None:
         await self.grader.setup()
         self.policy_ref = await self.policy.clone_inf() if self.kl_beta > 0 else None
-        models = {"policy": self.policy, "value": self.value}
-        run = RecipeRun(self.run_config, "ppo", self.total_steps, models, self.dataset, self.evaluate)  # type: ignore[arg-type]
-        stats: dict[str, float] = {}
-        try:
-            for step in range(await run.resume(), self.total_steps):
-                with run.timer("generate"):
-                    rollouts = await async_map_batch(self.gen_data, self.dataset, self.samples_per_batch)
-                run.record(reward_mean=mean_of([r.score for r in rollouts]), **self.compute_advantages(rollouts))
-                progress = step / self.total_steps
-                step_stats = []
-                with run.timer("train"):
-                    for mini_batch in get_minibatches(rollouts, self.samples_per_mini_batch, self.mini_epochs_per_batch, seed=step):
-                        await async_map(self.train_rollout, mini_batch)
-                        policy_stats = await self.policy.optim_step(self.policy_schedule(progress), max_grad_norm=self.max_grad_norm)
-                        value_stats = await self.value.optim_step(self.value_schedule(progress), max_grad_norm=self.max_grad_norm)
-                        step_stats.append({**policy_stats, **{f"value/{k}": v for k, v in value_stats.items()}})
-                stats = {k: mean_of([s[k] for s in step_stats]) for k in step_stats[0]}
-                stats = await run.end_step(step, stats)
-                self.history.append(stats)
-        finally:
-            run.close()
-            if self.policy_ref is not None:
-                await self.policy_ref.close()
-        return stats
+
+    async def teardown(self) -> None:
+        if self.policy_ref is not None:
+            await self.policy_ref.close()
+
+    async def train_step(self, run: RecipeRun) -> dict[str, float]:
+        with run.timer("generate"):
+            rollouts = await async_map_batch(self.gen_data, self.dataset, self.samples_per_batch)
+        run.record(reward_mean=mean_of([r.score for r in rollouts]), **self.compute_advantages(rollouts))
+        p = self.training_completion_percentage
+
+        async def optim_step() -> dict[str, float]:
+            policy = await self.policy.optim_step(self.policy_schedule(p), max_grad_norm=self.max_grad_norm)
+            value = await self.value.optim_step(self.value_schedule(p), max_grad_norm=self.max_grad_norm)
+            return {**policy, **{f"value/{k}": v for k, v in value.items()}}
+
+        with run.timer("train"):
+            return await train_minibatches(
+                rollouts, self.samples_per_mini_batch, self.mini_epochs_per_batch, self.step, self.train_rollout, optim_step
+            )

@@ -4,17 +4,17 @@ logging."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from typing import ClassVar
 
-from areal_lite.recipes.concurrency import async_map
-from areal_lite.recipes.data import CosineScheduler, DataSet
+from areal_lite.recipes.data import CosineScheduler
 from areal_lite.recipes.model import TrainingModel
-from areal_lite.recipes.run import Evaluate, RecipeRun, RecipeRunConfig, per_rank
+from areal_lite.recipes.recipe import BatchRecipe
+from areal_lite.recipes.run import Evaluate, RecipeRunConfig
 from areal_lite.recipes.thread import StringThread
 
 
-class SFT:
+class SFT(BatchRecipe[StringThread]):
     """Fine-tune ``model`` on ``dataset`` (threads whose assistant turns are the targets).
 
     Args:
@@ -29,6 +29,8 @@ class SFT:
         run_config: checkpoints, recovery, evaluation and logging.
         evaluate: held-out scores, logged when due and after the last step.
     """
+
+    name: ClassVar[str] = "sft"
 
     def __init__(
         self,
@@ -46,33 +48,11 @@ class SFT:
         run_config: RecipeRunConfig | None = None,
         evaluate: Evaluate | None = None,
     ) -> None:
-        self.dataset = DataSet(dataset, allow_looping=True, seed=data_seed)
-        self.model = model
-        self.samples_per_batch = per_rank(samples_per_batch, "samples_per_batch")
-        self.lr_schedule = lr_scheduler or CosineScheduler(lr)
-        self.max_grad_norm = max_grad_norm
-        self.weight_decay = weight_decay
-        steps = num_epochs * math.ceil(len(self.dataset) / self.samples_per_batch)
-        self.total_steps = min(steps, max_num_steps) if max_num_steps else steps
-        self.run_config = run_config or RecipeRunConfig()
-        self.evaluate = evaluate
-        self.history: list[dict[str, float]] = []
-        """What each step logged (statistics, rewards, scores)."""
+        super().__init__(
+            dataset, model, lr=lr, samples_per_batch=samples_per_batch, max_grad_norm=max_grad_norm,
+            num_epochs=num_epochs, max_num_steps=max_num_steps, weight_decay=weight_decay, lr_scheduler=lr_scheduler,
+            data_seed=data_seed, run_config=run_config, evaluate=evaluate,
+        )  # fmt: skip
 
-    async def run(self) -> dict[str, float]:
-        """Train for ``total_steps`` steps (resuming after a crash when recovery is on); returns
-        the last step's statistics."""
-        run = RecipeRun(self.run_config, "sft", self.total_steps, {"model": self.model}, self.dataset, self.evaluate)
-        stats: dict[str, float] = {}
-        try:
-            for step in range(await run.resume(), self.total_steps):
-                batch = [next(self.dataset) for _ in range(self.samples_per_batch)]
-                with run.timer("train"):
-                    await async_map(self.model.train_sft, batch)
-                    lr = self.lr_schedule(step / self.total_steps)
-                    stats = await self.model.optim_step(lr, wd=self.weight_decay, max_grad_norm=self.max_grad_norm)
-                stats = await run.end_step(step, stats)
-                self.history.append(stats)
-        finally:
-            run.close()
-        return stats
+    async def train_item(self, item: StringThread) -> None:
+        await self.model.train_sft(item)

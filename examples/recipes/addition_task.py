@@ -16,12 +16,14 @@ from areal_lite.recipes import (
     Grader,
     ModelBuilder,
     ModelConfig,
+    RecipeRunConfig,
     RewardFnGrader,
     StringThread,
     TrainingModel,
     async_map,
 )
 from areal_lite.recipes.data import data_parallel_rank
+from areal_lite.recipes.run import Evaluate
 from areal_lite.rewards.format import exact_answer_reward
 from areal_lite.utils.datasets import addition_problems
 from areal_lite.utils.tiny import build_tiny_model
@@ -68,6 +70,24 @@ class WarmupConfig:
 def default_model() -> ModelConfig:
     """Raw text (no chat template), short threads, each group's prompt through the model once."""
     return ModelConfig(use_chat_template=False, max_seq_len=64, max_running_requests=256, shared_prefix=True)
+
+
+@dataclass
+class ExampleConfig:
+    """What every recipe-class example has: the task, the model's engines and the run's outputs.
+    A script's config adds its recipe's settings."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=default_model)
+    run: RecipeRunConfig = field(default_factory=RecipeRunConfig)
+    """Output directory, checkpoints, recovery, evaluation schedule, statistics."""
+
+
+@dataclass
+class RLExampleConfig(ExampleConfig):
+    """An example that starts from the SFT warm-up."""
+
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
 
 
 @dataclass
@@ -127,6 +147,27 @@ async def greedy_accuracy(model: TrainingModel, problems: list[Problem], max_new
     done = await async_map(lambda p: model.generate(prompt_thread(p), greedy), problems)
     scores = await async_map(grader.score_float_value, done)
     return sum(scores) / len(scores)
+
+
+async def start(
+    task: TaskConfig, model_config: ModelConfig, output_dir: str, warmup: WarmupConfig | None = None
+) -> tuple[Split, TrainingModel, float]:
+    """The splits, the policy (after the SFT warm-up when ``warmup`` is given) and its held-out
+    greedy accuracy."""
+    split = splits(task)
+    model = await spawn_policy(task, model_config, output_dir)
+    if warmup is not None:
+        await warm_up_with_sft(model, task, warmup, split)
+    return split, model, await greedy_accuracy(model, split.held_out)
+
+
+def held_out_accuracy(model: TrainingModel, split: Split) -> Evaluate:
+    """The recipes' ``evaluate``: ``eval/accuracy``, greedy on the held-out problems."""
+
+    async def evaluate() -> dict[str, float]:
+        return {"eval/accuracy": await greedy_accuracy(model, split.held_out)}
+
+    return evaluate
 
 
 async def warm_up_with_sft(model: TrainingModel, task: TaskConfig, warmup: WarmupConfig, split: Split) -> float:

@@ -16,28 +16,23 @@ from dataclasses import dataclass, field
 
 from addition_task import (
     Problem,
-    TaskConfig,
+    RLExampleConfig,
     WarmupConfig,
-    default_model,
     demonstration,
     greedy_accuracy,
     prompt_thread,
-    spawn_policy,
-    splits,
-    warm_up_with_sft,
+    start,
 )
 
 from areal_lite.api.config import load_config
 from areal_lite.kit import print_rank0
-from areal_lite.recipes import DPO, ModelConfig, RecipeRunConfig, StringThread, TrainingModel, async_map, shutdown
+from areal_lite.recipes import DPO, StringThread, TrainingModel, async_map, shutdown
 
 
 @dataclass
-class DPOExampleConfig:
-    task: TaskConfig = field(default_factory=TaskConfig)
+class DPOExampleConfig(RLExampleConfig):
     warmup: WarmupConfig = field(default_factory=lambda: WarmupConfig(target_acc=0.1))
-    model: ModelConfig = field(default_factory=default_model)
-    run: RecipeRunConfig = field(default_factory=lambda: RecipeRunConfig(output_dir="outputs/recipes/dpo"))
+    """A short warm-up: the format, not the skill."""
     steps: int = 200
     """DPO steps."""
     samples_per_batch: int = 64
@@ -69,14 +64,11 @@ async def preference_accuracy(model: TrainingModel, pairs: list[tuple[StringThre
 
 async def main(cfg: DPOExampleConfig) -> None:
     t0 = time.time()
-    split = splits(cfg.task)
     rng = random.Random(cfg.task.seed)
+    split, model, acc_before = await start(cfg.task, cfg.model, cfg.run.output_dir, cfg.warmup)
     train_pairs = [preference_pair(p, rng) for p in split.train]
     held_out_pairs = [preference_pair(p, rng) for p in split.held_out]
-    model = await spawn_policy(cfg.task, cfg.model, cfg.run.output_dir)
-    await warm_up_with_sft(model, cfg.task, cfg.warmup, split)
     pref_before = await preference_accuracy(model, held_out_pairs)
-    acc_before = await greedy_accuracy(model, split.held_out)
 
     async def evaluate() -> dict[str, float]:
         return {"eval/preference_accuracy": await preference_accuracy(model, held_out_pairs)}

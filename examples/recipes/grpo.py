@@ -10,33 +10,19 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from addition_task import (
-    TaskConfig,
-    WarmupConfig,
-    default_model,
-    exact_grader,
-    greedy_accuracy,
-    prompt_thread,
-    spawn_policy,
-    splits,
-    warm_up_with_sft,
-)
+from addition_task import RLExampleConfig, exact_grader, held_out_accuracy, prompt_thread, start
 
 from areal_lite.api.config import load_config
 from areal_lite.api.io import GenerationConfig
 from areal_lite.kit import print_rank0
-from areal_lite.recipes import GRPO, CosineScheduler, ModelConfig, RecipeRunConfig, shutdown
+from areal_lite.recipes import GRPO, CosineScheduler, shutdown
 
 
 @dataclass
-class GRPOExampleConfig:
-    task: TaskConfig = field(default_factory=TaskConfig)
-    warmup: WarmupConfig = field(default_factory=WarmupConfig)
-    model: ModelConfig = field(default_factory=default_model)
-    run: RecipeRunConfig = field(default_factory=lambda: RecipeRunConfig(output_dir="outputs/recipes/grpo"))
-    steps: int = 300
+class GRPOExampleConfig(RLExampleConfig):
+    steps: int = 100
     """GRPO steps."""
     completions_per_sample: int = 8
     """Group size."""
@@ -56,19 +42,13 @@ class GRPOExampleConfig:
 
 async def main(cfg: GRPOExampleConfig) -> None:
     t0 = time.time()
-    split = splits(cfg.task)
-    model = await spawn_policy(cfg.task, cfg.model, cfg.run.output_dir)
-    await warm_up_with_sft(model, cfg.task, cfg.warmup, split)
-    acc_before = await greedy_accuracy(model, split.held_out)
-
-    async def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": await greedy_accuracy(model, split.held_out)}
-
+    split, model, acc_before = await start(cfg.task, cfg.model, cfg.run.output_dir, cfg.warmup)
     grpo = GRPO(
         [prompt_thread(p) for p in split.train], model, exact_grader(), cfg.completions_per_sample,
         kl_beta=cfg.kl_beta, samples_per_batch=cfg.samples_per_batch, samples_per_mini_batch=cfg.samples_per_mini_batch,
         max_num_grpo_steps=cfg.steps, lr_scheduler=CosineScheduler(cfg.lr, warmup_fraction=cfg.warmup_fraction),
-        gconfig=GenerationConfig(max_new_tokens=cfg.max_new_tokens), run_config=cfg.run, evaluate=evaluate,
+        gconfig=GenerationConfig(max_new_tokens=cfg.max_new_tokens), run_config=cfg.run,
+        evaluate=held_out_accuracy(model, split),
     )  # fmt: skip
     last = await grpo.run()
     await shutdown(model)

@@ -31,9 +31,7 @@ from addition_task import (
     exact_grader,
     greedy_accuracy,
     prompt_thread,
-    spawn_policy,
-    splits,
-    warm_up_with_sft,
+    start,
 )
 
 from areal_lite.algorithms.functional import grpo_advantages
@@ -174,11 +172,7 @@ class WalkthroughConfig:
 async def main(cfg: WalkthroughConfig) -> None:
     t_start = time.time()
     torch.manual_seed(cfg.seed)
-    split = splits(cfg.task)
-    policy = await spawn_policy(cfg.task, cfg.model, cfg.output_dir)
-
-    await warm_up_with_sft(policy, cfg.task, cfg.warmup, split)
-    acc_before = await greedy_accuracy(policy, split.held_out)
+    split, policy, acc_before = await start(cfg.task, cfg.model, cfg.output_dir, cfg.warmup)  # SFT warm-up included
     print_rank0(f"[walkthrough] held-out greedy accuracy after SFT: {acc_before:.3f} ({(time.time() - t_start) / 60:.1f} min)")
 
     t_rl = time.time()

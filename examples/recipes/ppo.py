@@ -10,32 +10,18 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from addition_task import (
-    TaskConfig,
-    WarmupConfig,
-    default_model,
-    exact_grader,
-    greedy_accuracy,
-    prompt_thread,
-    spawn_policy,
-    splits,
-    warm_up_with_sft,
-)
+from addition_task import RLExampleConfig, exact_grader, held_out_accuracy, prompt_thread, start
 
 from areal_lite.api.config import load_config
 from areal_lite.api.io import GenerationConfig
 from areal_lite.kit import print_rank0
-from areal_lite.recipes import PPO, ModelBuilder, ModelConfig, RecipeRunConfig, shutdown
+from areal_lite.recipes import PPO, ModelBuilder, shutdown
 
 
 @dataclass
-class PPOExampleConfig:
-    task: TaskConfig = field(default_factory=TaskConfig)
-    warmup: WarmupConfig = field(default_factory=WarmupConfig)
-    model: ModelConfig = field(default_factory=default_model)
-    run: RecipeRunConfig = field(default_factory=lambda: RecipeRunConfig(output_dir="outputs/recipes/ppo"))
+class PPOExampleConfig(RLExampleConfig):
     steps: int = 200
     """PPO steps."""
     samples_per_batch: int = 256
@@ -58,20 +44,15 @@ class PPOExampleConfig:
 
 async def main(cfg: PPOExampleConfig) -> None:
     t0 = time.time()
-    split = splits(cfg.task)
-    policy = await spawn_policy(cfg.task, cfg.model, cfg.run.output_dir)
-    value = await ModelBuilder(policy.path, cfg.model).spawn_value("value")
-    await warm_up_with_sft(policy, cfg.task, cfg.warmup, split)
-    acc_before = await greedy_accuracy(policy, split.held_out)
-
-    async def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": await greedy_accuracy(policy, split.held_out)}
+    split, policy, acc_before = await start(cfg.task, cfg.model, cfg.run.output_dir, cfg.warmup)
+    value = await ModelBuilder(policy.path, cfg.model).spawn_value("value")  # the base network, a new head
 
     ppo = PPO(
         [prompt_thread(p) for p in split.train], policy, value, exact_grader(), lr_policy=cfg.lr_policy,
         lr_value=cfg.lr_value, kl_beta=cfg.kl_beta, samples_per_batch=cfg.samples_per_batch, max_num_ppo_steps=cfg.steps,
         samples_per_mini_batch=cfg.samples_per_mini_batch, gamma=cfg.gamma, lam=cfg.lam,
-        gconfig=GenerationConfig(max_new_tokens=cfg.max_new_tokens), run_config=cfg.run, evaluate=evaluate,
+        gconfig=GenerationConfig(max_new_tokens=cfg.max_new_tokens), run_config=cfg.run,
+        evaluate=held_out_accuracy(policy, split),
     )  # fmt: skip
     last = await ppo.run()
     await shutdown(policy, value)

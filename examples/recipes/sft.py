@@ -10,20 +10,17 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from addition_task import TaskConfig, default_model, demonstration, greedy_accuracy, spawn_policy, splits
+from addition_task import ExampleConfig, demonstration, held_out_accuracy, start
 
 from areal_lite.api.config import load_config
 from areal_lite.kit import print_rank0
-from areal_lite.recipes import SFT, ModelConfig, RecipeRunConfig, shutdown
+from areal_lite.recipes import SFT, shutdown
 
 
 @dataclass
-class SFTExampleConfig:
-    task: TaskConfig = field(default_factory=TaskConfig)
-    model: ModelConfig = field(default_factory=default_model)
-    run: RecipeRunConfig = field(default_factory=lambda: RecipeRunConfig(output_dir="outputs/recipes/sft"))
+class SFTExampleConfig(ExampleConfig):
     lr: float = 1e-3
     """Peak learning rate (cosine to 0)."""
     samples_per_batch: int = 128
@@ -36,16 +33,11 @@ class SFTExampleConfig:
 
 async def main(cfg: SFTExampleConfig) -> None:
     t0 = time.time()
-    split = splits(cfg.task)
-    model = await spawn_policy(cfg.task, cfg.model, cfg.run.output_dir)
-    acc_before = await greedy_accuracy(model, split.held_out)
-
-    async def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": await greedy_accuracy(model, split.held_out)}
-
+    split, model, acc_before = await start(cfg.task, cfg.model, cfg.run.output_dir)
     sft = SFT(
         [demonstration(p) for p in split.train], model, lr=cfg.lr, samples_per_batch=cfg.samples_per_batch,
-        max_grad_norm=cfg.max_grad_norm, max_num_steps=cfg.steps, run_config=cfg.run, evaluate=evaluate,
+        max_grad_norm=cfg.max_grad_norm, max_num_steps=cfg.steps, run_config=cfg.run,
+        evaluate=held_out_accuracy(model, split),
     )  # fmt: skip
     last = await sft.run()
     await shutdown(model)
