@@ -122,6 +122,24 @@ def test_raw_threads_and_string_thread_helpers(model_dir):
 # ----------------------------------------------------------------------------- the primitives
 
 
+async def grpo_inputs(model, n: int, seed: int):
+    """Samples, their current log-probs, and GRPO inputs around them: older log-probs (so that
+    clipping engages), reference log-probs and one advantage per sample."""
+    samples = random_samples(n, seed=seed)
+    current = await async_map(model.logprobs_per_token, samples)
+    g = torch.Generator().manual_seed(seed + 100)
+    old = [[x + 0.3 * float(torch.randn(1, generator=g)) for x in lp] for lp in current]
+    ref = [[x - 0.2 * float(torch.rand(1, generator=g)) for x in lp] for lp in current]
+    return samples, current, old, ref, torch.randn(n, generator=g).tolist()
+
+
+def largest_difference(before: dict[str, torch.Tensor], a, b) -> float:
+    """The largest difference between the parameter changes of two models that started equal."""
+    da, db = deltas(before, a.engine), deltas(before, b.engine)
+    assert sum(float(v.abs().sum()) for v in da.values()) > 0, "the update did nothing"
+    return max(float((da[k] - db[k]).abs().max()) for k in da)
+
+
 def test_train_grpo_then_optim_step_equals_ppo_update(model_dir):
     """The same batch, the same settings (clip, KL k3 in the loss, token mean), SGD-like steps."""
     clip, beta = 0.1, 0.05
@@ -129,27 +147,21 @@ def test_train_grpo_then_optim_step_equals_ppo_update(model_dir):
     async def go():
         a = await ModelBuilder(model_dir, sgd_config()).spawn_train("grpo_a")
         b = await ModelBuilder(model_dir, sgd_config()).spawn_train("grpo_b")
-        samples = random_samples(8, seed=1)
-        logprobs = await async_map(a.logprobs_per_token, samples)
-        noise = torch.Generator().manual_seed(2)
-        old = [[x + 0.3 * float(torch.randn(1, generator=noise)) for x in lp] for lp in logprobs]  # clipping engages
-        ref = [[x - 0.2 * float(torch.rand(1, generator=noise)) for x in lp] for lp in logprobs]
-        adv = torch.randn(8, generator=noise).tolist()
+        samples, _, old, ref, adv = await grpo_inputs(a, 8, seed=1)
         before = params(a.engine)
         await async_map(lambda i: a.train_grpo(samples[i], old[i], ref[i], adv[i], clip, beta), range(8))
         stats = await a.optim_step()
         assert stats["clip_frac"] > 0 and stats["n_samples"] == 8
 
-        batch = padded(samples, logprobs=old, prox_logp=old, ref_logp=ref, advantages=[[x] * s.n_trained for x, s in zip(adv, samples)])
+        per_token_adv = [[x] * s.n_trained for x, s in zip(adv, samples)]
+        batch = padded(samples, logprobs=old, prox_logp=old, ref_logp=ref, advantages=per_token_adv)
         cfg = PPOActorConfig(
             path=model_dir, optimizer=SGD_LIKE, eps_clip=clip, kl_ctl=beta, kl_estimator="k3", behav_imp_weight_cap=None,
             use_decoupled_loss=False,
         )  # fmt: skip
         actor = PPOActor(cfg, b.engine, ref_engine=b.engine)
         await b.with_engine("ppo_update", lambda _: actor.ppo_update(batch))
-        da, db = deltas(before, a.engine), deltas(before, b.engine)
-        assert sum(float(v.abs().sum()) for v in da.values()) > 0
-        worst = max(float((da[k] - db[k]).abs().max()) for k in da)
+        worst = largest_difference(before, a, b)
         assert worst < 1e-6, worst
         await shutdown(a, b)
 
@@ -162,12 +174,7 @@ def test_train_tangents_from_autodiff_of_the_grpo_loss_equals_train_grpo(model_d
     async def go():
         a = await ModelBuilder(model_dir, sgd_config()).spawn_train("tan_a")
         b = await ModelBuilder(model_dir, sgd_config()).spawn_train("tan_b")
-        samples = random_samples(6, seed=3)
-        current = await async_map(a.logprobs_per_token, samples)
-        g = torch.Generator().manual_seed(4)
-        old = [[x + 0.2 * float(torch.randn(1, generator=g)) for x in lp] for lp in current]
-        ref = [[x + 0.1 * float(torch.randn(1, generator=g)) for x in lp] for lp in current]
-        adv = torch.randn(6, generator=g).tolist()
+        samples, current, old, ref, adv = await grpo_inputs(a, 6, seed=3)
 
         # The GRPO loss of the whole batch as a function of the log-probabilities, differentiated.
         lens = [len(lp) for lp in current]
@@ -175,7 +182,8 @@ def test_train_tangents_from_autodiff_of_the_grpo_loss_equals_train_grpo(model_d
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         mask = torch.ones(len(logp), dtype=torch.bool)
         prox = torch.tensor([x for lp in old for x in lp])
-        per_token, _ = F.ppo_policy_loss(logp, prox, prox, torch.tensor([a for a, n in zip(adv, lens) for _ in range(n)]), mask, cu, eps_clip=clip)
+        per_token_adv = torch.tensor([a for a, n in zip(adv, lens) for _ in range(n)])
+        per_token, _ = F.ppo_policy_loss(logp, prox, prox, per_token_adv, mask, cu, eps_clip=clip)
         per_token = per_token + beta * F.kl_k3(logp, torch.tensor([x for lp in ref for x in lp]))
         F.token_mean(per_token, mask, cu).backward()
         tangents = logp.grad.split(lens)
@@ -185,9 +193,7 @@ def test_train_tangents_from_autodiff_of_the_grpo_loss_equals_train_grpo(model_d
         await a.optim_step()
         await async_map(lambda i: b.train_grpo(samples[i], old[i], ref[i], adv[i], clip, beta), range(6))
         await b.optim_step()
-        da, db = deltas(before, a.engine), deltas(before, b.engine)
-        assert sum(float(v.abs().sum()) for v in da.values()) > 0
-        worst = max(float((da[k] - db[k]).abs().max()) for k in da)
+        worst = largest_difference(before, a, b)
         assert worst < 1e-6, worst
         await shutdown(a, b)
 

@@ -20,21 +20,10 @@ Pair = tuple[StringThread, StringThread]
 
 
 class DPO(BatchRecipe[Pair]):
-    """Train ``model`` on preference pairs.
-
-    Args:
-        dataset: (preferred, dispreferred) thread pairs; each rank trains on its own share.
-        model: the policy; a frozen clone taken when `run` starts is the reference.
-        lr: peak learning rate of the cosine schedule (``lr_scheduler`` replaces it).
-        samples_per_batch: pairs per optimizer step, over all ranks.
-        beta: DPO's beta (strength of the implicit KL to the reference).
-        num_epochs: passes over the data (``max_num_steps`` may stop earlier).
-        max_grad_norm: gradient clipping.
-        weight_decay: AdamW weight decay.
-        data_seed: order of the data.
-        run_config: checkpoints, recovery, evaluation and logging.
-        evaluate: held-out scores, logged when due and after the last step.
-    """
+    """Train ``model`` on ``dataset``, (preferred, dispreferred) thread pairs, against a frozen
+    clone of ``model`` taken when `run` starts. ``beta`` is DPO's beta (the strength of the implicit
+    KL to the reference); the other arguments are `BatchRecipe`'s, with ``samples_per_batch``
+    counting pairs."""
 
     name: ClassVar[str] = "dpo"
 
@@ -46,9 +35,9 @@ class DPO(BatchRecipe[Pair]):
         samples_per_batch: int = 32,
         beta: float = 0.1,
         *,
+        max_grad_norm: float = 1.0,
         num_epochs: int = 1,
         max_num_steps: int | None = None,
-        max_grad_norm: float = 1.0,
         weight_decay: float = 0.0,
         lr_scheduler: CosineScheduler | None = None,
         data_seed: int = 42,
@@ -59,9 +48,9 @@ class DPO(BatchRecipe[Pair]):
             if len(pair) != 2:
                 raise ValueError(f"DPO item {i} is not a (preferred, dispreferred) pair")
         super().__init__(
-            dataset, model, lr=lr, samples_per_batch=samples_per_batch, max_grad_norm=max_grad_norm,
-            num_epochs=num_epochs, max_num_steps=max_num_steps, weight_decay=weight_decay, lr_scheduler=lr_scheduler,
-            data_seed=data_seed, run_config=run_config, evaluate=evaluate,
+            dataset, model, lr, samples_per_batch, max_grad_norm, num_epochs=num_epochs, max_num_steps=max_num_steps,
+            weight_decay=weight_decay, lr_scheduler=lr_scheduler, data_seed=data_seed, run_config=run_config,
+            evaluate=evaluate,
         )  # fmt: skip
         self.beta = beta
         self.model_ref: InferenceModel | None = None

@@ -78,24 +78,36 @@ class Recipe(abc.ABC):
 
 class BatchRecipe(Recipe, Generic[T]):
     """A recipe whose step is one optimizer step on the next ``samples_per_batch`` items (over
-    all ranks), each trained on by `train_item`, with a cosine learning rate. Runs ``num_epochs``
-    passes over the data, or ``max_num_steps`` steps if fewer."""
+    all ranks), each trained on by `train_item`, with a cosine learning rate.
+
+    Args:
+        dataset: the items; each rank trains on its own share.
+        model: the model to train.
+        lr: peak learning rate of the cosine schedule (``lr_scheduler`` replaces it).
+        samples_per_batch: items per optimizer step, over all ranks.
+        max_grad_norm: gradient clipping.
+        num_epochs: passes over the data (``max_num_steps`` may stop earlier).
+        weight_decay: AdamW weight decay.
+        data_seed: order of the data.
+        run_config: checkpoints, recovery, evaluation and logging.
+        evaluate: held-out scores, logged when due and after the last step.
+    """
 
     def __init__(
         self,
         dataset: Sequence[T],
         model: TrainingModel,
+        lr: float = 1e-5,
+        samples_per_batch: int = 64,
+        max_grad_norm: float = 1.0,
         *,
-        lr: float,
-        samples_per_batch: int,
-        max_grad_norm: float,
-        num_epochs: int,
-        max_num_steps: int | None,
-        weight_decay: float,
-        lr_scheduler: CosineScheduler | None,
-        data_seed: int,
-        run_config: RecipeRunConfig | None,
-        evaluate: Evaluate | None,
+        num_epochs: int = 1,
+        max_num_steps: int | None = None,
+        weight_decay: float = 0.0,
+        lr_scheduler: CosineScheduler | None = None,
+        data_seed: int = 42,
+        run_config: RecipeRunConfig | None = None,
+        evaluate: Evaluate | None = None,
     ) -> None:
         data = DataSet(dataset, allow_looping=True, seed=data_seed)
         self.samples_per_batch = per_rank(samples_per_batch, "samples_per_batch")
