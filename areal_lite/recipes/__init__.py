@@ -7,10 +7,11 @@ gradient contributions with ``train_grpo`` (or ``train_sft``, ``train_ppo``, ``t
 follow the training-primitive interface that users of commercial fine-tuning platforms know, so a
 recipe written in that style ports by changing its imports. docs/recipes.md is the guide.
 
-Layers: `thread` (conversations), `concurrency` and `data` (fan-out, data sets, schedules),
-`lockstep` (the engine thread), `losses` (train calls -> actor losses), `model` (the models),
-`graders`, `run` (checkpoints, logging and progress of the recipe classes) and the recipe classes
-`SFT`, `PPO`, `GRPO` and `DPO`.
+Modules, bottom up: `thread` (conversations), `concurrency` and `data` (fan-out, data sets,
+schedules), `lockstep` (the engine thread), `config` and `process` (what models are built from and
+share), `losses` (train calls -> actor losses), `inference` and `training` (the models), `model`
+(`ModelBuilder`, `shutdown`), `graders`, `run` and `recipe` (the recipe classes' loop, checkpoints,
+logging and progress) and the recipe classes `SFT`, `PPO`, `GRPO` and `DPO`.
 """
 
 from areal_lite.recipes.concurrency import async_map, async_map_batch

@@ -10,10 +10,11 @@ from typing import ClassVar
 
 from areal_lite.recipes.concurrency import async_map
 from areal_lite.recipes.data import CosineScheduler
-from areal_lite.recipes.model import InferenceModel, TrainingModel
+from areal_lite.recipes.inference import InferenceModel
 from areal_lite.recipes.recipe import BatchRecipe
 from areal_lite.recipes.run import Evaluate, RecipeRunConfig
 from areal_lite.recipes.thread import StringThread
+from areal_lite.recipes.training import TrainingModel
 
 Pair = tuple[StringThread, StringThread]
 """(preferred, dispreferred): the same prompt with two answers."""

@@ -22,10 +22,11 @@ from areal_lite.api.io import GenerationConfig
 from areal_lite.recipes.concurrency import async_map_batch
 from areal_lite.recipes.data import CosineScheduler, DataSet
 from areal_lite.recipes.graders import Grader
-from areal_lite.recipes.model import InferenceModel, TrainingModel, ValueModel
+from areal_lite.recipes.inference import InferenceModel
 from areal_lite.recipes.recipe import Recipe, train_minibatches
 from areal_lite.recipes.run import Evaluate, RecipeRun, RecipeRunConfig, mean_of, per_rank
 from areal_lite.recipes.thread import StringThread, TokenizedThread
+from areal_lite.recipes.training import TrainingModel, ValueModel
 
 
 @dataclass

@@ -13,8 +13,8 @@ from typing import ClassVar, Generic, TypeVar
 
 from areal_lite.recipes.concurrency import async_map
 from areal_lite.recipes.data import CosineScheduler, DataSet, get_minibatches
-from areal_lite.recipes.model import TrainingModel, _Trainable
 from areal_lite.recipes.run import Evaluate, RecipeRun, RecipeRunConfig, mean_of, per_rank
+from areal_lite.recipes.training import TrainingModel, _Trainable
 
 T = TypeVar("T")
 

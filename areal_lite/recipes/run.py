@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from areal_lite.api.config import EvaluatorConfig, RecoverConfig, SaverConfig, StatsLoggerConfig
 from areal_lite.api.engine import TrainEngine
 from areal_lite.recipes.data import DataSet, data_parallel_rank
-from areal_lite.recipes.model import _Trainable
+from areal_lite.recipes.training import _Trainable
 from areal_lite.utils.recover import RecoverHandler
 from areal_lite.utils.saver import Saver
 from areal_lite.utils.stats import StatsTracker, StepStats
