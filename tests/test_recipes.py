@@ -262,6 +262,38 @@ def test_generation_uses_the_current_weights_and_clones_stay_frozen(model_dir):
     run(go())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_update", ["disk", "distributed"])
+def test_generation_on_a_server_follows_the_steps(model_dir, tmp_path, weight_update):
+    """With ``servers`` the policy generates on our SGLang-protocol server, and a step's weights
+    reach it (through files, or a gloo broadcast) before the next generation. Slow: about 17 s
+    each, most of it the server's start."""
+    from inference_servers import start_servers, stop_servers
+
+    procs, addresses = start_servers(model_dir, 1)
+    try:
+
+        async def go():
+            cfg = ModelConfig(
+                max_seq_len=64, gconfig=GenerationConfig(max_new_tokens=6, ignore_eos=True), servers=addresses,
+                weight_update=weight_update, work_dir=str(tmp_path),
+            )  # fmt: skip
+            model = await ModelBuilder(model_dir, cfg).spawn_train(f"served_{weight_update}")
+            prompt = await model.tokenize_thread(StringThread([("user", "hello")]))
+            first = await model.generate_tokens(prompt)
+            torch.testing.assert_close(first.logprobs, await model.logprobs_per_token(first), atol=1e-4, rtol=0)
+            await model.train_sft(first)
+            await model.optim_step(1e-2)
+            second = await model.generate_tokens(prompt)
+            torch.testing.assert_close(second.logprobs, await model.logprobs_per_token(second), atol=1e-4, rtol=0)
+            assert await model.logprobs_per_token(first) != first.logprobs, "the step changed the weights"
+            await shutdown(model)
+
+        run(go())
+    finally:
+        stop_servers(procs)
+
+
 def test_save_writes_the_current_weights(model_dir, tmp_path):
     async def go():
         model = await ModelBuilder(model_dir, sgd_config()).spawn_train("saved")

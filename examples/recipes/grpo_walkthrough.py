@@ -141,7 +141,7 @@ class WalkthroughConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     model: ModelConfig = field(default_factory=default_model)
     """The policy's engines."""
-    grpo_steps: int = 300
+    grpo_steps: int = 150
     """GRPO steps (batches)."""
     completions_per_sample: int = 8
     """Completions per prompt (the group)."""
