@@ -17,10 +17,10 @@ import torch
 from tensordict import TensorDict
 from test_actors import SGD_LIKE, deltas, params
 
-from areal_lite.actors import PPOActor
+from areal_lite.actors import DPOActor, PPOActor
 from areal_lite.algorithms import functional as F
-from areal_lite.api.config import PPOActorConfig
-from areal_lite.api.io import GenerationConfig
+from areal_lite.api.config import DPOConfig, PPOActorConfig
+from areal_lite.api.io import GenerationConfig, MicroBatchSpec
 from areal_lite.recipes import (
     CombinedGrader,
     CosineScheduler,
@@ -140,27 +140,61 @@ def largest_difference(before: dict[str, torch.Tensor], a, b) -> float:
     return max(float((da[k] - db[k]).abs().max()) for k in da)
 
 
-def test_train_grpo_then_optim_step_equals_ppo_update(model_dir):
-    """The same batch, the same settings (clip, KL k3 in the loss, token mean), SGD-like steps."""
-    clip, beta = 0.1, 0.05
+# train_ppo, train_grpo and train_gspo against PPOActor.ppo_update with the settings they stand for.
+POLICY_CASES = {
+    "grpo": (
+        lambda m, s, old, ref, adv: m.train_grpo(s, old, ref, adv, 0.1, 0.05),
+        {"eps_clip": 0.1, "kl_ctl": 0.05, "kl_estimator": "k3"},
+    ),
+    "ppo": (lambda m, s, old, ref, adv: m.train_ppo(s, old, adv, 0.15), {"eps_clip": 0.15}),
+    "gspo": (
+        lambda m, s, old, ref, adv: m.train_gspo(s, old, ref, adv, 0.2, 0.3, 0.05),
+        {"policy_loss": "gspo", "eps_clip": 0.2, "eps_clip_higher": 0.3, "kl_ctl": 0.05, "kl_estimator": "k3",
+         "loss_agg": "seq-mean-token-mean"},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(POLICY_CASES))
+def test_train_policy_then_optim_step_equals_ppo_update(model_dir, kind):
+    """The same batch, the same settings, SGD-like steps: ``train_grpo`` (clip, KL k3 in the loss,
+    token mean), ``train_ppo`` (clip, no KL) and ``train_gspo`` (sequence ratio, sequence mean)
+    then ``optim_step`` equal ``ppo_update``."""
+    train, settings = POLICY_CASES[kind]
 
     async def go():
-        a = await ModelBuilder(model_dir, sgd_config()).spawn_train("grpo_a")
-        b = await ModelBuilder(model_dir, sgd_config()).spawn_train("grpo_b")
+        a = await ModelBuilder(model_dir, sgd_config()).spawn_train(f"{kind}_a")
+        b = await ModelBuilder(model_dir, sgd_config()).spawn_train(f"{kind}_b")
         samples, _, old, ref, adv = await grpo_inputs(a, 8, seed=1)
         before = params(a.engine)
-        await async_map(lambda i: a.train_grpo(samples[i], old[i], ref[i], adv[i], clip, beta), range(8))
+        await async_map(lambda i: train(a, samples[i], old[i], ref[i], adv[i]), range(8))
         stats = await a.optim_step()
         assert stats["clip_frac"] > 0 and stats["n_samples"] == 8
 
         per_token_adv = [[x] * s.n_trained for x, s in zip(adv, samples)]
         batch = padded(samples, logprobs=old, prox_logp=old, ref_logp=ref, advantages=per_token_adv)
-        cfg = PPOActorConfig(
-            path=model_dir, optimizer=SGD_LIKE, eps_clip=clip, kl_ctl=beta, kl_estimator="k3", behav_imp_weight_cap=None,
-            use_decoupled_loss=False,
-        )  # fmt: skip
+        cfg = PPOActorConfig(path=model_dir, optimizer=SGD_LIKE, behav_imp_weight_cap=None, use_decoupled_loss=False, **settings)
         actor = PPOActor(cfg, b.engine, ref_engine=b.engine)
         await b.with_engine("ppo_update", lambda _: actor.ppo_update(batch))
+        worst = largest_difference(before, a, b)
+        assert worst < 1e-6, worst
+        await shutdown(a, b)
+
+    run(go())
+
+
+def test_train_dpo_then_optim_step_equals_the_dpo_actor(model_dir):
+    async def go():
+        a = await ModelBuilder(model_dir, sgd_config()).spawn_train("dpo_a")
+        b = await ModelBuilder(model_dir, sgd_config()).spawn_train("dpo_b")
+        samples = random_samples(8, seed=9)  # pairs (0, 1), (2, 3)...
+        ref = [[x - 0.1 * (i % 3) for x in lp] for i, lp in enumerate(await async_map(a.logprobs_per_token, samples))]
+        before = params(a.engine)
+        await async_map(lambda i: a.train_dpo(samples[2 * i], samples[2 * i + 1], ref[2 * i], sum(ref[2 * i + 1]), 0.5), range(4))
+        await a.optim_step()
+        cfg = DPOConfig(path=model_dir, optimizer=SGD_LIKE, beta=0.5, mb_spec=MicroBatchSpec(granularity=2))
+        actor = DPOActor(cfg, b.engine, b.engine)
+        await b.with_engine("train_dpo", lambda _: actor.train_dpo(padded(samples, ref_logp=ref)))
         worst = largest_difference(before, a, b)
         assert worst < 1e-6, worst
         await shutdown(a, b)

@@ -18,6 +18,7 @@ from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest
 from areal_lite.kit import make_train_engine
 from areal_lite.recipes.config import ModelConfig
 from areal_lite.recipes.lockstep import PackHandler, engine_thread
+from areal_lite.recipes.losses import batch_order
 from areal_lite.recipes.process import Process, join_process_group
 from areal_lite.recipes.thread import StringThread, ThreadTokenizer, TokenizedThread
 from areal_lite.utils.datasets import padded_batch
@@ -103,10 +104,9 @@ class InferenceModel:
 
     def _forward_handler(self, items: list[object]) -> list[object]:
         threads: list[TokenizedThread] = items  # type: ignore[assignment]
-        # Sorted by tokens: the batch does not depend on the order the requests arrived in, and
-        # samples of one prompt sit together (a shared prefix).
-        order = sorted(range(len(threads)), key=lambda i: threads[i].tokens)
-        rows = [(threads[i].tokens, [1 if w > 0 else 0 for w in threads[i].weights]) for i in order]
+        masks = [[1 if w > 0 else 0 for w in t.weights] for t in threads]
+        order = sorted(range(len(threads)), key=lambda i: batch_order(threads[i].tokens, masks[i]))
+        rows = [(threads[i].tokens, masks[i]) for i in order]
         batch = padded_batch(rows or [([0, 0], [0, 0])])
         out = self.engine.forward(batch)
         mask = batch["loss_mask"].bool()

@@ -39,6 +39,16 @@ class TrainRow:
     values: dict[str, list[float]] = field(default_factory=dict)
 
 
+def batch_order(input_ids: list[int], loss_mask: list[int]) -> tuple[int, list[int]]:
+    """Where a sequence goes in a batch: sequences with the same prompt (the tokens before the first
+    trained one) sit together, so that the engine runs a GRPO group's prompt once
+    (``shared_prefix``), and different prompts in an order that depends only on their tokens (a
+    hash), so that the batch does not depend on the order the calls arrived in and unrelated
+    neighbours rarely share a few leading tokens (which would only add a small, costly tree)."""
+    start = next((i for i, m in enumerate(loss_mask) if m), len(input_ids))
+    return hash(tuple(input_ids[:start])), input_ids
+
+
 def placeholder_row(keys: tuple[str, ...]) -> TrainRow:
     """A row that trains nothing (empty loss mask): what a rank without calls of a `Loss` passes
     while other ranks train on it, so that every rank runs the same collectives."""

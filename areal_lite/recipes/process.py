@@ -19,7 +19,9 @@ T = TypeVar("T")
 
 
 class Process:
-    """What the models of this process share: the engine thread and the work directory."""
+    """What the models of this process share (besides the engine thread): whether this package
+    created the default process group, the work directory (set by the first model that needs
+    one; `shutdown` removes a temporary one) and the names in use."""
 
     created_group: ClassVar[bool] = False
     work_dir: ClassVar[str | None] = None
@@ -38,7 +40,7 @@ async def join_process_group() -> EngineThread:
     return await asyncio.to_thread(join)
 
 
-def gather(thread: EngineThread, value: T) -> list[T]:
+def gather(value: T) -> list[T]:
     """``value`` of every rank (on the engine thread, inside a call every rank makes)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
@@ -47,7 +49,7 @@ def gather(thread: EngineThread, value: T) -> list[T]:
     return out
 
 
-def work_dir(config: ModelConfig, thread: EngineThread) -> str:
+def work_dir(config: ModelConfig) -> str:
     """The work directory, the same on every rank (on the engine thread, inside a call)."""
     if Process.work_dir is None:
         if config.work_dir:
@@ -55,7 +57,7 @@ def work_dir(config: ModelConfig, thread: EngineThread) -> str:
             os.makedirs(path, exist_ok=True)
         else:
             mine = tempfile.mkdtemp(prefix="areal_lite_recipes_") if dist.get_rank() == 0 else ""
-            path = gather(thread, mine)[0]
+            path = gather(mine)[0]
             Process.owns_work_dir = True
         Process.work_dir = path
     return Process.work_dir

@@ -22,6 +22,7 @@ from areal_lite.recipes.losses import (
     TangentLoss,
     TrainRow,
     ValueLoss,
+    batch_order,
     placeholder_row,
     rows_to_batch,
 )
@@ -100,25 +101,25 @@ class _Trainable(InferenceModel):
         self, queued: list[tuple[Loss, list[TrainRow]]], lr: float | None, wd: float | None, clip: float | None
     ) -> dict[str, float]:
         losses = sorted({loss for loss, _ in queued}, key=repr)
-        everyone = sorted({loss for mine in gather(self._thread, losses) for loss in mine}, key=repr)
+        everyone = sorted({loss for mine in gather(losses) for loss in mine}, key=repr)
         if not everyone:
             raise RuntimeError(
                 f"optim_step on {self.name!r} with no gradient accumulated: call a train_* method first"
             )
         stats: dict[str, float] = {}
         n_samples = n_tokens = 0
-        for loss in everyone:
-            # Sorted by tokens, as in scoring: the same batch whatever order the calls came in.
-            calls = sorted((rs for q, rs in queued if q == loss), key=lambda rs: [r.input_ids for r in rs])
+        names = [loss.name for loss in everyone]
+        for i, loss in enumerate(everyone):
+            calls = sorted((rs for q, rs in queued if q == loss), key=lambda rs: batch_order(rs[0].input_ids, rs[0].loss_mask))
             rows = [row for rs in calls for row in rs]
             n_samples += len(rows) // loss.rows_per_call
             n_tokens += sum(sum(r.loss_mask) for r in rows)
             batch = rows_to_batch(rows or [placeholder_row(loss.keys)] * loss.rows_per_call)
             part = loss.accumulate(self.engine, batch)
-            prefix = f"{loss.name}/" if len(everyone) > 1 else ""
+            prefix = "" if len(everyone) == 1 else f"{loss.name}{i if names.count(loss.name) > 1 else ''}/"
             stats.update({prefix + k: v for k, v in part.items()})
         stats.update(self.engine.optim_step(lr, wd, clip))
-        totals = gather(self._thread, (n_samples, n_tokens))
+        totals = gather((n_samples, n_tokens))
         stats["n_samples"] = float(sum(s for s, _ in totals))
         stats["n_tokens"] = float(sum(t for _, t in totals))
         self.engine.set_version(self.version + 1)
@@ -199,7 +200,7 @@ class TrainingModel(_Trainable):
             return WeightUpdateMeta(type="in_process")
         if self.config.weight_update == "distributed":
             return WeightUpdateMeta(type="distributed", world_size=1 + len(self.config.servers))
-        path = os.path.join(work_dir(self.config, self._thread), f"{self.name}-weights")
+        path = os.path.join(work_dir(self.config), f"{self.name}-weights")
         return WeightUpdateMeta(type="disk", path=path)
 
     # ---------------------------------------------------------------- gradient contributions
@@ -309,7 +310,7 @@ class TrainingModel(_Trainable):
         clone = name or f"{self.name}-ref{self._clones}"
 
         def save_copy() -> str:
-            path = os.path.join(work_dir(self.config, self._thread), clone)
+            path = os.path.join(work_dir(self.config), clone)
             self.engine.save(SaveLoadMeta(path=path, weight_format="hf", tokenizer=self.tokenizer))
             return path
 
