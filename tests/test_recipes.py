@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,7 @@ def run(coro):
 
 
 def sgd_config(**changes: object) -> ModelConfig:
-    return ModelConfig(optimizer=SGD_LIKE, max_seq_len=64, gconfig=GenerationConfig(max_new_tokens=6), **changes)  # type: ignore[arg-type]
+    return replace(ModelConfig(optimizer=SGD_LIKE, max_seq_len=64, gconfig=GenerationConfig(max_new_tokens=6)), **changes)  # type: ignore[arg-type]
 
 
 def padded(samples: list[TokenizedThread], **per_token: list[list[float]]) -> TensorDict:
@@ -326,6 +327,29 @@ def test_generation_on_a_server_follows_the_steps(model_dir, tmp_path, weight_up
         run(go())
     finally:
         stop_servers(procs)
+
+
+@pytest.mark.slow
+def test_the_megatron_backend_scores_like_fsdp_and_generates_with_its_weights(model_dir):
+    """``backend=megatron``: the same log-probabilities as FSDP, and after a step the embedded
+    engine has Megatron's weights (converted to HF names). Slow: Megatron's start."""
+
+    async def go():
+        cfg = sgd_config(gconfig=GenerationConfig(max_new_tokens=5, ignore_eos=True))
+        fsdp = await ModelBuilder(model_dir, cfg).spawn_train("as_fsdp")
+        mcore = await ModelBuilder(model_dir, replace(cfg, backend="megatron")).spawn_train("as_megatron")
+        samples = random_samples(6, seed=3)
+        expected = await async_map(fsdp.logprobs_per_token, samples)
+        got = await async_map(mcore.logprobs_per_token, samples)
+        assert max(abs(x - y) for a, b in zip(got, expected) for x, y in zip(a, b)) < 1e-5
+        await async_map(mcore.train_sft, samples)
+        await mcore.optim_step()
+        prompt = TokenizedThread(samples[0].turns[:1])
+        sampled = await mcore.generate_tokens(prompt)
+        torch.testing.assert_close(sampled.logprobs, await mcore.logprobs_per_token(sampled), atol=1e-4, rtol=0)
+        await shutdown(fsdp, mcore)
+
+    run(go())
 
 
 def test_save_writes_the_current_weights(model_dir, tmp_path):
