@@ -4,7 +4,7 @@ import each other in a circle.
 
 Layers, bottom to top (a package may import its own modules and those of lower layers):
 
-    api  <  algorithms, utils  <  rewards, engines  <  core  <  workflows, actors  <  kit, launcher
+    api  <  algorithms, utils  <  rewards, engines  <  core  <  workflows, actors  <  kit, launcher  <  recipes
 
 Examples, tests and benchmarks sit above all of them.
 """
@@ -28,6 +28,7 @@ LAYERS = {
     "actors": 4,
     "kit": 5,
     "launcher": 5,
+    "recipes": 6,
 }
 
 

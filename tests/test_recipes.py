@@ -1,0 +1,507 @@
+"""The recipe API's primitives on a tiny model: threads tokenize exactly, concurrent calls are
+packed, generation uses the current weights, ``train_grpo`` then ``optim_step`` equals
+`PPOActor.ppo_update` and ``train_tangents`` (tangents from autodiff of the GRPO loss) equals
+``train_grpo`` (1e-6, SGD-like), two ranks equal one, and bad input gets a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+from test_actors import SGD_LIKE, deltas, params
+
+from areal_lite.actors import DPOActor, PPOActor
+from areal_lite.algorithms import functional as F
+from areal_lite.api.config import DPOConfig, PPOActorConfig
+from areal_lite.api.io import GenerationConfig, MicroBatchSpec
+from areal_lite.recipes import (
+    CombinedGrader,
+    CosineScheduler,
+    DataSet,
+    FunctionGrader,
+    Grader,
+    JudgeGrader,
+    ModelBuilder,
+    ModelConfig,
+    RewardFnGrader,
+    StringThread,
+    TokenizedThread,
+    async_map,
+    async_map_batch,
+    get_minibatches,
+    shutdown,
+)
+from areal_lite.rewards.format import exact_answer_reward
+from areal_lite.utils.distributed import find_free_port
+from areal_lite.utils.tiny import build_tiny_model
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from recipes_worker import grpo_delta, random_samples, sample
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(
+        str(tmp_path_factory.mktemp("tiny")), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=300
+    )
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def sgd_config(**changes: object) -> ModelConfig:
+    return replace(ModelConfig(optimizer=SGD_LIKE, max_seq_len=64, gconfig=GenerationConfig(max_new_tokens=6)), **changes)  # type: ignore[arg-type]
+
+
+def padded(samples: list[TokenizedThread], **per_token: list[list[float]]) -> TensorDict:
+    """The samples as a padded trajectory batch, with per-trained-token values placed."""
+    width = max(len(s) for s in samples)
+    batch = {
+        "input_ids": torch.zeros(len(samples), width, dtype=torch.int64),
+        "attention_mask": torch.zeros(len(samples), width, dtype=torch.bool),
+        "loss_mask": torch.zeros(len(samples), width, dtype=torch.int32),
+    }
+    batch.update({k: torch.zeros(len(samples), width) for k in per_token})
+    for i, s in enumerate(samples):
+        batch["input_ids"][i, : len(s)] = torch.tensor(s.tokens)
+        batch["attention_mask"][i, : len(s)] = True
+        trained = torch.tensor([j for j, w in enumerate(s.weights) if w > 0])
+        batch["loss_mask"][i, trained] = 1
+        for k, values in per_token.items():
+            batch[k][i, trained] = torch.tensor(values[i])
+    batch["rewards"] = torch.zeros(len(samples))
+    return TensorDict(batch, batch_size=[len(samples)])
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+def test_chat_template_weights_only_the_assistant_content_and_its_end(model_dir):
+    async def go():
+        model = await ModelBuilder(model_dir, ModelConfig(max_seq_len=128)).spawn_train("threads")
+        thread = StringThread().system("be brief").user("2+2?").assistant("4").user("and 3+3?").assistant("6")
+        t = await model.tokenize_thread(thread)
+        tok = model.tokenizer
+        trained = [tok_id for tok_id, w in zip(t.tokens, t.weights) if w > 0]
+        assert tok.decode(trained) == "4<|im_end|>6<|im_end|>"
+        full = tok.apply_chat_template([{"role": r, "content": c} for r, c in thread.turns], tokenize=False)
+        assert tok.decode(t.tokens) == full, "the turns concatenate to the chat template's rendering"
+        assert (await model.detokenize_thread(t)).turns == thread.turns
+        prompt = await model.tokenize_thread(thread.prompt())
+        assert tok.decode(model.threads.prompt_ids(prompt)).endswith("<|im_start|>assistant\n")
+        await shutdown(model)
+
+    run(go())
+
+
+def test_raw_threads_and_string_thread_helpers(model_dir):
+    async def go():
+        model = await ModelBuilder(model_dir, ModelConfig(use_chat_template=False)).spawn_train("raw")
+        t = await model.tokenize_thread(StringThread([("user", "57+68=")]).assistant("125"))
+        assert model.tokenizer.decode(t.tokens) == "57+68=125<|im_end|>" and t.n_trained == len(t.turns[1].tokens)
+        await shutdown(model)
+
+    run(go())
+    thread = StringThread([("user", "q")], {"answer": "a"}).assistant("x")
+    assert thread.completion() == "x" and thread.last_content() == "x" and thread.prompt().turns == [("user", "q")]
+    with pytest.raises(ValueError, match="role"):
+        StringThread([("robot", "hi")])
+    with pytest.raises(ValueError, match="no assistant turn"):
+        StringThread([("user", "q")]).completion()
+
+
+# ----------------------------------------------------------------------------- the primitives
+
+
+async def grpo_inputs(model, n: int, seed: int):
+    """Samples, their current log-probs, and GRPO inputs around them: older log-probs (so that
+    clipping engages), reference log-probs and one advantage per sample."""
+    samples = random_samples(n, seed=seed)
+    current = await async_map(model.logprobs_per_token, samples)
+    g = torch.Generator().manual_seed(seed + 100)
+    old = [[x + 0.3 * float(torch.randn(1, generator=g)) for x in lp] for lp in current]
+    ref = [[x - 0.2 * float(torch.rand(1, generator=g)) for x in lp] for lp in current]
+    return samples, current, old, ref, torch.randn(n, generator=g).tolist()
+
+
+def largest_difference(before: dict[str, torch.Tensor], a, b) -> float:
+    """The largest difference between the parameter changes of two models that started equal."""
+    da, db = deltas(before, a.engine), deltas(before, b.engine)
+    assert sum(float(v.abs().sum()) for v in da.values()) > 0, "the update did nothing"
+    return max(float((da[k] - db[k]).abs().max()) for k in da)
+
+
+# train_ppo, train_grpo and train_gspo against PPOActor.ppo_update with the settings they stand for.
+POLICY_CASES = {
+    "grpo": (
+        lambda m, s, old, ref, adv: m.train_grpo(s, old, ref, adv, 0.1, 0.05),
+        {"eps_clip": 0.1, "kl_ctl": 0.05, "kl_estimator": "k3"},
+    ),
+    "ppo": (lambda m, s, old, ref, adv: m.train_ppo(s, old, adv, 0.15), {"eps_clip": 0.15}),
+    "gspo": (
+        lambda m, s, old, ref, adv: m.train_gspo(s, old, ref, adv, 0.2, 0.3, 0.05),
+        {"policy_loss": "gspo", "eps_clip": 0.2, "eps_clip_higher": 0.3, "kl_ctl": 0.05, "kl_estimator": "k3",
+         "loss_agg": "seq-mean-token-mean"},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(POLICY_CASES))
+def test_train_policy_then_optim_step_equals_ppo_update(model_dir, kind):
+    """The same batch, the same settings, SGD-like steps: ``train_grpo`` (clip, KL k3 in the loss,
+    token mean), ``train_ppo`` (clip, no KL) and ``train_gspo`` (sequence ratio, sequence mean)
+    then ``optim_step`` equal ``ppo_update``."""
+    train, settings = POLICY_CASES[kind]
+
+    async def go():
+        a = await ModelBuilder(model_dir, sgd_config()).spawn_train(f"{kind}_a")
+        b = await ModelBuilder(model_dir, sgd_config()).spawn_train(f"{kind}_b")
+        samples, _, old, ref, adv = await grpo_inputs(a, 8, seed=1)
+        before = params(a.engine)
+        await async_map(lambda i: train(a, samples[i], old[i], ref[i], adv[i]), range(8))
+        stats = await a.optim_step()
+        assert stats["clip_frac"] > 0 and stats["n_samples"] == 8
+
+        per_token_adv = [[x] * s.n_trained for x, s in zip(adv, samples)]
+        batch = padded(samples, logprobs=old, prox_logp=old, ref_logp=ref, advantages=per_token_adv)
+        cfg = PPOActorConfig(path=model_dir, optimizer=SGD_LIKE, behav_imp_weight_cap=None, use_decoupled_loss=False, **settings)
+        actor = PPOActor(cfg, b.engine, ref_engine=b.engine)
+        await b.with_engine("ppo_update", lambda _: actor.ppo_update(batch))
+        worst = largest_difference(before, a, b)
+        assert worst < 1e-6, worst
+        await shutdown(a, b)
+
+    run(go())
+
+
+def test_train_dpo_then_optim_step_equals_the_dpo_actor(model_dir):
+    async def go():
+        a = await ModelBuilder(model_dir, sgd_config()).spawn_train("dpo_a")
+        b = await ModelBuilder(model_dir, sgd_config()).spawn_train("dpo_b")
+        samples = random_samples(8, seed=9)  # pairs (0, 1), (2, 3)...
+        ref = [[x - 0.1 * (i % 3) for x in lp] for i, lp in enumerate(await async_map(a.logprobs_per_token, samples))]
+        before = params(a.engine)
+        await async_map(lambda i: a.train_dpo(samples[2 * i], samples[2 * i + 1], ref[2 * i], sum(ref[2 * i + 1]), 0.5), range(4))
+        await a.optim_step()
+        cfg = DPOConfig(path=model_dir, optimizer=SGD_LIKE, beta=0.5, mb_spec=MicroBatchSpec(granularity=2))
+        actor = DPOActor(cfg, b.engine, b.engine)
+        await b.with_engine("train_dpo", lambda _: actor.train_dpo(padded(samples, ref_logp=ref)))
+        worst = largest_difference(before, a, b)
+        assert worst < 1e-6, worst
+        await shutdown(a, b)
+
+    run(go())
+
+
+def test_train_tangents_from_autodiff_of_the_grpo_loss_equals_train_grpo(model_dir):
+    clip, beta = 0.2, 0.1
+
+    async def go():
+        a = await ModelBuilder(model_dir, sgd_config()).spawn_train("tan_a")
+        b = await ModelBuilder(model_dir, sgd_config()).spawn_train("tan_b")
+        samples, current, old, ref, adv = await grpo_inputs(a, 6, seed=3)
+
+        # The GRPO loss of the whole batch as a function of the log-probabilities, differentiated.
+        lens = [len(lp) for lp in current]
+        logp = torch.tensor([x for lp in current for x in lp], requires_grad=True)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        mask = torch.ones(len(logp), dtype=torch.bool)
+        prox = torch.tensor([x for lp in old for x in lp])
+        per_token_adv = torch.tensor([a for a, n in zip(adv, lens) for _ in range(n)])
+        per_token, _ = F.ppo_policy_loss(logp, prox, prox, per_token_adv, mask, cu, eps_clip=clip)
+        per_token = per_token + beta * F.kl_k3(logp, torch.tensor([x for lp in ref for x in lp]))
+        F.token_mean(per_token, mask, cu).backward()
+        tangents = logp.grad.split(lens)
+
+        before = params(a.engine)
+        await async_map(lambda i: a.train_tangents(samples[i], tangents[i].tolist()), range(6))
+        await a.optim_step()
+        await async_map(lambda i: b.train_grpo(samples[i], old[i], ref[i], adv[i], clip, beta), range(6))
+        await b.optim_step()
+        worst = largest_difference(before, a, b)
+        assert worst < 1e-6, worst
+        await shutdown(a, b)
+
+    run(go())
+
+
+def test_concurrent_calls_are_packed(model_dir):
+    """16 concurrent log-prob requests make one forward pass; 16 train calls, awaited together or
+    one by one, one forward-backward pass at the step."""
+
+    async def go():
+        model = await ModelBuilder(model_dir, sgd_config()).spawn_train("packing")
+        calls = {"forward": 0, "forward_backward": 0}
+        for name in calls:
+            method = getattr(model.engine, name)
+
+            def counted(*args, _m=method, _n=name, **kwargs):
+                calls[_n] += 1
+                return _m(*args, **kwargs)
+
+            setattr(model.engine, name, counted)
+        samples = random_samples(16, seed=5)
+        logprobs = await async_map(model.logprobs_per_token, samples)
+        assert calls["forward"] == 1 and [len(lp) for lp in logprobs] == [s.n_trained for s in samples]
+        for s, lp in zip(samples, logprobs):  # one by one
+            await model.train_grpo(s, lp, lp, 1.0)
+        stats = await model.optim_step()
+        assert calls["forward_backward"] == 1 and stats["n_samples"] == 16
+        await async_map(lambda i: model.train_sft(samples[i]), range(16))
+        await async_map(lambda i: model.train_grpo(samples[i], logprobs[i], logprobs[i], -1.0), range(4))
+        stats = await model.optim_step()
+        assert calls["forward_backward"] == 3, "one pass per kind of loss"
+        assert "sft/loss" in stats and "policy/loss" in stats and stats["n_samples"] == 20
+        await shutdown(model)
+
+    run(go())
+
+
+def test_generation_uses_the_current_weights_and_clones_stay_frozen(model_dir):
+    async def go():
+        cfg = ModelConfig(max_seq_len=64, gconfig=GenerationConfig(max_new_tokens=6, ignore_eos=True))
+        model = await ModelBuilder(model_dir, cfg).spawn_train("gen")
+        syncs = []
+        update = model.engine.update_weights
+        model.engine.update_weights = lambda meta: (syncs.append(1), update(meta))[1]
+        prompt = await model.tokenize_thread(StringThread([("user", "hello")]))
+        ref = await model.clone_inf()
+        first = await model.generate_tokens(prompt)
+        torch.testing.assert_close(first.logprobs, await model.logprobs_per_token(first), atol=1e-4, rtol=0)
+        ref_before = await ref.logprobs_per_token(first)
+        for _ in range(3):  # several steps between generations: one sync
+            await model.train_sft(first)
+            await model.optim_step(1e-2)
+        assert syncs == []
+        second = await async_map(model.generate_tokens, [prompt] * 4)
+        assert len(syncs) == 1, "concurrent generations after steps share one weight sync"
+        for s in second:  # sampled by the stepped weights: their log-probs are the train engine's now
+            torch.testing.assert_close(s.logprobs, await model.logprobs_per_token(s), atol=1e-4, rtol=0)
+        assert await ref.logprobs_per_token(first) == ref_before, "a clone keeps the weights it was cloned with"
+        moved = await model.logprobs_per_token(first)
+        assert max(abs(x - y) for x, y in zip(moved, ref_before)) > 1e-3
+        text = await model.generate(StringThread([("user", "hello")]))
+        assert text.turns[-1][0] == "assistant" and await ref.generate(StringThread([("user", "hi")]))
+        await shutdown(ref, model)
+
+    run(go())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_update", ["disk", "distributed"])
+def test_generation_on_a_server_follows_the_steps(model_dir, tmp_path, weight_update):
+    """With ``servers`` the policy generates on our SGLang-protocol server, and a step's weights
+    reach it (through files, or a gloo broadcast) before the next generation. Slow: about 17 s
+    each, most of it the server's start."""
+    from inference_servers import start_servers, stop_servers
+
+    procs, addresses = start_servers(model_dir, 1)
+    try:
+
+        async def go():
+            cfg = ModelConfig(
+                max_seq_len=64, gconfig=GenerationConfig(max_new_tokens=6, ignore_eos=True), servers=addresses,
+                weight_update=weight_update, work_dir=str(tmp_path),
+            )  # fmt: skip
+            model = await ModelBuilder(model_dir, cfg).spawn_train(f"served_{weight_update}")
+            prompt = await model.tokenize_thread(StringThread([("user", "hello")]))
+            first = await model.generate_tokens(prompt)
+            torch.testing.assert_close(first.logprobs, await model.logprobs_per_token(first), atol=1e-4, rtol=0)
+            await model.train_sft(first)
+            await model.optim_step(1e-2)
+            second = await model.generate_tokens(prompt)
+            torch.testing.assert_close(second.logprobs, await model.logprobs_per_token(second), atol=1e-4, rtol=0)
+            assert await model.logprobs_per_token(first) != first.logprobs, "the step changed the weights"
+            await shutdown(model)
+
+        run(go())
+    finally:
+        stop_servers(procs)
+
+
+@pytest.mark.slow
+def test_the_megatron_backend_scores_like_fsdp_and_generates_with_its_weights(model_dir):
+    """``backend=megatron``: the same log-probabilities as FSDP, and after a step the embedded
+    engine has Megatron's weights (converted to HF names). Slow: Megatron's start."""
+
+    async def go():
+        cfg = sgd_config(gconfig=GenerationConfig(max_new_tokens=5, ignore_eos=True))
+        fsdp = await ModelBuilder(model_dir, cfg).spawn_train("as_fsdp")
+        mcore = await ModelBuilder(model_dir, replace(cfg, backend="megatron")).spawn_train("as_megatron")
+        samples = random_samples(6, seed=3)
+        expected = await async_map(fsdp.logprobs_per_token, samples)
+        got = await async_map(mcore.logprobs_per_token, samples)
+        assert max(abs(x - y) for a, b in zip(got, expected) for x, y in zip(a, b)) < 1e-5
+        await async_map(mcore.train_sft, samples)
+        await mcore.optim_step()
+        prompt = TokenizedThread(samples[0].turns[:1])
+        sampled = await mcore.generate_tokens(prompt)
+        torch.testing.assert_close(sampled.logprobs, await mcore.logprobs_per_token(sampled), atol=1e-4, rtol=0)
+        await shutdown(fsdp, mcore)
+
+    run(go())
+
+
+def test_save_writes_the_current_weights(model_dir, tmp_path):
+    async def go():
+        model = await ModelBuilder(model_dir, sgd_config()).spawn_train("saved")
+        s = random_samples(2, seed=6)
+        await model.train_sft(s[0])
+        await model.optim_step(1e-3)
+        await model.save(str(tmp_path / "out"))
+        loaded = await ModelBuilder(str(tmp_path / "out"), sgd_config()).spawn_inference("loaded")
+        torch.testing.assert_close(await loaded.logprobs_per_token(s[1]), await model.logprobs_per_token(s[1]))
+        await loaded.close()
+        again = await ModelBuilder(str(tmp_path / "out"), sgd_config()).spawn_inference("loaded")  # the name is free again
+        await shutdown(again, model)
+
+    run(go())
+
+
+def test_bad_input_gets_a_clear_error(model_dir):
+    async def go():
+        model = await ModelBuilder(model_dir, sgd_config()).spawn_train("errors")
+        no_answer = await model.tokenize_thread(StringThread([("user", "what?")]))
+        with pytest.raises(ValueError, match="no assistant turn"):
+            await model.train_sft(no_answer)
+        with pytest.raises(ValueError, match="no assistant turn"):
+            await model.train_grpo(no_answer, [], [], 1.0)
+        with pytest.raises(ValueError, match="no trained token"):
+            await model.logprobs_per_token(no_answer)
+        s = random_samples(1, seed=7)[0]
+        with pytest.raises(ValueError, match=rf"tangents has {s.n_trained + 1} values but the thread has {s.n_trained} trained tokens"):
+            await model.train_tangents(s, [0.0] * (s.n_trained + 1))
+        with pytest.raises(ValueError, match="logprobs has 1 values"):
+            await model.train_grpo(s, [0.0], [0.0] * s.n_trained, 1.0)
+        with pytest.raises(RuntimeError, match="no gradient accumulated: call a train_\\* method first"):
+            await model.optim_step()
+        with pytest.raises(TypeError, match="TokenizedThread"):
+            await model.train_ppo(StringThread([("user", "q")]).assistant("a"), [0.0], 1.0)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="longer than max_seq_len"):
+            await model.tokenize_thread(StringThread([("user", "x " * 200)]))
+        with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
+            await model.logprobs_per_token(sample([1, 2], [10**6]))
+        with pytest.raises(ValueError, match="exists already"):
+            await ModelBuilder(model_dir).spawn_train("errors")
+        await shutdown(model)
+        with pytest.raises(RuntimeError, match="closed"):
+            await model.logprobs_per_token(s)
+
+    run(go())
+
+
+# ----------------------------------------------------------------------------- two ranks
+
+
+def test_two_ranks_train_like_one_on_the_union(model_dir, tmp_path):
+    """train_grpo on 3 + 5 samples over two ranks then optim_step equals one rank on all 8; ranks
+    that ask for different numbers of log-probs, and a generation on one rank only (whose weight
+    sync the other joins), stay in step."""
+    one, *_ = run(grpo_delta(model_dir))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(find_free_port()), str(SCRIPTS / "recipes_worker.py"), model_dir, str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-4000:]
+    two = torch.load(tmp_path / "grpo_delta_w2.pt")
+    assert two["rounds"] > 0, "the ranks exchanged what they had pending"
+    assert sum(float(v.abs().sum()) for v in one.values()) > 0, "the update did nothing"
+    worst = max(float((one[k] - two["delta"][k]).abs().max()) for k in one)
+    assert worst < 1e-6, worst
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def test_async_map_batch_retries_and_replaces_failing_items():
+    attempts: dict[int, int] = {}
+
+    async def flaky(x: int) -> int:
+        attempts[x] = attempts.get(x, 0) + 1
+        await asyncio.sleep(0.001 * (x % 3))
+        if x == 1 and attempts[x] == 1:
+            raise RuntimeError("transient")
+        if x == 2:
+            raise RuntimeError("always")
+        return x * 10
+
+    out = run(async_map_batch(flaky, iter(range(100)), 4, retries=1))
+    assert out == [0, 10, 30, 40] and attempts[1] == 2 and attempts[2] == 2
+    with pytest.raises(RuntimeError, match="always"):
+        run(async_map_batch(flaky, iter([2, 2, 2, 2]), 2, retries=0, max_failures=2))
+    with pytest.raises(ValueError, match="ran out"):
+        run(async_map_batch(flaky, iter([0, 2]), 2, retries=0))
+    assert run(async_map(lambda x: asyncio.sleep(0, x + 1), [1, 2, 3])) == [2, 3, 4]
+
+
+def test_dataset_minibatches_and_schedule():
+    data = DataSet(list(range(10)), allow_looping=True, seed=3)
+    first = [next(data) for _ in range(10)]
+    assert sorted(first) == list(range(10))
+    second = [next(data) for _ in range(10)]
+    assert sorted(second) == list(range(10)) and second != first, "each epoch reshuffles"
+    state = data.state_dict()
+    more = [next(data) for _ in range(4)]
+    data.load_state_dict(state)
+    assert [next(data) for _ in range(4)] == more
+    once = DataSet(["a", "b"], allow_looping=False)
+    assert sorted(once) == ["a", "b"]
+    mbs = get_minibatches(list(range(10)), 4, n_epochs=2, seed=0)
+    assert [len(m) for m in mbs] == [4, 4, 2, 4, 4, 2] and sorted(x for m in mbs[:3] for x in m) == list(range(10))
+    sched = CosineScheduler(1.0, min_lr_ratio=0.1, warmup_fraction=0.1)
+    assert sched(0.05) == pytest.approx(0.5) and sched(0.1) == pytest.approx(1.0) and sched(1.0) == pytest.approx(0.1)
+
+
+def test_graders(model_dir):
+    class Counted(Grader):
+        def __init__(self, value: float) -> None:
+            self.value, self.set_up = value, 0
+
+        async def setup(self) -> None:
+            self.set_up += 1
+
+        async def score_float_value(self, thread: StringThread) -> float:
+            return self.value
+
+    async def go():
+        thread = StringThread([("user", "57+68=")], {"answer": "125"}).assistant("125")
+        exact = RewardFnGrader(exact_answer_reward, mode="inline")
+        short = FunctionGrader(lambda t: float(len(t.completion()) <= 3), name="short")
+        counted = Counted(0.5)
+        combined = CombinedGrader({"exact": exact, "short": short, "half": counted}, {"exact": 2.0, "half": 4.0})
+        await combined.setup()
+        assert counted.set_up == 1, "setup sets every child up"
+        assert await combined.score_components(thread) == {"exact": 1.0, "short": 1.0, "half": 0.5, "total": 5.0}
+        assert await exact.score_float_value(thread.prompt().assistant("124")) == 0.0
+        with pytest.raises(ValueError, match="2 weights for 3"):
+            CombinedGrader([exact, short, counted], [1.0, 2.0])
+
+        judge = JudgeGrader(ModelBuilder(model_dir, ModelConfig(max_seq_len=256)), name="judge_model")
+        with pytest.raises(TypeError, match="setup"):
+            await judge.score_float_value(thread)
+        await judge.setup()
+        assert await judge.score_float_value(thread) in (0.0, 1.0) and isinstance(judge.last_verdict, str)
+        await judge.close()
+        await shutdown()
+
+    run(go())
