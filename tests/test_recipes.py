@@ -20,7 +20,7 @@ from test_actors import SGD_LIKE, deltas, params
 
 from areal_lite.actors import DPOActor, PPOActor
 from areal_lite.algorithms import functional as F
-from areal_lite.api.config import DPOConfig, PPOActorConfig
+from areal_lite.api.config import DPOConfig, LoRAConfig, PPOActorConfig
 from areal_lite.api.io import GenerationConfig, MicroBatchSpec
 from areal_lite.recipes import (
     CombinedGrader,
@@ -267,13 +267,18 @@ def test_concurrent_calls_are_packed(model_dir):
     run(go())
 
 
-def test_generation_uses_the_current_weights_and_clones_stay_frozen(model_dir):
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_generation_uses_the_current_weights_and_clones_stay_frozen(model_dir, lora_rank):
     async def go():
-        cfg = ModelConfig(max_seq_len=64, gconfig=GenerationConfig(max_new_tokens=6, ignore_eos=True))
+        cfg = ModelConfig(max_seq_len=64, gconfig=GenerationConfig(max_new_tokens=6, ignore_eos=True), lora=LoRAConfig(rank=lora_rank))
         model = await ModelBuilder(model_dir, cfg).spawn_train("gen")
+        trainable = {n for n, p in model.engine.model.named_parameters() if p.requires_grad}
+        assert trainable and all(("lora_" in n) == bool(lora_rank) for n in trainable)
         syncs = []
-        update = model.engine.update_weights
+        update, connect = model.engine.update_weights, model.engine.connect_engine
         model.engine.update_weights = lambda meta: (syncs.append(1), update(meta))[1]
+        # With LoRA, connecting sends the adapter at once (requests name it); that is not a sync.
+        model.engine.connect_engine = lambda engine, meta: (connect(engine, meta), syncs.pop() if lora_rank else None)[0]
         prompt = await model.tokenize_thread(StringThread([("user", "hello")]))
         ref = await model.clone_inf()
         first = await model.generate_tokens(prompt)

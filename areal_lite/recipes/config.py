@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from areal_lite.api.config import OptimizerConfig, TrainEngineConfig, one_of
+from areal_lite.api.config import LoRAConfig, OptimizerConfig, TrainEngineConfig, one_of
 from areal_lite.api.io import GenerationConfig, MicroBatchSpec
 
 
@@ -46,6 +46,11 @@ class ModelConfig:
     can read); empty = a temporary directory, removed by `shutdown`."""
     logits_chunk_size: int = 1024
     """Tokens whose full-vocabulary logits are materialised at once when scoring."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """FSDP: train low-rank adapters instead of every weight (off while ``rank`` is 0). Only the
+    adapters train and carry optimizer state, weight syncs ship the adapter alone, and ``save`` and
+    ``clone_inf`` write the merged model (plus the PEFT adapter under ``adapter/``). Value models
+    (`ValueModel`) train every weight."""
     shared_prefix: bool = False
     """FSDP: run the prompt that the samples of a group share through the model once, in scoring
     and training (`TrainEngineConfig.shared_prefix`; same results, less compute for groups)."""
@@ -63,5 +68,6 @@ class ModelConfig:
             logits_chunk_size=self.logits_chunk_size,
             tensor_parallel_size=self.tensor_parallel_size,
             shared_prefix=self.shared_prefix,
+            lora=LoRAConfig() if is_critic else self.lora,
             seed=self.seed,
         )
