@@ -582,9 +582,9 @@ def test_mismatch_stats():
 
 
 LOSSES_WITH_WEIGHTS = {
-    "ppo": (F.ppo_policy_loss, dict(eps_clip=0.2, eps_clip_higher=0.28)),
+    "ppo": (F.ppo_policy_loss, {"eps_clip": 0.2, "eps_clip_higher": 0.28}),
     "reinforce": (F.reinforce_policy_loss, {}),
-    "cispo": (F.cispo_policy_loss, dict(eps_clip=1.0, eps_clip_higher=0.2)),
+    "cispo": (F.cispo_policy_loss, {"eps_clip": 1.0, "eps_clip_higher": 0.2}),
 }
 
 

@@ -1,0 +1,63 @@
+"""`DistillActor`: on-policy distillation of a frozen teacher into the policy, over any `TrainEngine`.
+
+The student samples (the rollout batch), the teacher scores the student's tokens, and each
+token's advantage is the teacher's log-probability minus the student's: the per-token reverse KL
+(`areal_lite.algorithms.functional.reverse_kl_advantages`). The update is the actor's policy
+loss as for RL (decoupled PPO by default, so stale samples are corrected as usual); the reward of
+the batch is logged, not used. The teacher is anything that returns the log-probabilities ``[B, L]``
+of a batch's tokens, aligned to the token as the data contract says: a frozen train engine's
+``forward`` (the teacher may be larger than the student, but must share its tokenizer).
+
+``config.discount`` is the gamma of the reverse-KL returns: 0 gives each token its own term (as
+Lu et al. 2025, "On-Policy Distillation"), 1 credits a token with the rest of its sequence's KL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from tensordict import TensorDict
+
+from areal_lite.actors.ppo import AdvantageInputs, PPOActor, packed_view
+from areal_lite.algorithms import functional as F
+from areal_lite.api.config import PPOActorConfig
+from areal_lite.api.engine import TrainEngine
+
+Teacher = Callable[[TensorDict], torch.Tensor]
+"""``teacher(batch) -> log-probabilities [B, L]`` of the batch's tokens (e.g. ``engine.forward``)."""
+
+
+def reverse_kl_estimator(cfg: PPOActorConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An `areal_lite.actors.ppo.AdvantageFn`: reverse-KL advantages from ``batch["teacher_logp"]``
+    and the student's sampling log-probabilities ``batch["logprobs"]``."""
+    if "teacher_logp" not in x.batch.keys():
+        raise ValueError("reverse-KL advantages need batch['teacher_logp'] (the teacher's log-probabilities)")
+    student, teacher = packed_view(x.batch, "logprobs"), packed_view(x.batch, "teacher_logp")
+    return F.reverse_kl_advantages(student, teacher, x.mask, x.cu_seqlens, cfg.discount), None
+
+
+class DistillActor(PPOActor):
+    """A `PPOActor` whose advantages are the per-token reverse KL to ``teacher``::
+
+        actor = DistillActor(cfg.actor, engine, teacher=teacher_engine.forward)
+        actor.compute_advantages(batch)     # adds "teacher_logp" and "advantages"
+        stats = actor.ppo_update(batch)     # reverse_kl_mean: the student's KL to the teacher
+    """
+
+    def __init__(self, config: PPOActorConfig, engine: TrainEngine, teacher: Teacher) -> None:
+        super().__init__(config, engine, advantage_fn=reverse_kl_estimator)
+        self.teacher = teacher
+
+    def compute_advantages(self, batch: TensorDict) -> None:
+        """Score the batch's tokens with the teacher (``teacher_logp``), then the advantages."""
+        with torch.no_grad():
+            batch["teacher_logp"] = self.teacher(batch).float() * batch["loss_mask"]
+        super().compute_advantages(batch)
+
+    def batch_stats(self, data: TensorDict, w: torch.Tensor) -> dict[str, float]:
+        """The PPO actor's batch statistics plus ``reverse_kl_mean``: the mean over the trained
+        tokens of log pi_student - log pi_teacher (k1 estimate of KL(student || teacher))."""
+        mask = packed_view(data, "loss_mask").bool()
+        kl = packed_view(data, "logprobs") - packed_view(data, "teacher_logp")
+        return {**super().batch_stats(data, w), "reverse_kl_mean": float(F.masked_mean(kl, mask))}
