@@ -26,13 +26,22 @@ import torch
 
 from areal_lite.actors.distill import DistillActor
 from areal_lite.api.config import TrainEngineConfig, load_config
-from areal_lite.kit import RunKit, make_rollout, make_train_engine, mean_reward, print_rank0, rank_dataloader, sync_weights
+from areal_lite.kit import (
+    RunKit,
+    make_rollout,
+    make_train_engine,
+    mean_reward,
+    print_rank0,
+    rank_dataloader,
+    sync_weights,
+)
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import addition_problems
 from areal_lite.workflows.rlvr import RLVRWorkflow
 
+# The quickstart's task and SFT warm-up, imported from the script beside this one rather than copied.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from quickstart import QuickstartConfig, held_out_problems, warm_up_with_sft  # noqa: E402 - the sibling example
+from quickstart import QuickstartConfig, held_out_problems, warm_up_with_sft
 
 
 @dataclass
@@ -52,6 +61,7 @@ class TeacherConfig:
 @dataclass
 class DistillConfig(QuickstartConfig):
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+
 
 
 def held_out_accuracy(cfg: DistillConfig, model_dir: str, workflow: RLVRWorkflow, problems: list[dict[str, object]]) -> float:

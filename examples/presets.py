@@ -33,7 +33,15 @@ import torch
 
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.api.config import RLExperimentConfig, load_config
-from areal_lite.kit import RunKit, make_rollout, make_train_engine, mean_reward, print_rank0, rank_dataloader, sync_weights
+from areal_lite.kit import (
+    RunKit,
+    make_rollout,
+    make_train_engine,
+    mean_reward,
+    print_rank0,
+    rank_dataloader,
+    sync_weights,
+)
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import AdditionTaskConfig, addition_splits
 from areal_lite.workflows.rlvr import RLVRWorkflow, rewards_differ

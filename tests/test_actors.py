@@ -251,10 +251,11 @@ def test_distillation_moves_the_student_towards_the_teacher(model_dir, tmp_path)
     )
     with engines(student_cfg, TrainEngineConfig(path=teacher_dir), frozen=(1,)) as (student, teacher):
         actor = DistillActor(student_cfg, student, teacher=teacher.forward)
-        batch = make_batch(8, seed=7)
-        mask = batch["loss_mask"].bool()
+        tokens = make_batch(8, seed=7)
+        mask = tokens["loss_mask"].bool()
         gaps = []
         for _ in range(6):
+            batch = tokens.clone()
             batch["logprobs"] = actor.compute_logp(batch) * mask  # on-policy log-probs of these tokens
             actor.compute_advantages(batch)
             gaps.append(float((batch["logprobs"] - batch["teacher_logp"])[mask].abs().mean()))
@@ -441,17 +442,26 @@ def test_config_picks_the_behaviour_weight_and_the_policy_loss():
     assert loss.keywords["eps_clip_higher"] == 0.3  # type: ignore[attr-defined]
 
 
-def test_distill_actor_advantages_are_the_reverse_kl_to_the_teacher():
+def test_distill_actor_advantages_are_the_reverse_kl_of_the_trained_student_to_the_teacher():
+    """The student's log-probabilities in the reward are the trained (proximal) student's, not the
+    sampling ones: with stale samples the two differ."""
     batch = make_batch(4, seed=13)
     mask = batch["loss_mask"].bool()
-    batch["logprobs"] = -torch.rand(batch["input_ids"].shape) * mask
+    batch["logprobs"] = -torch.rand(batch["input_ids"].shape) * mask  # an older student sampled
+    current = -torch.rand(batch["input_ids"].shape) * mask
     teacher_logp = -torch.rand(batch["input_ids"].shape)
+
+    class Student:
+        def forward(self, b: TensorDict) -> torch.Tensor:
+            return current
+
     cfg = PPOActorConfig(path="x", discount=0.0)
-    actor = DistillActor(cfg, NoEngine(), teacher=lambda b: teacher_logp)  # type: ignore[arg-type]
+    actor = DistillActor(cfg, Student(), teacher=lambda b: teacher_logp)  # type: ignore[arg-type]
     actor.compute_advantages(batch)
-    torch.testing.assert_close(batch["advantages"], (teacher_logp - batch["logprobs"]) * mask)
+    torch.testing.assert_close(batch["prox_logp"], current)
+    torch.testing.assert_close(batch["advantages"], (teacher_logp - current) * mask)
     stats = actor.batch_stats(batch, torch.zeros(0))
-    assert stats["reverse_kl_mean"] == pytest.approx(float((batch["logprobs"] - teacher_logp)[mask].mean()), rel=1e-6)
+    assert stats["reverse_kl_mean"] == pytest.approx(float((current - teacher_logp)[mask].mean()), rel=1e-6)
 
 
 def test_minibatches_keep_groups_and_refuse_too_few():

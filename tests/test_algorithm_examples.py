@@ -6,7 +6,6 @@ built here."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -19,14 +18,8 @@ from areal_lite.algorithms import functional as F
 from areal_lite.api.config import load_config
 from areal_lite.utils.tiny import build_tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-QUIET = [
-    "stats_logger.console=false",
-    "stats_logger.tensorboard=false",
-    "stats_logger.wandb_mode=disabled",
-    "recover.mode=disabled",
-]
+sys.path.insert(0, str(Path(__file__).parent))
+from test_examples import ENV, QUIET, ROOT
 
 
 def load_script(name: str) -> object:
