@@ -2,11 +2,12 @@
 
 Both models are built here and warmed up with the quickstart's SFT (`quickstart.warm_up_with_sft`):
 the teacher (``teacher.*``: 4 layers, hidden 128) until its dev accuracy is high, the student
-(``task.*``: 2 layers, hidden 64) only until it has learnt the format and a little of the skill.
+(``task.*``: 4 layers, hidden 64) only until it has learnt the format and a little of the skill.
 Then the student samples answers to unlabelled prompts, the frozen teacher scores every sampled
 token, and the student is trained with each token's advantage the teacher's log-probability minus
 its own (`DistillActor`: the per-token reverse KL, Lu et al. 2025, "On-Policy Distillation";
-Agarwal et al. 2024). There is no reward in the update: the verifier only measures. Rollouts run
+Agarwal et al. 2024), minus the batch's mean advantage at the same answer position (``baseline``,
+`reverse_kl_with_baseline`). There is no reward in the update: the verifier only measures. Rollouts run
 asynchronously as in the quickstart, with decoupled PPO correcting the stale tokens.
 
 The result is the held-out greedy accuracy of the teacher, and of the student before and after,
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from areal_lite.actors.distill import DistillActor
+from areal_lite.actors.distill import DistillActor, reverse_kl_estimator, reverse_kl_with_baseline
 from areal_lite.api.config import TrainEngineConfig, load_config
 from areal_lite.kit import (
     RunKit,
@@ -61,10 +62,15 @@ class TeacherConfig:
 @dataclass
 class DistillConfig(QuickstartConfig):
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    baseline: bool = True
+    """Subtract a per-position baseline from the reverse-KL advantages (`reverse_kl_with_baseline`).
+    In this config shortened to 300 steps, without it the student collapsed (held-out accuracy
+    0.144 -> 0.000 by step 100, entropy 1.2 -> 2.5 nats); with it it reached 0.512."""
 
 
-
-def held_out_accuracy(cfg: DistillConfig, model_dir: str, workflow: RLVRWorkflow, problems: list[dict[str, object]]) -> float:
+def held_out_accuracy(
+    cfg: DistillConfig, model_dir: str, workflow: RLVRWorkflow, problems: list[dict[str, object]]
+) -> float:
     """Greedy held-out accuracy of the model in ``model_dir``, through an embedded engine of its own."""
     judge, _ = make_rollout(replace(cfg, launcher=replace(cfg.launcher, backend="local")), model_dir)
     acc = mean_reward(judge, workflow, problems)
@@ -109,7 +115,8 @@ def main(argv: list[str]) -> None:
     dataloader = rank_dataloader(train_prompts, cfg.train_dataset, student, seed=cfg.seed)
     teacher = make_train_engine(TrainEngineConfig(path=teacher_dir, backend=cfg.actor.backend, dtype=cfg.actor.dtype))
     teacher.initialize(None)  # frozen: forward only
-    actor = DistillActor(actor_cfg, student, teacher=teacher.forward)
+    advantages = reverse_kl_with_baseline if cfg.baseline else reverse_kl_estimator
+    actor = DistillActor(actor_cfg, student, teacher=teacher.forward, advantage_fn=advantages)
     run = RunKit(cfg, student, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
     student.initialize(run.finetune_spec)
     student.connect_engine(rollout.engine, weight_meta)

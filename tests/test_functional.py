@@ -611,7 +611,16 @@ def test_policy_losses_take_an_importance_weight(loss_name, weight_name):
 
     assert_value_and_grad(ours, ref, b["logp"])
     with pytest.raises(ValueError, match="not both"):
-        loss_fn(b["logp"], b["prox"], b["behav"], b["adv"], b["mask"], b["cu"], behav_imp_weight_cap=2.0, importance_weight=iw)
+        loss_fn(
+            b["logp"],
+            b["prox"],
+            b["behav"],
+            b["adv"],
+            b["mask"],
+            b["cu"],
+            behav_imp_weight_cap=2.0,
+            importance_weight=iw,
+        )
 
 
 def test_gspo_with_a_sequence_weight_keeps_one_weight_per_sequence():
@@ -640,8 +649,15 @@ def test_cispo_policy_loss(case, agg, eps):
 
     def ours(logp):
         per_tok, _ = F.cispo_policy_loss(
-            logp, b["prox"], b["behav"], b["adv"], b["mask"], b["cu"],
-            eps_clip=eps_lo, eps_clip_higher=eps_hi, behav_imp_weight_cap=1.3,
+            logp,
+            b["prox"],
+            b["behav"],
+            b["adv"],
+            b["mask"],
+            b["cu"],
+            eps_clip=eps_lo,
+            eps_clip_higher=eps_hi,
+            behav_imp_weight_cap=1.3,
         )
         return reduce(per_tok, b["mask"], b["cu"])
 
@@ -661,8 +677,12 @@ def test_cispo_policy_loss(case, agg, eps):
 def test_cispo_at_ratio_one_is_reinforce_and_clipped_tokens_keep_a_gradient():
     b = make_packed(LENS, seed=20)
     x, y = b["prox"].clone().requires_grad_(True), b["prox"].clone().requires_grad_(True)
-    cispo = F.token_mean(F.cispo_policy_loss(x, b["prox"], b["prox"], b["adv"], b["mask"], b["cu"])[0], b["mask"], b["cu"])
-    pg = F.token_mean(F.reinforce_policy_loss(y, b["prox"], b["prox"], b["adv"], b["mask"], b["cu"])[0], b["mask"], b["cu"])
+    cispo = F.token_mean(
+        F.cispo_policy_loss(x, b["prox"], b["prox"], b["adv"], b["mask"], b["cu"])[0], b["mask"], b["cu"]
+    )
+    pg = F.token_mean(
+        F.reinforce_policy_loss(y, b["prox"], b["prox"], b["adv"], b["mask"], b["cu"])[0], b["mask"], b["cu"]
+    )
     (g1,), (g2,) = torch.autograd.grad(cispo, x), torch.autograd.grad(pg, y)
     torch.testing.assert_close(g1, g2)
     # far outside the clip range PPO's gradient vanishes; CISPO's is the clipped weight times A
@@ -696,7 +716,9 @@ def test_decoupled_ppo_is_plain_ppo_when_behaviour_is_proximal(agg, cap):
         )
         return reduce(per_tok, b["mask"], b["cu"])
 
-    assert_value_and_grad(decoupled, lambda x: ref_plain_ppo(x, b["prox"], b["adv"], b["mask"], b["cu"], 0.2, agg), b["logp"])
+    assert_value_and_grad(
+        decoupled, lambda x: ref_plain_ppo(x, b["prox"], b["adv"], b["mask"], b["cu"], 0.2, agg), b["logp"]
+    )
 
 
 # ----------------------------------------------------------------------------- distillation
@@ -717,3 +739,17 @@ def test_reverse_kl_advantages(gamma):
     torch.testing.assert_close(ours, torch.tensor(ref, dtype=D), rtol=1e-10, atol=1e-12)
     # where the student already matches the teacher there is nothing to learn
     assert F.reverse_kl_advantages(teacher, teacher, b["mask"], b["cu"], gamma).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_position_baseline(case):
+    b = make_packed(LENS, seed=23, **case)
+    ours = F.position_baseline(b["adv"], b["mask"], b["cu"])
+    masked = [[j for j in range(s, e) if b["mask"][j]] for s, e in spans(b["cu"])]
+    ref = [0.0] * b["adv"].numel()
+    for k in range(max((len(idx) for idx in masked), default=0)):
+        at_k = [idx[k] for idx in masked if len(idx) > k]
+        mean = sum(float(b["adv"][j]) for j in at_k) / len(at_k)
+        for j in at_k:
+            ref[j] = float(b["adv"][j]) - mean
+    torch.testing.assert_close(ours, torch.tensor(ref, dtype=D), rtol=1e-10, atol=1e-12)

@@ -37,17 +37,28 @@ Teacher = Callable[[TensorDict], torch.Tensor]
 def student_logp_key(batch: TensorDict) -> str:
     """The student log-probabilities the KL is taken with: the proximal ones when the batch has
     them (the student being trained), else the sampling ones."""
-    return "prox_logp" if "prox_logp" in batch.keys() else "logprobs"
+    return "prox_logp" if "prox_logp" in batch else "logprobs"
 
 
 def reverse_kl_estimator(cfg: PPOActorConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An `areal_lite.actors.ppo.AdvantageFn`: reverse-KL advantages from ``batch["teacher_logp"]``
     and the student's log-probabilities (`student_logp_key`)."""
-    if "teacher_logp" not in x.batch.keys():
+    if "teacher_logp" not in x.batch:
         raise ValueError("reverse-KL advantages need batch['teacher_logp'] (the teacher's log-probabilities)")
     student = packed_view(x.batch, student_logp_key(x.batch))
     teacher = packed_view(x.batch, "teacher_logp")
     return F.reverse_kl_advantages(student, teacher, x.mask, x.cu_seqlens, cfg.discount), None
+
+
+def reverse_kl_with_baseline(cfg: PPOActorConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`reverse_kl_estimator` minus a per-position baseline (`F.position_baseline`). While the
+    student is far from the teacher nearly every sampled token has a negative advantage (-2 nats
+    on average, -3 on the middle digit of the addition task); without a baseline each update pushes
+    down whatever was sampled and the student's entropy grows. Measured in examples/distill.py
+    (300 steps of 256 prompts, lr 5e-4): without it held-out accuracy fell from 0.144 to 0 and the
+    entropy rose from 1.2 to 2.5 nats; with it accuracy reached 0.512."""
+    adv, _ = reverse_kl_estimator(cfg, x)
+    return F.position_baseline(adv, x.mask, x.cu_seqlens), None
 
 
 class DistillActor(PPOActor):
@@ -75,7 +86,7 @@ class DistillActor(PPOActor):
         proximal policy); then the advantages."""
         with torch.no_grad():
             batch["teacher_logp"] = self.teacher(batch).float() * batch["loss_mask"]
-        if "prox_logp" not in batch.keys() and self.config.recompute_logprob:
+        if "prox_logp" not in batch and self.config.recompute_logprob:
             batch["prox_logp"] = self.compute_logp(batch)
         super().compute_advantages(batch)
 

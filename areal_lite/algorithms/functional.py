@@ -278,6 +278,21 @@ def reverse_kl_advantages(
     return discounted_returns((teacher_logp - student_logp) * mask.to(student_logp.dtype), mask, cu_seqlens, gamma)
 
 
+def position_baseline(advantages: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``advantages`` ``[T]`` minus a baseline per position: the mean, over the batch's sequences,
+    of the advantage of their k-th masked token, subtracted from every k-th masked token (a
+    REINFORCE baseline, Williams 1992, that depends on the position only, not on the token
+    sampled there, so the expected gradient keeps its direction up to each token's own share of
+    the mean). 0 outside the mask."""
+    m = mask.bool()
+    rank = _packed(torch.cumsum(_padded(m.to(torch.int64), cu_seqlens), dim=1) - 1, cu_seqlens)
+    k = torch.where(m, rank, 0)
+    width = int(k.max()) + 1 if k.numel() else 1
+    total = torch.zeros(width, dtype=advantages.dtype).index_add(0, k, torch.where(m, advantages, 0.0))
+    count = torch.zeros(width, dtype=advantages.dtype).index_add(0, k, m.to(advantages.dtype))
+    return torch.where(m, advantages - (total / count.clamp(min=1))[k], 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Behaviour importance weights: staleness and the train-inference mismatch
 # ---------------------------------------------------------------------------------------------
