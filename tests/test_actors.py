@@ -198,7 +198,9 @@ def test_decoupled_update_is_plain_ppo_when_behaviour_is_proximal(model_dir):
         batch = make_batch(8, seed=5)
         actor = PPOActor(cfg, e_dec)
         current = actor.compute_logp(batch)
-        old = current + 0.3 * torch.randn(current.shape, generator=torch.Generator().manual_seed(1)) * batch["loss_mask"]
+        old = (
+            current + 0.3 * torch.randn(current.shape, generator=torch.Generator().manual_seed(1)) * batch["loss_mask"]
+        )
         batch["logprobs"] = old  # behaviour
         batch["prox_logp"] = old  # = proximal
         actor.compute_advantages(batch)

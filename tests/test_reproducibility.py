@@ -49,7 +49,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     )
 
 
-def parity_reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **item: object) -> float:
+def parity_reward(
+    prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **item: object
+) -> float:
     """A reward a random model earns half the time, so groups carry signal."""
     return float(sum(completion_ids) % 2)
 
@@ -127,7 +129,9 @@ def actor_config(model_dir: str) -> PPOActorConfig:
 
 
 def rollout_config(eta: int) -> InferenceEngineConfig:
-    return InferenceEngineConfig(consumer_batch_size=PROMPTS, max_head_offpolicyness=eta, max_concurrent_rollouts=2 * PROMPTS)
+    return InferenceEngineConfig(
+        consumer_batch_size=PROMPTS, max_head_offpolicyness=eta, max_concurrent_rollouts=2 * PROMPTS
+    )
 
 
 def full(t: torch.Tensor | None) -> torch.Tensor:
@@ -235,6 +239,7 @@ def train_and_record_or_replay(cfg: RLExperimentConfig, generate: bool) -> tuple
 
     rollout, meta = make_rollout(cfg)
     if not generate:
+
         async def no_generation(req: ModelRequest) -> ModelResponse:
             raise AssertionError("a replayed run generated")
 
@@ -264,7 +269,9 @@ def train_and_record_or_replay(cfg: RLExperimentConfig, generate: bool) -> tuple
 
 def test_a_replayed_run_reproduces_the_recorded_parameters_bit_for_bit(model_dir, tmp_path):
     recording = tmp_path / "recording"
-    recorded, scores = train_and_record_or_replay(rl_config(model_dir, tmp_path / "a", record_batches=str(recording)), True)
+    recorded, scores = train_and_record_or_replay(
+        rl_config(model_dir, tmp_path / "a", record_batches=str(recording)), True
+    )
     files = sorted((recording / "rank0").glob("*.pt"))
     assert len(files) == STEPS + 2  # the training batches and the two evaluations
     staleness = [s for f in files for s in torch.load(f, weights_only=True)["staleness"]]
@@ -292,4 +299,3 @@ def test_replay_says_where_the_loop_left_the_recording(tmp_path):
         replay.read("train", 1)
     with pytest.raises(FileNotFoundError):
         BatchReplay(str(tmp_path / "none"))
-

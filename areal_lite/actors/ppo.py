@@ -354,7 +354,9 @@ class PPOActor:
                 all_stats.append(self.engine.train_batch(mb, self.loss_fn, self.loss_weight))
             stats = mean_stats(all_stats)
             log_w = torch.cat([lw for lw, _ in self._log_weights]) if self._log_weights else torch.zeros(0)
-            same = torch.cat([s for _, s in self._log_weights]) if self._log_weights else torch.zeros(0, dtype=torch.bool)
+            same = (
+                torch.cat([s for _, s in self._log_weights]) if self._log_weights else torch.zeros(0, dtype=torch.bool)
+            )
         finally:
             self._log_weights = None
         stats.update(self.batch_stats(data, torch.exp(log_w)))
