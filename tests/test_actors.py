@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDict
 
 from areal_lite.actors import DistillActor, DPOActor, PPOActor, PPOCritic, ReinforceActor, SFTActor, train_on_tangents
+from areal_lite.actors.distill import reverse_kl_with_baseline
 from areal_lite.actors.ppo import minibatches
 from areal_lite.algorithms import functional as F
 from areal_lite.api.config import DPOConfig, OptimizerConfig, PPOActorConfig, PPOCriticConfig, TrainEngineConfig
@@ -464,6 +465,27 @@ def test_distill_actor_advantages_are_the_reverse_kl_of_the_trained_student_to_t
     torch.testing.assert_close(batch["advantages"], (teacher_logp - current) * mask)
     stats = actor.batch_stats(batch, torch.zeros(0))
     assert stats["reverse_kl_mean"] == pytest.approx(float((current - teacher_logp)[mask].mean()), rel=1e-6)
+
+
+def test_distill_baseline_centres_the_reverse_kl_at_each_answer_position():
+    """With `reverse_kl_with_baseline` the k-th answer token's advantage is its reverse-KL term minus
+    the batch's mean term at answer position k (every prompt here has 3 tokens, so position k is
+    column 3 + k)."""
+    batch = make_batch(6, seed=14)
+    mask = batch["loss_mask"].bool()
+    current = -torch.rand(batch["input_ids"].shape) * mask
+    teacher_logp = -torch.rand(batch["input_ids"].shape)
+
+    class Student:
+        def forward(self, b: TensorDict) -> torch.Tensor:
+            return current
+
+    cfg = PPOActorConfig(path="x", discount=0.0)
+    actor = DistillActor(cfg, Student(), teacher=lambda b: teacher_logp, advantage_fn=reverse_kl_with_baseline)  # type: ignore[arg-type]
+    actor.compute_advantages(batch)
+    kl_term = (teacher_logp - current) * mask
+    column_mean = kl_term.sum(0) / mask.sum(0).clamp(min=1)
+    torch.testing.assert_close(batch["advantages"], (kl_term - column_mean) * mask)
 
 
 def test_minibatches_keep_groups_and_refuse_too_few():
