@@ -445,21 +445,30 @@ def test_config_picks_the_behaviour_weight_and_the_policy_loss():
     assert loss.keywords["eps_clip_higher"] == 0.3  # type: ignore[attr-defined]
 
 
+class FixedStudent:
+    """A student engine whose forward returns fixed log-probabilities."""
+
+    def __init__(self, logp: torch.Tensor) -> None:
+        self.logp = logp
+
+    def forward(self, b: TensorDict) -> torch.Tensor:
+        return self.logp
+
+
+def distill_case(n: int, seed: int) -> tuple[TensorDict, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch, its answer mask, and random log-probabilities of the trained student and the teacher."""
+    batch = make_batch(n, seed=seed)
+    mask = batch["loss_mask"].bool()
+    return batch, mask, -torch.rand(batch["input_ids"].shape) * mask, -torch.rand(batch["input_ids"].shape)
+
+
 def test_distill_actor_advantages_are_the_reverse_kl_of_the_trained_student_to_the_teacher():
     """The student's log-probabilities in the reward are the trained (proximal) student's, not the
     sampling ones: with stale samples the two differ."""
-    batch = make_batch(4, seed=13)
-    mask = batch["loss_mask"].bool()
+    batch, mask, current, teacher_logp = distill_case(4, seed=13)
     batch["logprobs"] = -torch.rand(batch["input_ids"].shape) * mask  # an older student sampled
-    current = -torch.rand(batch["input_ids"].shape) * mask
-    teacher_logp = -torch.rand(batch["input_ids"].shape)
-
-    class Student:
-        def forward(self, b: TensorDict) -> torch.Tensor:
-            return current
-
     cfg = PPOActorConfig(path="x", discount=0.0)
-    actor = DistillActor(cfg, Student(), teacher=lambda b: teacher_logp)  # type: ignore[arg-type]
+    actor = DistillActor(cfg, FixedStudent(current), teacher=lambda b: teacher_logp)  # type: ignore[arg-type]
     actor.compute_advantages(batch)
     torch.testing.assert_close(batch["prox_logp"], current)
     torch.testing.assert_close(batch["advantages"], (teacher_logp - current) * mask)
@@ -471,17 +480,10 @@ def test_distill_baseline_centres_the_reverse_kl_at_each_answer_position():
     """With `reverse_kl_with_baseline` the k-th answer token's advantage is its reverse-KL term minus
     the batch's mean term at answer position k (every prompt here has 3 tokens, so position k is
     column 3 + k)."""
-    batch = make_batch(6, seed=14)
-    mask = batch["loss_mask"].bool()
-    current = -torch.rand(batch["input_ids"].shape) * mask
-    teacher_logp = -torch.rand(batch["input_ids"].shape)
-
-    class Student:
-        def forward(self, b: TensorDict) -> torch.Tensor:
-            return current
-
+    batch, mask, current, teacher_logp = distill_case(6, seed=14)
     cfg = PPOActorConfig(path="x", discount=0.0)
-    actor = DistillActor(cfg, Student(), teacher=lambda b: teacher_logp, advantage_fn=reverse_kl_with_baseline)  # type: ignore[arg-type]
+    advantages = reverse_kl_with_baseline
+    actor = DistillActor(cfg, FixedStudent(current), teacher=lambda b: teacher_logp, advantage_fn=advantages)  # type: ignore[arg-type]
     actor.compute_advantages(batch)
     kl_term = (teacher_logp - current) * mask
     column_mean = kl_term.sum(0) / mask.sum(0).clamp(min=1)
