@@ -171,13 +171,27 @@ def mean_reward(rollout: RolloutController, workflow: RolloutWorkflow, items: li
     return float(totals[0] / totals[1])
 
 
+def _record_or_replay(cfg: RLExperimentConfig, rollout: RolloutController) -> None:
+    """``record_batches`` / ``replay_batches``: the run's controller records or replays this
+    rank's batches (``rank<r>/`` of the directory)."""
+    if cfg.record_batches and cfg.replay_batches:
+        raise ValueError("record_batches and replay_batches are both set: a run records or replays, not both")
+    shard = f"rank{dist.get_rank() if dist.is_initialized() else 0}"
+    if cfg.replay_batches:
+        rollout.replay_from(os.path.join(cfg.replay_batches, shard))
+    elif cfg.record_batches:
+        rollout.record_to(os.path.join(cfg.record_batches, shard))
+
+
 class RunKit:
     """What happens around each training step: saving, recovery, evaluation and logging.
 
     ``engine`` is the model being trained (saved as HF checkpoints and recovered); ``others`` are
     further trained engines (e.g. a critic) that recover with it. With a ``rollout`` controller, a
     resumed run pushes the recovered weights and version to it and replays the prompts that were
-    in flight at the checkpoint, and each step logs the rollout counters and staleness.
+    in flight at the checkpoint, and each step logs the rollout counters and staleness. An RL
+    config's ``record_batches`` makes the controller record every batch it hands out, and
+    ``replay_batches`` makes it hand out a recording instead of generating.
     """
 
     def __init__(
@@ -212,6 +226,8 @@ class RunKit:
             cfg.stats_logger, cfg.output_dir, total_steps=self.total_steps, run_name=cfg.experiment_name, run_config=cfg
         )
         self.tracker = StatsTracker()
+        if rollout is not None and isinstance(cfg, RLExperimentConfig):
+            _record_or_replay(cfg, rollout)
 
     @property
     def finetune_spec(self) -> FinetuneSpec:

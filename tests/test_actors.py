@@ -17,7 +17,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from areal_lite.actors import DPOActor, PPOActor, PPOCritic, ReinforceActor, SFTActor, train_on_tangents
+from areal_lite.actors import DistillActor, DPOActor, PPOActor, PPOCritic, ReinforceActor, SFTActor, train_on_tangents
+from areal_lite.actors.distill import reverse_kl_with_baseline
 from areal_lite.actors.ppo import minibatches
 from areal_lite.algorithms import functional as F
 from areal_lite.api.config import DPOConfig, OptimizerConfig, PPOActorConfig, PPOCriticConfig, TrainEngineConfig
@@ -190,6 +191,81 @@ def test_zero_advantage_skipping_is_off_when_the_loss_has_other_terms():
     assert not PPOActor(cfg, None, policy_loss=F.reinforce_policy_loss).skip_zero_advantage  # type: ignore[arg-type]
 
 
+def test_decoupled_update_is_plain_ppo_when_behaviour_is_proximal(model_dir):
+    """Decoupled PPO with behaviour = proximal makes the update of standard PPO (ratio to the old
+    policy, clipped), written out here, with clipping active."""
+    cfg = PPOActorConfig(path=model_dir, optimizer=SGD_LIKE, group_size=4, eps_clip=0.1, behav_imp_weight_cap=5.0)
+    with engines(cfg, cfg) as (e_dec, e_ppo):
+        batch = make_batch(8, seed=5)
+        actor = PPOActor(cfg, e_dec)
+        current = actor.compute_logp(batch)
+        old = (
+            current + 0.3 * torch.randn(current.shape, generator=torch.Generator().manual_seed(1)) * batch["loss_mask"]
+        )
+        batch["logprobs"] = old  # behaviour
+        batch["prox_logp"] = old  # = proximal
+        actor.compute_advantages(batch)
+        before = params(e_dec)
+        stats = actor.ppo_update(batch)
+        assert 0 < stats["clip_frac"] < 1 and stats["importance_weight_max"] == pytest.approx(1.0)
+
+        def plain_ppo(logp, entropy, mb):
+            mask = mb["loss_mask"].bool()
+            ratio = torch.exp(logp - mb["logprobs"])
+            a = mb["advantages"]
+            per_token = -torch.minimum(ratio * a, ratio.clamp(0.9, 1.1) * a)
+            return per_token[mask].sum() / mask.sum(), {}
+
+        e_ppo.train_batch(batch, plain_ppo, lambda mb: float(mb["loss_mask"].sum()))
+        assert_same_update(deltas(before, e_dec), deltas(before, e_ppo))
+
+
+def test_mismatch_statistics_compare_tokens_of_the_current_version(model_dir):
+    """``mismatch/*`` look only at tokens produced by the weights the trainer holds (version 2
+    here); stale tokens (version 1) differ by much more and are left out."""
+    cfg = PPOActorConfig(path=model_dir, optimizer=SGD_LIKE, group_size=4, behav_imp_weight_cap=None)
+    with engines(cfg) as (engine,):
+        engine.set_version(2)
+        batch = make_batch(8, seed=6)
+        actor = PPOActor(cfg, engine)
+        current = actor.compute_logp(batch)
+        mask = batch["loss_mask"].bool()
+        fresh = torch.arange(8).unsqueeze(1) < 4
+        noise = torch.where(fresh, 0.01, 0.5) * torch.randn(current.shape, generator=torch.Generator().manual_seed(2))
+        batch["logprobs"] = (current + noise) * mask
+        batch["versions"] = torch.where(mask, torch.where(fresh, 2, 1), -1).int()
+        actor.compute_advantages(batch)
+        stats = actor.ppo_update(batch)
+        same = mask & fresh
+        assert stats["mismatch/tokens"] == float(same.sum())
+        assert stats["mismatch/max_abs_logp_diff"] == pytest.approx(float(noise[same].abs().max()), abs=1e-5)
+        log_r = -noise[same].double()  # log(pi_train / pi_infer)
+        assert stats["mismatch/kl"] == pytest.approx(float((log_r.exp() - 1 - log_r).mean()), rel=1e-3, abs=1e-7)
+
+
+def test_distillation_moves_the_student_towards_the_teacher(model_dir, tmp_path):
+    """A few DistillActor updates on the student's tokens shrink the student-teacher gap in
+    log-probability on those tokens (the teacher is another tiny model)."""
+    teacher_dir = build_tiny_model(
+        str(tmp_path / "teacher"), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=300, seed=7
+    )
+    student_cfg = PPOActorConfig(
+        path=model_dir, optimizer=OptimizerConfig(lr=2e-3, gradient_clipping=0.0), discount=0.0, group_size=1
+    )
+    with engines(student_cfg, TrainEngineConfig(path=teacher_dir), frozen=(1,)) as (student, teacher):
+        actor = DistillActor(student_cfg, student, teacher=teacher.forward)
+        tokens = make_batch(8, seed=7)
+        mask = tokens["loss_mask"].bool()
+        gaps = []
+        for _ in range(6):
+            batch = tokens.clone()
+            batch["logprobs"] = actor.compute_logp(batch) * mask  # on-policy log-probs of these tokens
+            actor.compute_advantages(batch)
+            gaps.append(float((batch["logprobs"] - batch["teacher_logp"])[mask].abs().mean()))
+            actor.ppo_update(batch)
+        assert gaps[-1] < 0.5 * gaps[0], gaps
+
+
 def test_tangent_update_equals_training_on_the_loss(model_dir):
     cfg = TrainEngineConfig(path=model_dir, optimizer=SGD_LIKE, mb_spec=MicroBatchSpec(n_mbs=3))
     with engines(cfg, cfg) as (e_tan, e_loss):
@@ -329,6 +405,89 @@ def test_actor_loss_adds_the_kl_and_entropy_terms():
         terms.append(surrogate + 0.1 * 0.5 * (logp[j] - mb["ref_logp"][j]) ** 2 - 0.05 * entropy[j])
     torch.testing.assert_close(loss, sum(terms) / len(terms))
     assert set(stats) >= {"clip_frac", "approx_kl", "entropy", "kl_ref"}
+
+
+def test_kl_to_the_reference_is_reported_when_it_is_in_the_reward():
+    """With the KL penalty in the reward the loss has no KL term, but the update still reports
+    ``kl_ref`` (the statistic the logger's KL warning watches)."""
+    g = torch.Generator().manual_seed(12)
+    t = 6
+    mb = {
+        "loss_mask": torch.tensor([0, 1, 1, 0, 1, 1]),
+        "cu_seqlens": torch.tensor([0, 3, 6], dtype=torch.int32),
+        "prox_logp": -torch.rand(t, generator=g, dtype=torch.float64),
+        "advantages": torch.randn(t, generator=g, dtype=torch.float64),
+        "ref_logp": -torch.rand(t, generator=g, dtype=torch.float64),
+    }
+    logp = mb["prox_logp"] + 0.1 * torch.randn(t, generator=g, dtype=torch.float64)
+    entropy = torch.zeros(t, dtype=torch.float64)
+    in_reward = PPOActorConfig(path="x", kl_ctl=0.1, kl_in_reward=True, kl_estimator="k1")
+    loss, stats = PPOActor(in_reward, NoEngine(), ref_engine=NoEngine()).loss_fn(logp, entropy, mb)  # type: ignore[arg-type]
+    plain, _ = PPOActor(PPOActorConfig(path="x"), NoEngine()).loss_fn(logp, entropy, mb)  # type: ignore[arg-type]
+    torch.testing.assert_close(loss, plain)
+    m = mb["loss_mask"].bool()
+    assert stats["kl_ref"].item() == pytest.approx(float((logp - mb["ref_logp"])[m].mean()))
+
+
+def test_config_picks_the_behaviour_weight_and_the_policy_loss():
+    """``behav_imp_weight_mode`` and its band reach the loss as an importance-weight function;
+    the default stays decoupled PPO's cap."""
+    default = PPOActor(PPOActorConfig(path="x", behav_imp_weight_cap=3.0), NoEngine()).policy_loss  # type: ignore[arg-type]
+    assert default.func is F.ppo_policy_loss and default.keywords["behav_imp_weight_cap"] == 3.0  # type: ignore[attr-defined]
+    cfg = PPOActorConfig(
+        path="x", policy_loss="cispo", behav_imp_weight_mode="sequence_mask", behav_imp_weight_floor=0.5,
+        behav_imp_weight_cap=2.0, eps_clip=1.0, eps_clip_higher=0.3,
+    )  # fmt: skip
+    loss = PPOActor(cfg, NoEngine()).policy_loss  # type: ignore[arg-type]
+    assert loss.func is F.cispo_policy_loss and "behav_imp_weight_cap" not in loss.keywords  # type: ignore[attr-defined]
+    weight = loss.keywords["importance_weight"]  # type: ignore[attr-defined]
+    assert weight.func is F.sequence_mask_weight and weight.keywords == {"low": 0.5, "high": 2.0}
+    assert loss.keywords["eps_clip_higher"] == 0.3  # type: ignore[attr-defined]
+
+
+class FixedStudent:
+    """A student engine whose forward returns fixed log-probabilities."""
+
+    def __init__(self, logp: torch.Tensor) -> None:
+        self.logp = logp
+
+    def forward(self, b: TensorDict) -> torch.Tensor:
+        return self.logp
+
+
+def distill_case(n: int, seed: int) -> tuple[TensorDict, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch, its answer mask, and random log-probabilities of the trained student and the teacher."""
+    batch = make_batch(n, seed=seed)
+    mask = batch["loss_mask"].bool()
+    return batch, mask, -torch.rand(batch["input_ids"].shape) * mask, -torch.rand(batch["input_ids"].shape)
+
+
+def test_distill_actor_advantages_are_the_reverse_kl_of_the_trained_student_to_the_teacher():
+    """The student's log-probabilities in the reward are the trained (proximal) student's, not the
+    sampling ones: with stale samples the two differ."""
+    batch, mask, current, teacher_logp = distill_case(4, seed=13)
+    batch["logprobs"] = -torch.rand(batch["input_ids"].shape) * mask  # an older student sampled
+    cfg = PPOActorConfig(path="x", discount=0.0)
+    actor = DistillActor(cfg, FixedStudent(current), teacher=lambda b: teacher_logp)  # type: ignore[arg-type]
+    actor.compute_advantages(batch)
+    torch.testing.assert_close(batch["prox_logp"], current)
+    torch.testing.assert_close(batch["advantages"], (teacher_logp - current) * mask)
+    stats = actor.batch_stats(batch, torch.zeros(0))
+    assert stats["reverse_kl_mean"] == pytest.approx(float((current - teacher_logp)[mask].mean()), rel=1e-6)
+
+
+def test_distill_baseline_centres_the_reverse_kl_at_each_answer_position():
+    """With `reverse_kl_with_baseline` the k-th answer token's advantage is its reverse-KL term minus
+    the batch's mean term at answer position k (every prompt here has 3 tokens, so position k is
+    column 3 + k)."""
+    batch, mask, current, teacher_logp = distill_case(6, seed=14)
+    cfg = PPOActorConfig(path="x", discount=0.0)
+    advantages = reverse_kl_with_baseline
+    actor = DistillActor(cfg, FixedStudent(current), teacher=lambda b: teacher_logp, advantage_fn=advantages)  # type: ignore[arg-type]
+    actor.compute_advantages(batch)
+    kl_term = (teacher_logp - current) * mask
+    column_mean = kl_term.sum(0) / mask.sum(0).clamp(min=1)
+    torch.testing.assert_close(batch["advantages"], (kl_term - column_mean) * mask)
 
 
 def test_minibatches_keep_groups_and_refuse_too_few():

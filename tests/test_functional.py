@@ -515,3 +515,241 @@ def test_sft_nll():
 def test_registry_names_the_choices():
     with pytest.raises(ValueError, match="token-mean, seq-mean-token-mean, seq-mean-token-sum"):
         F.pick(F.AGGREGATIONS, "token-sum", "loss aggregation")
+
+
+# ----------------------------------------------------------------------------- importance weights
+
+
+def ref_weights(prox, behav, mask, cu, level: str, how: str, low, high) -> torch.Tensor:
+    """Token or sequence ratio rho, then masked to (or clamped into) [low, high], token by token."""
+    out = [0.0] * prox.numel()
+    for s, e in spans(cu):
+        idx = [j for j in range(s, e) if mask[j]]
+        seq_rho = math.exp(sum(float(prox[j] - behav[j]) for j in idx))
+        for j in idx:
+            rho = seq_rho if level == "sequence" else math.exp(float(prox[j] - behav[j]))
+            inside = (low is None or rho >= low) and (high is None or rho <= high)
+            if how == "mask":
+                out[j] = rho if inside else 0.0
+            else:
+                out[j] = min(max(rho, low if low is not None else -math.inf), high if high is not None else math.inf)
+    return torch.tensor(out, dtype=D)
+
+
+WEIGHT_BANDS = [(None, 1.2), (0.8, 1.25), (0.5, 5.0), (None, None)]
+
+
+@pytest.mark.parametrize("name", list(F.IMPORTANCE_WEIGHTS))
+@pytest.mark.parametrize("band", WEIGHT_BANDS)
+@pytest.mark.parametrize("case", CASES)
+def test_importance_weights(name, band, case):
+    # short sequences keep some sequence ratios inside every band
+    b = make_packed([4, 1, 3, 2, 3, 2], seed=14, **case)
+    b["prox"] = b["behav"] + 0.3 * torch.randn(b["prox"].shape, generator=torch.Generator().manual_seed(5), dtype=D)
+    low, high = band
+    level, how = name.split("_")
+    ours = F.IMPORTANCE_WEIGHTS[name](b["prox"], b["behav"], b["mask"], b["cu"], low=low, high=high)
+    ref = ref_weights(b["prox"], b["behav"], b["mask"], b["cu"], level, how, low, high)
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
+    if band in WEIGHT_BANDS[:2] and not case:  # a tight band bites on this data, and lets some through
+        rho = ref_weights(b["prox"], b["behav"], b["mask"], b["cu"], level, "mask", None, None)
+        changed = (ours != rho) & b["mask"]
+        assert 0 < int(changed.sum()) < int(b["mask"].sum())
+
+
+def test_capped_behaviour_weight_is_the_token_mask_below_the_cap():
+    b = make_packed(LENS, seed=15)
+    torch.testing.assert_close(
+        F.behaviour_weight(b["prox"], b["behav"], b["mask"], 1.2),
+        F.token_mask_weight(b["prox"], b["behav"], b["mask"], b["cu"], high=1.2),
+    )
+
+
+def test_mismatch_stats():
+    b = make_packed(LENS, seed=16, empty=(1,))
+    train, infer, mask = b["prox"], b["behav"], b["mask"]
+    ks, diffs = [], []
+    for j in range(train.numel()):
+        if mask[j]:
+            r = math.exp(float(train[j] - infer[j]))  # pi_train / pi_infer, tokens drawn from pi_infer
+            ks.append(r - 1 - math.log(r))
+            diffs.append(abs(float(train[j] - infer[j])))
+    stats = F.mismatch_stats(train, infer, mask)
+    assert stats["kl"].item() == pytest.approx(sum(ks) / len(ks), rel=1e-9)
+    assert stats["max_abs_diff"].item() == pytest.approx(max(diffs), rel=1e-12)
+    empty = F.mismatch_stats(train, infer, torch.zeros_like(mask))
+    assert empty["kl"].item() == 0.0 and empty["max_abs_diff"].item() == 0.0
+
+
+LOSSES_WITH_WEIGHTS = {
+    "ppo": (F.ppo_policy_loss, {"eps_clip": 0.2, "eps_clip_higher": 0.28}),
+    "reinforce": (F.reinforce_policy_loss, {}),
+    "cispo": (F.cispo_policy_loss, {"eps_clip": 1.0, "eps_clip_higher": 0.2}),
+}
+
+
+@pytest.mark.parametrize("loss_name", list(LOSSES_WITH_WEIGHTS))
+@pytest.mark.parametrize("weight_name", list(F.IMPORTANCE_WEIGHTS))
+def test_policy_losses_take_an_importance_weight(loss_name, weight_name):
+    """A loss with ``importance_weight=fn`` is the same loss with the behaviour weight replaced by
+    fn's weights, token by token (reference: the loss at prox = behav, times the reference weight)."""
+    b = make_packed([4, 1, 3, 2, 3, 2], seed=17, empty=(2,))
+    b["prox"] = b["behav"] + 0.15 * torch.randn(b["prox"].shape, generator=torch.Generator().manual_seed(6), dtype=D)
+    loss_fn, kw = LOSSES_WITH_WEIGHTS[loss_name]
+    low, high = 0.8, 1.25
+    iw = functools.partial(F.IMPORTANCE_WEIGHTS[weight_name], low=low, high=high)
+    level, how = weight_name.split("_")
+    w_ref = ref_weights(b["prox"], b["behav"], b["mask"], b["cu"], level, how, low, high)
+
+    def ours(logp):
+        per_tok, _ = loss_fn(logp, b["prox"], b["behav"], b["adv"], b["mask"], b["cu"], importance_weight=iw, **kw)
+        return F.token_mean(per_tok, b["mask"], b["cu"])
+
+    def ref(logp):
+        unweighted, _ = loss_fn(logp, b["prox"], b["prox"], b["adv"], b["mask"], b["cu"], **kw)
+        return ref_aggregate([unweighted[j] * w_ref[j] for j in range(logp.numel())], b["mask"], b["cu"], "token-mean")
+
+    assert_value_and_grad(ours, ref, b["logp"])
+    with pytest.raises(ValueError, match="not both"):
+        loss_fn(
+            b["logp"],
+            b["prox"],
+            b["behav"],
+            b["adv"],
+            b["mask"],
+            b["cu"],
+            behav_imp_weight_cap=2.0,
+            importance_weight=iw,
+        )
+
+
+def test_gspo_with_a_sequence_weight_keeps_one_weight_per_sequence():
+    b = make_packed(LENS, seed=18)
+    b["logp"] = b["prox"] + 0.02 * torch.randn(b["prox"].shape, generator=torch.Generator().manual_seed(1), dtype=D)
+    b["prox"] = b["behav"] + 0.1 * torch.randn(b["prox"].shape, generator=torch.Generator().manual_seed(2), dtype=D)
+    adv = F.to_tokens(torch.randn(len(LENS), generator=torch.Generator().manual_seed(3), dtype=D), b["cu"])
+    iw = functools.partial(F.sequence_truncate_weight, high=1.1)
+    per_tok, _ = F.gspo_policy_loss(b["logp"], b["prox"], b["behav"], adv, b["mask"], b["cu"], importance_weight=iw)
+    plain, _ = F.gspo_policy_loss(b["logp"], b["prox"], b["prox"], adv, b["mask"], b["cu"])
+    w = ref_weights(b["prox"], b["behav"], b["mask"], b["cu"], "sequence", "truncate", None, 1.1)
+    torch.testing.assert_close(per_tok, plain * w, rtol=1e-10, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- CISPO, decoupled = PPO
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("agg", list(F.AGGREGATIONS))
+@pytest.mark.parametrize("eps", [(1.0, 0.2), (0.1, 0.1), (0.2, None)])
+def test_cispo_policy_loss(case, agg, eps):
+    b = make_packed(LENS, seed=19, **case)
+    b["logp"] = b["prox"] + 0.4 * torch.randn(b["prox"].shape, generator=torch.Generator().manual_seed(9), dtype=D)
+    eps_lo, eps_hi = eps
+    reduce = F.AGGREGATIONS[agg].reduce
+
+    def ours(logp):
+        per_tok, _ = F.cispo_policy_loss(
+            logp,
+            b["prox"],
+            b["behav"],
+            b["adv"],
+            b["mask"],
+            b["cu"],
+            eps_clip=eps_lo,
+            eps_clip_higher=eps_hi,
+            behav_imp_weight_cap=1.3,
+        )
+        return reduce(per_tok, b["mask"], b["cu"])
+
+    def ref(logp):
+        hi = eps_lo if eps_hi is None else eps_hi
+        toks = []
+        for j in range(logp.numel()):
+            r = math.exp(float(logp[j].detach() - b["prox"][j]))  # a constant: the weight carries no gradient
+            r = min(max(r, 1 - eps_lo), 1 + hi)
+            w = math.exp(float(b["prox"][j] - b["behav"][j]))
+            toks.append(-r * b["adv"][j] * logp[j] * (w if w <= 1.3 else 0.0))
+        return ref_aggregate(toks, b["mask"], b["cu"], agg)
+
+    assert_value_and_grad(ours, ref, b["logp"])
+
+
+def test_cispo_at_ratio_one_is_reinforce_and_clipped_tokens_keep_a_gradient():
+    b = make_packed(LENS, seed=20)
+    x, y = b["prox"].clone().requires_grad_(True), b["prox"].clone().requires_grad_(True)
+    cispo = F.token_mean(
+        F.cispo_policy_loss(x, b["prox"], b["prox"], b["adv"], b["mask"], b["cu"])[0], b["mask"], b["cu"]
+    )
+    pg = F.token_mean(
+        F.reinforce_policy_loss(y, b["prox"], b["prox"], b["adv"], b["mask"], b["cu"])[0], b["mask"], b["cu"]
+    )
+    (g1,), (g2,) = torch.autograd.grad(cispo, x), torch.autograd.grad(pg, y)
+    torch.testing.assert_close(g1, g2)
+    # far outside the clip range PPO's gradient vanishes; CISPO's is the clipped weight times A
+    far = (b["prox"] + 1.0).requires_grad_(True)
+    per_tok, stats = F.cispo_policy_loss(far, b["prox"], b["prox"], b["adv"], b["mask"], b["cu"], eps_clip_higher=0.2)
+    (g,) = torch.autograd.grad(per_tok.sum(), far)
+    torch.testing.assert_close(g, torch.where(b["mask"], -1.2 * b["adv"], 0.0))
+    assert stats["clip_frac"][b["mask"]].min().item() == 1.0
+
+
+def ref_plain_ppo(logp, old, adv, mask, cu, eps, agg):
+    """Standard PPO (Schulman et al. 2017, eq. 7) with ratio pi / pi_old and no other weight."""
+    toks = []
+    for j in range(logp.numel()):
+        ratio = torch.exp(logp[j] - old[j])
+        clipped = torch.clamp(ratio, 1 - eps, 1 + eps)
+        toks.append(-torch.minimum(ratio * adv[j], clipped * adv[j]))
+    return ref_aggregate(toks, mask, cu, agg)
+
+
+@pytest.mark.parametrize("agg", list(F.AGGREGATIONS))
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_decoupled_ppo_is_plain_ppo_when_behaviour_is_proximal(agg, cap):
+    b = make_packed(LENS, seed=21, empty=(3,))
+    b["logp"] = b["prox"] + 0.4 * torch.randn(b["prox"].shape, generator=torch.Generator().manual_seed(2), dtype=D)
+    reduce = F.AGGREGATIONS[agg].reduce
+
+    def decoupled(logp):
+        per_tok, _ = F.ppo_policy_loss(
+            logp, b["prox"], b["prox"], b["adv"], b["mask"], b["cu"], eps_clip=0.2, behav_imp_weight_cap=cap
+        )
+        return reduce(per_tok, b["mask"], b["cu"])
+
+    assert_value_and_grad(
+        decoupled, lambda x: ref_plain_ppo(x, b["prox"], b["adv"], b["mask"], b["cu"], 0.2, agg), b["logp"]
+    )
+
+
+# ----------------------------------------------------------------------------- distillation
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 1.0])
+def test_reverse_kl_advantages(gamma):
+    b = make_packed(LENS, seed=22, empty=(2,))
+    student, teacher = b["behav"], b["prox"]
+    ours = F.reverse_kl_advantages(student, teacher, b["mask"], b["cu"], gamma)
+    ref = [0.0] * student.numel()
+    for s, e in spans(b["cu"]):
+        idx = [j for j in range(s, e) if b["mask"][j]]
+        future = 0.0
+        for j in reversed(idx):
+            future = float(teacher[j] - student[j]) + gamma * future
+            ref[j] = future
+    torch.testing.assert_close(ours, torch.tensor(ref, dtype=D), rtol=1e-10, atol=1e-12)
+    # where the student already matches the teacher there is nothing to learn
+    assert F.reverse_kl_advantages(teacher, teacher, b["mask"], b["cu"], gamma).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_position_baseline(case):
+    b = make_packed(LENS, seed=23, **case)
+    ours = F.position_baseline(b["adv"], b["mask"], b["cu"])
+    masked = [[j for j in range(s, e) if b["mask"][j]] for s, e in spans(b["cu"])]
+    ref = [0.0] * b["adv"].numel()
+    for k in range(max((len(idx) for idx in masked), default=0)):
+        at_k = [idx[k] for idx in masked if len(idx) > k]
+        mean = sum(float(b["adv"][j]) for j in at_k) / len(at_k)
+        for j in at_k:
+            ref[j] = float(b["adv"][j]) - mean
+    torch.testing.assert_close(ours, torch.tensor(ref, dtype=D), rtol=1e-10, atol=1e-12)

@@ -86,6 +86,16 @@ def test_warnings_on_a_failing_run(tmp_path) -> None:
     assert healthy.warnings == []
 
 
+def test_kl_warning_watches_the_kl_to_the_reference_when_there_is_one(tmp_path) -> None:
+    log = StatsLogger(_config(kl_max=0.5), str(tmp_path))
+    log.commit(0, {"approx_kl": 0.01, "kl_ref": 0.7})  # the reference has drifted
+    log.commit(1, {"approx_kl": 0.9, "kl_ref": 0.1})  # a large step, still near the reference
+    log.commit(2, {"approx_kl": 0.9})  # no reference: the per-update KL is watched
+    assert len(log.warnings) == 2, log.warnings
+    assert log.warnings[0].startswith("step 1: kl_ref=0.7") and "reference" in log.warnings[0]
+    assert log.warnings[1].startswith("step 3: approx_kl=0.9")
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

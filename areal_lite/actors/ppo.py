@@ -2,8 +2,11 @@
 
 The actor turns a rollout batch into advantages and takes ``ppo_n_minibatches`` optimizer steps
 on it with a policy loss from `areal_lite.algorithms.functional`: PPO (decoupled, with clip-higher
-and dual clip), GSPO or REINFORCE; with GRPO, Dr. GRPO, RLOO, ReMax, REINFORCE++ or GAE
-advantages. It calls only ``engine.forward`` and ``engine.train_batch``, so it runs unchanged on
+and dual clip), GSPO, REINFORCE or CISPO; with GRPO, Dr. GRPO, RLOO, ReMax, REINFORCE++ or GAE
+advantages. The behaviour importance weight, which corrects stale tokens and the mismatch between
+the inference and the train engine, is capped, truncated or masked per token or per sequence
+(``behav_imp_weight_mode``); every update reports that mismatch (``mismatch/*``) on the tokens the
+current weights produced. It calls only ``engine.forward`` and ``engine.train_batch``, so it runs unchanged on
 FSDP and Megatron. The loop it serves (docs/design.md)::
 
     actor.compute_advantages(batch)     # adds "advantages" (and "returns" for GAE) [B, L]
@@ -130,21 +133,31 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
 }
 
 
+def behaviour_correction(cfg: PPOActorConfig) -> dict[str, object]:
+    """The keyword arguments that give a policy loss the configured behaviour weight: the classic
+    cap (``token_mask`` without a floor), or an `F.ImportanceWeightFn` bound to the band."""
+    if cfg.behav_imp_weight_mode == "token_mask" and cfg.behav_imp_weight_floor is None:
+        return {"behav_imp_weight_cap": cfg.behav_imp_weight_cap}
+    weight = F.pick(F.IMPORTANCE_WEIGHTS, cfg.behav_imp_weight_mode, "behaviour weight mode")
+    band = functools.partial(weight, low=cfg.behav_imp_weight_floor, high=cfg.behav_imp_weight_cap)
+    return {"importance_weight": band}
+
+
 POLICY_LOSSES: dict[str, Callable[[PPOActorConfig], F.PolicyLossFn]] = {
     "ppo": lambda cfg: functools.partial(
         F.ppo_policy_loss,
         eps_clip=cfg.eps_clip,
         eps_clip_higher=cfg.eps_clip_higher,
         c_clip=cfg.c_clip,
-        behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+        **behaviour_correction(cfg),
     ),
     "gspo": lambda cfg: functools.partial(
-        F.gspo_policy_loss,
-        eps_clip=cfg.eps_clip,
-        eps_clip_higher=cfg.eps_clip_higher,
-        behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+        F.gspo_policy_loss, eps_clip=cfg.eps_clip, eps_clip_higher=cfg.eps_clip_higher, **behaviour_correction(cfg)
     ),
-    "reinforce": lambda cfg: functools.partial(F.reinforce_policy_loss, behav_imp_weight_cap=cfg.behav_imp_weight_cap),
+    "reinforce": lambda cfg: functools.partial(F.reinforce_policy_loss, **behaviour_correction(cfg)),
+    "cispo": lambda cfg: functools.partial(
+        F.cispo_policy_loss, eps_clip=cfg.eps_clip, eps_clip_higher=cfg.eps_clip_higher, **behaviour_correction(cfg)
+    ),
 }
 """The policy losses a config string names, each bound to the config's hyper-parameters."""
 
@@ -183,8 +196,9 @@ class PPOActor:
             and not config.entropy_coeff
             and not (config.kl_ctl > 0 and not config.kl_in_reward)
         )
-        self._importance_weights: list[torch.Tensor] | None = None
-        """Set during ``ppo_update``: exp(prox - behav) of each micro-batch's loss tokens."""
+        self._log_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        """Set during ``ppo_update``: for each micro-batch, prox - behav on its loss tokens, and
+        which of those tokens the policy at the train engine's version produced."""
 
     # ---------------------------------------------------------------- before the update
 
@@ -256,16 +270,18 @@ class PPOActor:
         else:  # one optimizer step per batch: the policy being updated is the proximal policy
             prox = logp.detach()
         behav = mb["behav_logp"] if "behav_logp" in mb else prox
-        if self._importance_weights is not None:
-            self._importance_weights.append(torch.exp(prox - behav)[mask])
+        if self._log_weights is not None:
+            same_version = mb["versions"][mask] == self.engine.get_version()  # type: ignore[index]
+            self._log_weights.append(((prox - behav)[mask], same_version))
         per_token, token_stats = self.policy_loss(logp, prox, behav, mb["advantages"], mask, cu)
         if cfg.entropy_coeff:
             per_token = per_token - cfg.entropy_coeff * entropy
         stats = {k: F.masked_mean(v.detach(), mask) for k, v in token_stats.items()}
-        if cfg.kl_ctl > 0 and not cfg.kl_in_reward:
+        if "ref_logp" in mb:  # reported whenever there is a reference, for the logger's KL warning
             kl = self.kl_estimator(logp, mb["ref_logp"])
-            per_token = per_token + cfg.kl_ctl * kl
             stats["kl_ref"] = F.masked_mean(kl.detach(), mask)
+            if cfg.kl_ctl > 0 and not cfg.kl_in_reward:
+                per_token = per_token + cfg.kl_ctl * kl
         stats["entropy"] = F.masked_mean(entropy.detach(), mask)
         stats["approx_kl"] = F.masked_mean(F.kl_k3(prox, logp.detach()), mask)
         loss = self.aggregation.reduce(per_token, mask, cu)
@@ -327,7 +343,7 @@ class PPOActor:
             data["behav_logp"] = batch["logprobs"]
         elif "prox_logp" in data.keys():
             data["behav_logp"] = data["prox_logp"]
-        self._importance_weights = []
+        self._log_weights = []
         trained = 0
         try:
             all_stats = []
@@ -337,10 +353,14 @@ class PPOActor:
                 trained += mb.batch_size[0]
                 all_stats.append(self.engine.train_batch(mb, self.loss_fn, self.loss_weight))
             stats = mean_stats(all_stats)
-            weights = torch.cat(self._importance_weights) if self._importance_weights else torch.zeros(0)
+            log_w = torch.cat([lw for lw, _ in self._log_weights]) if self._log_weights else torch.zeros(0)
+            same = (
+                torch.cat([s for _, s in self._log_weights]) if self._log_weights else torch.zeros(0, dtype=torch.bool)
+            )
         finally:
-            self._importance_weights = None
-        stats.update(self.batch_stats(data, weights))
+            self._log_weights = None
+        stats.update(self.batch_stats(data, torch.exp(log_w)))
+        stats.update(self.mismatch_stats(log_w, same))
         stats["skipped_seq_frac"] = 1.0 - trained / max(data.batch_size[0], 1)
         return stats
 
@@ -366,6 +386,20 @@ class PPOActor:
                 importance_weight_capped_frac=float((w > cap).float().mean()) if cap is not None else 0.0,
             )
         return out
+
+    @staticmethod
+    def mismatch_stats(log_w: torch.Tensor, same_version: torch.Tensor) -> dict[str, float]:
+        """The train-inference mismatch, from ``log_w`` = proximal - behaviour log-probabilities of
+        the trained tokens: over the tokens produced at the train engine's version (same weights on
+        both sides), ``mismatch/kl`` (KL(inference || train), k3) and ``mismatch/max_abs_logp_diff``;
+        ``mismatch/tokens`` counts them (0 when every token is stale)."""
+        zeros = torch.zeros_like(log_w)
+        m = F.mismatch_stats(log_w, zeros, same_version)
+        return {
+            "mismatch/kl": float(m["kl"]),
+            "mismatch/max_abs_logp_diff": float(m["max_abs_diff"]),
+            "mismatch/tokens": float(same_version.sum()),
+        }
 
     # ---------------------------------------------------------------- pass-throughs of the loop
 

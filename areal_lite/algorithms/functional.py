@@ -17,6 +17,9 @@ Deliberate choices, where papers and implementations differ:
   AReaL's code: a token whose weight exceeds the cap is dropped from the loss (weight 0), not
   truncated to the cap.
 - Losses over an empty mask are 0, not NaN, so a micro-batch with no trained token is harmless.
+- The sequence-level importance weights use the sequence's likelihood ratio (the product of its
+  token ratios), as Seq-TIS and Seq-MIS define it, not GSPO's geometric mean. The truncating
+  weights also take a lower bound (clamping into a band), which the TIS papers leave open.
 """
 
 from __future__ import annotations
@@ -256,19 +259,181 @@ def gae_advantages(
     return _packed(adv, cu_seqlens), _packed(returns, cu_seqlens)
 
 
+def reverse_kl_advantages(
+    student_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    gamma: float = 0.0,
+) -> torch.Tensor:
+    """On-policy distillation advantages ``[T]``: the per-token reverse KL to a teacher as a reward.
+
+    On the student's own samples, ``r_t = log pi_teacher - log pi_student`` is minus the k1
+    estimate of KL(pi_student || pi_teacher) at token t: the reverse KL that MiniLLM (Gu et al.
+    2024, eq. 1) minimises, estimated on student samples as in on-policy distillation (Agarwal et
+    al. 2024, GKD). The advantage is the discounted return of these rewards; ``gamma=0`` (each
+    token's own term, as Lu et al. 2025, "On-Policy Distillation", Thinking Machines) is the default,
+    ``gamma=1`` credits each token with the whole rest of the sequence's KL. 0 outside the mask.
+    """
+    return discounted_returns((teacher_logp - student_logp) * mask.to(student_logp.dtype), mask, cu_seqlens, gamma)
+
+
+def position_baseline(advantages: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``advantages`` ``[T]`` minus a baseline per position: the mean, over the batch's sequences,
+    of the advantage of their k-th masked token, subtracted from every k-th masked token (a
+    REINFORCE baseline, Williams 1992, that depends on the position only, not on the token
+    sampled there, so the expected gradient keeps its direction up to each token's own share of
+    the mean). 0 outside the mask."""
+    m = mask.bool()
+    rank = _packed(torch.cumsum(_padded(m.to(torch.int64), cu_seqlens), dim=1) - 1, cu_seqlens)
+    k = torch.where(m, rank, 0)
+    width = int(k.max()) + 1 if k.numel() else 1
+    total = torch.zeros(width, dtype=advantages.dtype).index_add(0, k, torch.where(m, advantages, 0.0))
+    count = torch.zeros(width, dtype=advantages.dtype).index_add(0, k, m.to(advantages.dtype))
+    return torch.where(m, advantages - (total / count.clamp(min=1))[k], 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
-# Policy losses: per-token loss [T] (0 outside the mask) and per-token statistics
+# Behaviour importance weights: staleness and the train-inference mismatch
 # ---------------------------------------------------------------------------------------------
+# The tokens of a batch were sampled by the behaviour policy: the inference engine, possibly some
+# versions back. The proximal policy is the train engine's recomputation. Their ratio per token,
+# rho_t = pi_prox / pi_behav, corrects for both staleness and the numerical mismatch between the
+# two engines; the functions below differ only in what they do with a ratio far from 1.
+
+
+ImportanceWeightFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``fn(prox_logp, behav_logp, mask, cu_seqlens) -> weight [T]`` (0 outside the mask), the band
+bound with `functools.partial`; a policy loss takes one as ``importance_weight``."""
 
 
 def behaviour_weight(
     prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, cap: float | None
 ) -> torch.Tensor:
     """Decoupled PPO's behaviour importance weight ``pi_prox / pi_behav`` per token (Fu et al. 2025,
-    eq. 5), 0 outside the mask and on tokens whose weight exceeds ``cap``."""
+    eq. 5), 0 outside the mask and on tokens whose weight exceeds ``cap``: `token_mask_weight`
+    with the band ``[0, cap]``."""
+    return token_mask_weight(prox_logp, behav_logp, mask, torch.zeros(0), high=cap)
+
+
+def _clamp(w: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
+    return w if low is None and high is None else w.clamp(min=low, max=high)
+
+
+def _in_band(w: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
+    keep = torch.ones_like(w, dtype=torch.bool)
+    if low is not None:
+        keep &= w >= low
+    if high is not None:
+        keep &= w <= high
+    return keep
+
+
+def sequence_log_ratio(
+    prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
+    """``log rho(y) = sum_t (log pi_prox - log pi_behav)`` over each sequence's masked tokens, ``[B]``:
+    the log of the sequence's likelihood ratio, the product of its token ratios."""
+    return seq_sum((prox_logp - behav_logp) * mask.to(prox_logp.dtype), cu_seqlens)
+
+
+def token_mask_weight(
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+) -> torch.Tensor:
+    """Masked importance sampling per token, IcePop (Ling Team 2025, "Every Step Evolves: Scaling
+    RL for Trillion-Scale Thinking Model", the IcePop objective): ``rho_t`` where
+    ``low <= rho_t <= high``, 0 where the ratio leaves the band (the token gets no gradient).
+    The paper's band is ``[0.5, 5]``; ``low=None`` gives decoupled PPO's capped weight."""
     w = torch.exp(prox_logp - behav_logp)
-    keep = mask.bool() if cap is None else mask.bool() & (w <= cap)
-    return torch.where(keep, w, 0.0)
+    return torch.where(mask.bool() & _in_band(w, low, high), w, 0.0)
+
+
+def token_truncate_weight(
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+) -> torch.Tensor:
+    """Truncated importance sampling per token (TIS; Yao et al. 2025, "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training", the weight ``min(rho_t, C)``): ``rho_t`` clamped
+    into ``[low, high]`` (``high`` is C; ``low=None`` truncates only from above, as the paper)."""
+    return torch.where(mask.bool(), _clamp(torch.exp(prox_logp - behav_logp), low, high), 0.0)
+
+
+def sequence_mask_weight(
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+) -> torch.Tensor:
+    """Masked importance sampling per sequence (Seq-MIS; Liu, Li et al. 2025, "When Speed Kills
+    Stability: Demystifying RL Collapse from the Training-Inference Mismatch", the weight
+    ``rho(y) 1[rho(y) <= C]``): every masked token of a sequence carries the sequence ratio
+    ``rho(y) = prod_t rho_t`` when ``low <= rho(y) <= high`` and 0 otherwise (IcePop's band at the
+    sequence level)."""
+    w = to_tokens(torch.exp(sequence_log_ratio(prox_logp, behav_logp, mask, cu_seqlens)), cu_seqlens)
+    return torch.where(mask.bool() & _in_band(w, low, high), w, 0.0)
+
+
+def sequence_truncate_weight(
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+) -> torch.Tensor:
+    """Truncated importance sampling per sequence (Seq-TIS; Liu, Li et al. 2025, as
+    `sequence_mask_weight`, the weight ``min(rho(y), C)``): every masked token of a sequence
+    carries ``rho(y) = prod_t rho_t`` clamped into ``[low, high]``."""
+    w = to_tokens(torch.exp(sequence_log_ratio(prox_logp, behav_logp, mask, cu_seqlens)), cu_seqlens)
+    return torch.where(mask.bool(), _clamp(w, low, high), 0.0)
+
+
+def _behaviour_weight(
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cap: float | None,
+    importance_weight: ImportanceWeightFn | None,
+) -> torch.Tensor:
+    if importance_weight is None:
+        return behaviour_weight(prox_logp, behav_logp, mask, cap)
+    if cap is not None:
+        raise ValueError("pass behav_imp_weight_cap or importance_weight (whose band replaces the cap), not both")
+    return importance_weight(prox_logp, behav_logp, mask, cu_seqlens)
+
+
+def mismatch_stats(train_logp: torch.Tensor, infer_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the train engine's log-probabilities are from the inference engine's on the same
+    tokens under the same weights: ``kl``, KL(pi_infer || pi_train) by the k3 estimator over the
+    masked tokens (they were sampled from pi_infer), and ``max_abs_diff``, the largest
+    ``|log pi_train - log pi_infer|``. Both 0 over an empty mask."""
+    m = mask.bool()
+    diff = (train_logp - infer_logp).abs()
+    return {
+        "kl": masked_mean(kl_k3(infer_logp, train_logp), m),
+        "max_abs_diff": torch.where(m, diff, 0.0).amax() if diff.numel() else diff.new_zeros(()),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy losses: per-token loss [T] (0 outside the mask) and per-token statistics
+# ---------------------------------------------------------------------------------------------
 
 
 def ppo_policy_loss(
@@ -283,12 +448,14 @@ def ppo_policy_loss(
     eps_clip_higher: float | None = None,
     c_clip: float | None = None,
     behav_imp_weight_cap: float | None = None,
+    importance_weight: ImportanceWeightFn | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7), decoupled.
 
     ``ratio = pi / pi_prox``; loss ``= w * max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps_high))``
-    with ``w`` the capped behaviour weight (`behaviour_weight`; pass ``prox_logp = behav_logp``
-    for standard PPO). ``eps_clip_higher`` is DAPO's clip-higher (Yu et al. 2025, eq. 10);
+    with ``w`` the capped behaviour weight (`behaviour_weight`), or ``importance_weight`` instead
+    (truncated or masked, per token or per sequence); pass ``prox_logp = behav_logp`` for
+    standard PPO. ``eps_clip_higher`` is DAPO's clip-higher (Yu et al. 2025, eq. 10);
     ``c_clip > 1`` is dual clip (Ye et al. 2020, eq. 6), bounding the loss of a negative advantage
     by ``-c_clip * A``. Statistics: ``clip_frac`` and ``dual_clip_frac`` (0/1 per token), ``ratio``.
     """
@@ -303,7 +470,7 @@ def ppo_policy_loss(
         bound = -c_clip * advantages
         dual = (advantages < 0) & (loss > bound)
         loss = torch.where(dual, bound, loss)
-    w = behaviour_weight(prox_logp, behav_logp, mask, behav_imp_weight_cap)
+    w = _behaviour_weight(prox_logp, behav_logp, mask, cu_seqlens, behav_imp_weight_cap, importance_weight)
     stats = {"clip_frac": clipped.float(), "dual_clip_frac": dual.float(), "ratio": ratio.detach()}
     return loss * w, stats
 
@@ -319,6 +486,7 @@ def gspo_policy_loss(
     eps_clip: float = 3e-4,
     eps_clip_higher: float | None = 4e-4,
     behav_imp_weight_cap: float | None = None,
+    importance_weight: ImportanceWeightFn | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO's sequence-level clipped objective (Zheng et al. 2025, eq. 5-7), per token.
 
@@ -326,7 +494,8 @@ def gspo_policy_loss(
     token carries the sequence's loss ``max(-A_i s_i, -A_i clip(s_i, 1 - eps, 1 + eps_high))``
     (with ``seq-mean-token-mean`` aggregation this is exactly the paper's objective). ``A_i`` is
     the sequence's advantage, read at its masked tokens. The behaviour weight is the sequence's
-    geometric mean of ``pi_prox / pi_behav``; sequences above the cap are dropped.
+    geometric mean of ``pi_prox / pi_behav``; sequences above the cap are dropped. An
+    ``importance_weight`` replaces it (a sequence-level one keeps the loss per sequence).
     """
     m = mask.to(logp.dtype)
     n = seq_sum(m, cu_seqlens).clamp(min=1)
@@ -337,8 +506,11 @@ def gspo_policy_loss(
     surr = -adv * s
     surr_clipped = -adv * s.clamp(1.0 - eps_clip, 1.0 + high)
     loss = torch.maximum(surr, surr_clipped)
-    log_w = to_tokens(seq_sum((prox_logp - behav_logp) * m, cu_seqlens) / n, cu_seqlens)
-    w = behaviour_weight(log_w, torch.zeros_like(log_w), mask, behav_imp_weight_cap)
+    if importance_weight is None:
+        log_w = to_tokens(seq_sum((prox_logp - behav_logp) * m, cu_seqlens) / n, cu_seqlens)
+        w = behaviour_weight(log_w, torch.zeros_like(log_w), mask, behav_imp_weight_cap)
+    else:
+        w = _behaviour_weight(prox_logp, behav_logp, mask, cu_seqlens, behav_imp_weight_cap, importance_weight)
     stats = {"clip_frac": (surr_clipped > surr).float(), "ratio": s.detach()}
     return loss * w, stats
 
@@ -352,12 +524,44 @@ def reinforce_policy_loss(
     cu_seqlens: torch.Tensor,
     *,
     behav_imp_weight_cap: float | None = None,
+    importance_weight: ImportanceWeightFn | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE (Williams 1992): ``-w * A * log pi`` per token, ``w`` the capped behaviour weight
-    (1 on-policy). Its gradient is the plain policy gradient; there is no trust region."""
-    w = behaviour_weight(prox_logp, behav_logp, mask, behav_imp_weight_cap)
+    or ``importance_weight`` (1 on-policy). Its gradient is the plain policy gradient; there is no
+    trust region."""
+    w = _behaviour_weight(prox_logp, behav_logp, mask, cu_seqlens, behav_imp_weight_cap, importance_weight)
     ratio = torch.exp(logp.detach() - prox_logp)
     return -advantages * logp * w, {"clip_frac": torch.zeros_like(logp), "ratio": ratio}
+
+
+def cispo_policy_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    eps_clip: float = 1.0,
+    eps_clip_higher: float | None = None,
+    behav_imp_weight_cap: float | None = None,
+    importance_weight: ImportanceWeightFn | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax 2025, "MiniMax-M1", sec. 3.1: the CISPO objective and its clipped weight):
+    ``-w * sg(clip(ratio, 1 - eps, 1 + eps_high)) * A * log pi`` per token, ``ratio = pi / pi_prox``.
+
+    PPO clips the token's update (a clipped token gets no gradient); CISPO clips only the
+    stopped-gradient weight, so every token keeps a policy gradient of bounded size. MiniMax leaves
+    the lower side open: the default ``eps_clip=1`` (a weight never below 0). ``w`` is the capped
+    behaviour weight or ``importance_weight``. At ratio 1 this is REINFORCE. Statistics:
+    ``clip_frac`` (tokens whose weight was clipped), ``ratio``.
+    """
+    ratio = torch.exp(logp.detach() - prox_logp)
+    high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    weight = ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    w = _behaviour_weight(prox_logp, behav_logp, mask, cu_seqlens, behav_imp_weight_cap, importance_weight)
+    stats = {"clip_frac": (weight != ratio).float(), "ratio": ratio}
+    return -weight * advantages * logp * w, stats
 
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -491,6 +695,12 @@ AGGREGATIONS: dict[str, Aggregation] = {
     "seq-mean-token-sum": Aggregation(seq_mean_token_sum, count_sequences),
 }
 KL_ESTIMATORS: dict[str, KLEstimator] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+IMPORTANCE_WEIGHTS: dict[str, ImportanceWeightFn] = {
+    "token_mask": token_mask_weight,
+    "token_truncate": token_truncate_weight,
+    "sequence_mask": sequence_mask_weight,
+    "sequence_truncate": sequence_truncate_weight,
+}
 PREFERENCE_LOSSES: dict[str, PreferenceLossFn] = {"sigmoid": dpo_sigmoid_loss, "ipo": ipo_loss}
 
 

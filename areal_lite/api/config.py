@@ -179,16 +179,28 @@ class PPOActorConfig(TrainEngineConfig):
     c_clip: float | None = None
     """Dual-clip constant (> 1) bounding the loss for negative advantages; None = off."""
     behav_imp_weight_cap: float | None = 5.0
-    """Tokens whose behaviour importance weight exp(prox - behav) exceeds this are dropped from
-    the loss (decoupled PPO); None = keep all."""
+    """Upper end of the band for the behaviour importance weight exp(prox - behav): with the
+    default ``token_mask`` mode, tokens above it are dropped from the loss (decoupled PPO); the
+    truncating modes clamp to it. None = no upper end."""
+    behav_imp_weight_floor: float | None = None
+    """Lower end of that band (IcePop masks below 0.5); None = no lower end."""
+    behav_imp_weight_mode: str = field(
+        default="token_mask", metadata=one_of("token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
+    )
+    """What the behaviour weight does outside its band, per token or per sequence (the sequence's
+    ratio is the product of its tokens'): ``*_mask`` drops the token or sequence (IcePop,
+    Seq-MIS), ``*_truncate`` clamps the weight into the band (TIS, Seq-TIS). The weight corrects
+    stale tokens and the train-inference mismatch alike. ``token_mask`` without a floor is
+    decoupled PPO's capped weight (for GSPO: its geometric-mean sequence weight)."""
     use_decoupled_loss: bool = True
     """Ratio against the proximal policy (``prox_logp``) with a behaviour importance weight;
     False = standard PPO, ratio against ``prox_logp`` without a behaviour weight."""
     recompute_logprob: bool = True
     """When the batch has no ``prox_logp``, recompute it with the train engine (True) or take the
     behaviour log-probabilities as the proximal policy (False: on-policy or plain PPO)."""
-    policy_loss: str = field(default="ppo", metadata=one_of("ppo", "gspo", "reinforce"))
-    """ppo, gspo or reinforce."""
+    policy_loss: str = field(default="ppo", metadata=one_of("ppo", "gspo", "reinforce", "cispo"))
+    """ppo, gspo, reinforce or cispo (clips a stopped-gradient weight instead of the update: set
+    ``eps_clip`` 1.0 to leave it open below, as MiniMax-M1, and ``eps_clip_higher`` above)."""
     loss_agg: str = field(
         default="token-mean", metadata=one_of("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
     )
@@ -407,7 +419,10 @@ class StatsLoggerConfig:
     collapse_steps: int = 5
     """Warn once the reward std has been 0 for this many consecutive steps (0 = never)."""
     kl_key: str = "approx_kl"
-    """The statistic watched for an exploding KL divergence to the behaviour/reference policy."""
+    """The statistic watched for an exploding KL divergence (from one update to the next)."""
+    kl_ref_key: str = "kl_ref"
+    """Watched instead of ``kl_key`` on the steps that report it: the KL to the reference policy,
+    when the run has one (the drift that a KL penalty is there to bound)."""
     kl_max: float = 1.0
     """Warn when the watched KL exceeds this (nats per token)."""
     plot_keys: list[str] = field(default_factory=lambda: ["reward_mean", "eval/accuracy"])
@@ -522,6 +537,14 @@ class RLExperimentConfig(BaseExperimentConfig):
     """How weights reach rollout servers: disk (safetensors files every server loads) or
     distributed (a broadcast from trainer rank 0: NCCL on GPU, gloo on CPU). The embedded engine
     takes them in process whatever this says."""
+    record_batches: str = ""
+    """Directory where the run's rollout controller records every batch it hands out (training
+    batches with their token versions and the policy version they were consumed at, and
+    evaluation batches), one file per batch under ``rank<r>/``; empty = no recording."""
+    replay_batches: str = field(default="", metadata=READS_FILE)
+    """Directory of such a recording to train from instead of generating: the controller hands out
+    the recorded batches in order and generates nothing, so the same config and seed reproduce
+    the recorded run's parameters bit for bit. Use ``launcher.backend=local`` (no servers)."""
 
 
 class ConfigError(ValueError):

@@ -13,11 +13,15 @@ updates, its version and the pausing of generation; it never sees the controller
 The controller tells the executor the version when it changes (no polling), and a pause reaches
 the executor (no new rollouts), then the child's engine (its aborted generations wait), then the
 engine (the servers stop); a resume goes the other way round.
+
+Every batch it hands out can be recorded (`record_to`) and a recording handed out again instead of
+generating (`replay_from`): `areal_lite.core.recording`.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from tensordict import TensorDict
 
@@ -26,6 +30,7 @@ from areal_lite.api.engine import AcceptFn, InferenceEngine
 from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.core.episode_worker import EngineFactory, EpisodeWorker
 from areal_lite.core.executor import WorkflowExecutor
+from areal_lite.core.recording import BatchKind, BatchRecorder, BatchReplay
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
@@ -52,6 +57,8 @@ class RolloutController:
         self._engine_factory = engine_factory
         self._episodes: EpisodeWorker | None = None
         self._executor: WorkflowExecutor | None = None
+        self._recorder: BatchRecorder | None = None
+        self._replay: BatchReplay | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -89,25 +96,46 @@ class RolloutController:
             raise RuntimeError("call initialize() before running rollouts")
         return self._executor
 
+    # ----------------------------------------------------------------- record and replay
+
+    def record_to(self, directory: str) -> None:
+        """Write every batch handed out from now on to ``directory`` (`BatchRecorder`)."""
+        self._recorder = BatchRecorder(directory)
+
+    def replay_from(self, directory: str) -> None:
+        """Hand out the batches recorded in ``directory`` instead of running workflows: `submit`
+        is ignored and nothing is generated (`BatchReplay`)."""
+        self._replay = BatchReplay(directory)
+
+    def _hand_out(self, kind: BatchKind, produce: Callable[[], TensorDict]) -> TensorDict:
+        if self._replay is not None:
+            return self._replay.read(kind, self.get_version())
+        batch = produce()
+        if self._recorder is not None:
+            staleness = self.last_batch_staleness if kind == "train" else []
+            self._recorder.write(kind, batch, self.get_version(), staleness)
+        return batch
+
     # ----------------------------------------------------------------- rollouts
 
     def submit(self, data: dict[str, object], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None) -> None:
         """Queue one rollout of ``workflow`` on ``data``; it starts when the staleness bound admits
         it. A finished trajectory for which ``should_accept`` returns False is dropped (dynamic
         sampling) and does not count towards `wait`."""
-        self.executor.submit(data, workflow, should_accept)
+        if self._replay is None:
+            self.executor.submit(data, workflow, should_accept)
 
     def wait(self, count: int, timeout: float | None = None) -> TensorDict:
         """Block until ``count`` accepted trajectories are ready; return them concatenated and
         padded (oldest first). Raises TimeoutError after ``timeout`` seconds."""
-        return self.executor.wait(count, timeout=timeout)
+        return self._hand_out("train", lambda: self.executor.wait(count, timeout=timeout))
 
     def rollout_batch(
         self, data: list[dict[str, object]], workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
     ) -> TensorDict:
         """Run ``workflow`` on every item of ``data`` now, outside the staleness accounting (e.g.
         evaluation), and return the accepted trajectories in the order of ``data``."""
-        return self.executor.rollout_batch(data, workflow, should_accept)
+        return self._hand_out("eval", lambda: self.executor.rollout_batch(data, workflow, should_accept))
 
     def prepare_batch(
         self, dataloader: object, workflow: RolloutWorkflow, should_accept: AcceptFn | None = None
@@ -115,7 +143,7 @@ class RolloutController:
         """Keep the rollout pipeline full from ``dataloader`` (an iterable of lists of items,
         cycled across epochs) and return the next training batch: the trajectories of
         ``consumer_batch_size`` accepted episodes, within the staleness bound."""
-        return self.executor.prepare_batch(dataloader, workflow, should_accept)  # type: ignore[arg-type]
+        return self._hand_out("train", lambda: self.executor.prepare_batch(dataloader, workflow, should_accept))  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------- weight-update sequence
 
@@ -148,20 +176,39 @@ class RolloutController:
     # ----------------------------------------------------------------- state and statistics
 
     def state_dict(self) -> dict[str, object]:
-        """The prompts drawn but not consumed yet and the run's counters, for a recover checkpoint."""
-        return self.executor.state_dict()
+        """The prompts drawn but not consumed yet and the run's counters, for a recover checkpoint;
+        the position in a recording or a replay."""
+        state = self.executor.state_dict()
+        for key, log in (("recorded", self._recorder), ("replayed", self._replay)):
+            if log is not None:
+                state[key] = log.index
+        return state
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Replay a checkpoint's unconsumed prompts before new ones; continue its counters."""
+        """Replay a checkpoint's unconsumed prompts before new ones; continue its counters and its
+        recording or replay where it was."""
         self.executor.load_state_dict(state)
+        for key, log in (("recorded", self._recorder), ("replayed", self._replay)):
+            if log is not None and key in state:
+                log.index = int(state[key])  # type: ignore[call-overload]
 
     def stats(self) -> dict[str, float]:
-        """Episode counters and the staleness of the last consumed batch, for the stats logger."""
-        return self.executor.stats()
+        """Episode counters and the staleness of the last consumed batch, for the stats logger (in a
+        replay: the batches replayed and the recorded staleness)."""
+        if self._replay is None:
+            return self.executor.stats()
+        last = self._replay.last_staleness
+        return {
+            "rollout/replayed": float(self._replay.index),
+            "rollout/staleness_max": float(max(last, default=0)),
+            "rollout/staleness_mean": float(sum(last) / len(last)) if last else 0.0,
+        }
 
     @property
     def last_batch_staleness(self) -> list[int]:
         """Per trajectory of the last batch: the version then minus its oldest token's version."""
+        if self._replay is not None:
+            return self._replay.last_staleness
         return self.executor.last_batch_staleness
 
     @property

@@ -136,8 +136,9 @@ class StatsLogger:
     the table of every statistic; wandb and tensorboard get every statistic at every step.
     Derived values: ``timing/step`` (seconds since the previous commit) and, when the stats hold
     ``n_tokens``, ``perf/tokens_per_s``. Warnings (`logging` and the `warnings` list): the
-    ``reward_std_key`` at 0 for ``collapse_steps`` steps in a row, the ``kl_key`` above ``kl_max``,
-    and any non-finite value.
+    ``reward_std_key`` at 0 for ``collapse_steps`` steps in a row, the KL above ``kl_max`` (the
+    ``kl_ref_key``, the KL to the reference, on steps that report it; else the ``kl_key``), and
+    any non-finite value.
     """
 
     def __init__(
@@ -238,12 +239,16 @@ class StatsLogger:
                     "sample scores alike, so group-normalised advantages carry no signal (task too easy or too hard, "
                     "or the policy collapsed)"
                 )
-        kl = scalars.get(self.config.kl_key)
+        # With a reference policy the drift from it is what to watch; else the per-update KL.
+        key = self.config.kl_ref_key if self.config.kl_ref_key in scalars else self.config.kl_key
+        kl = scalars.get(key)
         if kl is not None and kl > self.config.kl_max:
-            self._warn(
-                f"step {step + 1}: {self.config.kl_key}={kl:.4g} exceeds {self.config.kl_max}: the policy is moving "
-                "fast; consider a lower learning rate or a tighter clip"
+            advice = (
+                "the policy has drifted far from the reference; consider a larger KL coefficient or a lower learning rate"
+                if key == self.config.kl_ref_key
+                else "the policy is moving fast; consider a lower learning rate or a tighter clip"
             )
+            self._warn(f"step {step + 1}: {key}={kl:.4g} exceeds {self.config.kl_max}: {advice}")
 
     def state_dict(self) -> dict[str, object]:
         """The curves so far and the collapse streak, so a resumed run draws the whole run."""
