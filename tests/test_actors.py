@@ -545,6 +545,8 @@ def test_ppo_update_statistics_and_minibatches(model_dir):
         assert stats["importance_weight_capped_frac"] > 0
         # the second minibatch is trained after the first step: its ratio is no longer 1
         assert stats["approx_kl"] > 0
+        # KL(behaviour || proximal) of the 0.3-nat perturbation: about E[(e^x - 1) - x] = 0.046
+        assert 0.02 < stats["behav_kl"] < 0.08
         actor.step_lr_scheduler()
 
 

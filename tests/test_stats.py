@@ -101,7 +101,7 @@ class _Terminal(io.StringIO):
         return True
 
 
-PPO_STEP = {"reward_mean": 0.52, "reward_std": 0.3, "approx_kl": 0.0031, "loss": -0.012, "advantage_mean": 0.0,
+PPO_STEP = {"reward_mean": 0.52, "reward_std": 0.3, "approx_kl": 0.0031, "behav_kl": 0.0042, "loss": -0.012, "advantage_mean": 0.0,
             "grad_norm": 1.7, "rollout/staleness_max": 2.0, "rollout/staleness_mean": 1.25, "rollout/accepted": 64.0}
 
 
@@ -112,7 +112,7 @@ def test_console_shows_one_short_line_per_step(tmp_path) -> None:
     log.commit(1, PPO_STEP, {"eval/accuracy": 0.61})
     lines = out.getvalue().splitlines()
     assert len(lines) == 2, lines
-    first = r"step 1/3  reward 0\.52  loss -0\.012  kl 0\.0031  stale 2  time [\d.e-]+s"
+    first = r"step 1/3  reward 0\.52  loss -0\.012  kl_behav 0\.0042  stale 2  time [\d.e-]+s"
     assert re.fullmatch(first, lines[0]), lines[0]
     assert re.fullmatch(r"step 2/3  reward 0\.52  acc 0\.61  loss .*  time [\d.e-]+s  eta \d+s", lines[1]), lines[1]
     assert "kl_ref" not in lines[1] and "grad_norm" not in lines[1], "missing keys and keys not asked for stay out"

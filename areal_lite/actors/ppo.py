@@ -284,6 +284,8 @@ class PPOActor:
                 per_token = per_token + cfg.kl_ctl * kl
         stats["entropy"] = F.masked_mean(entropy.detach(), mask)
         stats["approx_kl"] = F.masked_mean(F.kl_k3(prox, logp.detach()), mask)
+        if "behav_logp" in mb:  # KL(behaviour || proximal) on the sampled tokens: staleness + mismatch
+            stats["behav_kl"] = F.masked_mean(F.kl_k3(behav, prox), mask)
         loss = self.aggregation.reduce(per_token, mask, cu)
         if LOSS_SCALE in mb:
             loss = loss / float(mb[LOSS_SCALE][0])  # type: ignore[index]

@@ -402,8 +402,8 @@ class StatsLoggerConfig:
             "reward=reward_mean",
             "acc=eval/accuracy",
             "loss",
-            "kl=approx_kl",
             "kl_ref",
+            "kl_behav=behav_kl",
             "stale=rollout/staleness_max",
             "time=timing/step",
         ]
