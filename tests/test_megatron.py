@@ -206,7 +206,7 @@ def test_checkpoint_formats_are_named_and_checked(tmp_path: Path) -> None:
     engine = make_train_engine(TrainEngineConfig(path="x", backend="megatron"))
     meta = SaveLoadMeta(path=str(tmp_path))
     meta.weight_format = "safetensors"  # type: ignore[assignment]
-    with pytest.raises(ValueError, match="must be one of hf, train_state"):
+    with pytest.raises(ValueError, match="must be one of hf, peft, train_state"):
         engine.save(meta)
     (tmp_path / "extra_state_rank0.pt").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="no MegatronEngine training state"):

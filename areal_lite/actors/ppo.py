@@ -271,7 +271,10 @@ class PPOActor:
             prox = logp.detach()
         behav = mb["behav_logp"] if "behav_logp" in mb else prox
         if self._log_weights is not None:
-            same_version = mb["versions"][mask] == self.engine.get_version()  # type: ignore[index]
+            if "versions" in mb:
+                same_version = mb["versions"][mask] == self.engine.get_version()  # type: ignore[index]
+            else:  # a batch without versions (the recipe API's): no token is known to be current
+                same_version = torch.zeros(int(mask.sum()), dtype=torch.bool)
             self._log_weights.append(((prox - behav)[mask], same_version))
         per_token, token_stats = self.policy_loss(logp, prox, behav, mb["advantages"], mask, cu)
         if cfg.entropy_coeff:
