@@ -1,10 +1,11 @@
 """Tiny causal language models and tokenizers built locally, for tests, benchmarks and the demo.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained on a small corpus with the
-`tokenizers` library and wrapped as a HF fast tokenizer with a ChatML chat template; the model is a
-randomly initialised Qwen2 or Llama config. Both are saved as one HF model directory that
-``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load, so every code
-path that takes a real model directory is exercised unchanged.
+`tokenizers` library and wrapped as a HF fast tokenizer with a ChatML chat template (tool calls
+in the Hermes format); the model is a randomly initialised Qwen2 or Llama config. Both are saved as
+one HF model directory that ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` load, so every code path that takes a real model directory is
+exercised unchanged.
 """
 
 from __future__ import annotations
@@ -15,11 +16,22 @@ from collections.abc import Iterable
 import torch
 
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n' }}{% endif %}"
+    "{{ 'Tools:\n' }}{% for tool in tools %}{{ tool['function'] | tojson }}{{ '\n' }}{% endfor %}"
+    '{{ \'Call a tool as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call><|im_end|>\n\' }}{% endif %}'
+    "{% for message in messages %}{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": ' + call['function']['name'] | tojson + ', \"arguments\": ' }}"
+    "{{ call['function']['arguments'] | tojson + '}\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+"""ChatML; with ``tools``, a system message lists them (the first system message's text first) and
+an assistant's ``tool_calls`` are written in the Hermes format that `areal_lite.utils.tool_calls`
+reads, so a tiny model can be taught to call tools and its calls read back as it wrote them."""
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 DEFAULT_CORPUS = [
