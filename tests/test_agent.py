@@ -19,6 +19,7 @@ from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse
 from areal_lite.core import RolloutController
 from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.rewards import RewardRunner
 from areal_lite.utils.openai_chat import render_chat
 from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
 from areal_lite.workflows import AgentWorkflow, RecordingProxy, check_trajectory
@@ -86,7 +87,10 @@ async def tool_conversation(client: openai.AsyncOpenAI) -> list[dict]:
     assert first.finish_reason == "tool_calls"
     [call] = first.message.tool_calls
     result = str(eval(json.loads(call.function.arguments)["expression"]))
-    messages += [first.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": result}]
+    messages += [
+        first.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": result},
+    ]
     second = (await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)).choices[0]
     return [*messages, second.message.model_dump(exclude_none=True)]
 
@@ -169,9 +173,127 @@ def test_streaming_models_and_bad_requests_through_the_sdk(tok) -> None:
         assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "2+3"}
         assert chunks[-2].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.completion_tokens > 0
         done = await client.chat.completions.create(model="m", messages=messages, max_tokens=3, logprobs=True)
-        assert done.choices[0].finish_reason == "length" and [e.logprob for e in done.choices[0].logprobs.content] == [-0.25] * 3
+        assert (
+            done.choices[0].finish_reason == "length"
+            and [e.logprob for e in done.choices[0].logprobs.content] == [-0.25] * 3
+        )
         with pytest.raises(openai.BadRequestError, match="2 model calls are used up"):
             await client.chat.completions.create(model="m", messages=messages)
 
     asyncio.run(with_client(proxy, agent))
     assert len(proxy.calls) == 2 and proxy.exhausted is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# The acceptance test: the openai-agents SDK on the embedded engine.
+
+TOOL_CALLS: list[str] = []
+
+
+@agents.function_tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression."""
+    TOOL_CALLS.append(expression)
+    a, b = expression.split("+")
+    return str(int(a) + int(b))
+
+
+async def sdk_agent(client: openai.AsyncOpenAI, item: dict) -> str:
+    """An openai-agents agent with one function tool, its model calls going through ``client``."""
+    model = agents.OpenAIChatCompletionsModel(model="policy", openai_client=client)
+    agent = agents.Agent(name="calc", instructions="Use the calculator.", tools=[calculator], model=model)
+    result = await agents.Runner.run(
+        agent, str(item["prompt"]), max_turns=4, run_config=agents.RunConfig(tracing_disabled=True)
+    )
+    return str(result.final_output)
+
+
+def answer_is_right(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **item) -> float:
+    return float(completion.strip() == item["answer"])
+
+
+def teach(model_dir: str, trace) -> None:
+    """Fine-tune the model until greedy decoding reproduces the trace's generated tokens."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = torch.tensor([trace.input_ids])
+    labels = ids.masked_fill(torch.tensor([trace.loss_mask]) == 0, -100)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    trained = labels[0, 1:] != -100
+    for _ in range(300):
+        out = model(ids, labels=labels)
+        if (out.logits[0, :-1].argmax(-1)[trained] == ids[0, 1:][trained]).all() and out.loss.item() < 0.05:
+            break
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    else:
+        raise AssertionError("the tiny model did not learn the conversation")
+    model.save_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def taught_rollout(tmp_path_factory):
+    """The embedded engine on a tiny model taught the scripted run of `sdk_agent` on 2+3."""
+    path = build_tiny_model(
+        str(tmp_path_factory.mktemp("agent") / "m"), hidden_size=64, num_layers=2, max_position_embeddings=1024
+    )
+    tok = AutoTokenizer.from_pretrained(path)
+    scripted = RecordingProxy(ScriptedEngine(tok, [CALL + EOS, "5" + EOS]), tok, GEN)
+    assert asyncio.run(with_client(scripted, lambda c: sdk_agent(c, {"prompt": "What is 2+3?"}))) == "5"
+    [trace] = scripted.traces
+    teach(path, trace)
+    engine = LocalInferenceEngine(LocalEngineConfig(path=path, max_running_requests=8, seed=1))
+    rollout = RolloutController(engine, InferenceEngineConfig(consumer_batch_size=2, max_concurrent_rollouts=2))
+    rollout.initialize()
+    try:
+        yield rollout, trace
+    finally:
+        rollout.destroy()
+
+
+def test_openai_agents_sdk_runs_a_tool_agent_on_the_embedded_engine(taught_rollout) -> None:
+    rollout, taught = taught_rollout
+    engine, tok = rollout.engine, rollout.engine.tokenizer
+    proxy = RecordingProxy(engine, tok, GEN.new(greedy=True))
+    bodies: list[dict] = []
+    answer = proxy.chat_completion
+
+    async def recording(body: dict) -> dict:
+        bodies.append(body)
+        return await answer(body)
+
+    proxy.chat_completion = recording
+    TOOL_CALLS.clear()
+    final = asyncio.run(with_client(proxy, lambda c: sdk_agent(c, {"prompt": "What is 2+3?"})))
+    assert final == "5" and TOOL_CALLS == ["2+3"]  # the model called the tool; the SDK ran it
+
+    [trace] = proxy.traces  # two calls, one trajectory
+    assert [c.extended for c in proxy.calls] == [False, True]
+    assert trace.input_ids == taught.input_ids and trace.loss_mask == taught.loss_mask
+    # The trajectory decodes to exactly the conversation the SDK held, as the template renders it.
+    conversation = [*bodies[-1]["messages"], {"role": "assistant", "content": final}]
+    rendered = render_chat(tok, {"messages": conversation, "add_generation_prompt": False}, bodies[-1]["tools"])
+    assert tok.decode(trace.input_ids) + "\n" == rendered
+    runs = segments(trace.loss_mask)
+    assert [v for v, _, _ in runs] == [0, 1, 0, 1]
+    assert [tok.decode(trace.input_ids[s:e]) for v, s, e in runs if v] == [CALL + EOS, "5" + EOS]
+    generated = [trace.logprobs[i] for i, m in enumerate(trace.loss_mask) if m]
+    assert all(lp < 0 for lp in generated) and {trace.versions[i] for i, m in enumerate(trace.loss_mask) if m} == {0}
+    check_trajectory(trace.to_tensordict(1.0))
+
+
+def test_agent_workflow_grades_groups_of_episodes_through_the_controller(taught_rollout) -> None:
+    rollout, _ = taught_rollout
+    grader = RewardRunner(answer_is_right, mode="inline")
+    workflow = AgentWorkflow(sdk_agent, grader, GEN.new(n_samples=2, greedy=True), rollout.engine.tokenizer)
+    items = [{"prompt": "What is 2+3?", "answer": "5"}, {"prompt": "What is 2+3?", "answer": "6"}]
+    batch = rollout.rollout_batch(items, workflow)
+    check_trajectory(batch)
+    assert batch["rewards"].tolist() == [1.0, 1.0, 0.0, 0.0] and batch["baseline_rewards"].tolist() == [
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+    ]
+    assert batch["num_calls"].tolist() == [2.0] * 4 and batch["episode_start"].tolist() == [1.0] * 4
+    assert episode_means(batch) == {"episode_reward": 0.5, "episode_calls": 2.0, "trajectories_per_episode": 1.0}
