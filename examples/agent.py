@@ -20,6 +20,7 @@ episodes, however many trajectories each one made.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import sys
@@ -32,14 +33,23 @@ import torch
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.actors.sft import SFTActor
 from areal_lite.api.config import RLExperimentConfig, TrainEngineConfig, load_config
-from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, ModelResponse, SaveLoadMeta, WeightUpdateMeta
+from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.core.controller import RolloutController
-from areal_lite.kit import RunKit, make_rollout, make_train_engine, mean_reward, on_rank0_first, print_rank0, rank_dataloader, sync_weights
+from areal_lite.kit import (
+    RunKit,
+    make_rollout,
+    make_train_engine,
+    mean_reward,
+    on_rank0_first,
+    print_rank0,
+    rank_dataloader,
+    sync_weights,
+)
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import padded_batch
 from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
-from areal_lite.workflows import AgentWorkflow, RecordingProxy, calculate
-from areal_lite.workflows.agent import episode_means
+from areal_lite.workflows import AgentWorkflow, TokenTrace, calculate
+from areal_lite.workflows.agent import episode_means, record_demonstration
 
 
 @dataclass
@@ -52,16 +62,18 @@ class TaskConfig:
     """Training questions."""
     n_eval: int = 100
     """Held-out questions for the mean greedy reward before and after RL."""
-    n_dev: int = 50
+    n_dev: int = 20
     """Dev questions for the SFT stopping rule."""
     sft_steps: int = 300
     """At most this many SFT steps."""
-    sft_target_reward: float = 0.3
+    sft_target_reward: float = 0.2
     """Stop SFT once the dev greedy reward reaches this: RL needs groups that sometimes succeed."""
-    sft_eval_every: int = 10
+    sft_eval_every: int = 5
     """Measure the dev reward every this many SFT steps."""
+    sft_pool: int = 512
+    """Demonstrations recorded before SFT, shared among the ranks; each step samples its rank's share."""
     sft_batch_size: int = 16
-    """Demonstrations per SFT step."""
+    """Demonstrations per SFT step and rank."""
     sft_lr: float = 1e-3
     """SFT learning rate."""
     hidden_size: int = 128
@@ -79,8 +91,6 @@ class AgentExperimentConfig(RLExperimentConfig):
 
     task: TaskConfig = field(default_factory=TaskConfig)
 
-
-# ---------------------------------------------------------------------------------- the agent
 
 INSTRUCTIONS = "Use the calculator, then answer with its result only."
 
@@ -113,32 +123,18 @@ def questions(n: int, digits: int, seed: int, exclude: set[str] = frozenset()) -
     return out
 
 
-class Demonstrator:
-    """A scripted policy (an engine) that answers right: the calculator call, then its result."""
-
-    def __init__(self, tokenizer: object, item: dict[str, object]) -> None:
-        call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{item["expression"]}"}}}}\n</tool_call>'
-        self.tokenizer, self.replies = tokenizer, [call, str(item["answer"])]
-
-    async def agenerate(self, req: ModelRequest) -> ModelResponse:
-        text = self.replies.pop(0) + self.tokenizer.eos_token  # type: ignore[attr-defined]
-        out = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
-        return ModelResponse(req.input_ids, out, [0.0] * len(out), [0] * len(out), "stop")
-
-
 def demonstrations(tokenizer: object, items: list[dict[str, object]]) -> list[tuple[list[int], list[int]]]:
-    """(token ids, loss mask) of each item's demonstration, recorded through the recording proxy."""
+    """(token ids, loss mask) of each item's demonstration: the agent run against a scripted policy
+    that calls the calculator right and answers its result."""
 
-    async def record(item: dict[str, object]) -> list[tuple[list[int], list[int]]]:
-        proxy = RecordingProxy(Demonstrator(tokenizer, item), tokenizer, GenerationConfig(max_new_tokens=256))  # type: ignore[arg-type]
-        async with proxy.client() as client:
-            await solve(client, item)
-        return [(t.input_ids, t.loss_mask) for t in proxy.traces]
+    def replies(item: dict[str, object]) -> list[str]:
+        args = json.dumps({"expression": item["expression"]})
+        return [f'<tool_call>\n{{"name": "calculator", "arguments": {args}}}\n</tool_call>', str(item["answer"])]
 
-    async def record_all() -> list[list[tuple[list[int], list[int]]]]:
-        return await asyncio.gather(*(record(item) for item in items))
+    async def record_all() -> list[list[TokenTrace]]:
+        return await asyncio.gather(*(record_demonstration(solve, it, replies(it), tokenizer) for it in items))
 
-    return [row for rows in asyncio.run(record_all()) for row in rows]
+    return [(t.input_ids, t.loss_mask) for traces in asyncio.run(record_all()) for t in traces]
 
 
 def warm_up_with_sft(cfg: AgentExperimentConfig, base_dir: str, sft_dir: str, held_out: set[str]) -> None:
@@ -151,7 +147,9 @@ def warm_up_with_sft(cfg: AgentExperimentConfig, base_dir: str, sft_dir: str, he
 
     task = cfg.task
     engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
-    engine_cfg.optimizer = replace(cfg.actor.optimizer, lr=task.sft_lr, lr_scheduler_type="constant", warmup_steps_proportion=0.0)
+    engine_cfg.optimizer = replace(
+        cfg.actor.optimizer, lr=task.sft_lr, lr_scheduler_type="constant", warmup_steps_proportion=0.0
+    )
     engine = make_train_engine(engine_cfg)
 
     def build() -> None:
@@ -167,28 +165,29 @@ def warm_up_with_sft(cfg: AgentExperimentConfig, base_dir: str, sft_dir: str, he
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     engine.initialize(FinetuneSpec(1, task.sft_steps * task.sft_batch_size, task.sft_batch_size))
     sft = SFTActor(engine_cfg, engine)
-    judge = RolloutController(LocalInferenceEngine(replace(cfg.local_engine, path=base_dir)), replace(cfg.rollout, episode_process=False))
+    local = LocalInferenceEngine(replace(cfg.local_engine, path=base_dir))
+    judge = RolloutController(local, replace(cfg.rollout, episode_process=False))
     judge.initialize()
     engine.connect_engine(judge.engine, WeightUpdateMeta(type="in_process"))
-    greedy = AgentWorkflow(solve, RewardRunner(exact_answer_reward, mode="inline"), cfg.gconfig.new(n_samples=1, greedy=True), tokenizer)
+    greedy_cfg = cfg.gconfig.new(n_samples=1, greedy=True)
+    greedy = AgentWorkflow(solve, RewardRunner(exact_answer_reward, mode="inline"), greedy_cfg, tokenizer)
     dev = questions(task.n_dev, task.n_digits, task.seed + 2, exclude=held_out)
     rank, world = engine.data_parallel_rank, engine.data_parallel_world_size
-    t0 = time.time()
+    pool_items = questions(task.sft_pool, task.n_digits, task.seed + 1000, exclude=held_out)
+    pool, rng, t0 = demonstrations(tokenizer, pool_items[rank::world]), random.Random(task.seed + rank), time.time()
     for step in range(task.sft_steps):
-        items = questions(task.sft_batch_size * world, task.n_digits, task.seed + 1000 + step, exclude=held_out)
-        stats = sft.train_lm(padded_batch(demonstrations(tokenizer, items[rank::world])))
+        stats = sft.train_lm(padded_batch(rng.choices(pool, k=task.sft_batch_size)))
         if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
             engine.update_weights(WeightUpdateMeta(type="in_process"))
             reward = mean_reward(judge, greedy, dev)
-            print_rank0(f"[sft] step {step + 1} loss {stats['loss']:.3f} dev reward {reward:.2f} ({time.time() - t0:.0f}s)")
+            print_rank0(
+                f"[sft] step {step + 1} loss {stats['loss']:.3f} dev reward {reward:.2f} ({time.time() - t0:.0f}s)"
+            )
             if reward >= task.sft_target_reward:
                 break
     judge.destroy()
     engine.save(SaveLoadMeta(path=sft_dir, weight_format="hf", tokenizer=tokenizer))
     engine.destroy()
-
-
-# ---------------------------------------------------------------------------------- RL
 
 
 def main(argv: list[str]) -> None:
@@ -208,7 +207,9 @@ def main(argv: list[str]) -> None:
     reward = RewardRunner(exact_answer_reward, mode="inline")
     gconfig = cfg.gconfig.new(n_samples=cfg.actor.group_size)
     workflow = AgentWorkflow(solve, reward, gconfig, tokenizer, max_context_tokens=256)
-    eval_workflow = AgentWorkflow(solve, reward, gconfig.new(n_samples=1, greedy=True), tokenizer, max_context_tokens=256)
+    eval_workflow = AgentWorkflow(
+        solve, reward, gconfig.new(n_samples=1, greedy=True), tokenizer, max_context_tokens=256
+    )
 
     rollout, weight_meta = make_rollout(cfg, sft_dir)
     actor_cfg = replace(cfg.actor, path=sft_dir)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from tensordict import TensorDict
 
 from areal_lite.api.engine import InferenceEngine
-from areal_lite.api.io import GenerationConfig
+from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse
 from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.rewards.combined import RewardFn
 from areal_lite.rewards.runner import RewardRunner
@@ -152,3 +152,28 @@ def episode_means(batch: TensorDict) -> dict[str, float]:
         "episode_calls": float(batch["num_calls"][first].mean()),
         "trajectories_per_episode": len(first) / int(first.sum()),
     }
+
+
+class _ScriptedPolicy:
+    """Stands in for the engine: replies with the given texts in order, each ended by eos."""
+
+    def __init__(self, tokenizer: object, replies: list[str]) -> None:
+        self.tokenizer, self.replies = tokenizer, list(replies)
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        text = self.replies.pop(0) + self.tokenizer.eos_token  # type: ignore[attr-defined]
+        out = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+        return ModelResponse(list(req.input_ids), out, [0.0] * len(out), [0] * len(out), "stop")
+
+
+async def record_demonstration(
+    agent_fn: AgentFn, item: dict[str, object], replies: list[str], tokenizer: object, max_new_tokens: int = 256
+) -> list[TokenTrace]:
+    """The trajectories of ``agent_fn`` run on ``item`` against a scripted policy whose model calls
+    answer ``replies`` in order: SFT data for an agent, tokenized exactly as its RL episodes are
+    (loss mask on the replies only)."""
+    policy = _ScriptedPolicy(tokenizer, replies)
+    proxy = RecordingProxy(policy, tokenizer, GenerationConfig(max_new_tokens=max_new_tokens))  # type: ignore[arg-type]
+    async with proxy.client() as client:
+        await agent_fn(client, item)
+    return proxy.traces
