@@ -12,8 +12,7 @@ import json
 
 import openai
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse
@@ -21,7 +20,7 @@ from areal_lite.core import RolloutController
 from areal_lite.engines.local import LocalInferenceEngine
 from areal_lite.rewards import RewardRunner
 from areal_lite.utils.openai_chat import render_chat
-from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
+from areal_lite.utils.tiny import build_tiny_model, build_tokenizer, teach
 from areal_lite.workflows import AgentWorkflow, RecordingProxy, check_trajectory
 from areal_lite.workflows.agent import episode_means
 
@@ -212,25 +211,6 @@ def answer_is_right(prompt: str, completion: str, prompt_ids: list[int], complet
     return float(completion.strip() == item["answer"])
 
 
-def teach(model_dir: str, trace) -> None:
-    """Fine-tune the model until greedy decoding reproduces the trace's generated tokens."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    ids = torch.tensor([trace.input_ids])
-    labels = ids.masked_fill(torch.tensor([trace.loss_mask]) == 0, -100)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    trained = labels[0, 1:] != -100
-    for _ in range(300):
-        out = model(ids, labels=labels)
-        if (out.logits[0, :-1].argmax(-1)[trained] == ids[0, 1:][trained]).all() and out.loss.item() < 0.05:
-            break
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    else:
-        raise AssertionError("the tiny model did not learn the conversation")
-    model.save_pretrained(model_dir)
-
-
 @pytest.fixture(scope="module")
 def taught_rollout(tmp_path_factory):
     """The embedded engine on a tiny model taught the scripted run of `sdk_agent` on 2+3."""
@@ -241,7 +221,7 @@ def taught_rollout(tmp_path_factory):
     scripted = RecordingProxy(ScriptedEngine(tok, [CALL + EOS, "5" + EOS]), tok, GEN)
     assert asyncio.run(with_client(scripted, lambda c: sdk_agent(c, {"prompt": "What is 2+3?"}))) == "5"
     [trace] = scripted.traces
-    teach(path, trace)
+    teach(path, trace.input_ids, trace.loss_mask, lr=3e-3, max_steps=300)
     engine = LocalInferenceEngine(LocalEngineConfig(path=path, max_running_requests=8, seed=1))
     rollout = RolloutController(engine, InferenceEngineConfig(consumer_batch_size=2, max_concurrent_rollouts=2))
     rollout.initialize()

@@ -136,3 +136,26 @@ def build_tiny_model(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(save_dir)
     return save_dir
+
+
+def teach(model_dir: str, input_ids: list[int], loss_mask: list[int], *, lr: float, max_steps: int = 400) -> None:
+    """Fine-tune the model in ``model_dir`` on one sequence until greedy decoding reproduces its
+    trained tokens (``loss_mask`` 1) at a loss below 0.05, and save it back: a tiny model that says
+    one exact thing, for tests. Raises RuntimeError when ``max_steps`` Adam steps do not get there."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = torch.tensor([input_ids])
+    labels = ids.masked_fill(torch.tensor([loss_mask]) == 0, -100)
+    trained = labels[0, 1:] != -100
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(max_steps):
+        out = model(ids, labels=labels)
+        if (out.logits[0, :-1].argmax(-1)[trained] == ids[0, 1:][trained]).all() and out.loss.item() < 0.05:
+            break
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    else:
+        raise RuntimeError(f"the model did not learn the sequence in {max_steps} steps")
+    model.save_pretrained(model_dir)
