@@ -159,7 +159,7 @@ def warm_up_with_sft(cfg: AgentExperimentConfig, base_dir: str, sft_dir: str, he
         [(ids, _)] = demonstrations(example, questions(1, task.n_digits, seed=-1))
         text = "".join(c for c in example.decode(ids) if not c.isdigit())
         build_tiny_model(base_dir, hidden_size=task.hidden_size, num_layers=task.num_layers, corpus=[text],
-                         vocab_size=512, max_position_embeddings=256, seed=task.seed)  # fmt: skip
+                         vocab_size=512, max_position_embeddings=512, seed=task.seed)  # fmt: skip
 
     on_rank0_first(engine, build)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
@@ -206,10 +206,8 @@ def main(argv: list[str]) -> None:
     train_items = questions(cfg.task.n_train, cfg.task.n_digits, cfg.task.seed + 3, exclude=held_out)
     reward = RewardRunner(exact_answer_reward, mode="inline")
     gconfig = cfg.gconfig.new(n_samples=cfg.actor.group_size)
-    workflow = AgentWorkflow(solve, reward, gconfig, tokenizer, max_context_tokens=256)
-    eval_workflow = AgentWorkflow(
-        solve, reward, gconfig.new(n_samples=1, greedy=True), tokenizer, max_context_tokens=256
-    )
+    workflow = AgentWorkflow(solve, reward, gconfig, tokenizer)
+    eval_workflow = AgentWorkflow(solve, reward, gconfig.new(n_samples=1, greedy=True), tokenizer)
 
     rollout, weight_meta = make_rollout(cfg, sft_dir)
     actor_cfg = replace(cfg.actor, path=sft_dir)
