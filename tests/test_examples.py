@@ -263,6 +263,8 @@ def test_agent(tmp_path: Path) -> None:
         f"cluster.fileroot={tmp_path}",
         "task.sft_steps=4",
         "task.sft_eval_every=2",
+        "task.sft_pool=16",
+        "task.sft_batch_size=4",
         "task.n_dev=4",
         "task.n_eval=4",
         "task.n_train=64",
