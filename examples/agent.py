@@ -213,7 +213,7 @@ def main(argv: list[str]) -> None:
     eval_workflow = AgentWorkflow(solve, reward, gconfig.new(n_samples=1, greedy=True), tokenizer)
 
     rollout, weight_meta = make_rollout(cfg, sft_dir)
-    actor_cfg = replace(cfg.actor, path=sft_dir)
+    actor_cfg = replace(cfg.actor, path=sft_dir, group_size=1)  # an episode may split: no fixed-size groups
     actor = PPOActor(actor_cfg, make_train_engine(actor_cfg))
     dataloader = rank_dataloader(train_items, cfg.train_dataset, actor.engine, seed=cfg.seed)
     run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
