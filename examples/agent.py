@@ -196,10 +196,13 @@ def warm_up_with_sft(cfg: AgentExperimentConfig, base_dir: str, sft_dir: str, he
 def main(argv: list[str]) -> None:
     cfg = load_config(argv, AgentExperimentConfig)
     torch.manual_seed(cfg.seed)
-    t_start = time.time()
+    t0 = time.time()
     base_dir, sft_dir = os.path.join(cfg.output_dir, "base_model"), os.path.join(cfg.output_dir, "sft_model")
     eval_items = questions(cfg.task.n_eval, cfg.task.n_digits, cfg.task.seed + 1)
     held_out = {str(q["expression"]) for q in eval_items}
+    actor_cfg = replace(cfg.actor, path=sft_dir, group_size=1)  # an episode may split: no fixed-size groups
+    actor = PPOActor(actor_cfg, make_train_engine(actor_cfg))
+    actor.engine.create_process_group()  # before SFT's: torchrun's group cannot be re-made
     if not os.path.exists(os.path.join(sft_dir, "config.json")):
         warm_up_with_sft(cfg, base_dir, sft_dir, held_out)
 
@@ -213,8 +216,6 @@ def main(argv: list[str]) -> None:
     eval_workflow = AgentWorkflow(solve, reward, gconfig.new(n_samples=1, greedy=True), tokenizer)
 
     rollout, weight_meta = make_rollout(cfg, sft_dir)
-    actor_cfg = replace(cfg.actor, path=sft_dir, group_size=1)  # an episode may split: no fixed-size groups
-    actor = PPOActor(actor_cfg, make_train_engine(actor_cfg))
     dataloader = rank_dataloader(train_items, cfg.train_dataset, actor.engine, seed=cfg.seed)
     run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
     actor.engine.initialize(run.finetune_spec)
@@ -242,8 +243,7 @@ def main(argv: list[str]) -> None:
     run.close()
     rollout.destroy()
     actor.engine.destroy()
-    minutes = (time.time() - t_start) / 60
-    print_rank0(f"RESULT reward_before={before:.3f} reward_after={after:.3f} minutes={minutes:.1f}")
+    print_rank0(f"RESULT reward_before={before:.3f} reward_after={after:.3f} minutes={(time.time() - t0) / 60:.1f}")
 
 
 if __name__ == "__main__":
