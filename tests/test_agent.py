@@ -221,7 +221,7 @@ def taught_rollout(tmp_path_factory):
     scripted = RecordingProxy(ScriptedEngine(tok, [CALL + EOS, "5" + EOS]), tok, GEN)
     assert asyncio.run(with_client(scripted, lambda c: sdk_agent(c, {"prompt": "What is 2+3?"}))) == "5"
     [trace] = scripted.traces
-    teach(path, trace.input_ids, trace.loss_mask, lr=3e-3, max_steps=300)
+    teach(path, [(trace.input_ids, trace.loss_mask)], lr=3e-3, max_steps=300)
     engine = LocalInferenceEngine(LocalEngineConfig(path=path, max_running_requests=8, seed=1))
     rollout = RolloutController(engine, InferenceEngineConfig(consumer_batch_size=2, max_concurrent_rollouts=2))
     rollout.initialize()

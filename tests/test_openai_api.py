@@ -36,12 +36,16 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 def teach_tool_call(model_dir: str) -> None:
-    """Fine-tune the model until its greedy answer to QUESTION is CALL (then end of turn)."""
+    """Fine-tune the model until its greedy answer to QUESTION, with WEATHER_TOOL offered or not,
+    is CALL (then end of turn)."""
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompt = tok.encode(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False),
-                        add_special_tokens=False)  # fmt: skip
     answer = tok.encode(CALL + tok.eos_token, add_special_tokens=False)
-    teach(model_dir, prompt + answer, [0] * len(prompt) + [1] * len(answer), lr=1e-2)
+    sequences = []
+    for tools in ([WEATHER_TOOL], None):
+        text = tok.apply_chat_template(QUESTION, tools=tools, add_generation_prompt=True, tokenize=False)
+        prompt = tok.encode(text, add_special_tokens=False)
+        sequences.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+    teach(model_dir, sequences, lr=1e-2)
 
 
 @pytest.fixture(scope="module")

@@ -138,24 +138,27 @@ def build_tiny_model(
     return save_dir
 
 
-def teach(model_dir: str, input_ids: list[int], loss_mask: list[int], *, lr: float, max_steps: int = 400) -> None:
-    """Fine-tune the model in ``model_dir`` on one sequence until greedy decoding reproduces its
-    trained tokens (``loss_mask`` 1) at a loss below 0.05, and save it back: a tiny model that says
-    one exact thing, for tests. Raises RuntimeError when ``max_steps`` Adam steps do not get there."""
+def teach(model_dir: str, sequences: list[tuple[list[int], list[int]]], *, lr: float, max_steps: int = 400) -> None:
+    """Fine-tune the model in ``model_dir`` on ``(input_ids, loss_mask)`` sequences until greedy
+    decoding reproduces each one's trained tokens (``loss_mask`` 1) at a loss below 0.05, and save
+    it back: a tiny model that says exact things, for tests. Raises RuntimeError when ``max_steps``
+    Adam steps do not get there."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    ids = torch.tensor([input_ids])
-    labels = ids.masked_fill(torch.tensor([loss_mask]) == 0, -100)
-    trained = labels[0, 1:] != -100
+    data = []
+    for input_ids, loss_mask in sequences:
+        ids = torch.tensor([input_ids])
+        labels = ids.masked_fill(torch.tensor([loss_mask]) == 0, -100)
+        data.append((ids, labels, labels[0, 1:] != -100))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     for _ in range(max_steps):
-        out = model(ids, labels=labels)
-        if (out.logits[0, :-1].argmax(-1)[trained] == ids[0, 1:][trained]).all() and out.loss.item() < 0.05:
+        outs = [(model(ids, labels=labels), ids, trained) for ids, labels, trained in data]
+        if all((o.logits[0, :-1].argmax(-1)[t] == ids[0, 1:][t]).all() and o.loss.item() < 0.05 for o, ids, t in outs):
             break
         opt.zero_grad()
-        out.loss.backward()
+        sum(o.loss for o, _, _ in outs).backward()
         opt.step()
     else:
-        raise RuntimeError(f"the model did not learn the sequence in {max_steps} steps")
+        raise RuntimeError(f"the model did not learn the sequences in {max_steps} steps")
     model.save_pretrained(model_dir)
