@@ -250,3 +250,32 @@ def test_sft_default_config_builds_its_model(tmp_path: Path) -> None:
     )
     assert "RESULT loss_before=" in out
     assert (tmp_path / "sft" / "trial0" / "base_model" / "config.json").exists()
+
+
+def test_agent(tmp_path: Path) -> None:
+    """The openai-agents calculator agent: its SFT warm-up builds the model, then RL over episodes
+    on two trainer ranks."""
+    pytest.importorskip("agents")
+    out = run_two_ranks(
+        "agent.py",
+        "agent.yaml",
+        tmp_path / "prompts",
+        f"cluster.fileroot={tmp_path}",
+        "task.sft_steps=4",
+        "task.sft_eval_every=2",
+        "task.sft_pool=16",
+        "task.sft_batch_size=4",
+        "task.n_dev=4",
+        "task.n_eval=4",
+        "task.n_train=64",
+        "task.hidden_size=32",
+        "task.num_layers=1",
+        "total_train_steps=2",
+        "train_dataset.batch_size=2",
+        "actor.group_size=2",
+        *QUIET,
+    )
+    assert re.search(r"^RESULT reward_before=[\d.]+ reward_after=[\d.]+ minutes=", out, re.MULTILINE)
+    assert out.count("RESULT") == 1, "only rank 0 reports"
+    assert final_checkpoint(tmp_path / "agent" / "trial0", 2).exists()
+    assert_disjoint_shares(tmp_path / "prompts", at_least=2 * 2)

@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_lite.engines.tool_calls import parse_tool_calls
-from areal_lite.utils.tiny import build_tiny_model
+from areal_lite.utils.tiny import build_tiny_model, teach
+from areal_lite.utils.tool_calls import parse_tool_calls
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 from inference_servers import start_servers, stop_servers
@@ -36,27 +36,16 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 def teach_tool_call(model_dir: str) -> None:
-    """Fine-tune the model until its greedy answer to QUESTION is CALL (then end of turn)."""
+    """Fine-tune the model until its greedy answer to QUESTION, with WEATHER_TOOL offered or not,
+    is CALL (then end of turn)."""
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    prompt = tok.encode(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False),
-                        add_special_tokens=False)  # fmt: skip
-    ids = torch.tensor([prompt + tok.encode(CALL + tok.eos_token, add_special_tokens=False)])
-    labels = ids.clone()
-    labels[0, : len(prompt)] = -100
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    torch.manual_seed(0)
-    for _ in range(400):
-        out = model(ids, labels=labels)
-        right = (out.logits[0, len(prompt) - 1 : -1].argmax(-1) == ids[0, len(prompt) :]).all()
-        if right and out.loss.item() < 0.05:
-            break
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    else:
-        raise AssertionError("the tiny model did not learn the tool call")
-    model.save_pretrained(model_dir)
+    answer = tok.encode(CALL + tok.eos_token, add_special_tokens=False)
+    sequences = []
+    for tools in ([WEATHER_TOOL], None):
+        text = tok.apply_chat_template(QUESTION, tools=tools, add_generation_prompt=True, tokenize=False)
+        prompt = tok.encode(text, add_special_tokens=False)
+        sequences.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+    teach(model_dir, sequences, lr=1e-2)
 
 
 @pytest.fixture(scope="module")

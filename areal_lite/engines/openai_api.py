@@ -5,7 +5,8 @@ They answer as vLLM's OpenAI server does, vLLM's extensions included: prompts as
 ids back with ``return_token_ids``, ``top_k`` / ``min_tokens`` / ``stop_token_ids`` /
 ``ignore_eos``, ``finish_reason: "abort"`` for a generation ended by a pause. Agent frameworks and
 the ``openai`` SDK talk to them, and `RemoteVLLMEngine` is tested against them. Tool calls are read
-from the completion in the Hermes format (`areal_lite.engines.tool_calls`).
+from the completion in the Hermes format (`areal_lite.utils.tool_calls`); what a chat request
+says is read by `areal_lite.utils.openai_chat`, shared with the agent workflows' recording proxy.
 
 Deliberate differences from vLLM: with ``stream: true`` the server answers in server-sent events of
 the same shape, one chunk per token, but sends them once the generation has ended (the scheduler
@@ -28,54 +29,21 @@ from aiohttp import web
 
 from areal_lite.engines.request import GenerationResult, SamplingParams
 from areal_lite.engines.scheduler import Scheduler
-from areal_lite.engines.server_common import (
+from areal_lite.engines.server_common import output_text, read_json, token_ids
+from areal_lite.utils.openai_chat import (
     BadRequest,
+    assistant_message,
     bool_field,
+    chat_finish_reason,
+    chat_tools,
     float_field,
     int_field,
-    output_text,
-    read_json,
-    token_ids,
+    max_completion_tokens,
+    refuse_unsupported,
+    render_chat,
+    stop_strings,
 )
-from areal_lite.engines.tool_calls import parse_tool_calls
-
-REFUSED: dict[str, object] = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "seed": None,
-    "logit_bias": None,
-    "use_beam_search": False,
-    "best_of": 1,
-    "echo": False,
-    "suffix": None,
-    "prompt_logprobs": None,
-    "structured_outputs": None,
-    "allowed_token_ids": None,
-}
-"""Request keys taken only at their default (no-op) value: the engine cannot honour any other."""
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def _refuse_unsupported(body: dict[str, object]) -> None:
-    for key, default in REFUSED.items():
-        value = body.get(key)
-        if value is not None and value != default and value not in ({}, []):
-            raise BadRequest(f"{key} is not supported by the areal-lite server")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise BadRequest("response_format other than text is not supported by the areal-lite server")
-
-
-def _stop_strings(body: dict[str, object]) -> list[str]:
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise BadRequest("stop must be a string or a list of strings")
-    return stop
+from areal_lite.utils.tool_calls import parse_tool_calls
 
 
 def _finish_reason(r: GenerationResult) -> str:
@@ -188,7 +156,7 @@ class OpenAIRoutes:
                 temperature=float_field(body, "temperature", 1.0),
                 top_p=float_field(body, "top_p", 1.0),
                 top_k=-1 if top_k == 0 else top_k,  # vLLM: 0 or -1 = every token
-                stop=_stop_strings(body),
+                stop=stop_strings(body),
                 stop_token_ids=list(stop_ids),
                 ignore_eos=bool_field(body, "ignore_eos", False),
             )
@@ -263,7 +231,7 @@ class OpenAIRoutes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         self._check_model(body)
-        _refuse_unsupported(body)
+        refuse_unsupported(body)
         prompts = self._completion_prompts(body.get("prompt"))
         logprobs = body.get("logprobs")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
@@ -327,79 +295,18 @@ class OpenAIRoutes:
 
     # ----- /v1/chat/completions ------------------------------------------------------------
 
-    @staticmethod
-    def _messages(raw: object) -> list[dict[str, object]]:
-        """The messages as the chat template wants them: content as a string (text parts joined)."""
-        if not isinstance(raw, list) or not raw:
-            raise BadRequest("messages must be a non-empty list of objects")
-        out = []
-        for i, m in enumerate(raw):
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
-                raise BadRequest(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}")
-            content = m.get("content")
-            if isinstance(content, list):
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):  # fmt: skip
-                    raise BadRequest(f"messages[{i}].content: only text parts are supported")
-                content = "".join(p["text"] for p in content)
-            elif content is None:
-                content = ""
-            elif not isinstance(content, str):
-                raise BadRequest(f"messages[{i}].content must be a string, a list of text parts or null")
-            out.append({**m, "content": content})
-        return out
-
-    @staticmethod
-    def _tools(body: dict[str, object]) -> list[dict[str, object]] | None:
-        tools = body.get("tools")
-        if tools is None:
-            return None
-        if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str)
-            for t in tools
-        ):  # fmt: skip
-            raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ..., ...}}')
-        choice = body.get("tool_choice", "auto")
-        if choice not in ("auto", "none", None):
-            raise BadRequest("tool_choice other than auto or none is not supported by the areal-lite server")
-        return None if choice == "none" else tools
-
-    def _chat_prompt(self, body: dict[str, object], tools: list[dict[str, object]] | None) -> list[int]:
-        tok = self.scheduler.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise BadRequest("this model directory has no tokenizer with a chat template")
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise BadRequest("chat_template_kwargs must be an object")
-        try:
-            text = tok.apply_chat_template(
-                self._messages(body.get("messages")),
-                tools=tools,
-                add_generation_prompt=bool_field(body, "add_generation_prompt", True),
-                tokenize=False,
-                **kwargs,
-            )
-        except BadRequest:
-            raise
-        except Exception as e:
-            raise BadRequest(f"the chat template failed on these messages: {e}") from e
-        return tok.encode(text, add_special_tokens=False)
-
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         self._check_model(body)
-        _refuse_unsupported(body)
-        tools = self._tools(body)
-        prompt = self._chat_prompt(body, tools)
+        refuse_unsupported(body)
+        tools = chat_tools(body)
+        tok = self.scheduler.tokenizer
+        prompt = tok.encode(render_chat(tok, body, tools), add_special_tokens=False)  # type: ignore[union-attr]
         want_logprobs = bool_field(body, "logprobs", False)
         if int_field(body, "top_logprobs", 0):
             raise BadRequest("top_logprobs above 0 are not supported by the areal-lite server")
         o = Options.parse(body)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
-            raise BadRequest(f"max_tokens must be an integer, got {max_tokens!r}")
-        params = self._sampling(body, max_tokens, len(prompt))
+        params = self._sampling(body, max_completion_tokens(body), len(prompt))
         results = await self._generate([prompt], params, o.n, o.request_id)
         head = {"id": f"chatcmpl-{o.request_id}", "created": int(time.time()), "model": self.model_name}
         usage = self._usage(results, len(prompt) * o.n)
@@ -410,7 +317,7 @@ class OpenAIRoutes:
             answers.append((r, text, content, calls))
 
         def finish(r: GenerationResult, calls: list) -> str:
-            return "tool_calls" if calls and _finish_reason(r) == "stop" else _finish_reason(r)
+            return chat_finish_reason(_finish_reason(r), calls)
 
         def logprob_entries(r: GenerationResult, tokens: range) -> list[dict[str, object]]:
             out = []
@@ -422,12 +329,9 @@ class OpenAIRoutes:
         if not o.stream:
             choices = []
             for i, (r, _, content, calls) in enumerate(answers):
-                message: dict[str, object] = {"role": "assistant", "content": content or (None if calls else "")}
-                if calls:
-                    message["tool_calls"] = [c.to_openai() for c in calls]
                 choice: dict[str, object] = {
                     "index": i,
-                    "message": message,
+                    "message": assistant_message(content, calls),
                     "logprobs": {"content": logprob_entries(r, range(len(r.output_ids)))} if want_logprobs else None,
                     "finish_reason": finish(r, calls),
                     "stop_reason": _stop_reason(r),

@@ -10,17 +10,21 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from areal_lite.engines.request import GenerationResult
+from areal_lite.utils.openai_chat import BadRequest, bool_field, float_field, int_field
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-
-class BadRequest(ValueError):
-    """Invalid client input: answered with HTTP ``status`` (400; 404 for an unknown model)."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+__all__ = [  # the typed fields and BadRequest are the shared OpenAI request parsing's, re-exported
+    "BadRequest",
+    "bool_field",
+    "error_response",
+    "float_field",
+    "int_field",
+    "output_text",
+    "read_json",
+    "token_ids",
+]
 
 
 def error_response(message: str, status: int = 400) -> web.Response:
@@ -39,33 +43,6 @@ async def read_json(request: web.Request) -> dict[str, object]:
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
-
-
-def int_field(d: dict[str, object], key: str, default: int) -> int:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest(f"{key} must be an integer, got {v!r}")
-    return v
-
-
-def float_field(d: dict[str, object], key: str, default: float) -> float:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise BadRequest(f"{key} must be a number, got {v!r}")
-    return float(v)
-
-
-def bool_field(d: dict[str, object], key: str, default: bool) -> bool:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise BadRequest(f"{key} must be a boolean, got {v!r}")
-    return v
 
 
 def token_ids(value: object, name: str) -> list[int]:

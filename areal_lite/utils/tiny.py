@@ -1,10 +1,11 @@
 """Tiny causal language models and tokenizers built locally, for tests, benchmarks and the demo.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained on a small corpus with the
-`tokenizers` library and wrapped as a HF fast tokenizer with a ChatML chat template; the model is a
-randomly initialised Qwen2 or Llama config. Both are saved as one HF model directory that
-``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load, so every code
-path that takes a real model directory is exercised unchanged.
+`tokenizers` library and wrapped as a HF fast tokenizer with a ChatML chat template (tool calls
+in the Hermes format); the model is a randomly initialised Qwen2 or Llama config. Both are saved as
+one HF model directory that ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` load, so every code path that takes a real model directory is
+exercised unchanged.
 """
 
 from __future__ import annotations
@@ -15,11 +16,22 @@ from collections.abc import Iterable
 import torch
 
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n' }}{% endif %}"
+    "{{ 'Tools:\n' }}{% for tool in tools %}{{ tool['function'] | tojson }}{{ '\n' }}{% endfor %}"
+    '{{ \'Call a tool as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call><|im_end|>\n\' }}{% endif %}'
+    "{% for message in messages %}{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": ' + call['function']['name'] | tojson + ', \"arguments\": ' }}"
+    "{{ call['function']['arguments'] | tojson + '}\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+"""ChatML; with ``tools``, a system message lists them (the first system message's text first) and
+an assistant's ``tool_calls`` are written in the Hermes format that `areal_lite.utils.tool_calls`
+reads, so a tiny model can be taught to call tools and its calls read back as it wrote them."""
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 DEFAULT_CORPUS = [
@@ -124,3 +136,29 @@ def build_tiny_model(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(save_dir)
     return save_dir
+
+
+def teach(model_dir: str, sequences: list[tuple[list[int], list[int]]], *, lr: float, max_steps: int = 400) -> None:
+    """Fine-tune the model in ``model_dir`` on ``(input_ids, loss_mask)`` sequences until greedy
+    decoding reproduces each one's trained tokens (``loss_mask`` 1) at a loss below 0.05, and save
+    it back: a tiny model that says exact things, for tests. Raises RuntimeError when ``max_steps``
+    Adam steps do not get there."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    data = []
+    for input_ids, loss_mask in sequences:
+        ids = torch.tensor([input_ids])
+        labels = ids.masked_fill(torch.tensor([loss_mask]) == 0, -100)
+        data.append((ids, labels, labels[0, 1:] != -100))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(max_steps):
+        outs = [(model(ids, labels=labels), ids, trained) for ids, labels, trained in data]
+        if all((o.logits[0, :-1].argmax(-1)[t] == ids[0, 1:][t]).all() and o.loss.item() < 0.05 for o, ids, t in outs):
+            break
+        opt.zero_grad()
+        sum(o.loss for o, _, _ in outs).backward()
+        opt.step()
+    else:
+        raise RuntimeError(f"the model did not learn the sequences in {max_steps} steps")
+    model.save_pretrained(model_dir)

@@ -1,13 +1,17 @@
-"""Rollout workflows, one per file: RLVR (GRPO groups), ReMax, and multi-turn agents with their
-environments; `trajectory` builds and checks the data contract's tensors."""
+"""Rollout workflows, one per file: RLVR (GRPO groups), ReMax, multi-turn agents with their
+environments, and agents written with the OpenAI SDK (`AgentWorkflow`, through the recording
+`RecordingProxy`); `trajectory` builds and checks the data contract's tensors."""
 
+from areal_lite.workflows.agent import AgentWorkflow
 from areal_lite.workflows.envs import CalculatorEnv, MathFeedbackEnv, calculate
 from areal_lite.workflows.multi_turn import ChatTurnGlue, Environment, MultiTurnWorkflow
+from areal_lite.workflows.openai_proxy import RecordingProxy
 from areal_lite.workflows.remax import ReMaxWorkflow
 from areal_lite.workflows.rlvr import RLVRWorkflow, rewards_differ
 from areal_lite.workflows.trajectory import TokenTrace, check_trajectory, encode_chat, from_response
 
 __all__ = [
+    "AgentWorkflow",
     "CalculatorEnv",
     "ChatTurnGlue",
     "Environment",
@@ -15,6 +19,7 @@ __all__ = [
     "MultiTurnWorkflow",
     "RLVRWorkflow",
     "ReMaxWorkflow",
+    "RecordingProxy",
     "TokenTrace",
     "calculate",
     "check_trajectory",

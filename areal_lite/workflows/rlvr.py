@@ -32,8 +32,12 @@ async def score(
 ) -> float:
     """The reward of one response; the item's other fields (e.g. ``answer``) go to the grader."""
     completion = tokenizer.decode(resp.output_tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
-    extra = {k: v for k, v in data.items() if k not in _RESERVED}
-    return await reward(prompt, completion, resp.input_tokens, resp.output_tokens, **extra)
+    return await reward(prompt, completion, resp.input_tokens, resp.output_tokens, **grader_fields(data))
+
+
+def grader_fields(data: dict[str, object]) -> dict[str, object]:
+    """The item's fields a grader gets as keyword arguments: all but the four it takes first."""
+    return {k: v for k, v in data.items() if k not in _RESERVED}
 
 
 def rewards_differ(traj: TensorDict) -> bool:

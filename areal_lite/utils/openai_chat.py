@@ -1,0 +1,200 @@
+"""What an OpenAI chat-completions request says, read once for everything that answers one: our
+server's ``/v1/chat/completions`` (`areal_lite.engines.openai_api`) and the agent workflows'
+recording proxy (`areal_lite.workflows.openai_proxy`).
+
+Pure functions over the request's JSON body and a HF tokenizer: the typed fields, the options no
+areal-lite generator can honour, the messages as a chat template wants them, the tools, the prompt
+text the template renders, and the assistant message of an answer. Bad input raises `BadRequest`,
+which servers answer with a 400 (404 for an unknown model) and ``{"error": {"message": ...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from areal_lite.utils.tool_calls import ToolCall
+
+REFUSED: dict[str, object] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "seed": None,
+    "logit_bias": None,
+    "use_beam_search": False,
+    "best_of": 1,
+    "echo": False,
+    "suffix": None,
+    "prompt_logprobs": None,
+    "structured_outputs": None,
+    "allowed_token_ids": None,
+}
+"""Request keys taken only at their default (no-op) value: the engines cannot honour any other."""
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class BadRequest(ValueError):
+    """Invalid client input: answered with HTTP ``status`` (400; 404 for an unknown model)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def int_field(d: dict[str, object], key: str, default: int) -> int:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"{key} must be an integer, got {v!r}")
+    return v
+
+
+def float_field(d: dict[str, object], key: str, default: float) -> float:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise BadRequest(f"{key} must be a number, got {v!r}")
+    return float(v)
+
+
+def bool_field(d: dict[str, object], key: str, default: bool) -> bool:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(f"{key} must be a boolean, got {v!r}")
+    return v
+
+
+def refuse_unsupported(body: dict[str, object]) -> None:
+    """Raise `BadRequest` for an option of `REFUSED` set to anything but its default, or a
+    ``response_format`` other than text."""
+    for key, default in REFUSED.items():
+        value = body.get(key)
+        if value is not None and value != default and value not in ({}, []):
+            raise BadRequest(f"{key} is not supported by areal-lite")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise BadRequest("response_format other than text is not supported by areal-lite")
+
+
+def stop_strings(body: dict[str, object]) -> list[str]:
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise BadRequest("stop must be a string or a list of strings")
+    return stop
+
+
+def max_completion_tokens(body: dict[str, object]) -> int | None:
+    """``max_completion_tokens`` or its older name ``max_tokens``; None when neither is given."""
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise BadRequest(f"max_tokens must be an integer, got {value!r}")
+    return value
+
+
+def chat_messages(raw: object) -> list[dict[str, object]]:
+    """The messages as chat templates want them: content a string (text parts joined, null as
+    ""), and the arguments of an assistant's tool calls as objects rather than JSON strings (what
+    templates that write ``arguments | tojson`` expect, as vLLM passes them)."""
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("messages must be a non-empty list of objects")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise BadRequest(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):  # fmt: skip
+                raise BadRequest(f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string, a list of text parts or null")
+        message = {**m, "content": content}
+        if m.get("tool_calls"):
+            message["tool_calls"] = _template_tool_calls(m["tool_calls"], i)
+        out.append(message)
+    return out
+
+
+def _template_tool_calls(calls: object, i: int) -> list[dict[str, object]]:
+    if not isinstance(calls, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        for c in calls
+    ):  # fmt: skip
+        raise BadRequest(
+            f'messages[{i}].tool_calls must be a list of {{"function": {{"name": ..., "arguments": ...}}}}'
+        )
+    out = []
+    for c in calls:
+        args = c["function"].get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass  # the template shows the string as it is
+        out.append({**c, "function": {**c["function"], "arguments": args}})
+    return out
+
+
+def chat_tools(body: dict[str, object]) -> list[dict[str, object]] | None:
+    """The request's function tools, or None when there are none or ``tool_choice`` is ``none``."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in tools
+    ):  # fmt: skip
+        raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ..., ...}}')
+    choice = body.get("tool_choice", "auto")
+    if choice not in ("auto", "none", None):
+        raise BadRequest("tool_choice other than auto or none is not supported by areal-lite")
+    return None if choice == "none" or not tools else tools
+
+
+def render_chat(
+    tokenizer: object, body: dict[str, object], tools: list[dict[str, object]] | None, **template_kwargs: object
+) -> str:
+    """The prompt text of a chat request: its messages and ``tools`` rendered by the tokenizer's
+    chat template, with the generation prompt unless ``add_generation_prompt`` is false. The
+    request's ``chat_template_kwargs`` override ``template_kwargs``."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise BadRequest("this model directory has no tokenizer with a chat template")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs must be an object")
+    try:
+        return tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            chat_messages(body.get("messages")),
+            tools=tools,
+            add_generation_prompt=bool_field(body, "add_generation_prompt", True),
+            tokenize=False,
+            **{**template_kwargs, **kwargs},
+        )
+    except BadRequest:
+        raise
+    except Exception as e:
+        raise BadRequest(f"the chat template failed on these messages: {e}") from e
+
+
+def assistant_message(content: str, calls: list[ToolCall]) -> dict[str, object]:
+    """The ``message`` of a chat completion choice: content null when the answer is only calls."""
+    message: dict[str, object] = {"role": "assistant", "content": content or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = [c.to_openai() for c in calls]
+    return message
+
+
+def chat_finish_reason(reason: str, calls: list[ToolCall]) -> str:
+    """``tool_calls`` for an answer that stopped on its own with calls in it, else ``reason``."""
+    return "tool_calls" if calls and reason == "stop" else reason

@@ -1,0 +1,250 @@
+"""Agent RL on CPU: a tiny model learns to use a calculator through OpenAI tool calls.
+
+The agent is ordinary ``openai-agents`` code (an ``Agent`` with one function tool, run by
+``Runner``); only its model client is areal-lite's. `AgentWorkflow` hands it an OpenAI client whose
+calls go to the rollout engine through the recording proxy, so every model call of an episode
+becomes trajectory tokens with their log-probabilities and versions, and the episode's reward is
+whether the agent's final answer is right.
+
+The task: ``What is 37*48?``. A model this small cannot multiply, but it can copy the expression
+into a calculator call and the tool's result into its answer. A short SFT warm-up on demonstrations
+(recorded by running the same agent against a scripted policy that answers right) teaches the
+format partly, stopping once the dev reward reaches ``task.sft_target_reward``; RL then raises the
+reward. The advantage is ``rewards - baseline_rewards`` (``adv_estimator: remax``), where
+`AgentWorkflow` sets the baseline to the mean reward of the question's episodes: Dr. GRPO over
+episodes, however many trajectories each one made.
+
+    python -m areal_lite.launcher.local examples/agent.py --config configs/agent.yaml
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+import agents
+import torch
+
+from areal_lite.actors.ppo import PPOActor
+from areal_lite.actors.sft import SFTActor
+from areal_lite.api.config import RLExperimentConfig, TrainEngineConfig, load_config
+from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal_lite.core.controller import RolloutController
+from areal_lite.kit import (
+    RunKit,
+    make_rollout,
+    make_train_engine,
+    mean_reward,
+    on_rank0_first,
+    print_rank0,
+    rank_dataloader,
+    sync_weights,
+)
+from areal_lite.rewards import RewardRunner, exact_answer_reward
+from areal_lite.utils.datasets import padded_batch
+from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
+from areal_lite.workflows import AgentWorkflow, TokenTrace, calculate
+from areal_lite.workflows.agent import episode_means, record_demonstration
+
+
+@dataclass
+class TaskConfig:
+    """The calculator task and the SFT warm-up."""
+
+    n_digits: int = 2
+    """Digits of each factor."""
+    n_train: int = 4096
+    """Training questions (two digits give 8100 in all, the held-out ones excluded)."""
+    n_eval: int = 100
+    """Held-out questions for the mean greedy reward before and after RL."""
+    n_dev: int = 20
+    """Dev questions for the SFT stopping rule."""
+    sft_steps: int = 300
+    """At most this many SFT steps."""
+    sft_target_reward: float = 0.2
+    """Stop SFT once the dev greedy reward reaches this: RL needs groups that sometimes succeed."""
+    sft_eval_every: int = 5
+    """Measure the dev reward every this many SFT steps."""
+    sft_pool: int = 512
+    """Demonstrations recorded before SFT, shared among the ranks; each step samples its rank's share."""
+    sft_batch_size: int = 16
+    """Demonstrations per SFT step and rank."""
+    sft_lr: float = 1e-3
+    """SFT learning rate."""
+    hidden_size: int = 128
+    """Width of the tiny model."""
+    num_layers: int = 4
+    """Depth of the tiny model."""
+    seed: int = 0
+    """Seed of the model and the questions."""
+
+
+@dataclass
+class AgentExperimentConfig(RLExperimentConfig):
+    """``gconfig`` is the sampling of each model call; ``actor.group_size`` is the number of episodes
+    per question."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+
+
+INSTRUCTIONS = "Use the calculator, then answer with its result only."
+
+
+@agents.function_tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression."""
+    return calculate(expression)
+
+
+async def solve(client: object, item: dict[str, object]) -> str | None:
+    """The agent: plain openai-agents code, its model calls going through ``client``."""
+    model = agents.OpenAIChatCompletionsModel(model="policy", openai_client=client)  # type: ignore[arg-type]
+    agent = agents.Agent(name="solver", instructions=INSTRUCTIONS, tools=[calculator], model=model)
+    config = agents.RunConfig(tracing_disabled=True)
+    try:
+        result = await agents.Runner.run(agent, str(item["question"]), max_turns=3, run_config=config)
+    except agents.AgentsException:  # a malformed tool call, too many turns: no answer
+        return None
+    return str(result.final_output)
+
+
+def questions(n: int, digits: int, seed: int, exclude: set[str] = frozenset()) -> list[dict[str, object]]:
+    """``n`` distinct products of two ``digits``-digit numbers, none of them in ``exclude``."""
+    rng, out, seen = random.Random(seed), [], set(exclude)
+    if n + len(seen) > (9 * 10 ** (digits - 1)) ** 2:
+        raise ValueError(f"only {(9 * 10 ** (digits - 1)) ** 2 - len(seen)} such questions, {n} asked for")
+    while len(out) < n:
+        a, b = (rng.randrange(10 ** (digits - 1), 10**digits) for _ in range(2))
+        if f"{a}*{b}" not in seen:
+            seen.add(f"{a}*{b}")
+            out.append({"question": f"What is {a}*{b}?", "expression": f"{a}*{b}", "answer": str(a * b)})
+    return out
+
+
+def demonstrations(tokenizer: object, items: list[dict[str, object]]) -> list[tuple[list[int], list[int]]]:
+    """(token ids, loss mask) of each item's demonstration: the agent run against a scripted policy
+    that calls the calculator right and answers its result."""
+
+    def replies(item: dict[str, object]) -> list[str]:
+        args = json.dumps({"expression": item["expression"]})
+        return [f'<tool_call>\n{{"name": "calculator", "arguments": {args}}}\n</tool_call>', str(item["answer"])]
+
+    async def record_all() -> list[list[TokenTrace]]:
+        return await asyncio.gather(*(record_demonstration(solve, it, replies(it), tokenizer) for it in items))
+
+    return [(t.input_ids, t.loss_mask) for traces in asyncio.run(record_all()) for t in traces]
+
+
+def warm_up_with_sft(cfg: AgentExperimentConfig, base_dir: str, sft_dir: str, held_out: set[str]) -> None:
+    """Build the tiny model (its tokenizer's merges learnt on a demonstration, digits left out,
+    so the boilerplate is short and every digit a token), then SFT until the dev greedy reward
+    reaches ``task.sft_target_reward``."""
+    from transformers import AutoTokenizer
+
+    from areal_lite.engines.local import LocalInferenceEngine
+
+    task = cfg.task
+    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
+    engine_cfg.optimizer = replace(
+        cfg.actor.optimizer, lr=task.sft_lr, lr_scheduler_type="constant", warmup_steps_proportion=0.0
+    )
+    engine = make_train_engine(engine_cfg)
+
+    def build() -> None:
+        if os.path.exists(os.path.join(base_dir, "config.json")):
+            return
+        example = build_tokenizer(vocab_size=0)
+        [(ids, _)] = demonstrations(example, questions(1, task.n_digits, seed=-1))
+        text = "".join(c for c in example.decode(ids) if not c.isdigit())
+        build_tiny_model(base_dir, hidden_size=task.hidden_size, num_layers=task.num_layers, corpus=[text],
+                         vocab_size=512, max_position_embeddings=512, seed=task.seed)  # fmt: skip
+
+    on_rank0_first(engine, build)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    engine.initialize(FinetuneSpec(1, task.sft_steps * task.sft_batch_size, task.sft_batch_size))
+    sft = SFTActor(engine_cfg, engine)
+    local = LocalInferenceEngine(replace(cfg.local_engine, path=base_dir))
+    judge = RolloutController(local, replace(cfg.rollout, episode_process=False))
+    judge.initialize()
+    engine.connect_engine(judge.engine, WeightUpdateMeta(type="in_process"))
+    greedy_cfg = cfg.gconfig.new(n_samples=1, greedy=True)
+    greedy = AgentWorkflow(solve, RewardRunner(exact_answer_reward, mode="inline"), greedy_cfg, tokenizer)
+    dev = questions(task.n_dev, task.n_digits, task.seed + 2, exclude=held_out)
+    rank, world = engine.data_parallel_rank, engine.data_parallel_world_size
+    pool_items = questions(task.sft_pool, task.n_digits, task.seed + 1000, exclude=held_out)
+    pool, rng, t0 = demonstrations(tokenizer, pool_items[rank::world]), random.Random(task.seed + rank), time.time()
+    for step in range(task.sft_steps):
+        stats = sft.train_lm(padded_batch(rng.choices(pool, k=task.sft_batch_size)))
+        if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
+            engine.update_weights(WeightUpdateMeta(type="in_process"))
+            reward = mean_reward(judge, greedy, dev)
+            print_rank0(
+                f"[sft] step {step + 1} loss {stats['loss']:.3f} dev reward {reward:.2f} ({time.time() - t0:.0f}s)"
+            )
+            if reward >= task.sft_target_reward:
+                break
+    judge.destroy()
+    engine.save(SaveLoadMeta(path=sft_dir, weight_format="hf", tokenizer=tokenizer))
+    engine.destroy()
+
+
+def main(argv: list[str]) -> None:
+    cfg = load_config(argv, AgentExperimentConfig)
+    torch.manual_seed(cfg.seed)
+    t0 = time.time()
+    base_dir, sft_dir = os.path.join(cfg.output_dir, "base_model"), os.path.join(cfg.output_dir, "sft_model")
+    eval_items = questions(cfg.task.n_eval, cfg.task.n_digits, cfg.task.seed + 1)
+    held_out = {str(q["expression"]) for q in eval_items}
+    actor_cfg = replace(cfg.actor, path=sft_dir, group_size=1)  # an episode may split: no fixed-size groups
+    actor = PPOActor(actor_cfg, make_train_engine(actor_cfg))
+    actor.engine.create_process_group()  # before SFT's: torchrun's group cannot be re-made
+    if not os.path.exists(os.path.join(sft_dir, "config.json")):
+        warm_up_with_sft(cfg, base_dir, sft_dir, held_out)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
+    train_items = questions(cfg.task.n_train, cfg.task.n_digits, cfg.task.seed + 3, exclude=held_out)
+    reward = RewardRunner(exact_answer_reward, mode="inline")
+    gconfig = cfg.gconfig.new(n_samples=cfg.actor.group_size)
+    workflow = AgentWorkflow(solve, reward, gconfig, tokenizer)
+    eval_workflow = AgentWorkflow(solve, reward, gconfig.new(n_samples=1, greedy=True), tokenizer)
+
+    rollout, weight_meta = make_rollout(cfg, sft_dir)
+    dataloader = rank_dataloader(train_items, cfg.train_dataset, actor.engine, seed=cfg.seed)
+    run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
+    actor.engine.initialize(run.finetune_spec)
+    actor.engine.connect_engine(rollout.engine, weight_meta)
+    resumed = run.resume()
+    before = float(resumed["reward_before"]) if resumed else mean_reward(rollout, eval_workflow, eval_items)  # type: ignore[arg-type]
+    print_rank0(f"[agent] held-out greedy reward after SFT: {before:.3f}")
+
+    def evaluate() -> dict[str, float]:
+        return {"eval/reward": mean_reward(rollout, eval_workflow, eval_items)}
+
+    for global_step in range(run.start_step, run.total_steps):
+        with run.timer("rollout"):
+            batch = rollout.prepare_batch(dataloader, workflow=workflow)
+        with run.timer("train"):
+            actor.compute_advantages(batch)
+            stats = actor.ppo_update(batch)
+            actor.step_lr_scheduler()
+        with run.timer("weight_sync"):
+            sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+        stats.update(episode_means(batch))
+        run.end_step(global_step, stats, evaluate=evaluate, extra={"reward_before": before})
+
+    after = mean_reward(rollout, eval_workflow, eval_items)
+    run.close()
+    rollout.destroy()
+    actor.engine.destroy()
+    print_rank0(f"RESULT reward_before={before:.3f} reward_after={after:.3f} minutes={(time.time() - t0) / 60:.1f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,279 @@
+"""Agents through the OpenAI protocol: the recording proxy answers the real ``openai`` SDK and the
+``openai-agents`` SDK, its trajectories are exactly what the model saw and produced (one sequence
+while the conversation extends, separate ones when a template rewrites history), and
+`AgentWorkflow` grades episodes and groups them. A scripted engine gives chosen replies; the
+acceptance test runs the ``openai-agents`` SDK on the embedded engine with a tiny model taught one
+tool-using conversation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
+from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse
+from areal_lite.core import RolloutController
+from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.rewards import RewardRunner
+from areal_lite.utils.openai_chat import render_chat
+from areal_lite.utils.tiny import build_tiny_model, build_tokenizer, teach
+from areal_lite.workflows import AgentWorkflow, RecordingProxy, check_trajectory
+from areal_lite.workflows.agent import episode_means
+
+agents = pytest.importorskip("agents")
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+EOS = "<|im_end|>"
+GEN = GenerationConfig(max_new_tokens=200)
+THINK_DROPPING = (  # Qwen3-like: earlier assistant turns lose their reasoning
+    "{% for message in messages %}{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip() %}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ScriptedEngine:
+    """Replies with the given texts in order (version 7, log-probability -0.25 per token); a reply
+    ending in eos stops. Records every prompt it is sent."""
+
+    def __init__(self, tokenizer, replies: list[str]) -> None:
+        self.tok, self.replies, self.prompts = tokenizer, list(replies), []
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        self.prompts.append(list(req.input_ids))
+        text = self.replies.pop(0)
+        out = self.tok(text, add_special_tokens=False)["input_ids"]
+        stop = "stop" if text.endswith(EOS) and len(out) <= req.gconfig.max_new_tokens else "length"
+        out = out[: req.gconfig.max_new_tokens]
+        return ModelResponse(list(req.input_ids), out, [-0.25] * len(out), [7] * len(out), stop)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def segments(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each run of equal values."""
+    runs, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            runs.append((mask[start], start, i))
+            start = i
+    return runs
+
+
+async def tool_conversation(client: openai.AsyncOpenAI) -> list[dict]:
+    """Ask, run the requested tool call, ask again with its result; the messages of the chat."""
+    messages: list[dict] = [{"role": "user", "content": "What is 2+3?"}]
+    first = (await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)).choices[0]
+    assert first.finish_reason == "tool_calls"
+    [call] = first.message.tool_calls
+    result = str(eval(json.loads(call.function.arguments)["expression"]))
+    messages += [
+        first.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": result},
+    ]
+    second = (await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)).choices[0]
+    return [*messages, second.message.model_dump(exclude_none=True)]
+
+
+async def with_client(proxy: RecordingProxy, agent):
+    async with proxy.client() as client:
+        return await agent(client)
+
+
+def test_a_conversation_that_extends_is_one_trajectory_trained_on_generated_tokens_only(tok) -> None:
+    engine = ScriptedEngine(tok, [CALL + EOS, "The answer is 5." + EOS])
+    proxy = RecordingProxy(engine, tok, GEN)
+    conversation = asyncio.run(with_client(proxy, tool_conversation))
+
+    [trace] = proxy.traces
+    assert [c.extended for c in proxy.calls] == [False, True]
+    ids = trace.input_ids
+    # Each call sent the trajectory so far: the first prompt and reply, token for token, then more.
+    first = engine.prompts[0] + proxy.calls[0].response.output_tokens
+    assert engine.prompts[1][: len(first)] == first and ids[: len(engine.prompts[1])] == engine.prompts[1]
+    # It decodes to exactly the conversation as the template renders it (less the closing newline).
+    rendered = render_chat(tok, {"messages": conversation, "add_generation_prompt": False}, TOOLS)
+    assert tok.decode(ids) + "\n" == rendered
+    # Only the model's replies are trained on, with their log-probabilities and versions.
+    runs = segments(trace.loss_mask)
+    assert [v for v, _, _ in runs] == [0, 1, 0, 1]
+    assert [tok.decode(ids[s:e]) for v, s, e in runs if v] == [CALL + EOS, "The answer is 5." + EOS]
+    for v, s, e in runs:
+        assert trace.logprobs[s:e] == ([-0.25] * (e - s) if v else [0.0] * (e - s))
+        assert trace.versions[s:e] == ([7] * (e - s) if v else [-1] * (e - s))
+    check_trajectory(trace.to_tensordict(1.0))
+
+
+def test_a_template_that_drops_reasoning_gives_separate_aligned_trajectories(tok) -> None:
+    tok = build_tokenizer()
+    tok.chat_template = THINK_DROPPING
+    replies = ["<think>add them</think>Five." + EOS, "<think>again</think>Still five." + EOS]
+
+    async def chat(client: openai.AsyncOpenAI) -> None:
+        messages = [{"role": "user", "content": "2+3?"}]
+        for follow_up in ("Sure?", None):
+            reply = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
+            messages += [{"role": "assistant", "content": reply.content}]
+            if follow_up:
+                messages += [{"role": "user", "content": follow_up}]
+
+    engine = ScriptedEngine(tok, replies)
+    proxy = RecordingProxy(engine, tok, GEN)
+    asyncio.run(with_client(proxy, chat))
+    assert [c.extended for c in proxy.calls] == [False, False] and len(proxy.traces) == 2
+    for trace, prompt, reply in zip(proxy.traces, engine.prompts, replies):
+        # Each trajectory is its call's prompt, exactly as sent, then the reply: nothing misaligned.
+        assert trace.input_ids[: len(prompt)] == prompt and set(trace.loss_mask[: len(prompt)]) == {0}
+        assert tok.decode(trace.input_ids[len(prompt) :]) == reply and set(trace.loss_mask[len(prompt) :]) == {1}
+    assert "add them" not in tok.decode(engine.prompts[1])  # the template did drop it
+
+    # The same chat under a template that keeps history is one trajectory.
+    keep = build_tokenizer()
+    proxy = RecordingProxy(ScriptedEngine(keep, replies), keep, GEN)
+    asyncio.run(with_client(proxy, chat))
+    assert [c.extended for c in proxy.calls] == [False, True] and len(proxy.traces) == 1
+
+
+def test_streaming_models_and_bad_requests_through_the_sdk(tok) -> None:
+    engine = ScriptedEngine(tok, [CALL + EOS, "plain" + EOS])
+    proxy = RecordingProxy(engine, tok, GEN, max_calls=2)
+
+    async def agent(client: openai.AsyncOpenAI) -> None:
+        assert [m.id for m in (await client.models.list()).data] == ["areal-lite-policy"]
+        messages = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+            await client.chat.completions.create(model="m", messages=messages, frequency_penalty=1.0)
+        with pytest.raises(openai.BadRequestError, match="n must be 1"):
+            await client.chat.completions.create(model="m", messages=messages, n=2)
+        stream = await client.chat.completions.create(
+            model="m", messages=messages, tools=TOOLS, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [c async for c in stream]
+        [call] = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+        assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "2+3"}
+        assert chunks[-2].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.completion_tokens > 0
+        done = await client.chat.completions.create(model="m", messages=messages, max_tokens=3, logprobs=True)
+        assert (
+            done.choices[0].finish_reason == "length"
+            and [e.logprob for e in done.choices[0].logprobs.content] == [-0.25] * 3
+        )
+        with pytest.raises(openai.BadRequestError, match="2 model calls are used up"):
+            await client.chat.completions.create(model="m", messages=messages)
+
+    asyncio.run(with_client(proxy, agent))
+    assert len(proxy.calls) == 2 and proxy.exhausted is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# The acceptance test: the openai-agents SDK on the embedded engine.
+
+TOOL_CALLS: list[str] = []
+
+
+@agents.function_tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression."""
+    TOOL_CALLS.append(expression)
+    a, b = expression.split("+")
+    return str(int(a) + int(b))
+
+
+async def sdk_agent(client: openai.AsyncOpenAI, item: dict) -> str:
+    """An openai-agents agent with one function tool, its model calls going through ``client``."""
+    model = agents.OpenAIChatCompletionsModel(model="policy", openai_client=client)
+    agent = agents.Agent(name="calc", instructions="Use the calculator.", tools=[calculator], model=model)
+    result = await agents.Runner.run(
+        agent, str(item["prompt"]), max_turns=4, run_config=agents.RunConfig(tracing_disabled=True)
+    )
+    return str(result.final_output)
+
+
+def answer_is_right(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **item) -> float:
+    return float(completion.strip() == item["answer"])
+
+
+@pytest.fixture(scope="module")
+def taught_rollout(tmp_path_factory):
+    """The embedded engine on a tiny model taught the scripted run of `sdk_agent` on 2+3."""
+    path = build_tiny_model(
+        str(tmp_path_factory.mktemp("agent") / "m"), hidden_size=64, num_layers=2, max_position_embeddings=1024
+    )
+    tok = AutoTokenizer.from_pretrained(path)
+    scripted = RecordingProxy(ScriptedEngine(tok, [CALL + EOS, "5" + EOS]), tok, GEN)
+    assert asyncio.run(with_client(scripted, lambda c: sdk_agent(c, {"prompt": "What is 2+3?"}))) == "5"
+    [trace] = scripted.traces
+    teach(path, [(trace.input_ids, trace.loss_mask)], lr=3e-3, max_steps=300)
+    engine = LocalInferenceEngine(LocalEngineConfig(path=path, max_running_requests=8, seed=1))
+    rollout = RolloutController(engine, InferenceEngineConfig(consumer_batch_size=2, max_concurrent_rollouts=2))
+    rollout.initialize()
+    try:
+        yield rollout, trace
+    finally:
+        rollout.destroy()
+
+
+def test_openai_agents_sdk_runs_a_tool_agent_on_the_embedded_engine(taught_rollout) -> None:
+    rollout, taught = taught_rollout
+    engine, tok = rollout.engine, rollout.engine.tokenizer
+    proxy = RecordingProxy(engine, tok, GEN.new(greedy=True))
+    bodies: list[dict] = []
+    answer = proxy.chat_completion
+
+    async def recording(body: dict) -> dict:
+        bodies.append(body)
+        return await answer(body)
+
+    proxy.chat_completion = recording
+    TOOL_CALLS.clear()
+    final = asyncio.run(with_client(proxy, lambda c: sdk_agent(c, {"prompt": "What is 2+3?"})))
+    assert final == "5" and TOOL_CALLS == ["2+3"]  # the model called the tool; the SDK ran it
+
+    [trace] = proxy.traces  # two calls, one trajectory
+    assert [c.extended for c in proxy.calls] == [False, True]
+    assert trace.input_ids == taught.input_ids and trace.loss_mask == taught.loss_mask
+    # The trajectory decodes to exactly the conversation the SDK held, as the template renders it.
+    conversation = [*bodies[-1]["messages"], {"role": "assistant", "content": final}]
+    rendered = render_chat(tok, {"messages": conversation, "add_generation_prompt": False}, bodies[-1]["tools"])
+    assert tok.decode(trace.input_ids) + "\n" == rendered
+    runs = segments(trace.loss_mask)
+    assert [v for v, _, _ in runs] == [0, 1, 0, 1]
+    assert [tok.decode(trace.input_ids[s:e]) for v, s, e in runs if v] == [CALL + EOS, "5" + EOS]
+    generated = [trace.logprobs[i] for i, m in enumerate(trace.loss_mask) if m]
+    assert all(lp < 0 for lp in generated) and {trace.versions[i] for i, m in enumerate(trace.loss_mask) if m} == {0}
+    check_trajectory(trace.to_tensordict(1.0))
+
+
+def test_agent_workflow_grades_groups_of_episodes_through_the_controller(taught_rollout) -> None:
+    rollout, _ = taught_rollout
+    grader = RewardRunner(answer_is_right, mode="inline")
+    workflow = AgentWorkflow(sdk_agent, grader, GEN.new(n_samples=2, greedy=True), rollout.engine.tokenizer)
+    items = [{"prompt": "What is 2+3?", "answer": "5"}, {"prompt": "What is 2+3?", "answer": "6"}]
+    batch = rollout.rollout_batch(items, workflow)
+    check_trajectory(batch)
+    assert batch["rewards"].tolist() == [1.0, 1.0, 0.0, 0.0] and batch["baseline_rewards"].tolist() == [
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+    ]
+    assert batch["num_calls"].tolist() == [2.0] * 4 and batch["episode_start"].tolist() == [1.0] * 4
+    assert episode_means(batch) == {"episode_reward": 0.5, "episode_calls": 2.0, "trajectories_per_episode": 1.0}
