@@ -159,3 +159,37 @@ def test_llm_judge_asks_the_engine_and_parses_the_verdict() -> None:
     assert asyncio.run(go()) == [1.0, 0.0]
     assert "Question: What is 6*7?" in engine.prompts[0] and "Reference answer: 42" in engine.prompts[0]
     assert engine.prompts[0].endswith("<|im_start|>assistant\n")
+
+
+def test_combined_grader_with_an_llm_judge_awaits_it_and_runs_the_rest_in_workers() -> None:
+    """The judge is awaited on the runner's loop (its engine stays in this process); the plain
+    math grader runs in its own worker processes; each part is reported by name, and a failing
+    part fails the sample (counted), as with plain graders."""
+    tok = build_tokenizer()
+    engine = ScriptedJudgeEngine(tok)
+    g = CombinedGrader({"judge": (LLMJudgeGrader(engine, tok), 1.0), "answer": (math_answer_reward, 0.5)})
+    assert g.is_async and not g.safe_in_thread
+    with pytest.raises(ValueError, match="does not fit"):
+        RewardRunner(g, mode="thread")  # it used to score 0 there without a word
+    with pytest.raises(TypeError, match="anamed_scores"):
+        g.named_scores("q", "42", [], [], answer="42")
+    runner = RewardRunner(g, timeout=60.0)
+    assert runner.mode == "async"
+    try:
+
+        async def go() -> list[float]:
+            return await asyncio.gather(
+                runner("What is 6*7?", "42", [], [], answer="42"),
+                runner("What is 6*7?", "41", [], [], answer="42"),
+                runner("What is 6*7?", "42", [], []),  # no reference: math_answer_reward raises
+            )
+
+        assert asyncio.run(go()) == [1.5, 0.0, 0.0]
+        s = runner.stats()
+        assert (s["reward/judge"], s["reward/answer"], s["reward/total"]) == (0.5, 0.5, 0.75)
+        assert s["reward/errors"] == 1.0 and s["reward/samples"] == 3.0
+        assert len(engine.prompts) == 3
+        assert g._runners["answer"].mode == "process"  # type: ignore[attr-defined]
+    finally:
+        runner.close()
+    assert g._runners == {}

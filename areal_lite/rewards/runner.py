@@ -23,7 +23,6 @@ times out, kills its worker or returns NaN/inf gives reward 0 for that sample, i
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import math
 import multiprocessing
@@ -36,6 +35,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Literal
+
+from areal_lite.rewards.combined import is_coroutine_grader
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class RewardRunner:
         timeout: float = 15.0,
         num_workers: int | None = None,
     ) -> None:
-        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+        is_async = is_coroutine_grader(fn) or getattr(fn, "is_async", False)
         if mode == "auto":
             mode = "async" if is_async else ("thread" if getattr(fn, "safe_in_thread", False) else "process")
         if mode not in ("process", "thread", "async", "inline"):
@@ -159,6 +160,13 @@ class RewardRunner:
     async def __call__(
         self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object
     ) -> float:
+        return self._record(await self.outcome(prompt, completion, prompt_ids, completion_ids, **data))
+
+    async def outcome(
+        self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object
+    ) -> _Outcome:
+        """One sample's ``(status, value)``, not recorded in `stats`: status ``ok`` (value: the
+        score, or a `CombinedGrader`'s named scores), ``error``, ``timeout`` or ``crash``."""
         kwargs = dict(data, prompt=prompt, completion=completion, prompt_ids=prompt_ids, completion_ids=completion_ids)
         if self.mode == "async":
             outcome = await self._call_async(kwargs)
@@ -181,7 +189,7 @@ class RewardRunner:
                     outcome = ("timeout", None)
                 except Exception as e:  # noqa: BLE001
                     outcome = ("error", f"{type(e).__name__}: {e}")
-        return self._record(outcome)
+        return outcome
 
     def stats(self, reset: bool = False) -> dict[str, float]:
         """``reward/<name>`` means (``total`` and each `CombinedGrader` component) over the samples
@@ -198,7 +206,9 @@ class RewardRunner:
         return out
 
     def close(self) -> None:
-        """Stop the worker processes and threads."""
+        """Stop the worker processes and threads (and those of a combination's graders)."""
+        if callable(getattr(self.fn, "close", None)) and getattr(self.fn, "is_async", False):
+            self.fn.close()  # type: ignore[attr-defined]
         with self._lock:
             while True:
                 try:
@@ -239,6 +249,9 @@ class RewardRunner:
 
     async def _call_async(self, kwargs: dict[str, object]) -> _Outcome:
         try:
+            if getattr(self.fn, "is_async", False):  # a CombinedGrader holding a coroutine grader
+                named = await asyncio.wait_for(self.fn.anamed_scores(timeout=self.timeout, **kwargs), self.timeout)  # type: ignore[attr-defined]
+                return ("ok", {k: float(v) for k, v in named.items()})
             value = await asyncio.wait_for(self.fn(**kwargs), self.timeout)  # type: ignore[misc]
             return ("ok", float(value))
         except asyncio.TimeoutError:
