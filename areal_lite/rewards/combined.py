@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import Callable, Mapping
+
+from areal_lite.rewards.runner import RewardRunner, is_coroutine_grader
 
 RewardFn = Callable[..., float]
 """``reward_fn(prompt, completion, prompt_ids, completion_ids, **data) -> float``."""
@@ -32,7 +33,7 @@ class CombinedGrader:
         self.graders = dict(graders)
         self.safe_in_thread = all(getattr(fn, "safe_in_thread", False) for fn, _ in self.graders.values())
         self.is_async = any(is_coroutine_grader(fn) for fn, _ in self.graders.values())
-        self._runners: dict[str, object] = {}
+        self._runners: dict[str, RewardRunner] = {}
 
     def named_scores(
         self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object
@@ -56,7 +57,6 @@ class CombinedGrader:
         **data: object,
     ) -> dict[str, float]:
         """`named_scores` of an ``is_async`` combination, its graders run concurrently."""
-        from areal_lite.rewards.runner import RewardRunner  # the runner imports this module
 
         async def score(name: str, fn: RewardFn) -> float:
             if is_coroutine_grader(fn):
@@ -64,7 +64,7 @@ class CombinedGrader:
             runner = self._runners.get(name)
             if runner is None:
                 runner = self._runners[name] = RewardRunner(fn, timeout=timeout)
-            status, value = await runner.outcome(prompt, completion, prompt_ids, completion_ids, **data)  # type: ignore[attr-defined]
+            status, value = await runner.outcome(prompt, completion, prompt_ids, completion_ids, **data)
             if status != "ok":
                 raise RuntimeError(f"grader {name!r}: {status}{f' ({value})' if value else ''}")
             return float(value)  # type: ignore[arg-type]
@@ -75,7 +75,7 @@ class CombinedGrader:
     def close(self) -> None:
         """Stop the worker processes of an ``is_async`` combination's plain graders."""
         for runner in self._runners.values():
-            runner.close()  # type: ignore[attr-defined]
+            runner.close()
         self._runners.clear()
 
     def __getstate__(self) -> dict[str, object]:
@@ -89,8 +89,3 @@ class CombinedGrader:
         self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **data: object
     ) -> float:
         return self.named_scores(prompt, completion, prompt_ids, completion_ids, **data)["total"]
-
-
-def is_coroutine_grader(fn: object) -> bool:
-    """A coroutine function, or an object whose ``__call__`` is one (`LLMJudgeGrader`)."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)

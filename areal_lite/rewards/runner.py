@@ -23,6 +23,7 @@ times out, kills its worker or returns NaN/inf gives reward 0 for that sample, i
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import multiprocessing
@@ -35,8 +36,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Literal
-
-from areal_lite.rewards.combined import is_coroutine_grader
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +105,11 @@ class _Worker:
         self.proc.kill()
         self.proc.join()
         self.conn.close()
+
+
+def is_coroutine_grader(fn: object) -> bool:
+    """A coroutine function, or an object whose ``__call__`` is one (`LLMJudgeGrader`)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 class RewardRunner:
