@@ -1,0 +1,65 @@
+#!/bin/bash
+# A 2-node Ray cluster on one machine, for the cluster tests (`make test-cluster`) and for trying
+# the Ray launcher: a head node and a worker node, each with its own share of the CPUs.
+#
+#   tests/clusters/ray.sh up     # prints RAY_ADDRESS=...; the launcher and the tests read it
+#   tests/clusters/ray.sh down   # stops both nodes
+#
+# Each node runs `ray start --block` in the background, so that it is stopped by its own pid
+# (`ray stop` would stop every Ray process on the machine, other users' too). Settings:
+# RAY (the ray command), AREAL_LITE_RAY_DIR (state: pids, logs, Ray's temp dir), AREAL_LITE_RAY_PORT
+# (the head's port), AREAL_LITE_RAY_CPUS (logical CPUs per node).
+set -euo pipefail
+RAY=${RAY:-ray}
+DIR=${AREAL_LITE_RAY_DIR:-/tmp/areal_lite_ray}
+PORT=${AREAL_LITE_RAY_PORT:-6390}
+CPUS=${AREAL_LITE_RAY_CPUS:-1}
+ADDRESS=127.0.0.1:$PORT
+COMMON=(--block --num-cpus="$CPUS" --num-gpus=0 --object-store-memory=100000000 --disable-usage-stats)
+
+nodes_up() {
+    RAY_ADDRESS=$ADDRESS "$(dirname "$(command -v "$RAY")")/python" -c \
+        "import ray; ray.init(log_to_driver=False); print(sum(n['Alive'] for n in ray.nodes()))" 2>/dev/null || echo 0
+}
+
+wait_for_nodes() {
+    for _ in $(seq 120); do
+        [ "$(nodes_up | tail -n1)" -ge "$1" ] && return 0
+        sleep 1
+    done
+    echo "the Ray cluster did not reach $1 nodes; see $DIR/*.log" >&2
+    return 1
+}
+
+case "${1:-}" in
+up)
+    if [ -f "$DIR/head.pid" ] && kill -0 "$(cat "$DIR/head.pid")" 2>/dev/null; then
+        echo "RAY_ADDRESS=$ADDRESS"
+        exit 0
+    fi
+    mkdir -p "$DIR"
+    "$RAY" start --head --port="$PORT" --node-ip-address=127.0.0.1 --include-dashboard=false \
+        --temp-dir="$DIR/tmp" "${COMMON[@]}" > "$DIR/head.log" 2>&1 &
+    echo $! > "$DIR/head.pid"
+    wait_for_nodes 1
+    "$RAY" start --address="$ADDRESS" --node-ip-address=127.0.0.1 "${COMMON[@]}" > "$DIR/worker.log" 2>&1 &
+    echo $! > "$DIR/worker.pid"
+    wait_for_nodes 2
+    echo "RAY_ADDRESS=$ADDRESS"
+    ;;
+down)
+    for node in worker head; do
+        pidfile="$DIR/$node.pid"
+        [ -f "$pidfile" ] || continue
+        pid=$(cat "$pidfile")
+        kill -TERM "$pid" 2>/dev/null || true
+        for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+        kill -KILL "$pid" 2>/dev/null || true
+        rm -f "$pidfile"
+    done
+    ;;
+*)
+    echo "usage: $0 up|down" >&2
+    exit 2
+    ;;
+esac
