@@ -123,6 +123,7 @@ class ServerProcess:
         os.chdir(cwd)
         os.makedirs(plan.log_dir, exist_ok=True)
         self.ip = ray.util.get_node_ip_address()
+        self.node = ray.get_runtime_context().get_node_id()
         self.port = find_free_port("0.0.0.0")
         # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPUs, so they start at 0.
         cmd = server_command(plan, self.port, host="0.0.0.0")
@@ -130,7 +131,7 @@ class ServerProcess:
                           log_path=os.path.join(plan.log_dir, f"server{index}.log"))
 
     def info(self) -> dict[str, object]:
-        return {"address": f"{self.ip}:{self.port}", "pid": self.proc.pid, "actor_pid": os.getpid()}
+        return {"address": f"{self.ip}:{self.port}", "pid": self.proc.pid, "actor_pid": os.getpid(), "node": self.node}
 
     def exit_code(self) -> int | None:
         """None while the server runs."""
@@ -161,10 +162,10 @@ def run_trainer_node(cmd: list[str], attempt: int, cwd: str, log_path: str, core
         stop([proc])
 
 
-def _node_ip_and_port() -> tuple[str, int]:
+def _node_ip_and_port() -> tuple[str, int, str]:
     import ray
 
-    return ray.util.get_node_ip_address(), find_free_port("0.0.0.0")
+    return ray.util.get_node_ip_address(), find_free_port("0.0.0.0"), ray.get_runtime_context().get_node_id()
 
 
 class RayLauncher(LocalLauncher):
@@ -266,9 +267,9 @@ class RayLauncher(LocalLauncher):
         assert self.trainer_group is not None
         bundles = trainer_bundles(self.plan)
         locate = ray.remote(num_cpus=0)(_node_ip_and_port).options(scheduling_strategy=self._on_bundle(self.trainer_group, 0))
-        master_addr, master_port = ray.get(locate.remote())
+        master_addr, master_port, node = ray.get(locate.remote())
         cmds = trainer_node_commands(self.plan, self.addresses, master_addr=master_addr, master_port=master_port, prepare=prepare)
-        logger.info("%s: %s", "prepare" if prepare else f"attempt {attempt}", " ".join(cmds[0]))
+        logger.info("%s on node %s: %s", "prepare" if prepare else f"attempt {attempt}", node, " ".join(cmds[0]))
         task = ray.remote(run_trainer_node)
         self.trainer_refs = [
             task.options(num_cpus=b["CPU"], num_gpus=b.get("GPU", 0), max_retries=0,
@@ -307,11 +308,14 @@ class RayLauncher(LocalLauncher):
     def _cancel_trainer(self) -> None:
         import ray
 
-        for ref in self.trainer_refs:
+        # Only tasks still running: cancelling a finished one trips an internal check of Ray 2.60.
+        _, running = ray.wait(self.trainer_refs, num_returns=len(self.trainer_refs), timeout=0)
+        for ref in running:
             ray.cancel(ref)  # KeyboardInterrupt in the task, which stops its torchrun
-        ray.wait(self.trainer_refs, num_returns=len(self.trainer_refs), timeout=30)
-        for ref in self.trainer_refs:
-            ray.cancel(ref, force=True)  # a no-op for a task already done
+        if running:
+            _, running = ray.wait(running, num_returns=len(running), timeout=30)
+        for ref in running:
+            ray.cancel(ref, force=True)
         self.trainer_refs = []
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:

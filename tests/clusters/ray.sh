@@ -1,6 +1,7 @@
 #!/bin/bash
 # A 2-node Ray cluster on one machine, for the cluster tests (`make test-cluster`) and for trying
-# the Ray launcher: a head node and a worker node, each with its own share of the CPUs.
+# the Ray launcher: a head node and a worker node, each pinned to its own share of the machine's
+# cores (taskset; every process Ray starts on a node inherits it).
 #
 #   tests/clusters/ray.sh up     # prints RAY_ADDRESS=...; the launcher and the tests read it
 #   tests/clusters/ray.sh down   # stops both nodes
@@ -8,14 +9,23 @@
 # Each node runs `ray start --block` in the background, so that it is stopped by its own pid
 # (`ray stop` would stop every Ray process on the machine, other users' too). Settings:
 # RAY (the ray command), AREAL_LITE_RAY_DIR (state: pids, logs, Ray's temp dir), AREAL_LITE_RAY_PORT
-# (the head's port), AREAL_LITE_RAY_CPUS (logical CPUs per node).
+# (the head's port), AREAL_LITE_RAY_CPUS (the CPUs each node offers to Ray's scheduler: 2, so that
+# the server-kill test's 2 servers and trainer fit on a 2-core machine).
 set -euo pipefail
 RAY=${RAY:-ray}
 DIR=${AREAL_LITE_RAY_DIR:-/tmp/areal_lite_ray}
 PORT=${AREAL_LITE_RAY_PORT:-6390}
-CPUS=${AREAL_LITE_RAY_CPUS:-1}
+CPUS=${AREAL_LITE_RAY_CPUS:-2}
 ADDRESS=127.0.0.1:$PORT
 COMMON=(--block --num-cpus="$CPUS" --num-gpus=0 --object-store-memory=100000000 --disable-usage-stats)
+
+# Node i gets cores i*n/2 .. (i+1)*n/2-1 of the n this process may use (all of them on one core).
+share() {
+    local cores=($(python3 -c "import os; print(*sorted(os.sched_getaffinity(0)))"))
+    local n=${#cores[@]} half=$(( ${#cores[@]} / 2 ))
+    if [ "$half" -eq 0 ]; then echo "${cores[*]}" | tr ' ' ,; return; fi
+    if [ "$1" -eq 0 ]; then echo "${cores[@]:0:$half}" | tr ' ' ,; else echo "${cores[@]:$half:$((n - half))}" | tr ' ' ,; fi
+}
 
 nodes_up() {
     RAY_ADDRESS=$ADDRESS "$(dirname "$(command -v "$RAY")")/python" -c \
@@ -38,11 +48,11 @@ up)
         exit 0
     fi
     mkdir -p "$DIR"
-    "$RAY" start --head --port="$PORT" --node-ip-address=127.0.0.1 --include-dashboard=false \
+    taskset -c "$(share 0)" "$RAY" start --head --port="$PORT" --node-ip-address=127.0.0.1 --include-dashboard=false \
         --temp-dir="$DIR/tmp" "${COMMON[@]}" > "$DIR/head.log" 2>&1 &
     echo $! > "$DIR/head.pid"
     wait_for_nodes 1
-    "$RAY" start --address="$ADDRESS" --node-ip-address=127.0.0.1 "${COMMON[@]}" > "$DIR/worker.log" 2>&1 &
+    taskset -c "$(share 1)" "$RAY" start --address="$ADDRESS" --node-ip-address=127.0.0.1 "${COMMON[@]}" > "$DIR/worker.log" 2>&1 &
     echo $! > "$DIR/worker.pid"
     wait_for_nodes 2
     echo "RAY_ADDRESS=$ADDRESS"
