@@ -155,3 +155,109 @@ def test_ray_killed_trainer_resumes_with_each_sample_once(ray_address: str, tmp_
     assert launch.proc.returncode == 0, log[-3000:]
     assert "restart 1 of 1 from the last checkpoint" in log
     trainer_kill.check_resumed(out_dir)
+
+
+# -------------------------------------------------------------------------------------------- Slurm
+
+
+@pytest.fixture(scope="module")
+def slurm() -> None:
+    if shutil.which("sbatch") is None:
+        pytest.skip("no Slurm: sbatch is not installed (tests/clusters/slurm.sh up starts a cluster)")
+    if subprocess.run(["sinfo", "-h"], capture_output=True, check=False, timeout=30).returncode != 0:
+        pytest.skip("no Slurm cluster answers (tests/clusters/slurm.sh up starts one; SLURM_CONF must point at it)")
+
+
+class SlurmJob:
+    """`python -m areal_lite.launcher.slurm ARGS --wait` in the background: sbatch, then the job."""
+
+    def __init__(self, args: list[str], log_dir: Path) -> None:
+        self.log_dir = log_dir
+        cpus = f"launcher.slurm.cpus_per_task={os.cpu_count()}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "areal_lite.launcher.slurm", "--wait", *args, cpus], cwd=ROOT,
+                                     env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def job_id(self) -> str:
+        logs = sorted(self.log_dir.glob("slurm-*.out"))
+        assert logs, f"no job output in {self.log_dir}"
+        return logs[0].name.removeprefix("slurm-").removesuffix(".out")
+
+    def output(self) -> str:
+        return "".join(p.read_text() for p in sorted(self.log_dir.glob("slurm-*.out")))
+
+    def failure(self) -> str | None:
+        if self.proc.poll() is None:
+            return None
+        return f"sbatch --wait exited with {self.proc.returncode}: {self.proc.stdout.read().decode()}{self.output()[-3000:]}"
+
+    def step(self, name: str) -> str:
+        """The id (JOB.STEP) of this job's running step named ``name``."""
+        out = subprocess.run(["squeue", "-s", "-j", self.job_id, "-h", "-o", "%i %j"], capture_output=True, text=True,
+                             check=True).stdout
+        steps = [line.split()[0] for line in out.splitlines() if line.split()[1:] == [name]]
+        assert len(steps) == 1, out
+        return steps[0]
+
+    def finish(self, timeout: float) -> str:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                subprocess.run(["scancel", self.job_id], check=False)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.stdout.read().decode() + self.output()
+
+
+def test_slurm_quickstart_through_sbatch(slurm: None, tmp_path: Path) -> None:
+    job = SlurmJob([*SHORT_QUICKSTART, f"cluster.fileroot={tmp_path}"], tmp_path / "quickstart" / "demo" / "logs")
+    log = job.finish(timeout=900)
+    assert job.proc.returncode == 0, log[-3000:]
+    assert re.search(r"RESULT acc_before=\S+ acc_after=\S+", log)
+    assert (tmp_path / "quickstart" / "demo" / "slurm" / "job.sh").exists()
+
+
+def test_slurm_training_completes_when_a_server_step_is_cancelled(slurm: None, tmp_path: Path) -> None:
+    model = _tiny_model(tmp_path / "model")
+    out_dir = tmp_path / "out" / "areal-lite" / "trial0"
+    total_steps = 5
+    job = SlurmJob(_remote_train_args(model, tmp_path / "out", total_steps, 1), out_dir / "logs")
+    try:
+        _wait_for(out_dir / "paused", job.failure)
+        subprocess.run(["scancel", job.step("server1")], check=True)
+        (out_dir / "continue").touch()
+    finally:
+        log = job.finish(timeout=300)
+    assert job.proc.returncode == 0, log[-3000:]
+    _check_steps(out_dir, total_steps)
+
+
+def test_slurm_killed_trainer_resumes_with_each_sample_once(slurm: None, tmp_path: Path) -> None:
+    model = _tiny_model(tmp_path / "model")
+    out_dir = tmp_path / "out" / "areal-lite" / "trial0"
+    job = SlurmJob([trainer_kill.SCRIPT, *trainer_kill.overrides(model, str(tmp_path / "out"))], out_dir / "logs")
+    try:
+        pids = trainer_kill.wait_paused(out_dir, job.failure)
+        os.kill(pids[1], signal.SIGKILL)
+    finally:
+        log = job.finish(timeout=300)
+    assert job.proc.returncode == 0, log[-3000:]
+    assert "trainer attempt 0 failed" in log
+    trainer_kill.check_resumed(out_dir)
+
+
+def test_slurm_requeued_job_resumes_with_each_sample_once(slurm: None, tmp_path: Path) -> None:
+    """`scontrol requeue` (what a node failure or preemption does): the job starts again and the
+    trainer resumes from its last checkpoint, as attempt 2 (one retry per run)."""
+    model = _tiny_model(tmp_path / "model")
+    out_dir = tmp_path / "out" / "areal-lite" / "trial0"
+    job = SlurmJob([trainer_kill.SCRIPT, *trainer_kill.overrides(model, str(tmp_path / "out"))], out_dir / "logs")
+    try:
+        trainer_kill.wait_paused(out_dir, job.failure)
+        subprocess.run(["scontrol", "requeue", job.job_id], check=True)
+    finally:
+        log = job.finish(timeout=600)
+    assert job.proc.returncode == 0, log[-3000:]
+    assert "(restart 1)" in log
+    trainer_kill.check_resumed(out_dir, resumed_attempt=2)

@@ -299,7 +299,7 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
     job = tmp_path / "job.sh"
     job.write_text(script)
     proc = subprocess.run(["bash", str(job)], check=False, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-                                                   "SLURM_JOB_NODELIST": "n[0-3]"}, capture_output=True, text=True)
+                                                   "SLURM_JOB_NODELIST": "n[0-3]", "SLURM_JOB_ID": "7"}, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     deadline = time.monotonic() + 30
     while True:
@@ -322,10 +322,10 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
 
 
 def test_ray_placement_and_commands() -> None:
-    from areal_lite.launcher.ray import server_resources, trainer_bundles, trainer_node_commands
+    from areal_lite.launcher.ray import forwarded_env, server_bundles, trainer_bundles, trainer_node_commands
 
     plan = _plan(backend="sglang", n_servers=2, server_tp_size=2, trainer_nnodes=2, trainer_nproc=4, gpus_per_node=4)
-    assert server_resources(plan) == {"num_gpus": 2, "num_cpus": 1}
+    assert server_bundles(plan) == [{"GPU": 2, "CPU": 1}, {"GPU": 2, "CPU": 1}]
     assert trainer_bundles(plan) == [{"GPU": 4, "CPU": 4}, {"GPU": 4, "CPU": 4}]
     plan.launcher.prepare_overrides = ["task.prepare_only=true"]
     prepare = trainer_node_commands(plan, ["10.0.0.1:30000"], master_addr="10.0.0.2", master_port=29500, prepare=True)
@@ -337,8 +337,10 @@ def test_ray_placement_and_commands() -> None:
         assert cmd[cmd.index("--master-addr") + 1] == "10.0.0.2"
         assert cmd[-1] == 'rollout.addresses=["10.0.0.1:30000"]'
     cpu = _plan(backend="areal", n_servers=1)
-    assert server_resources(cpu) == {"num_gpus": 0, "num_cpus": 1}
+    assert server_bundles(cpu) == [{"CPU": 1}]
     assert trainer_bundles(cpu) == [{"CPU": 1}]
+    assert forwarded_env({"PYTHONPATH": "/src", "HOME": "/root", "WANDB_MODE": "offline", "CUDA_VISIBLE_DEVICES": "0"}) == {
+        "PYTHONPATH": "/src", "WANDB_MODE": "offline"}, "never the driver's GPUs: Ray sets each task's"
 
 
 def test_areal_servers_are_up_for_the_trainer_and_stopped_after_a_failure(tmp_path) -> None:

@@ -69,16 +69,18 @@ def _expected_ids() -> dict[int, list[list[int]]]:
     return out
 
 
-def check_resumed(out_dir: Path) -> None:
-    """The killed run was restarted once, resumed from its checkpoint and trained every sample once per epoch."""
+def check_resumed(out_dir: Path, resumed_attempt: int = 1) -> None:
+    """The killed run was restarted once (as attempt ``resumed_attempt``), resumed from its
+    checkpoint and trained every sample once per epoch."""
     total_steps = STEPS_PER_EPOCH * EPOCHS
     final: dict[int, list[list[int]]] = {}
     for rank in range(WORLD):
         records = [json.loads(line) for line in (out_dir / f"consumed_rank{rank}.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records if r["attempt"] == 0] == list(range(KILL_STEP + 1))
-        assert [r["step"] for r in records if r["attempt"] == 1] == list(range(KILL_STEP, total_steps)), \
+        assert sorted({r["attempt"] for r in records}) == [0, resumed_attempt]
+        assert [r["step"] for r in records if r["attempt"] == resumed_attempt] == list(range(KILL_STEP, total_steps)), \
             "the restart resumes at the step that was not checkpointed and runs to the same end"
-        killed, redone = [next(r for r in records if r["step"] == KILL_STEP and r["attempt"] == a) for a in (0, 1)]
+        killed, redone = [next(r for r in records if r["step"] == KILL_STEP and r["attempt"] == a) for a in (0, resumed_attempt)]
         assert redone["ids"] == killed["ids"]
         assert redone["loss"] == pytest.approx(killed["loss"], rel=1e-6, abs=1e-7)
         for r in records:  # the last attempt's record of a step is what the final model trained on

@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from types import FrameType
