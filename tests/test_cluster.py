@@ -173,8 +173,8 @@ class SlurmJob:
 
     def __init__(self, args: list[str], log_dir: Path) -> None:
         self.log_dir = log_dir
-        cpus = f"launcher.slurm.cpus_per_task={os.cpu_count()}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "areal_lite.launcher.slurm", "--wait", *args, cpus], cwd=ROOT,
+        one_node = [f"launcher.slurm.cpus_per_task={os.cpu_count()}", "launcher.slurm.colocate_servers=true"]
+        self.proc = subprocess.Popen([sys.executable, "-m", "areal_lite.launcher.slurm", "--wait", *args, *one_node], cwd=ROOT,
                                      env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
     @property

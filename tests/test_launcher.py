@@ -321,6 +321,19 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
     assert t[-4:] == ["--config", "cfg.yaml", "a.b=1", 'rollout.addresses=["n0:30000","n0:30001","n1:30000"]']
 
 
+def test_slurm_colocated_servers_share_the_first_trainer_node() -> None:
+    from areal_lite.api.config import SlurmConfig
+    from areal_lite.launcher.slurm import sbatch_script
+
+    cpu = _plan(backend="areal", n_servers=2, slurm=SlurmConfig(colocate_servers=True))
+    script = sbatch_script(cpu)
+    assert "#SBATCH --nodes=1" in script and "#SBATCH --requeue" in script
+    assert script.count('--nodelist="${NODES[0]}"') == 2 and 'MASTER="${NODES[0]}"' in script
+    assert "--job-name=server1" in script and "CUDA_VISIBLE_DEVICES" not in script
+    gpu = _plan(backend="sglang", n_servers=2, trainer_nproc=4, gpus_per_node=6, slurm=SlurmConfig(colocate_servers=True))
+    assert "CUDA_VISIBLE_DEVICES=2,3,4,5 srun" in sbatch_script(gpu), "the trainer gets the GPUs after the servers'"
+
+
 def test_ray_placement_and_commands() -> None:
     from areal_lite.launcher.ray import forwarded_env, server_bundles, trainer_bundles, trainer_node_commands
 

@@ -6,7 +6,8 @@ Writes ``output_dir/slurm/job.sh`` and submits it with ``sbatch`` (``--wait``: a
 exiting with its exit code; ``--dry-run`` prints the script instead). The job takes
 ``server nodes + launcher.trainer_nnodes`` nodes: the first ones run the ``n_servers`` rollout
 servers (after the ``launcher.prepare_overrides`` run of the trainer, when set; as many per node as
-``gpus_per_node / server_tp_size`` allows; all on one node on CPU), each as a job step named
+``gpus_per_node / server_tp_size`` allows; all on one node on CPU; on the first trainer node with
+``launcher.slurm.colocate_servers``), each as a job step named
 ``server<i>`` (``srun --overlap``) on a fixed port; the script waits until each answers
 ``GET /health``, then the trainer nodes run torchrun in a step named ``trainer`` with
 ``rollout.addresses`` set. A server step that dies (``scancel JOB.STEP``, a crash) leaves the
@@ -40,6 +41,7 @@ from areal_lite.launcher.local import (
     run_reporting_config_errors,
     script_args,
     server_command,
+    trainer_gpus,
 )
 
 SERVER_BASE_PORT = 30000
@@ -57,7 +59,8 @@ def servers_per_node(plan: LaunchPlan) -> int:
 
 
 def server_nodes(plan: LaunchPlan) -> int:
-    if plan.launcher.backend == "local":
+    """Nodes of the servers' own (none when they share the first trainer node)."""
+    if plan.launcher.backend == "local" or plan.launcher.slurm.colocate_servers:
         return 0
     return -(-plan.launcher.n_servers // servers_per_node(plan))
 
@@ -89,6 +92,9 @@ def sbatch_script(plan: LaunchPlan) -> str:
                 "--nproc-per-node", str(cfg.trainer_nproc), "--rdzv-backend", "c10d", "--max-restarts", "0"]
     srun_trainer = f'srun --overlap --nodes={n_trainer_nodes} --ntasks-per-node=1 --nodelist="$TRAINER_NODES"'
     attempts = plan.recover.retries + 1
+    gpus = trainer_gpus(cfg, None) if slurm.colocate_servers else None
+    if gpus is not None:
+        srun_trainer = f"CUDA_VISIBLE_DEVICES={gpus} {srun_trainer}"
     trainer = shlex.join(torchrun) + f' --rdzv-endpoint "$MASTER:{TRAINER_PORT}" '
     lines += [
         "set -uo pipefail",
@@ -104,7 +110,7 @@ def sbatch_script(plan: LaunchPlan) -> str:
         lines.append(f'AREAL_LITE_ATTEMPT=$FIRST_ATTEMPT {srun_trainer} --job-name=prepare {prepare} '
                      '|| { echo "the prepare run failed"; exit 1; }')
     lines.append("ADDRESSES=()")
-    per_node = servers_per_node(plan)
+    per_node = cfg.n_servers if slurm.colocate_servers else servers_per_node(plan)
     for i in range(cfg.n_servers if cfg.backend != "local" else 0):
         node, local = i // per_node, i % per_node
         port = SERVER_BASE_PORT + local
