@@ -29,18 +29,38 @@ pytestmark = pytest.mark.cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-SHORT_QUICKSTART = ["examples/quickstart.py", "--config", "configs/quickstart.yaml", "total_train_steps=12",
-                    "task.sft_target_acc=0.1", "task.n_eval=100", "evaluator.freq_steps=6", "recover.freq_steps=6",
-                    "actor.optimizer.warmup_steps_proportion=0.1", "stats_logger.wandb_mode=disabled"]
+SHORT_QUICKSTART = [
+    "examples/quickstart.py",
+    "--config",
+    "configs/quickstart.yaml",
+    "total_train_steps=12",
+    "task.sft_target_acc=0.1",
+    "task.n_eval=100",
+    "evaluator.freq_steps=6",
+    "recover.freq_steps=6",
+    "actor.optimizer.warmup_steps_proportion=0.1",
+    "stats_logger.wandb_mode=disabled",
+]
 """The quickstart cut to a minute of work: SFT to 10% dev accuracy, 12 RL steps."""
 REMOTE_TRAIN = os.path.join(ROOT, "tests", "scripts", "remote_train.py")
 
 
 def _remote_train_args(model: str, fileroot: Path, total_steps: int, pause_after_step: int) -> list[str]:
-    return [REMOTE_TRAIN, f"actor.path={model}", f"cluster.fileroot={fileroot}", "launcher.backend=areal",
-            "launcher.n_servers=2", "launcher.server_args=[--max-running-requests,8]", "rollout.consumer_batch_size=4",
-            "rollout.max_head_offpolicyness=1", "rollout.request_timeout=60", f"total_steps={total_steps}",
-            f"pause_after_step={pause_after_step}", "stats_logger.console=false", "stats_logger.wandb_mode=disabled"]
+    return [
+        REMOTE_TRAIN,
+        f"actor.path={model}",
+        f"cluster.fileroot={fileroot}",
+        "launcher.backend=areal",
+        "launcher.n_servers=2",
+        "launcher.server_args=[--max-running-requests,8]",
+        "rollout.consumer_batch_size=4",
+        "rollout.max_head_offpolicyness=1",
+        "rollout.request_timeout=60",
+        f"total_steps={total_steps}",
+        f"pause_after_step={pause_after_step}",
+        "stats_logger.console=false",
+        "stats_logger.wandb_mode=disabled",
+    ]
 
 
 def _tiny_model(path: Path) -> str:
@@ -82,9 +102,14 @@ class RayLaunch:
     def __init__(self, args: list[str], log: Path, address: str) -> None:
         self.log = log
         self.out = open(log, "wb")  # noqa: SIM115 (closed in finish)
-        self.proc = subprocess.Popen([sys.executable, "-m", "areal_lite.launcher.ray", *args], cwd=ROOT,
-                                     env={**ENV, "RAY_ADDRESS": address}, stdout=self.out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "areal_lite.launcher.ray", *args],
+            cwd=ROOT,
+            env={**ENV, "RAY_ADDRESS": address},
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def failure(self) -> str | None:
         """None while the launcher runs, else its exit code and the end of its log."""
@@ -107,7 +132,9 @@ class RayLaunch:
 def _ray_call(address: str, code: str) -> str:
     """Run ``code`` in a fresh driver connected to the cluster (namespace areal_lite); its stdout."""
     prog = f"import ray\nray.init(address={address!r}, namespace='areal_lite', log_to_driver=False)\n{code}"
-    proc = subprocess.run([sys.executable, "-c", prog], env=ENV, capture_output=True, text=True, timeout=120, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", prog], env=ENV, capture_output=True, text=True, timeout=120, check=True
+    )
     return proc.stdout
 
 
@@ -128,7 +155,9 @@ def test_ray_training_completes_when_a_server_actor_is_killed(ray_address: str, 
     model = _tiny_model(tmp_path / "model")
     out_dir = tmp_path / "out" / "areal-lite" / "trial0"
     total_steps = 5
-    launch = RayLaunch(_remote_train_args(model, tmp_path / "out", total_steps, 1), tmp_path / "launcher.log", ray_address)
+    launch = RayLaunch(
+        _remote_train_args(model, tmp_path / "out", total_steps, 1), tmp_path / "launcher.log", ray_address
+    )
     try:
         _wait_for(out_dir / "paused", launch.failure)
         servers = json.loads((out_dir / "logs" / "servers.json").read_text())
@@ -145,8 +174,11 @@ def test_ray_training_completes_when_a_server_actor_is_killed(ray_address: str, 
 def test_ray_killed_trainer_resumes_with_each_sample_once(ray_address: str, tmp_path: Path) -> None:
     model = _tiny_model(tmp_path / "model")
     out_dir = tmp_path / "out" / "areal-lite" / "trial0"
-    launch = RayLaunch([trainer_kill.SCRIPT, *trainer_kill.overrides(model, str(tmp_path / "out"))],
-                       tmp_path / "launcher.log", ray_address)
+    launch = RayLaunch(
+        [trainer_kill.SCRIPT, *trainer_kill.overrides(model, str(tmp_path / "out"))],
+        tmp_path / "launcher.log",
+        ray_address,
+    )
     try:
         pids = trainer_kill.wait_paused(out_dir, launch.failure)
         os.kill(pids[1], signal.SIGKILL)
@@ -174,8 +206,14 @@ class SlurmJob:
     def __init__(self, args: list[str], log_dir: Path) -> None:
         self.log_dir = log_dir
         one_node = [f"launcher.slurm.cpus_per_task={os.cpu_count()}", "launcher.slurm.colocate_servers=true"]
-        self.proc = subprocess.Popen([sys.executable, "-m", "areal_lite.launcher.slurm", "--wait", *args, *one_node], cwd=ROOT,
-                                     env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "areal_lite.launcher.slurm", "--wait", *args, *one_node],
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     @property
     def job_id(self) -> str:
@@ -193,8 +231,9 @@ class SlurmJob:
 
     def step(self, name: str) -> str:
         """The id (JOB.STEP) of this job's running step named ``name``."""
-        out = subprocess.run(["squeue", "-s", "-j", self.job_id, "-h", "-o", "%i %j"], capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(
+            ["squeue", "-s", "-j", self.job_id, "-h", "-o", "%i %j"], capture_output=True, text=True, check=True
+        ).stdout
         steps = [line.split()[0] for line in out.splitlines() if line.split()[1:] == [name]]
         assert len(steps) == 1, out
         return steps[0]

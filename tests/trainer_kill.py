@@ -78,9 +78,12 @@ def check_resumed(out_dir: Path, resumed_attempt: int = 1) -> None:
         records = [json.loads(line) for line in (out_dir / f"consumed_rank{rank}.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records if r["attempt"] == 0] == list(range(KILL_STEP + 1))
         assert sorted({r["attempt"] for r in records}) == [0, resumed_attempt]
-        assert [r["step"] for r in records if r["attempt"] == resumed_attempt] == list(range(KILL_STEP, total_steps)), \
+        assert [r["step"] for r in records if r["attempt"] == resumed_attempt] == list(range(KILL_STEP, total_steps)), (
             "the restart resumes at the step that was not checkpointed and runs to the same end"
-        killed, redone = [next(r for r in records if r["step"] == KILL_STEP and r["attempt"] == a) for a in (0, resumed_attempt)]
+        )
+        killed, redone = [
+            next(r for r in records if r["step"] == KILL_STEP and r["attempt"] == a) for a in (0, resumed_attempt)
+        ]
         assert redone["ids"] == killed["ids"]
         assert redone["loss"] == pytest.approx(killed["loss"], rel=1e-6, abs=1e-7)
         for r in records:  # the last attempt's record of a step is what the final model trained on

@@ -3,15 +3,15 @@
     RAY_ADDRESS=HEAD:6379 python -m areal_lite.launcher.ray SCRIPT --config CONFIG [key=value ...]
 
 The driver (this process) connects to the cluster at ``RAY_ADDRESS`` (none: a throwaway one-node
-cluster) and places the run with two placement groups:
+cluster) and places the run with one placement group, `SPREAD` over the nodes: ``trainer_nnodes``
+trainer bundles (``trainer_nproc`` CPUs and ``gpus_per_node`` GPUs each: a whole node's GPUs, so
+one node each) and then one bundle per rollout server (``server_tp_size`` GPUs, else 1 CPU).
 
-- servers: one bundle per rollout server (``server_tp_size`` GPUs, else 1 CPU), spread over the
-  nodes. Each server is an actor (`ServerProcess`, named ``<experiment>/<trial>/server<i>`` in the
+- Each server is an actor (`ServerProcess`, named ``<experiment>/<trial>/server<i>`` in the
   ``areal_lite`` namespace) that starts the server process on its node, listening on all
   interfaces, and dies with it: killing the actor kills the server;
-- trainer: ``trainer_nnodes`` bundles on distinct nodes (``trainer_nproc`` CPUs and
-  ``gpus_per_node`` GPUs each). Each attempt runs one torchrun per bundle as a Ray task, all meeting
-  at the first bundle's node.
+- each trainer attempt runs one torchrun per trainer bundle as a Ray task, all meeting at the first
+  bundle's node.
 
 Failures are the driver's to handle, as in `launcher.local`: Ray never retries a trainer task or
 restarts a server actor itself. A trainer node that exits non-zero, or whose worker dies, fails the
@@ -95,7 +95,13 @@ def trainer_node_commands(
     nnodes = plan.launcher.trainer_nnodes
     return [
         torchrun_command(
-            plan, addresses, master_addr=master_addr, master_port=master_port, nnodes=nnodes, node_rank=rank, prepare=prepare
+            plan,
+            addresses,
+            master_addr=master_addr,
+            master_port=master_port,
+            nnodes=nnodes,
+            node_rank=rank,
+            prepare=prepare,
         )
         for rank in range(nnodes)
     ]
@@ -126,8 +132,12 @@ class ServerProcess:
         self.port = find_free_port("0.0.0.0")
         # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPUs, so they start at 0.
         cmd = server_command(plan, self.port, host="0.0.0.0")
-        self.proc = spawn(cmd, cores=plan.launcher.server_cores, env={**os.environ},
-                          log_path=os.path.join(plan.log_dir, f"server{index}.log"))
+        self.proc = spawn(
+            cmd,
+            cores=plan.launcher.server_cores,
+            env={**os.environ},
+            log_path=os.path.join(plan.log_dir, f"server{index}.log"),
+        )
 
     def info(self) -> dict[str, object]:
         return {"address": f"{self.ip}:{self.port}", "pid": self.proc.pid, "actor_pid": os.getpid(), "node": self.node}
@@ -176,37 +186,40 @@ class RayLauncher(LocalLauncher):
         self.cwd = os.getcwd()
         self.actors: list[ActorHandle] = []
         self.trainer_refs: list[ObjectRef] = []
-        self.groups: list[PlacementGroup] = []
-        self.trainer_group: PlacementGroup | None = None
+        self.group: PlacementGroup | None = None
+        self.n_trainer_bundles = len(trainer_bundles(plan))
 
     def run(self) -> int:
         import ray
 
-        ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE,
-                 runtime_env={"env_vars": forwarded_env(dict(os.environ))})
+        ray.init(
+            address=os.environ.get("RAY_ADDRESS"),
+            namespace=NAMESPACE,
+            runtime_env={"env_vars": forwarded_env(dict(os.environ))},
+        )
         try:
-            self.trainer_group = self._placement_group(trainer_bundles(self.plan), "trainer")
+            self.group = self._placement_group([*trainer_bundles(self.plan), *server_bundles(self.plan)])
             return super().run()
         finally:
             ray.shutdown()
 
-    def _placement_group(self, bundles: list[dict[str, int]], what: str) -> PlacementGroup:
+    def _placement_group(self, bundles: list[dict[str, int]]) -> PlacementGroup:
         import ray
         from ray.util.placement_group import placement_group
 
-        strategy = "STRICT_SPREAD" if what == "trainer" and len(bundles) > 1 else "SPREAD"
-        group = placement_group(bundles, strategy=strategy, name=f"{what}:{self.plan.output_dir}")
-        self.groups.append(group)
+        group = placement_group(bundles, strategy="SPREAD", name=self.plan.output_dir)
         ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
-            raise RuntimeError(f"the Ray cluster has no room for the {what} ({strategy} {bundles}) after "
-                               f"{PLACEMENT_TIMEOUT_S:.0f} s; its resources: {ray.cluster_resources()}")
+            raise RuntimeError(
+                f"the Ray cluster has no room for the run (SPREAD {bundles}) after "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s; its resources: {ray.cluster_resources()}"
+            )
         return group
 
-    def _on_bundle(self, group: PlacementGroup, index: int) -> object:
+    def _on_bundle(self, index: int) -> object:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+        return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=index)
 
     def check_server_model(self) -> None:
         """The servers' model is for their nodes to find (the server reports a missing one)."""
@@ -215,11 +228,15 @@ class RayLauncher(LocalLauncher):
         import ray
 
         bundles = server_bundles(self.plan)
-        group = self._placement_group(bundles, "servers")
         actor = ray.remote(ServerProcess)
         for i, bundle in enumerate(bundles):
-            options = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0), "max_restarts": 0,
-                       "name": server_actor_name(self.plan, i), "scheduling_strategy": self._on_bundle(group, i)}
+            options = {
+                "num_cpus": bundle["CPU"],
+                "num_gpus": bundle.get("GPU", 0),
+                "max_restarts": 0,
+                "name": server_actor_name(self.plan, i),
+                "scheduling_strategy": self._on_bundle(self.n_trainer_bundles + i),
+            }
             self.actors.append(actor.options(**options).remote(self.plan, i, self.cwd))
         servers = ray.get([a.info.remote() for a in self.actors])
         self.addresses = [s["address"] for s in servers]
@@ -239,9 +256,13 @@ class RayLauncher(LocalLauncher):
                 raise SystemExit(128 + self.received_signal)
             codes = ray.get([a.exit_code.remote() for a in self.actors])
             if any(rc is not None for rc in codes):
-                raise RuntimeError(f"a server exited before becoming healthy (exit codes {codes}); see {self.plan.log_dir}")
+                raise RuntimeError(
+                    f"a server exited before becoming healthy (exit codes {codes}); see {self.plan.log_dir}"
+                )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"servers {self.addresses} not healthy after {self.plan.launcher.server_startup_timeout} s")
+                raise TimeoutError(
+                    f"servers {self.addresses} not healthy after {self.plan.launcher.server_startup_timeout} s"
+                )
             time.sleep(0.5)
 
     def _servers_left(self) -> bool:
@@ -263,16 +284,17 @@ class RayLauncher(LocalLauncher):
     def run_trainer(self, attempt: int, prepare: bool = False) -> int:
         import ray
 
-        assert self.trainer_group is not None
         bundles = trainer_bundles(self.plan)
-        locate = ray.remote(num_cpus=0)(_node_ip_and_port).options(scheduling_strategy=self._on_bundle(self.trainer_group, 0))
+        locate = ray.remote(num_cpus=0)(_node_ip_and_port).options(scheduling_strategy=self._on_bundle(0))
         master_addr, master_port, node = ray.get(locate.remote())
-        cmds = trainer_node_commands(self.plan, self.addresses, master_addr=master_addr, master_port=master_port, prepare=prepare)
+        cmds = trainer_node_commands(
+            self.plan, self.addresses, master_addr=master_addr, master_port=master_port, prepare=prepare
+        )
         logger.info("%s on node %s: %s", "prepare" if prepare else f"attempt {attempt}", node, " ".join(cmds[0]))
         task = ray.remote(run_trainer_node)
         self.trainer_refs = [
             task.options(num_cpus=b["CPU"], num_gpus=b.get("GPU", 0), max_retries=0,
-                         scheduling_strategy=self._on_bundle(self.trainer_group, rank)).remote(
+                         scheduling_strategy=self._on_bundle(rank)).remote(
                 cmd, attempt, self.cwd, os.path.join(self.plan.log_dir, f"trainer{rank}.log"), self.plan.launcher.trainer_cores)
             for rank, (cmd, b) in enumerate(zip(cmds, bundles))
         ]  # fmt: skip
@@ -332,13 +354,15 @@ class RayLauncher(LocalLauncher):
             except ray.exceptions.RayError:
                 pass  # gone already
             ray.kill(actor)
-        for group in self.groups:
-            remove_placement_group(group)
-        self.actors, self.groups = [], []
+        if self.group is not None:
+            remove_placement_group(self.group)
+        self.actors, self.group = [], None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("script", help="the training script")
     parser.add_argument("--config", default=None, help="YAML config of the run")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
