@@ -197,8 +197,8 @@ def test_the_gpu_recipe_on_a_cpu_machine_names_the_overrides_it_needs(tmp_path) 
     proc = subprocess.run([sys.executable, "-m", "areal_lite.launcher.local", *recipe], cwd=root, env=ENV,
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == CONFIG_ERROR_EXIT
-    assert proc.stderr.splitlines() == [f"[launcher] config error: launcher.backend=sglang needs GPUs and this "
-                                        f"machine has none; on CPU set {CPU_OVERRIDES}"], proc.stderr
+    assert proc.stderr.splitlines() == [(f"[launcher] config error: launcher.backend=sglang needs GPUs and this "
+                                         f"machine has none; on CPU set {CPU_OVERRIDES}")], proc.stderr
     plan = read_plan(recipe[0], recipe[2], [*recipe[3:], *CPU_OVERRIDES.split()])
     check_machine(plan)  # no error
     with pytest.raises(ConfigError, match=r"local_engine.device=cuda but this machine has no GPU; set "):
