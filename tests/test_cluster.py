@@ -85,6 +85,27 @@ def _check_steps(out_dir: Path, total_steps: int) -> None:
     assert max(steps[-1]["versions"]) >= total_steps - 2, "the survivor got the updates after the kill"
 
 
+def _run_trainer_kill(
+    tmp_path: Path,
+    start: Callable[[list[str]], RayLaunch | SlurmJob],
+    interrupt: Callable[[RayLaunch | SlurmJob, list[int]], None],
+    resumed_attempt: int = 1,
+) -> str:
+    """The `trainer_kill` scenario under the launch that ``start(args)`` makes: ``interrupt(launch,
+    pids of the paused ranks)`` fails the trainer, the launch must complete and resume exactly.
+    Returns the launch's output."""
+    model = _tiny_model(tmp_path / "model")
+    out_dir = tmp_path / "out" / "areal-lite" / "trial0"
+    launch = start([trainer_kill.SCRIPT, *trainer_kill.overrides(model, str(tmp_path / "out"))])
+    try:
+        interrupt(launch, trainer_kill.wait_paused(out_dir, launch.failure))
+    finally:
+        log = launch.finish(timeout=600)
+    assert launch.proc.returncode == 0, log[-3000:]
+    trainer_kill.check_resumed(out_dir, resumed_attempt)
+    return log
+
+
 # ---------------------------------------------------------------------------------------------- Ray
 
 
@@ -172,21 +193,11 @@ def test_ray_training_completes_when_a_server_actor_is_killed(ray_address: str, 
 
 
 def test_ray_killed_trainer_resumes_with_each_sample_once(ray_address: str, tmp_path: Path) -> None:
-    model = _tiny_model(tmp_path / "model")
-    out_dir = tmp_path / "out" / "areal-lite" / "trial0"
-    launch = RayLaunch(
-        [trainer_kill.SCRIPT, *trainer_kill.overrides(model, str(tmp_path / "out"))],
-        tmp_path / "launcher.log",
-        ray_address,
-    )
-    try:
-        pids = trainer_kill.wait_paused(out_dir, launch.failure)
-        os.kill(pids[1], signal.SIGKILL)
-    finally:
-        log = launch.finish(timeout=300)
-    assert launch.proc.returncode == 0, log[-3000:]
+    def start(args: list[str]) -> RayLaunch:
+        return RayLaunch(args, tmp_path / "launcher.log", ray_address)
+
+    log = _run_trainer_kill(tmp_path, start, lambda launch, pids: os.kill(pids[1], signal.SIGKILL))
     assert "restart 1 of 1 from the last checkpoint" in log
-    trainer_kill.check_resumed(out_dir)
 
 
 # -------------------------------------------------------------------------------------------- Slurm
@@ -273,30 +284,22 @@ def test_slurm_training_completes_when_a_server_step_is_cancelled(slurm: None, t
 
 
 def test_slurm_killed_trainer_resumes_with_each_sample_once(slurm: None, tmp_path: Path) -> None:
-    model = _tiny_model(tmp_path / "model")
-    out_dir = tmp_path / "out" / "areal-lite" / "trial0"
-    job = SlurmJob([trainer_kill.SCRIPT, *trainer_kill.overrides(model, str(tmp_path / "out"))], out_dir / "logs")
-    try:
-        pids = trainer_kill.wait_paused(out_dir, job.failure)
-        os.kill(pids[1], signal.SIGKILL)
-    finally:
-        log = job.finish(timeout=300)
-    assert job.proc.returncode == 0, log[-3000:]
+    def start(args: list[str]) -> SlurmJob:
+        return SlurmJob(args, tmp_path / "out" / "areal-lite" / "trial0" / "logs")
+
+    log = _run_trainer_kill(tmp_path, start, lambda job, pids: os.kill(pids[1], signal.SIGKILL))
     assert "trainer attempt 0 failed" in log
-    trainer_kill.check_resumed(out_dir)
 
 
 def test_slurm_requeued_job_resumes_with_each_sample_once(slurm: None, tmp_path: Path) -> None:
     """`scontrol requeue` (what a node failure or preemption does): the job starts again and the
     trainer resumes from its last checkpoint, as attempt 2 (one retry per run)."""
-    model = _tiny_model(tmp_path / "model")
-    out_dir = tmp_path / "out" / "areal-lite" / "trial0"
-    job = SlurmJob([trainer_kill.SCRIPT, *trainer_kill.overrides(model, str(tmp_path / "out"))], out_dir / "logs")
-    try:
-        trainer_kill.wait_paused(out_dir, job.failure)
+
+    def start(args: list[str]) -> SlurmJob:
+        return SlurmJob(args, tmp_path / "out" / "areal-lite" / "trial0" / "logs")
+
+    def requeue(job: SlurmJob, pids: list[int]) -> None:
         subprocess.run(["scontrol", "requeue", job.job_id], check=True)
-    finally:
-        log = job.finish(timeout=600)
-    assert job.proc.returncode == 0, log[-3000:]
+
+    log = _run_trainer_kill(tmp_path, start, requeue, resumed_attempt=2)
     assert "(restart 1)" in log
-    trainer_kill.check_resumed(out_dir, resumed_attempt=2)

@@ -52,7 +52,7 @@ up)
         --temp-dir="$DIR/tmp" "${COMMON[@]}" > "$DIR/head.log" 2>&1 &
     echo $! > "$DIR/head.pid"
     wait_for_nodes 1
-    taskset -c "$(share 1)" "$RAY" start --address="$ADDRESS" --node-ip-address=127.0.0.1 "${COMMON[@]}" > "$DIR/worker.log" 2>&1 &
+    taskset -c "$(share 1)" "$RAY" start --address="$ADDRESS" --node-ip-address=127.0.0.1 --temp-dir="$DIR/tmp-worker" "${COMMON[@]}" > "$DIR/worker.log" 2>&1 &
     echo $! > "$DIR/worker.pid"
     wait_for_nodes 2
     echo "RAY_ADDRESS=$ADDRESS"
