@@ -444,7 +444,7 @@ class SlurmConfig:
 
 @dataclass
 class LauncherConfig:
-    """How `areal_lite.launcher.local` starts servers and trainers."""
+    """How the launchers (`areal_lite.launcher.local`, `.ray`, `.slurm`) start servers and trainers."""
 
     backend: str = field(default="local", metadata=one_of("local", "areal", "sglang", "vllm"))
     """Rollout backend: local (embedded in the trainer), areal (our server), sglang or vllm
