@@ -7,12 +7,18 @@
 #
 # The configuration, state, logs and pid files live in AREAL_LITE_SLURM_DIR (default
 # /tmp/areal_lite_slurm), so /etc/slurm is left alone: clients find the cluster through SLURM_CONF.
-# munged is started (as user munge, with a new key when there is none) only when none runs, and
-# stopped by `down` only when `up` started it.
+# munged is started (as user munge, with a new key when there is none) only when none answers, and
+# stopped by `down` only when `up` started it. An `up` that fails stops what it started.
 set -euo pipefail
 DIR=${AREAL_LITE_SLURM_DIR:-/tmp/areal_lite_slurm}
 CONF=$DIR/slurm.conf
 export SLURM_CONF=$CONF
+
+stop_all() {
+    stop_pidfile "$DIR/slurmd.pid"
+    stop_pidfile "$DIR/slurmctld.pid"
+    stop_pidfile "$DIR/munged.pid"
+}
 
 stop_pidfile() {
     [ -f "$1" ] || return 0
@@ -31,15 +37,16 @@ up)
         exit 0
     fi
     mkdir -p "$DIR/state" "$DIR/slurmd"
-    if ! pgrep -u munge -x munged > /dev/null; then
+    if ! munge -n 2> /dev/null | unmunge > /dev/null 2>&1; then
         if [ ! -s /etc/munge/munge.key ]; then
             dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
         fi
         chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
         mkdir -p /run/munge && chown munge:munge /run/munge
+        rm -f /run/munge/munged.pid
         su -s /bin/sh munge -c munged
-        sleep 1
-        pgrep -u munge -x munged > "$DIR/munged.pid"
+        for _ in $(seq 40); do [ -s /run/munge/munged.pid ] && break; sleep 0.25; done
+        cp /run/munge/munged.pid "$DIR/munged.pid"
     fi
     host=$(hostname -s)
     mem=$(awk '/MemTotal/ {print int($2 / 1024 * 0.8)}' /proc/meminfo)
@@ -71,13 +78,15 @@ CONF
         sinfo -h -o %T 2>/dev/null | grep -q idle && break
         sleep 1
     done
-    sinfo -h -o %T | grep -q idle || { echo "the Slurm node is not idle; see $DIR/*.log" >&2; exit 1; }
+    if ! sinfo -h -o %T 2> /dev/null | grep -q idle; then
+        echo "the Slurm node is not idle; see $DIR/*.log" >&2
+        stop_all
+        exit 1
+    fi
     echo "SLURM_CONF=$CONF"
     ;;
 down)
-    stop_pidfile "$DIR/slurmd.pid"
-    stop_pidfile "$DIR/slurmctld.pid"
-    stop_pidfile "$DIR/munged.pid"
+    stop_all
     ;;
 *)
     echo "usage: $0 up|down" >&2
