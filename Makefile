@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all demo clean
+.PHONY: install test test-all test-cluster demo clean
 
 install: $(STAMP)
 
@@ -28,6 +28,23 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+
+# The Ray and Slurm launchers on real clusters started here (tests marked `cluster`, which `make
+# test` deselects): a 2-node Ray cluster (tests/clusters/ray.sh) and a one-node Slurm cluster
+# (tests/clusters/slurm.sh, as root). What is missing is installed first: the `ray` extra into the
+# venv, Debian's slurm-wlm and munge with apt-get. Both clusters are stopped at the end, whatever
+# the tests did.
+RAY_PORT ?= 6390
+SLURM_DIR ?= /tmp/areal_lite_slurm
+
+test-cluster: $(STAMP)
+	$(PY) -c "import ray" 2> /dev/null || $(PIP) install -q -c constraints.txt -e ".[dev,megatron,ray]"
+	command -v sbatch > /dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; }
+	export PATH="$(abspath $(VENV))/bin:$$PATH" AREAL_LITE_RAY_PORT=$(RAY_PORT) AREAL_LITE_SLURM_DIR=$(SLURM_DIR); \
+	trap 'tests/clusters/ray.sh down; tests/clusters/slurm.sh down' EXIT; \
+	tests/clusters/ray.sh up && tests/clusters/slurm.sh up && \
+	RAY_ADDRESS=127.0.0.1:$(RAY_PORT) SLURM_CONF=$(SLURM_DIR)/slurm.conf OMP_NUM_THREADS=1 \
+	$(PY) -m pytest -q -m cluster $(PYTEST_ARGS)
 
 # A fresh run each time (recover.mode=auto would otherwise resume the previous demo). One thread
 # per process: the trainer and the rollout server share the cores.

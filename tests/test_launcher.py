@@ -197,8 +197,8 @@ def test_the_gpu_recipe_on_a_cpu_machine_names_the_overrides_it_needs(tmp_path) 
     proc = subprocess.run([sys.executable, "-m", "areal_lite.launcher.local", *recipe], cwd=root, env=ENV,
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == CONFIG_ERROR_EXIT
-    assert proc.stderr.splitlines() == [f"[launcher] config error: launcher.backend=sglang needs GPUs and this "
-                                        f"machine has none; on CPU set {CPU_OVERRIDES}"], proc.stderr
+    assert proc.stderr.splitlines() == [(f"[launcher] config error: launcher.backend=sglang needs GPUs and this "
+                                         f"machine has none; on CPU set {CPU_OVERRIDES}")], proc.stderr
     plan = read_plan(recipe[0], recipe[2], [*recipe[3:], *CPU_OVERRIDES.split()])
     check_machine(plan)  # no error
     with pytest.raises(ConfigError, match=r"local_engine.device=cuda but this machine has no GPU; set "):
@@ -299,7 +299,7 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
     job = tmp_path / "job.sh"
     job.write_text(script)
     proc = subprocess.run(["bash", str(job)], check=False, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-                                                   "SLURM_JOB_NODELIST": "n[0-3]"}, capture_output=True, text=True)
+                                                   "SLURM_JOB_NODELIST": "n[0-3]", "SLURM_JOB_ID": "7"}, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     deadline = time.monotonic() + 30
     while True:
@@ -321,11 +321,24 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
     assert t[-4:] == ["--config", "cfg.yaml", "a.b=1", 'rollout.addresses=["n0:30000","n0:30001","n1:30000"]']
 
 
+def test_slurm_colocated_servers_share_the_first_trainer_node() -> None:
+    from areal_lite.api.config import SlurmConfig
+    from areal_lite.launcher.slurm import sbatch_script
+
+    cpu = _plan(backend="areal", n_servers=2, slurm=SlurmConfig(colocate_servers=True))
+    script = sbatch_script(cpu)
+    assert "#SBATCH --nodes=1" in script and "#SBATCH --requeue" in script
+    assert script.count('--nodelist="${NODES[0]}"') == 2 and 'MASTER="${NODES[0]}"' in script
+    assert "--job-name=server1" in script and "CUDA_VISIBLE_DEVICES" not in script
+    gpu = _plan(backend="sglang", n_servers=2, trainer_nproc=4, gpus_per_node=6, slurm=SlurmConfig(colocate_servers=True))
+    assert "CUDA_VISIBLE_DEVICES=2,3,4,5 srun" in sbatch_script(gpu), "the trainer gets the GPUs after the servers'"
+
+
 def test_ray_placement_and_commands() -> None:
-    from areal_lite.launcher.ray import server_resources, trainer_bundles, trainer_node_commands
+    from areal_lite.launcher.ray import forwarded_env, server_bundles, trainer_bundles, trainer_node_commands
 
     plan = _plan(backend="sglang", n_servers=2, server_tp_size=2, trainer_nnodes=2, trainer_nproc=4, gpus_per_node=4)
-    assert server_resources(plan) == {"num_gpus": 2, "num_cpus": 1}
+    assert server_bundles(plan) == [{"GPU": 2, "CPU": 1}, {"GPU": 2, "CPU": 1}]
     assert trainer_bundles(plan) == [{"GPU": 4, "CPU": 4}, {"GPU": 4, "CPU": 4}]
     plan.launcher.prepare_overrides = ["task.prepare_only=true"]
     prepare = trainer_node_commands(plan, ["10.0.0.1:30000"], master_addr="10.0.0.2", master_port=29500, prepare=True)
@@ -337,8 +350,10 @@ def test_ray_placement_and_commands() -> None:
         assert cmd[cmd.index("--master-addr") + 1] == "10.0.0.2"
         assert cmd[-1] == 'rollout.addresses=["10.0.0.1:30000"]'
     cpu = _plan(backend="areal", n_servers=1)
-    assert server_resources(cpu) == {"num_gpus": 0, "num_cpus": 1}
+    assert server_bundles(cpu) == [{"CPU": 1}]
     assert trainer_bundles(cpu) == [{"CPU": 1}]
+    assert forwarded_env({"PYTHONPATH": "/src", "HOME": "/root", "WANDB_MODE": "offline", "CUDA_VISIBLE_DEVICES": "0"}) == {
+        "PYTHONPATH": "/src", "WANDB_MODE": "offline"}, "never the driver's GPUs: Ray sets each task's"
 
 
 def test_areal_servers_are_up_for_the_trainer_and_stopped_after_a_failure(tmp_path) -> None:

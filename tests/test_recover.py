@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 import torch
+import trainer_kill
 
 from areal_lite.api.config import RecoverConfig
 from areal_lite.utils.dataloader import stateful_dataloader
@@ -18,35 +19,23 @@ from areal_lite.utils.saver import resolve_atomic, write_atomically
 from areal_lite.utils.step import StepInfo, is_due
 
 
-def _batches(dl, n: int) -> list[list[int]]:
-    """The next ``n`` batches, going into the next epoch when one ends."""
-    out: list[list[int]] = []
-    it = iter(dl)
-    while len(out) < n:
-        try:
-            out.append(next(it))
-        except StopIteration:
-            it = iter(dl)
-    return out
-
-
 @pytest.mark.parametrize("rank", [0, 1])
 def test_dataloader_resumes_exactly_at_every_batch(rank: int) -> None:
     make = lambda: stateful_dataloader(list(range(11)), 2, seed=5, rank=rank, world_size=2)
-    full = _batches(make(), 6)  # 11 items over 2 ranks -> 5 each -> 2 batches of 2 per epoch
+    full = trainer_kill.batches(make(), 6)  # 11 items over 2 ranks -> 5 each -> 2 batches of 2 per epoch
     for k in range(7):
         dl = make()
-        _batches(dl, k)
+        trainer_kill.batches(dl, k)
         state = dl.state_dict()
         resumed = make()
         resumed.load_state_dict(state)
-        assert _batches(resumed, 6 - k) == full[k:], f"resume after {k} batches"
+        assert trainer_kill.batches(resumed, 6 - k) == full[k:], f"resume after {k} batches"
 
 
 def test_dataloader_shards_each_epoch_disjointly() -> None:
     epochs = []
     for epoch in range(3):
-        per_rank = [_batches(stateful_dataloader(list(range(12)), 3, seed=1, rank=r, world_size=2), 2 * (epoch + 1))[-2:]
+        per_rank = [trainer_kill.batches(stateful_dataloader(list(range(12)), 3, seed=1, rank=r, world_size=2), 2 * (epoch + 1))[-2:]
                     for r in range(2)]
         ids = [i for batches in per_rank for b in batches for i in b]
         assert sorted(ids) == list(range(12)), "every sample once per epoch, no sample on two ranks"
@@ -123,80 +112,33 @@ def test_schedule_is_a_function_of_the_step() -> None:
     assert StepInfo.at(7, 4).next() == StepInfo(epoch=2, epoch_step=0, global_step=8, steps_per_epoch=4)
 
 
-KILL_STEPS_PER_EPOCH = 4
-KILL_EPOCHS = 2
-
-
-def _expected_ids(dataset_size: int, batch_size: int, seed: int, world: int) -> dict[int, list[list[int]]]:
-    """Per step, each rank's sample ids as the data loader deals them in an uninterrupted run."""
-    out: dict[int, list[list[int]]] = {}
-    for rank in range(world):
-        dl = stateful_dataloader(list(range(dataset_size)), batch_size, seed=seed, rank=rank, world_size=world)
-        for step, ids in enumerate(_batches(dl, KILL_STEPS_PER_EPOCH * KILL_EPOCHS)):
-            out.setdefault(step, []).append(ids)
-    return out
-
-
 def test_sigkilled_trainer_resumes_with_each_sample_once_per_epoch(tmp_path) -> None:
-    """The trainer (2 FSDP ranks under torchrun, via the launcher) is SIGKILLed after training the
-    first step of epoch 2 and before checkpointing it; the launcher restarts it, it resumes from the
-    end-of-epoch-1 checkpoint and finishes. The redone step reproduces the killed attempt's loss,
-    which only an exact restore of model, optimizer, scheduler and data position gives."""
-    import json
+    """The trainer (2 FSDP ranks under torchrun, via the local launcher) is SIGKILLed after training
+    the first step of epoch 2 and before checkpointing it; the launcher restarts it, it resumes from
+    the end-of-epoch-1 checkpoint and finishes (`trainer_kill.check_resumed`)."""
     import signal
     import subprocess
     import sys
-    import time
 
     from areal_lite.utils.tiny import build_tiny_model
 
     model = build_tiny_model(str(tmp_path / "model"), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=256)
-    world, batch_size, seed, kill_step = 2, 2, 3, KILL_STEPS_PER_EPOCH
-    dataset_size = KILL_STEPS_PER_EPOCH * batch_size * world
     out_dir = tmp_path / "out" / "areal-lite" / "trial0"
-    cmd = [sys.executable, "-m", "areal_lite.launcher.local", os.path.join(os.path.dirname(__file__), "scripts", "recover_train.py"),
-           f"actor.path={model}", f"cluster.fileroot={tmp_path / 'out'}", f"launcher.trainer_nproc={world}",
-           f"train_dataset.batch_size={batch_size}", f"total_train_epochs={KILL_EPOCHS}", f"dataset_size={dataset_size}",
-           f"seed={seed}", "recover.mode=auto", "recover.retries=1", "saver.freq_epochs=1", "stats_logger.console=false", "stats_logger.wandb_mode=disabled",
-           "stats_logger.plot_keys=[loss]", "actor.optimizer.lr=1e-3", f"pause_at_step={kill_step}"]
+    cmd = [sys.executable, "-m", "areal_lite.launcher.local", trainer_kill.SCRIPT,
+           *trainer_kill.overrides(model, str(tmp_path / "out"))]
     launcher = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        paused = [out_dir / f"paused_rank{r}" for r in range(world)]
-        deadline = time.monotonic() + 300
-        while not all(p.exists() and p.read_text() for p in paused):
-            assert launcher.poll() is None, launcher.communicate()[0].decode()[-3000:]
-            assert time.monotonic() < deadline, "the trainer never reached the kill step"
-            time.sleep(0.1)
-        os.kill(int(paused[1].read_text()), signal.SIGKILL)
+        pids = trainer_kill.wait_paused(
+            out_dir, lambda: None if launcher.poll() is None else launcher.communicate()[0].decode()[-3000:])
+        os.kill(pids[1], signal.SIGKILL)
         log = launcher.communicate(timeout=300)[0].decode()
         assert launcher.returncode == 0, log[-3000:]
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
-
-    expected = _expected_ids(dataset_size, batch_size, seed, world)
-    total_steps = KILL_STEPS_PER_EPOCH * KILL_EPOCHS
-    final: dict[int, list[list[int]]] = {}
-    for rank in range(world):
-        records = [json.loads(line) for line in (out_dir / f"consumed_rank{rank}.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in records if r["attempt"] == 0] == list(range(kill_step + 1))
-        assert [r["step"] for r in records if r["attempt"] == 1] == list(range(kill_step, total_steps)), \
-            "the restart resumes at the step that was not checkpointed and runs to the same end"
-        killed, redone = [next(r for r in records if r["step"] == kill_step and r["attempt"] == a) for a in (0, 1)]
-        assert redone["ids"] == killed["ids"]
-        assert redone["loss"] == pytest.approx(killed["loss"], rel=1e-6, abs=1e-7)
-        for r in records:  # the last attempt's record of a step is what the final model trained on
-            final.setdefault(r["step"], [[] for _ in range(world)])[rank] = r["ids"]
-    assert sorted(final) == list(range(total_steps)), "same number of steps as an uninterrupted run"
-    assert final == expected, "the same batches, step by step, as an uninterrupted run"
-    for epoch in range(KILL_EPOCHS):
-        steps = range(epoch * KILL_STEPS_PER_EPOCH, (epoch + 1) * KILL_STEPS_PER_EPOCH)
-        consumed = sorted(i for s in steps for ids in final[s] for i in ids)
-        assert consumed == list(range(dataset_size)), f"epoch {epoch}: every sample exactly once"
-    assert (out_dir / "checkpoints" / f"globalstep{total_steps}" / "model.safetensors").exists()
-    assert (out_dir / "curves.png").exists()
+    trainer_kill.check_resumed(out_dir)
 
 
 def test_resume_pushes_the_recovered_policy_to_the_inference_engine(tmp_path) -> None:

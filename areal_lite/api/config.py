@@ -451,11 +451,15 @@ class SlurmConfig:
     """CPUs for each server and each trainer node."""
     extra_sbatch: list[str] = field(default_factory=list)
     """More ``#SBATCH`` options, e.g. ``--qos=high``."""
+    colocate_servers: bool = False
+    """Run the rollout servers on the first trainer node instead of nodes of their own (a one-node
+    job; small servers on CPU). With GPUs the servers take that node's first
+    ``n_servers * server_tp_size`` GPUs and the trainer the next ``trainer_nproc``."""
 
 
 @dataclass
 class LauncherConfig:
-    """How `areal_lite.launcher.local` starts servers and trainers."""
+    """How the launchers (`areal_lite.launcher.local`, `.ray`, `.slurm`) start servers and trainers."""
 
     backend: str = field(default="local", metadata=one_of("local", "areal", "sglang", "vllm"))
     """Rollout backend: local (embedded in the trainer), areal (our server), sglang or vllm

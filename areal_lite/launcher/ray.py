@@ -1,41 +1,83 @@
-"""Run a training script on a Ray cluster: the same servers and trainer as `launcher.local`.
+"""Run a training script on a Ray cluster: the same servers, trainer and restarts as `launcher.local`.
 
-    python -m areal_lite.launcher.ray SCRIPT --config CONFIG [key=value ...]
+    RAY_ADDRESS=HEAD:6379 python -m areal_lite.launcher.ray SCRIPT --config CONFIG [key=value ...]
 
-Each rollout server is a Ray actor holding ``server_tp_size`` GPUs (Ray sets its
-``CUDA_VISIBLE_DEVICES``) that starts the server process on its node and reports ``ip:port``;
-the driver waits until every server answers ``GET /health``. The trainer takes a placement group
-of ``trainer_nnodes`` bundles (one per node, spread over distinct nodes) and runs one torchrun per
-bundle as a Ray task, restarted up to ``recover.retries`` times like the local launcher. Ray is an
-optional dependency (``pip install areal-lite[ray]``); it is imported only when a run starts. The
-config is checked first as by `launcher.local` (not its paths, which are the nodes' to see).
+The driver (this process) connects to the cluster at ``RAY_ADDRESS`` (none: a throwaway one-node
+cluster) and places the run with one placement group, `SPREAD` over the nodes: ``trainer_nnodes``
+trainer bundles (``trainer_nproc`` CPUs and ``gpus_per_node`` GPUs each: a whole node's GPUs, so
+one node each) and then one bundle per rollout server (``server_tp_size`` GPUs, else 1 CPU).
+
+- Each server is an actor (`ServerProcess`, named ``<experiment>/<trial>/server<i>`` in the
+  ``areal_lite`` namespace) that starts the server process on its node, listening on all
+  interfaces, and dies with it: killing the actor kills the server;
+- each trainer attempt runs one torchrun per trainer bundle as a Ray task, all meeting at the first
+  bundle's node.
+
+Failures are the driver's to handle, as in `launcher.local`: Ray never retries a trainer task or
+restarts a server actor itself. A trainer node that exits non-zero, or whose worker dies, fails the
+attempt: the other nodes are cancelled and the trainer starts again, up to ``recover.retries``
+times, with ``AREAL_LITE_ATTEMPT`` set (with ``recover.mode=auto`` the script resumes from its last
+recover checkpoint). A server that dies is reported and the trainer carries on with the others; the
+run fails once none is left. SIGINT and SIGTERM stop the trainer (its torchrun gets SIGTERM) and
+everything else; the exit code is then 128 + the signal.
+
+The nodes share the file system with the driver (recover checkpoints, the servers' model and, with
+``weight_update=disk``, each new version's weights pass through it): every process runs in the
+driver's working directory with the driver's Python and the driver's ``PYTHONPATH``,
+``OMP_NUM_THREADS`` and ``AREAL_LITE_*``, ``HF_*``, ``WANDB_*`` variables. Each trainer node's
+output goes to ``logs/trainer<rank>.log`` and to the driver's console, each server's to
+``logs/server<i>.log``; ``logs/servers.json`` lists the servers. Ray is an optional dependency
+(``pip install areal-lite[ray]``), imported only when a run starts. The config is checked first as
+by `launcher.local`, except its paths, which are the nodes' to see.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
-import subprocess
+import signal
 import sys
 import time
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from areal_lite.launcher.local import (
     ATTEMPT_ENV,
     LaunchPlan,
+    LocalLauncher,
     check_config,
     is_healthy,
     read_plan,
     run_reporting_config_errors,
     server_command,
+    spawn,
+    stop,
     torchrun_command,
 )
 from areal_lite.utils.distributed import find_free_port
 
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
 
-def server_resources(plan: LaunchPlan) -> dict[str, int]:
-    """Ray resources of one server actor."""
-    gpus = plan.launcher.server_tp_size if plan.launcher.gpus_per_node > 0 else 0
-    return {"num_gpus": gpus, "num_cpus": 1}
+logger = logging.getLogger("areal_lite.launcher")
+
+NAMESPACE = "areal_lite"
+"""Ray namespace of the server actors (tests and users find them there by name)."""
+FORWARDED_ENV = ("PYTHONPATH", "OMP_NUM_THREADS")
+FORWARDED_ENV_PREFIXES = ("AREAL_LITE_", "HF_", "WANDB_")
+PLACEMENT_TIMEOUT_S = 120.0
+"""How long to wait for the cluster to have room for a placement group."""
+
+
+def server_bundles(plan: LaunchPlan) -> list[dict[str, int]]:
+    """Placement-group bundles of the servers: one each, ``server_tp_size`` GPUs (or 1 CPU)."""
+    cfg = plan.launcher
+    bundle = {"GPU": cfg.server_tp_size, "CPU": 1} if cfg.gpus_per_node > 0 else {"CPU": 1}
+    return [dict(bundle) for _ in range(cfg.n_servers)]
 
 
 def trainer_bundles(plan: LaunchPlan) -> list[dict[str, int]]:
@@ -53,119 +95,289 @@ def trainer_node_commands(
     nnodes = plan.launcher.trainer_nnodes
     return [
         torchrun_command(
-            plan, addresses, master_addr=master_addr, master_port=master_port, nnodes=nnodes, node_rank=rank, prepare=prepare
+            plan,
+            addresses,
+            master_addr=master_addr,
+            master_port=master_port,
+            nnodes=nnodes,
+            node_rank=rank,
+            prepare=prepare,
         )
         for rank in range(nnodes)
     ]
 
 
-class ServerProcess:
-    """Body of the server actor: starts the server on the actor's node and watches it."""
+def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
+    """The driver's variables that the cluster's processes get too."""
+    return {k: v for k, v in environ.items() if k in FORWARDED_ENV or k.startswith(FORWARDED_ENV_PREFIXES)}
 
-    def __init__(self, plan: LaunchPlan) -> None:
+
+def server_actor_name(plan: LaunchPlan, index: int) -> str:
+    return f"{os.path.basename(os.path.dirname(plan.output_dir))}/{os.path.basename(plan.output_dir)}/server{index}"
+
+
+class ServerProcess:
+    """Body of a server actor: starts the server on the actor's node, in the driver's directory.
+
+    The server dies with the actor (``PR_SET_PDEATHSIG``), so ``ray.kill`` of the actor, or the
+    actor's node going away, takes the server down and the driver sees the actor gone."""
+
+    def __init__(self, plan: LaunchPlan, index: int, cwd: str) -> None:
         import ray
 
+        os.chdir(cwd)
+        os.makedirs(plan.log_dir, exist_ok=True)
         self.ip = ray.util.get_node_ip_address()
+        self.node = ray.get_runtime_context().get_node_id()
         self.port = find_free_port("0.0.0.0")
         # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPUs, so they start at 0.
-        self.proc = subprocess.Popen(server_command(plan, self.port, host="0.0.0.0"), start_new_session=True)
+        cmd = server_command(plan, self.port, host="0.0.0.0")
+        self.proc = spawn(
+            cmd,
+            cores=plan.launcher.server_cores,
+            env={**os.environ},
+            log_path=os.path.join(plan.log_dir, f"server{index}.log"),
+        )
 
-    def address(self) -> str:
-        return f"{self.ip}:{self.port}"
+    def info(self) -> dict[str, object]:
+        return {"address": f"{self.ip}:{self.port}", "pid": self.proc.pid, "actor_pid": os.getpid(), "node": self.node}
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+    def exit_code(self) -> int | None:
+        """None while the server runs."""
+        return self.proc.poll()
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop([self.proc])
 
 
-def _node_ip_and_port() -> tuple[str, int]:
-    import ray
-
-    return ray.util.get_node_ip_address(), find_free_port("0.0.0.0")
-
-
-def _run(cmd: list[str], attempt: int) -> int:
-    return subprocess.run(cmd, env={**os.environ, ATTEMPT_ENV: str(attempt)}, check=False).returncode
-
-
-def run(plan: LaunchPlan) -> int:
-    """Run ``plan`` on the Ray cluster at ``RAY_ADDRESS`` (or a local one); returns the exit code."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    ray.init(address=os.environ.get("RAY_ADDRESS"))
-    cfg = plan.launcher
-    servers = []
-    bundles = trainer_bundles(plan)
-    pg = placement_group(bundles, strategy="STRICT_SPREAD" if len(bundles) > 1 else "PACK")
+def run_trainer_node(cmd: list[str], attempt: int, cwd: str, log_path: str, cores: list[int]) -> int:
+    """Body of a trainer task: torchrun on this node; its output to ``log_path`` and to the driver."""
+    os.chdir(cwd)
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+    proc = spawn(cmd, cores=cores, env={**os.environ, ATTEMPT_ENV: str(attempt)}, log_path=log_path)
     try:
-        ray.get(pg.ready())
-        on_bundle = [PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i) for i in range(len(bundles))]
-        master_addr, master_port = ray.get(ray.remote(num_cpus=0)(_node_ip_and_port).options(scheduling_strategy=on_bundle[0]).remote())
-
-        def run_trainer(addresses: list[str], attempt: int, prepare: bool = False) -> int:
-            cmds = trainer_node_commands(plan, addresses, master_addr=master_addr, master_port=master_port, prepare=prepare)
-            task = ray.remote(_run)
-            pending = [
-                task.options(num_cpus=b["CPU"], num_gpus=b.get("GPU", 0), scheduling_strategy=s).remote(cmd, attempt)
-                for cmd, b, s in zip(cmds, bundles, on_bundle)
-            ]
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                rc = ray.get(done[0])
-                if rc != 0:
-                    # One node failed: the others would wait forever in the next collective.
-                    for ref in pending:
-                        ray.cancel(ref, force=True)
+        with open(log_path, "rb") as log:
+            log.seek(start)
+            while True:
+                rc = proc.poll()
+                sys.stdout.write(log.read().decode(errors="replace"))  # Ray forwards it to the driver
+                sys.stdout.flush()
+                if rc is not None:
                     return rc
-            return 0
-
-        if cfg.prepare_overrides:
-            rc = run_trainer([], 0, prepare=True)
-            if rc != 0:
-                return rc
-        addresses: list[str] = []
-        if cfg.backend != "local":
-            actor = ray.remote(**server_resources(plan))(ServerProcess)
-            servers = [actor.remote(plan) for _ in range(cfg.n_servers)]
-            addresses = ray.get([s.address.remote() for s in servers])
-            deadline = time.monotonic() + cfg.server_startup_timeout
-            while not all(is_healthy(a) for a in addresses):
-                if time.monotonic() > deadline or not all(ray.get([s.alive.remote() for s in servers])):
-                    raise RuntimeError(f"rollout servers {addresses} did not become healthy")
-                time.sleep(1.0)
-        rc = 1
-        for attempt in range(plan.recover.retries + 1):
-            rc = run_trainer(addresses, attempt)
-            if rc == 0:
-                break
-        return rc
+                time.sleep(0.5)
     finally:
-        for s in servers:
-            ray.get(s.stop.remote())
-        remove_placement_group(pg)
+        # Cancelled (KeyboardInterrupt) or done: torchrun stops its workers on SIGTERM.
+        stop([proc])
+
+
+def _node_ip_and_port() -> tuple[str, int, str]:
+    import ray
+
+    return ray.util.get_node_ip_address(), find_free_port("0.0.0.0"), ray.get_runtime_context().get_node_id()
+
+
+class RayLauncher(LocalLauncher):
+    """`LocalLauncher`'s run (prepare run, servers, trainer attempts, teardown) with servers as Ray
+    actors and trainer nodes as Ray tasks in placement groups."""
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        super().__init__(plan)
+        self.cwd = os.getcwd()
+        self.actors: list[ActorHandle] = []
+        self.trainer_refs: list[ObjectRef] = []
+        self.group: PlacementGroup | None = None
+        self.n_trainer_bundles = len(trainer_bundles(plan))
+
+    def run(self) -> int:
+        import ray
+
+        ray.init(
+            address=os.environ.get("RAY_ADDRESS"),
+            namespace=NAMESPACE,
+            runtime_env={"env_vars": forwarded_env(dict(os.environ))},
+        )
+        try:
+            self.group = self._placement_group([*trainer_bundles(self.plan), *server_bundles(self.plan)])
+            return super().run()
+        finally:
+            ray.shutdown()
+
+    def _placement_group(self, bundles: list[dict[str, int]]) -> PlacementGroup:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        group = placement_group(bundles, strategy="SPREAD", name=self.plan.output_dir)
+        ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            raise RuntimeError(
+                f"the Ray cluster has no room for the run (SPREAD {bundles}) after "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s; its resources: {ray.cluster_resources()}"
+            )
+        return group
+
+    def _on_bundle(self, index: int) -> object:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=index)
+
+    def check_server_model(self) -> None:
+        """The servers' model is for their nodes to find (the server reports a missing one)."""
+
+    def start_servers(self) -> None:
+        import ray
+
+        bundles = server_bundles(self.plan)
+        actor = ray.remote(ServerProcess)
+        for i, bundle in enumerate(bundles):
+            options = {
+                "num_cpus": bundle["CPU"],
+                "num_gpus": bundle.get("GPU", 0),
+                "max_restarts": 0,
+                "name": server_actor_name(self.plan, i),
+                "scheduling_strategy": self._on_bundle(self.n_trainer_bundles + i),
+            }
+            self.actors.append(actor.options(**options).remote(self.plan, i, self.cwd))
+        servers = ray.get([a.info.remote() for a in self.actors])
+        self.addresses = [s["address"] for s in servers]
+        self.wait_healthy()
+        os.makedirs(self.plan.log_dir, exist_ok=True)
+        names = [server_actor_name(self.plan, i) for i in range(len(servers))]
+        with open(os.path.join(self.plan.log_dir, "servers.json"), "w") as f:
+            json.dump([{**s, "actor": n, "namespace": NAMESPACE} for s, n in zip(servers, names)], f)
+        logger.info("servers ready: %s", ", ".join(self.addresses))
+
+    def wait_healthy(self) -> None:
+        import ray
+
+        deadline = time.monotonic() + self.plan.launcher.server_startup_timeout
+        while not all(is_healthy(a) for a in self.addresses):
+            if self.received_signal is not None:
+                raise SystemExit(128 + self.received_signal)
+            codes = ray.get([a.exit_code.remote() for a in self.actors])
+            if any(rc is not None for rc in codes):
+                raise RuntimeError(
+                    f"a server exited before becoming healthy (exit codes {codes}); see {self.plan.log_dir}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"servers {self.addresses} not healthy after {self.plan.launcher.server_startup_timeout} s"
+                )
+            time.sleep(0.5)
+
+    def _servers_left(self) -> bool:
+        import ray
+
+        for i, actor in enumerate(self.actors):
+            if i in self._reported_dead:
+                continue
+            try:
+                rc = ray.get(actor.exit_code.remote(), timeout=30)
+                why = None if rc is None else f"exited with {rc}"
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                why = f"its actor is gone ({type(e).__name__})"
+            if why is not None:
+                self._reported_dead.add(i)
+                logger.warning("server %d (%s) %s; continuing with the others", i, self.addresses[i], why)
+        return len(self._reported_dead) < len(self.actors) or not self.actors
+
+    def run_trainer(self, attempt: int, prepare: bool = False) -> int:
+        import ray
+
+        bundles = trainer_bundles(self.plan)
+        locate = ray.remote(num_cpus=0)(_node_ip_and_port).options(scheduling_strategy=self._on_bundle(0))
+        master_addr, master_port, node = ray.get(locate.remote())
+        cmds = trainer_node_commands(
+            self.plan, self.addresses, master_addr=master_addr, master_port=master_port, prepare=prepare
+        )
+        logger.info("%s on node %s: %s", "prepare" if prepare else f"attempt {attempt}", node, " ".join(cmds[0]))
+        task = ray.remote(run_trainer_node)
+        self.trainer_refs = [
+            task.options(num_cpus=b["CPU"], num_gpus=b.get("GPU", 0), max_retries=0,
+                         scheduling_strategy=self._on_bundle(rank)).remote(
+                cmd, attempt, self.cwd, os.path.join(self.plan.log_dir, f"trainer{rank}.log"), self.plan.launcher.trainer_cores)
+            for rank, (cmd, b) in enumerate(zip(cmds, bundles))
+        ]  # fmt: skip
+        rc = 0
+        pending = list(self.trainer_refs)
+        while pending:
+            if self.received_signal is not None:
+                rc = 128 + self.received_signal
+                break
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+            failed = [code for code in map(self._exit_code, done) if code != 0]
+            if failed:
+                rc = failed[0]  # one node failed: the others would wait forever in the next collective
+                break
+            if pending and not self._servers_left():
+                logger.error("every rollout server has exited; stopping the trainer")
+                rc = 1
+                break
+        self._cancel_trainer()
+        self._servers_left()  # report a server that died since the last check, too
+        return rc
+
+    def _exit_code(self, ref: ObjectRef) -> int:
+        import ray
+
+        try:
+            return int(ray.get(ref))
+        except ray.exceptions.RayError as e:
+            logger.warning("a trainer node failed: %s", " ".join(str(e).split())[:300])
+            return 1
+
+    def _cancel_trainer(self) -> None:
+        import ray
+
+        # Only tasks still running: cancelling a finished one trips an internal check of Ray 2.60.
+        _, running = ray.wait(self.trainer_refs, num_returns=len(self.trainer_refs), timeout=0)
+        for ref in running:
+            ray.cancel(ref)  # KeyboardInterrupt in the task, which stops its torchrun
+        if running:
+            _, running = ray.wait(running, num_returns=len(running), timeout=30)
+        for ref in running:
+            ray.cancel(ref, force=True)
+        self.trainer_refs = []
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        self.received_signal = signum  # run_trainer's loop stops the trainer
+
+    def teardown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self.trainer_refs:
+            self._cancel_trainer()
+        for actor in self.actors:
+            try:
+                ray.get(actor.stop.remote(), timeout=30)
+            except ray.exceptions.RayError:
+                pass  # gone already
+            ray.kill(actor)
+        if self.group is not None:
+            remove_placement_group(self.group)
+        self.actors, self.group = [], None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run a training script on a Ray cluster.")
-    parser.add_argument("script")
-    parser.add_argument("--config", default=None)
-    parser.add_argument("overrides", nargs="*")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("--config", default=None, help="YAML config of the run")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_intermixed_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[launcher] %(levelname)s %(message)s")
 
     def launch() -> int:
         plan = read_plan(args.script, args.config, args.overrides)
         check_config(plan, paths=False)  # paths are those of the cluster's nodes, not of this one
-        return run(plan)
+        return RayLauncher(plan).run()
 
-    return run_reporting_config_errors(launch)
+    try:
+        return run_reporting_config_errors(launch)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":
