@@ -274,17 +274,15 @@ class ModelRunner:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))[
             :, None, None
         ]
+        gqa = self.n_kv != self.n_heads
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = self.k_cache[i], self.v_cache[i]
             kc[ar, :, pos] = k[:, :, 0]
             vc[ar, :, pos] = v[:, :, 0]
-            # One query per row: two batched matmuls with the query heads of a KV head stacked
-            # (no repeated keys for GQA) beat CPU SDPA's flash kernel several times over.
-            qg = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
-            scores = torch.matmul(qg, kc[:b, :, :needed].transpose(2, 3)).mul_(self.scaling).add_(mask)
-            o = torch.matmul(torch.softmax(scores, dim=-1), vc[:b, :, :needed])
-            return o.reshape(b, self.n_heads, 1, self.head_dim)
+            return F.scaled_dot_product_attention(
+                q, kc[:b, :, :needed], vc[:b, :, :needed], attn_mask=mask, scale=self.scaling, enable_gqa=gqa
+            )
 
         h = self._layers_forward(self.base.embed_tokens(self.last[:b, None]), pos[:, None], attend)
         self.lens[:b] += 1
