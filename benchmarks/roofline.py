@@ -15,8 +15,9 @@ KV cache read). Rows:
 - ``decode``: the embedded engine's model runner, one batched decode step over ``B`` running
   requests of mixed lengths (prompts 16-128 tokens, 0-64 generated), ``B`` = 16 and 64.
 - ``prefill``: one batched prefill of ``B`` distinct prompts of 16-128 tokens.
-- ``serve``: end to end through the scheduler: ``4 B`` requests (prompts 16-128, outputs 16-128
-  tokens, eos ignored) with ``B`` running at a time, prefill and decode FLOPs over the wall time.
+- ``serve``: end to end through the scheduler: ``2 B`` requests (prompts 16-128, outputs 16-64
+  tokens, eos ignored) with at most ``B`` running at a time, prefill and decode FLOPs over the
+  wall time (the tail, where fewer than ``B`` run, included).
 - ``train fwd+bwd``: `FSDPEngine.forward_backward` on one rank over 16 sequences of 128 tokens,
   against ``6 x`` the matmul parameters per token plus 3x the forward attention FLOPs; and a plain
   HF forward + backward of the same tokens (``model(ids).logits``, log-softmax, gather), whose
@@ -199,8 +200,8 @@ def serve_row(path: str, label: str, batch: int, repeats: int) -> Row:
     rng = random.Random(3)
 
     def run() -> tuple[int, float, float, float]:
-        prompts = mixed_prompts(4 * batch, rng.randrange(1 << 30), vocab)
-        outputs = [rng.randint(16, 128) for _ in prompts]
+        prompts = mixed_prompts(2 * batch, rng.randrange(1 << 30), vocab)
+        outputs = [rng.randint(16, 64) for _ in prompts]
         flops = sum(shape.token_flops(t + 1) for p, m in zip(prompts, outputs) for t in range(len(p) + m - 1))
         steps = sum(outputs) / batch  # decode steps if every step ran ``batch`` rows
 
@@ -295,28 +296,31 @@ def main() -> None:
     torch.manual_seed(0)
     rows: list[Row] = []
     limits = [measure_limits() for _ in range(3)]
+    print(f"{'row':<26}{'tokens/s':>10}{'of limit':>10}{'bound':>9}{'HF / ours':>11}", flush=True)
+
+    def add(row: Row) -> None:
+        rows.append(row)
+        vs = f"{row.versus_hf:>11.3f}" if row.versus_hf is not None else f"{'':>11}"
+        print(f"{row.name:<26}{row.tokens_per_s:>10.0f}{row.fraction:>10.3f}{row.bound:>9}{vs}", flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         for label, dims in MODELS.items():
             if label == "100M" and args.skip_100m:
                 continue
             path = build_tiny_model(f"{tmp}/{label}", vocab_size=512, **dims)
             for b in (16, 64):
-                rows.append(decode_row(path, label, b, args.repeats))
+                add(decode_row(path, label, b, args.repeats))
             for b in (16, 64):
-                rows.append(prefill_row(path, label, b, args.repeats))
+                add(prefill_row(path, label, b, args.repeats))
             for b in (16, 64):
-                rows.append(serve_row(path, label, b, args.repeats))
-            rows.append(train_row(path, label, args.repeats))
+                add(serve_row(path, label, b, args.repeats))
+            add(train_row(path, label, args.repeats))
     limits += [measure_limits() for _ in range(3)]
     gflops = statistics.median(lim.gflops for lim in limits)
     gbps = statistics.median(lim.gbps for lim in limits)
     print(
         f"limits ({args.threads} thread(s), median of the run's samples): matmul {gflops:.1f} GFLOP/s, copy {gbps:.1f} GB/s"
     )
-    print(f"{'row':<26}{'tokens/s':>10}{'of limit':>10}{'bound':>9}{'HF / ours':>11}")
-    for r in rows:
-        vs = f"{r.versus_hf:>11.3f}" if r.versus_hf is not None else f"{'':>11}"
-        print(f"{r.name:<26}{r.tokens_per_s:>10.0f}{r.fraction:>10.3f}{r.bound:>9}{vs}")
     keys = {r.name: r for r in rows}
     result = [f"gflops={gflops:.1f}", f"gbps={gbps:.1f}"]
     for r in rows:
