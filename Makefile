@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all test-cluster demo clean
+.PHONY: install test test-all test-cluster test-gpu demo clean
 
 install: $(STAMP)
 
@@ -45,6 +45,11 @@ test-cluster: $(STAMP)
 	tests/clusters/ray.sh up && tests/clusters/slurm.sh up && \
 	RAY_ADDRESS=127.0.0.1:$(RAY_PORT) SLURM_CONF=$(SLURM_DIR)/slurm.conf OMP_NUM_THREADS=1 \
 	$(PY) -m pytest -q -m cluster $(PYTEST_ARGS)
+
+# The CUDA paths (tests/gpu): FSDP on NCCL in bf16, the engine on CUDA, NCCL weight updates, the
+# quickstart on CUDA. On a GPU machine, install torch for its CUDA first (not the CPU build above).
+test-gpu: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
 
 # A fresh run each time (recover.mode=auto would otherwise resume the previous demo). One thread
 # per process: the trainer and the rollout server share the cores.

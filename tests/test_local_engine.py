@@ -120,7 +120,7 @@ def test_logprobs_equal_hf_forward_other_layouts(kind: str, tmp_path) -> None:
 
 
 def test_split_prefill_gives_the_same_logprobs(model_path: str, hf: torch.nn.Module, monkeypatch) -> None:
-    monkeypatch.setattr("areal_lite.engines.model_runner.PREFILL_MASK_ELEMENTS", 200)  # split any batch
+    monkeypatch.setattr("areal_lite.engines.model_runner.PREFILL_TOKENS", 10)  # split any batch
     eng = make_engine(model_path)
     real_prefill, calls = eng.scheduler._runner.prefill, []
     monkeypatch.setattr(eng.scheduler._runner, "prefill", lambda seqs: calls.append(len(seqs)) or real_prefill(seqs))
@@ -169,7 +169,7 @@ def test_identical_prompts_share_one_prefill_row(model_path: str, hf: torch.nn.M
 
     try:
         results = asyncio.run(run())
-        assert widths[0] == (2, 5)  # the prefill: two distinct prompts, the longer of 5 tokens
+        assert widths[0] == (1, 7)  # the prefill: two distinct prompts (5 + 2 tokens) packed in one row
         assert all(w == (6, 1) for w in widths[1:])  # then decode steps of all six rows
         for (prompt, _), r in zip(jobs, results):
             torch.testing.assert_close(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,8 +30,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-PREFILL_MASK_ELEMENTS = 32 * 1024 * 1024
-"""A batched prefill is split when its attention mask would hold more elements than this."""
+PREFILL_TOKENS = 16 * 1024
+"""A batched prefill is split when its distinct sequences hold more tokens than this."""
 
 
 _DTYPES = {
@@ -170,11 +171,11 @@ class ModelRunner:
         self,
         h: torch.Tensor,
         positions: torch.Tensor,
-        mask: torch.Tensor,
-        write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """Run every decoder layer on ``h`` [B, T, H]; ``write(layer, k, v)`` stores the new keys
-        and values in the cache and returns the keys and values to attend over."""
+        """Run every decoder layer on ``h`` [B, T, H]; ``attend(layer, q, k, v)`` stores the new
+        keys and values ([B, kv heads, T, D]) in the cache and returns the attention output of the
+        queries ([B, heads, T, D])."""
         b, t, _ = h.shape
         cos = self.cos[positions][:, None]  # [B, 1, T, D]
         sin = self.sin[positions][:, None]
@@ -190,10 +191,7 @@ class ModelRunner:
                 qk = torch.cat([attn.q_norm(qk[:, :, : self.n_heads]), attn.k_norm(qk[:, :, self.n_heads :])], dim=2)
             # Rotary embedding on queries and keys in one go.
             q, k = self._rope(qk.transpose(1, 2), cos, sin).split([self.n_heads, self.n_kv], dim=1)
-            keys, values = write(i, k, v)
-            o = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads
-            )
+            o = attend(i, q, k, v)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
             gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, h), w_gate_up, b_gate_up).chunk(2, dim=-1)
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
@@ -205,57 +203,62 @@ class ModelRunner:
         first token sampled (returned); one with output (re-prefilled after a weight update or a
         retract) caches all but its last token, which becomes the next one fed.
 
-        Rows with the same tokens (the samples of a GRPO group) share one forward pass, which
-        fills each row's cache and gives each row its own first sample: prompts are most of the
-        tokens a group costs when completions are short."""
+        The distinct token sequences run packed into one row (no padding: the projections and
+        MLPs, most of the FLOPs, see only real tokens) with causal attention per sequence. Rows
+        with the same tokens (the samples of a GRPO group) share one sequence, which fills each
+        row's cache and gives each row its own first sample: prompts are most of the tokens a
+        group costs when completions are short."""
         if not seqs:
             return []
         tokens = [s.prompt + s.out[:-1] if s.out else s.prompt for s in seqs]
         first_of: dict[tuple[int, ...], int] = {}
         inverse = [first_of.setdefault(tuple(t), len(first_of)) for t in tokens]
         unique = [list(t) for t in first_of]
-        lengths = [len(t) for t in tokens]
-        n, width = len(unique), max(lengths)
-        if n > 1 and n * width * width > PREFILL_MASK_ELEMENTS:
-            # The mask is [n, width, width]: split long batches, shortest and longest apart.
-            ordered = [seqs[j] for j in sorted(range(len(seqs)), key=lengths.__getitem__)]
+        lengths = [len(t) for t in unique]
+        if len(unique) > 1 and sum(lengths) > PREFILL_TOKENS:
+            # Bound the activations of one pass: split long batches, shortest and longest apart.
+            ordered = [seqs[j] for j in sorted(range(len(seqs)), key=lambda j: len(tokens[j]))]
             half = len(ordered) // 2
             return self.prefill(ordered[:half]) + self.prefill(ordered[half:])
         start = len(self.rows)
-        self._ensure_capacity(width + 1)
-        ids = torch.zeros(n, width, dtype=torch.long, device=self.device)
-        for j, t in enumerate(unique):
-            ids[j, : len(t)] = torch.tensor(t, dtype=torch.long)
-        unique_lens = torch.tensor([len(t) for t in unique], device=self.device)
-        pos = torch.arange(width, device=self.device)
-        allowed = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, None, :] < unique_lens[:, None, None])
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))[
-            :, None
-        ]
+        self._ensure_capacity(max(lengths) + 1)
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        ids = torch.tensor([t for u in unique for t in u], dtype=torch.long, device=self.device)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        rows_of = [[start + j for j, u in enumerate(inverse) if u == v] for v in range(len(unique))]
+        gqa = self.n_kv != self.n_heads
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            outs = []
+            for u, (a, e) in enumerate(pairwise(offsets)):
+                ku, vu = k[:, :, a:e], v[:, :, a:e]
+                for row in rows_of[u]:
+                    self.k_cache[i][row, :, : e - a] = ku[0]
+                    self.v_cache[i][row, :, : e - a] = vu[0]
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q[:, :, a:e], ku, vu, is_causal=True, scale=self.scaling, enable_gqa=gqa
+                    )
+                )
+            return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+        h = self._layers_forward(self.base.embed_tokens(ids[None]), pos[None], attend)[0]
         rows = slice(start, start + len(seqs))
-        of_row = torch.tensor(inverse, device=self.device)  # row -> its unique token sequence
-
-        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            self.k_cache[i][rows, :, :width] = k[of_row]
-            self.v_cache[i][rows, :, :width] = v[of_row]
-            return k, v
-
-        h = self._layers_forward(self.base.embed_tokens(ids), pos[None].expand(n, width), mask, write)
         self.rows.extend(seqs)
-        self.lens[rows] = unique_lens[of_row]
+        self.lens[rows] = torch.tensor([lengths[u] for u in inverse], device=self.device)
         fresh = [j for j, s in enumerate(seqs) if not s.out]
         for j, s in enumerate(seqs):
             if s.out:
                 self.last[start + j] = s.out[-1]
             if s.want_input_logprobs and s.input_logprobs is None:
-                u = inverse[j]
-                logp = torch.log_softmax(self.model.lm_head(h[u, : lengths[j] - 1]).float(), dim=-1)
-                target = ids[u, 1 : lengths[j]]
-                s.input_logprobs = [None] + logp.gather(1, target[:, None])[:, 0].tolist()
+                a, e = offsets[inverse[j]], offsets[inverse[j] + 1]
+                logp = torch.log_softmax(self.model.lm_head(h[a : e - 1]).float(), dim=-1)
+                s.input_logprobs = [None] + logp.gather(1, ids[a + 1 : e, None])[:, 0].tolist()
         if fresh:
+            last_h = h[[offsets[inverse[j] + 1] - 1 for j in fresh]]
             idx = torch.tensor(fresh, device=self.device)
-            u = of_row[idx]
-            last_h = h[u, unique_lens[u] - 1]
             self._sample_and_append(self.model.lm_head(last_h).float(), [seqs[j] for j in fresh], start + idx)
         return [seqs[j] for j in fresh]
 
@@ -271,14 +274,21 @@ class ModelRunner:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))[
             :, None, None
         ]
+        group = self.n_heads // self.n_kv
 
-        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = self.k_cache[i], self.v_cache[i]
             kc[ar, :, pos] = k[:, :, 0]
             vc[ar, :, pos] = v[:, :, 0]
-            return kc[:b, :, :needed], vc[:b, :, :needed]
+            # One query per row: the query heads of a KV head go in as that head's queries, so
+            # grouped-query attention reads each key once (1.2x faster than enable_gqa on CPU).
+            qg = q.reshape(b, self.n_kv, group, self.head_dim)
+            o = F.scaled_dot_product_attention(
+                qg, kc[:b, :, :needed], vc[:b, :, :needed], attn_mask=mask, scale=self.scaling
+            )
+            return o.reshape(b, self.n_heads, 1, self.head_dim)
 
-        h = self._layers_forward(self.base.embed_tokens(self.last[:b, None]), pos[:, None], mask, write)
+        h = self._layers_forward(self.base.embed_tokens(self.last[:b, None]), pos[:, None], attend)
         self.lens[:b] += 1
         self._sample_and_append(self.model.lm_head(h[:, 0]).float(), self.rows, ar)
 

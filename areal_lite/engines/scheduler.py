@@ -440,7 +440,9 @@ class Scheduler:
         """Put the base weights back in place of adapter ``name``."""
         return self._adapter_op(lambda model: self.adapter.unload(name), None)
 
-    def _adapter_op(self, op: Callable[[torch.nn.Module], dict[str, torch.Tensor]], version: int | None) -> Future[None]:
+    def _adapter_op(
+        self, op: Callable[[torch.nn.Module], dict[str, torch.Tensor]], version: int | None
+    ) -> Future[None]:
         def run() -> None:
             assert self.model is not None
             self._copy_weights(list(op(self.model).items()), version)
@@ -451,6 +453,9 @@ class Scheduler:
         """Join ``meta``'s group at ``rank`` in a helper thread (the trainer joins concurrently)."""
 
         def join() -> None:
+            if meta.backend == "nccl" and self._runner is not None:
+                # NCCL binds a rank to the current device of the thread that joins: the model's GPU.
+                torch.cuda.set_device(self._runner.device)
             self._group = init_custom_process_group(
                 meta.backend, meta.master_address, meta.master_port, rank, meta.world_size, meta.group_name
             )
@@ -491,8 +496,8 @@ class Scheduler:
             if self._group is None:
                 raise ValueError("no weight-update group: call join_weights_update_group first")
             self.check_param_specs(names, dtypes, shapes)
-            # gloo moves CPU tensors, nccl CUDA tensors, whatever device the model is on.
-            device = "cuda" if self._group_backend == "nccl" else "cpu"
+            # gloo moves CPU tensors, nccl CUDA tensors on the model's GPU (not the thread's default one).
+            device = self._runner.device if self._group_backend == "nccl" and self._runner else torch.device("cpu")
             received: dict[str, torch.Tensor] = {}
             for name, dtype, shape in zip(names, dtypes, shapes):
                 t = torch.empty(tuple(shape), dtype=dtype_of(dtype), device=device)

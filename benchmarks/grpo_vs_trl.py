@@ -1,0 +1,267 @@
+"""A GRPO step of areal-lite against TRL's `GRPOTrainer`, on one 20M-parameter Qwen2, side by side.
+
+Every configuration trains the same model (hidden 384, 10 layers, 6 heads, 2 KV heads, fp32) on the
+same prompts with the same step: ``--prompts`` prompts x ``--group`` samples x ``--tokens``
+completion tokens (eos suppressed until then on both sides, so every completion has exactly that
+many tokens; the tokens per step are counted from each side's batches and printed), one optimizer
+step per batch, lr 1e-6 constant, clip epsilon 0.2, gradient norm clipped at 1.0, no KL term, no
+gradient checkpointing, no vLLM. The reward (the share of digits in the completion's text) is the
+same cheap function on both sides.
+
+- ``TRL``: `GRPOTrainer` (generation by ``model.generate`` in the trainer, ``use_cpu=True``).
+- ``sync``: our loop at eta = 0 (`RolloutController.prepare_batch` on the embedded engine, then
+  `PPOActor.ppo_update` on `FSDPEngine` and an in-process weight update), on-policy: the
+  engine's log-probabilities are the old policy's, as TRL takes them.
+- ``async``: the same loop at eta = 1 with the decoupled loss (proximal log-probabilities
+  recomputed): the engine generates the next batch while the trainer trains on this one.
+
+Our trainer runs each group's shared prompt through the model once (``shared_prefix``, as the
+quickstart does; ``--no-shared-prefix`` turns it off): the same tokens are trained, with fewer
+FLOPs, which TRL has no equivalent for.
+
+Each configuration runs in its own process (``OMP_NUM_THREADS`` and ``torch.set_num_threads`` at
+1 or 2); configurations alternate over ``--repeats`` rounds. A configuration's figure is its median
+step time after ``--warmup`` steps, the best round's. The last line is
+``RESULT best_over_trl=<TRL's best step time / ours at its best> ...``.
+
+    OMP_NUM_THREADS=1 python benchmarks/grpo_vs_trl.py [--steps 8] [--repeats 1]
+
+Needs ``trl`` (``pip install -e ".[bench]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = {"hidden_size": 384, "num_layers": 10, "num_heads": 6, "num_kv_heads": 2, "vocab_size": 512}
+LR, CLIP, MAX_GRAD_NORM = 1e-6, 0.2, 1.0
+SIDES = ("trl", "sync", "async")
+
+
+def digit_share(text: str) -> float:
+    """The reward: the share of the completion's characters that are digits (varies between
+    samples of a random model, so every group has a signal to train on)."""
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+def prompts(n: int) -> list[str]:
+    return [f"What is {i * 7 % 97} + {i * 13 % 89}? Answer:" for i in range(n)]
+
+
+def run_trl(path: str, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """Step times and tokens per step of `GRPOTrainer`."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    n = args.prompts * (args.steps + args.warmup)
+    dataset = Dataset.from_list([{"prompt": p} for p in prompts(n)])
+
+    def reward(completions: list[str], **kwargs: object) -> list[float]:
+        return [digit_share(c) for c in completions]
+
+    cfg = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=args.prompts * args.group,
+        num_generations=args.group,
+        max_completion_length=args.tokens,
+        generation_kwargs={"min_new_tokens": args.tokens},
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        epsilon=CLIP,
+        max_grad_norm=MAX_GRAD_NORM,
+        beta=0.0,
+        num_iterations=1,
+        steps_per_generation=1,
+        max_steps=args.steps + args.warmup,
+        gradient_checkpointing=False,
+        use_vllm=False,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        shuffle_dataset=False,
+        disable_dropout=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=dataset, processing_class=tokenizer)
+    times: list[float] = []
+    tokens: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a: object, **k: object) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a: object, **k: object) -> None:
+            times.append(time.perf_counter() - self.t0)
+
+        def on_log(
+            self, _args: object, _state: object, _control: object, logs: dict | None = None, **k: object
+        ) -> None:
+            if logs and "completions/mean_length" in logs:
+                tokens.append(logs["completions/mean_length"] * args.prompts * args.group)
+
+    trainer.add_callback(Timer())
+    trainer.train()
+    return times, tokens
+
+
+def run_ours(path: str, args: argparse.Namespace, eta: int) -> tuple[list[float], list[float]]:
+    """Step times and tokens per step of our loop at staleness bound ``eta``."""
+    from transformers import AutoTokenizer
+
+    from areal_lite.actors.ppo import PPOActor
+    from areal_lite.api.config import (
+        DatasetConfig,
+        InferenceEngineConfig,
+        LocalEngineConfig,
+        OptimizerConfig,
+        PPOActorConfig,
+    )
+    from areal_lite.api.io import FinetuneSpec, GenerationConfig, WeightUpdateMeta
+    from areal_lite.core.controller import RolloutController
+    from areal_lite.engines.local import LocalInferenceEngine
+    from areal_lite.kit import make_train_engine, rank_dataloader, sync_weights
+    from areal_lite.rewards.runner import RewardRunner
+    from areal_lite.workflows.rlvr import RLVRWorkflow
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    on_policy = eta == 0
+    cfg = PPOActorConfig(
+        path=path,
+        group_size=args.group,
+        eps_clip=CLIP,
+        optimizer=OptimizerConfig(
+            lr=LR, lr_scheduler_type="constant", warmup_steps_proportion=0.0, gradient_clipping=MAX_GRAD_NORM
+        ),
+        use_decoupled_loss=not on_policy,
+        recompute_logprob=not on_policy,
+        shared_prefix=args.shared_prefix,
+    )
+    engine = make_train_engine(cfg)
+    rollout = RolloutController(
+        LocalInferenceEngine(LocalEngineConfig(path=path, max_running_requests=2 * args.prompts * args.group)),
+        InferenceEngineConfig(
+            consumer_batch_size=args.prompts, max_head_offpolicyness=eta, max_concurrent_rollouts=2 * args.prompts
+        ),
+    )
+    rollout.initialize()
+    total = args.steps + args.warmup
+    items = [{"prompt": p, "answer": ""} for p in prompts(args.prompts * total)]
+    dataloader = rank_dataloader(items, DatasetConfig(batch_size=args.prompts, shuffle=False), engine, seed=0)
+    engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=len(items), train_batch_size=args.prompts))
+    meta = WeightUpdateMeta(type="in_process")
+    engine.connect_engine(rollout.engine, meta)
+    actor = PPOActor(cfg, engine)
+    gconfig = GenerationConfig(n_samples=args.group, max_new_tokens=args.tokens, min_new_tokens=args.tokens)
+
+    def reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **kw: object) -> float:
+        return digit_share(completion)
+
+    workflow = RLVRWorkflow(RewardRunner(reward, mode="inline"), gconfig, tokenizer, use_chat_template=False)
+    times, tokens = [], []
+    try:
+        for step in range(total):
+            t0 = time.perf_counter()
+            batch = rollout.prepare_batch(dataloader, workflow=workflow)
+            actor.compute_advantages(batch)
+            actor.ppo_update(batch)
+            sync_weights(rollout, engine, meta, version=step + 1)
+            times.append(time.perf_counter() - t0)
+            tokens.append(float(batch["loss_mask"].sum()))
+    finally:
+        rollout.destroy()
+        engine.destroy()
+    return times, tokens
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.side == "trl":
+        times, tokens = run_trl(args.model, args)
+    else:
+        times, tokens = run_ours(args.model, args, eta=0 if args.side == "sync" else 1)
+    print("WORKER " + json.dumps({"times": times, "tokens": tokens}))
+
+
+def launch(side: str, threads: int, model: str, args: argparse.Namespace) -> tuple[float, float]:
+    """(median step seconds after warm-up, median tokens per step) of one configuration."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--threads", str(threads), "--model", model]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--prompts", str(args.prompts)]
+    cmd += ["--group", str(args.group), "--tokens", str(args.tokens)]
+    cmd += [] if args.shared_prefix else ["--no-shared-prefix"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("WORKER ")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"{side} at {threads} thread(s) failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    data = json.loads(lines[-1].removeprefix("WORKER "))
+    return statistics.median(data["times"][args.warmup :]), statistics.median(data["tokens"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed first steps")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over all configurations")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads-list", default="1,2")
+    parser.add_argument(
+        "--no-shared-prefix", dest="shared_prefix", action="store_false", help="our trainer without shared prefixes"
+    )
+    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.side = args.worker
+        worker(args)
+        return
+
+    from areal_lite.utils.tiny import build_tiny_model
+
+    threads = [int(t) for t in args.threads_list.split(",")]
+    best: dict[tuple[str, int], float] = {}
+    tokens: dict[tuple[str, int], float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_model(f"{tmp}/model", **MODEL)
+        configs = [(side, t) for t in threads for side in SIDES]
+        for r in range(args.repeats):
+            for side, t in configs if r % 2 == 0 else reversed(configs):
+                seconds, n = launch(side, t, model, args)
+                best[side, t] = min(best.get((side, t), float("inf")), seconds)
+                tokens[side, t] = n
+    print(f"{args.prompts} prompts x {args.group} samples x {args.tokens} tokens per step, 20M Qwen2, fp32")
+    print(f"{'side':<8}{'threads':>8}{'s/step':>9}{'tokens/step':>13}{'tokens/s':>10}{'TRL / this':>12}")
+    for side, t in configs:
+        s = best[side, t]
+        print(
+            f"{side:<8}{t:>8}{s:>9.2f}{tokens[side, t]:>13.0f}{tokens[side, t] / s:>10.0f}{best['trl', t] / s:>12.2f}"
+        )
+    trl_best = min(best["trl", t] for t in threads)
+    ours_best = min(best[side, t] for side in ("sync", "async") for t in threads)
+    result = [f"best_over_trl={trl_best / ours_best:.2f}"]
+    result += [
+        f"{side}_over_trl_t{t}={best['trl', t] / best[side, t]:.2f}" for t in threads for side in ("sync", "async")
+    ]
+    result += [f"async_over_sync_t{t}={best['sync', t] / best['async', t]:.2f}" for t in threads]
+    print("RESULT " + " ".join(result))
+
+
+if __name__ == "__main__":
+    main()
