@@ -78,6 +78,7 @@ def hostile_programs(outside: str, port: int) -> dict[str, tuple[str, str]]:
     }
 
 
+@pytest.mark.timeout(300)  # a run that cannot be cleaned up fails here rather than at the suite's limit
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hostile_code_is_contained_scored_zero_and_counted(backend: str, tmp_path, monkeypatch) -> None:
     outside = tmp_path / "world-writable"
@@ -180,3 +181,28 @@ def test_no_isolation_means_no_run(monkeypatch) -> None:
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(SandboxUnavailable, match="needs root .* or bubblewrap"):
         available_backend()
+
+
+def test_a_failed_set_up_is_tried_once_more_then_reported(monkeypatch) -> None:
+    sandbox = Sandbox(LIMITS)
+    real_run, calls = sandbox._run, []
+
+    async def flaky(files, stdin):  # the set-up fails on the first call only
+        calls.append(1)
+        if len(calls) == 1:
+            raise SandboxUnavailable("the sandbox could not be set up: bwrap: Creating new namespace failed")
+        return await real_run(files, stdin)
+
+    monkeypatch.setattr(sandbox, "_run", flaky)
+    result = asyncio.run(sandbox.run("print(6 * 7)"))
+    assert result.ok and result.stdout == "42\n" and len(calls) == 2
+
+    async def broken(files, stdin):
+        calls.append(1)
+        raise SandboxUnavailable("the sandbox could not be set up: no")
+
+    monkeypatch.setattr(sandbox, "_run", broken)
+    calls.clear()
+    with pytest.raises(SandboxUnavailable, match="could not be set up"):
+        asyncio.run(sandbox.run("print(1)"))
+    assert len(calls) == 2

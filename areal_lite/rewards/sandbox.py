@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -53,6 +54,8 @@ Outcome = Literal["ok", "error", "timeout", "cpu_limit", "memory_limit", "file_s
 OUTCOMES: tuple[Outcome, ...] = (
     "ok", "error", "timeout", "cpu_limit", "memory_limit", "file_size_limit", "output_limit", "killed",
 )  # fmt: skip
+logger = logging.getLogger(__name__)
+
 INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_init.py")
 UID_BASE = 1_000_000
 """Under root, a run's code gets uid UID_BASE + its launcher's pid: unique among the runs alive."""
@@ -176,7 +179,14 @@ class Sandbox:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_parallel)
         async with self._slots:
-            result = await self._run({**(files or {}), "main.py": code}, stdin)
+            try:
+                result = await self._run({**(files or {}), "main.py": code}, stdin)
+            except SandboxUnavailable as first:
+                # The set-up failed before any of ``code`` ran (it never reported ready): once more,
+                # in case that was passing pressure on the machine; a second failure is reported.
+                logger.warning("sandbox set-up failed, trying once more: %s", first)
+                await asyncio.sleep(0.5)
+                result = await self._run({**(files or {}), "main.py": code}, stdin)
         self.counts[result.outcome] += 1
         return result
 
