@@ -57,6 +57,10 @@ OUTCOMES: tuple[Outcome, ...] = (
 logger = logging.getLogger(__name__)
 
 INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_init.py")
+with open(INIT) as _f:
+    INIT_SOURCE = _f.read()
+"""The init's source, handed to the sandbox's python with ``-c``: inside, the project may not be
+visible (bwrap mounts a fresh tmpfs over /tmp, where a checkout or its virtual environment may live)."""
 UID_BASE = 1_000_000
 """Under root, a run's code gets uid UID_BASE + its launcher's pid: unique among the runs alive."""
 
@@ -191,7 +195,7 @@ class Sandbox:
         return result
 
     def _command(self) -> list[str]:
-        boot = [self.python, "-I", "-S", INIT]
+        boot = [self.python, "-I", "-S", "-c", INIT_SOURCE]
         if self.backend == "unshare":
             namespaces = ["--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--ipc", "--uts"]
             return [shutil.which("unshare") or "unshare", *namespaces, "--", *boot]

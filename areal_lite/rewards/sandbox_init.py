@@ -1,7 +1,7 @@
 """The first process inside a sandbox (`areal_lite.rewards.sandbox`): it sets the sandbox up, runs
 the untrusted program as its child, and reports how that ended.
 
-Run as a script (``python -I -S sandbox_init.py``) by ``unshare`` or ``bwrap`` in fresh namespaces,
+Run from its source (``python -I -S -c <this file>``) by ``unshare`` or ``bwrap`` in fresh namespaces,
 so it imports nothing but the standard library. It reads one JSON object from stdin:
 
 - ``files``: name -> text, written into the working directory (``/tmp``, a fresh tmpfs);
