@@ -6,9 +6,6 @@ packed, generation uses the current weights, ``train_grpo`` then ``optim_step`` 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +14,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 from test_actors import SGD_LIKE, deltas, params
+from test_fsdp import torchrun
 
 from areal_lite.actors import DPOActor, PPOActor
 from areal_lite.algorithms import functional as F
@@ -40,7 +38,6 @@ from areal_lite.recipes import (
     shutdown,
 )
 from areal_lite.rewards.format import exact_answer_reward
-from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.tiny import build_tiny_model
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -413,21 +410,8 @@ def test_two_ranks_train_like_one_on_the_union(model_dir, tmp_path):
     that ask for different numbers of log-probs, and a generation on one rank only (whose weight
     sync the other joins), stay in step."""
     one, *_ = run(grpo_delta(model_dir))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(find_free_port()), str(SCRIPTS / "recipes_worker.py"), model_dir, str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-4000:]
+    code, output = torchrun(2, SCRIPTS / "recipes_worker.py", model_dir, str(tmp_path))
+    assert code == 0, output[-4000:]
     two = torch.load(tmp_path / "grpo_delta_w2.pt")
     assert two["rounds"] > 0, "the ranks exchanged what they had pending"
     assert sum(float(v.abs().sum()) for v in one.values()) > 0, "the update did nothing"
