@@ -14,6 +14,9 @@ KV cache read). Rows:
 
 - ``decode``: the embedded engine's model runner, one batched decode step over ``B`` running
   requests of mixed lengths (prompts 16-128 tokens, 0-64 generated), ``B`` = 16 and 64.
+- ``linears``: the matmuls of the same decode steps alone (projections, MLPs, LM head; the
+  model's weights, ``B`` rows of input): the fraction the BLAS itself reaches at the decode
+  shapes, a ceiling for the ``decode`` row.
 - ``prefill``: one batched prefill of ``B`` distinct prompts of 16-128 tokens.
 - ``serve``: end to end through the scheduler: ``2 B`` requests (prompts 16-128, outputs 16-64
   tokens, eos ignored) with at most ``B`` running at a time, prefill and decode FLOPs over the
@@ -43,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from tensordict import TensorDict
 
 from areal_lite.api.config import LocalEngineConfig, OptimizerConfig, TrainEngineConfig
@@ -170,6 +174,33 @@ def decode_row(path: str, label: str, batch: int, repeats: int) -> Row:
         return batch * steps, flops, nbytes, time.perf_counter() - t0
 
     return sample_row(f"decode {label} B={batch}", run, repeats)
+
+
+def linears_row(path: str, label: str, batch: int, repeats: int) -> Row:
+    """The matmuls of ``steps`` decode steps alone (every projection, MLP and the LM head, the
+    model's own weights, ``batch`` rows): what the BLAS makes of the decode shapes, a ceiling for
+    the decode row that no attention or scheduling work can lift."""
+    model, _ = load_model(path, torch.float32, "cpu")
+    shape = Shape.of(model)
+    runner = ModelRunner(model, max_rows=batch, context_len=512, seed=0)  # fuses q/k/v and gate/up as it decodes
+    weights = [
+        w
+        for (qkv, _, gate_up, _), layer in zip(runner.fused, runner.layers)
+        for w in (qkv, layer.self_attn.o_proj.weight, gate_up, layer.mlp.down_proj.weight)
+    ]
+    weights.append(model.lm_head.weight)
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+    steps = 8
+
+    def run() -> tuple[int, float, float, float]:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+        seconds = time.perf_counter() - t0
+        return batch * steps, steps * 2 * shape.matmul_params * batch, steps * 4 * shape.matmul_params, seconds
+
+    return sample_row(f"linears {label} B={batch}", run, repeats)
 
 
 def prefill_row(path: str, label: str, batch: int, repeats: int) -> Row:
@@ -310,6 +341,7 @@ def main() -> None:
             path = build_tiny_model(f"{tmp}/{label}", vocab_size=512, **dims)
             for b in (16, 64):
                 add(decode_row(path, label, b, args.repeats))
+                add(linears_row(path, label, b, args.repeats))
             for b in (16, 64):
                 add(prefill_row(path, label, b, args.repeats))
             for b in (16, 64):

@@ -361,6 +361,41 @@ def test_in_process_update_mid_generation_tags_both_versions(model_path: str, hf
         eng.destroy()
 
 
+def test_keep_cache_on_update_continues_on_the_old_keys(model_path: str, hf: torch.nn.Module, monkeypatch) -> None:
+    """With ``keep_cache_on_update`` a weight update recomputes nothing: the running request goes on
+    from its cached keys and values of the old weights, so after the switch its log-probabilities
+    are not the new model's (they are with the default recompute, in the test above)."""
+    eng = make_engine(model_path, keep_cache_on_update=True)
+    runner = eng.scheduler._runner
+    prefills = []
+    original = runner.prefill
+    monkeypatch.setattr(runner, "prefill", lambda seqs: (seqs and prefills.append(len(seqs))) or original(seqs))
+    new_state = perturbed_state(hf, seed=1)
+    new_model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    new_model.load_state_dict(new_state)
+    try:
+
+        async def run():
+            task = asyncio.ensure_future(
+                eng.scheduler.generate([1, 2, 3], SamplingParams(max_new_tokens=60, ignore_eos=True), rid="long")
+            )
+            await _wait_tokens(eng, "long", 5)
+            meta = WeightUpdateMeta(type="in_process", named_tensors=new_state, version=1)
+            await asyncio.wrap_future(eng.update_weights(meta))
+            return await task
+
+        r = asyncio.run(run())
+        assert prefills == [1]  # the request's own prefill; none at the update
+        switch = r.output_versions.index(1)
+        assert 5 <= switch < 60
+        lp = torch.tensor(r.output_logprobs)
+        torch.testing.assert_close(lp[:switch], hf_logprobs(hf, [1, 2, 3], r.output_ids)[:switch], atol=1e-4, rtol=0)
+        stale = (lp[switch:] - hf_logprobs(new_model, [1, 2, 3], r.output_ids)[switch:]).abs()
+        assert stale.max() > 1e-2
+    finally:
+        eng.destroy()
+
+
 def test_disk_and_broadcast_updates(model_path: str, hf: torch.nn.Module, tmp_path) -> None:
     eng = make_engine(model_path)
     prompt = [9, 8, 7, 6]

@@ -334,6 +334,13 @@ class LocalEngineConfig:
     """Context limit per request (0 = the model's max_position_embeddings)."""
     seed: int = 0
     """Sampling seed."""
+    keep_cache_on_update: bool = False
+    """Keep the running requests' KV caches across a weight update instead of recomputing them
+    under the new weights. Recomputing (the default) costs one prefill of every running token per
+    update; keeping makes the update a copy of the weights, but the tokens sampled after it attend
+    to keys and values of the old weights, so their log-probabilities are of neither policy
+    exactly (the decoupled loss takes them as the behaviour policy's; the trainer's
+    ``mismatch/*`` statistics show the gap). Measured in benchmarks/update_stall.py."""
 
 
 @dataclass

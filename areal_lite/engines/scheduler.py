@@ -383,7 +383,7 @@ class Scheduler:
 
     def _copy_weights(self, pairs: list[tuple[str, torch.Tensor]], version: int | None) -> None:
         """Copy the tensors into the model (all checked first), recompute the running requests'
-        caches, set the version (unless None)."""
+        caches (unless ``keep_cache_on_update``), set the version (unless None)."""
         assert self.model is not None and self._runner is not None
         params = self.model.state_dict()
         for name, t in pairs:
@@ -396,8 +396,8 @@ class Scheduler:
                 params[name].copy_(t)
         if version is not None:
             self.version = version
-        seqs = self._runner.clear()
-        self._runner.prefill(seqs)
+        if not self.config.keep_cache_on_update:
+            self._runner.prefill(self._runner.clear())
 
     def load_weights_from_disk(self, path: str, version: int | None = None) -> Future:
         """Load every ``*.safetensors`` file of a HF model directory (reading off the scheduler)."""

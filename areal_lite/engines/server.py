@@ -144,6 +144,7 @@ class ServerArgs:
     context_length: int = 0
     random_seed: int = 0
     weight_version: str = "0"
+    keep_cache_on_update: bool = False
 
 
 class Server:
@@ -464,7 +465,19 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=0, help="0 = the model's max_position_embeddings")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="0", help="initial weight version (an integer)")
+    p.add_argument(
+        "--keep-cache-on-update",
+        type=_true_or_false,
+        default=False,
+        help="true: running requests keep their KV caches across a weight update (no recompute)",
+    )
     return p
+
+
+def _true_or_false(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
@@ -482,6 +495,7 @@ def main(argv: list[str] | None = None) -> None:
             max_running_requests=args.max_running_requests,
             max_total_tokens=args.context_length,
             seed=args.random_seed,
+            keep_cache_on_update=args.keep_cache_on_update,
         )
     )
     scheduler.start()

@@ -65,6 +65,7 @@ ENGINE_FLAGS = (
     ("max_running_requests", "--max-running-requests"),
     ("max_total_tokens", "--context-length"),
     ("seed", "--random-seed"),
+    ("keep_cache_on_update", "--keep-cache-on-update"),
 )
 """``local_engine`` keys and the flags of `areal_lite.engines.server` that take them."""
 TEARDOWN_GRACE_S = 10.0
