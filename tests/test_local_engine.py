@@ -332,23 +332,28 @@ async def _wait_tokens(engine: LocalInferenceEngine, rid: str, n: int) -> None:
         await asyncio.sleep(0.005)
 
 
+def update_mid_generation(eng: LocalInferenceEngine, new_state: dict[str, torch.Tensor], n: int):
+    """Generate ``n`` tokens from [1, 2, 3], loading ``new_state`` as version 1 after the 5th."""
+
+    async def run():
+        task = asyncio.ensure_future(
+            eng.scheduler.generate([1, 2, 3], SamplingParams(max_new_tokens=n, ignore_eos=True), rid="long")
+        )
+        await _wait_tokens(eng, "long", 5)
+        meta = WeightUpdateMeta(type="in_process", named_tensors=new_state, version=1)
+        await asyncio.wrap_future(eng.update_weights(meta))
+        return await task
+
+    return asyncio.run(run())
+
+
 def test_in_process_update_mid_generation_tags_both_versions(model_path: str, hf: torch.nn.Module) -> None:
     eng = make_engine(model_path)
     new_state = perturbed_state(hf, seed=1)
     new_model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     new_model.load_state_dict(new_state)
     try:
-
-        async def run():
-            task = asyncio.ensure_future(
-                eng.scheduler.generate([1, 2, 3], SamplingParams(max_new_tokens=120, ignore_eos=True), rid="long")
-            )
-            await _wait_tokens(eng, "long", 5)
-            meta = WeightUpdateMeta(type="in_process", named_tensors=new_state, version=1)
-            await asyncio.wrap_future(eng.update_weights(meta))
-            return await task
-
-        r = asyncio.run(run())
+        r = update_mid_generation(eng, new_state, 120)
         switch = r.output_versions.index(1)
         assert 5 <= switch < 120 and r.output_versions == [0] * switch + [1] * (120 - switch)
         old = hf_logprobs(hf, [1, 2, 3], r.output_ids)
@@ -374,17 +379,7 @@ def test_keep_cache_on_update_continues_on_the_old_keys(model_path: str, hf: tor
     new_model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     new_model.load_state_dict(new_state)
     try:
-
-        async def run():
-            task = asyncio.ensure_future(
-                eng.scheduler.generate([1, 2, 3], SamplingParams(max_new_tokens=60, ignore_eos=True), rid="long")
-            )
-            await _wait_tokens(eng, "long", 5)
-            meta = WeightUpdateMeta(type="in_process", named_tensors=new_state, version=1)
-            await asyncio.wrap_future(eng.update_weights(meta))
-            return await task
-
-        r = asyncio.run(run())
+        r = update_mid_generation(eng, new_state, 60)
         assert prefills == [1]  # the request's own prefill; none at the update
         switch = r.output_versions.index(1)
         assert 5 <= switch < 60
