@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict
 
 from areal_lite.actors import DistillActor, DPOActor, PPOActor, PPOCritic, ReinforceActor, SFTActor, train_on_tangents
-from areal_lite.actors.distill import reverse_kl_with_baseline
+from areal_lite.actors.distill import reverse_kl_advantage_fn, reverse_kl_with_baseline
 from areal_lite.actors.ppo import minibatches
 from areal_lite.algorithms import functional as F
 from areal_lite.api.config import DPOConfig, OptimizerConfig, PPOActorConfig, PPOCriticConfig, TrainEngineConfig
@@ -473,7 +473,7 @@ def test_distill_actor_advantages_are_the_reverse_kl_of_the_trained_student_to_t
     torch.testing.assert_close(batch["prox_logp"], current)
     torch.testing.assert_close(batch["advantages"], (teacher_logp - current) * mask)
     stats = actor.batch_stats(batch, torch.zeros(0))
-    assert stats["reverse_kl_mean"] == pytest.approx(float((current - teacher_logp)[mask].mean()), rel=1e-6)
+    assert stats["reverse_kl_mean"] == pytest.approx(float((current - teacher_logp)[mask].mean()), rel=1e-6, abs=1e-6)
 
 
 def test_distill_baseline_centres_the_reverse_kl_at_each_answer_position():
@@ -486,6 +486,21 @@ def test_distill_baseline_centres_the_reverse_kl_at_each_answer_position():
     actor = DistillActor(cfg, FixedStudent(current), teacher=lambda b: teacher_logp, advantage_fn=advantages)  # type: ignore[arg-type]
     actor.compute_advantages(batch)
     kl_term = (teacher_logp - current) * mask
+    column_mean = kl_term.sum(0) / mask.sum(0).clamp(min=1)
+    torch.testing.assert_close(batch["advantages"], (kl_term - column_mean) * mask)
+
+
+def test_distill_clip_bounds_each_reverse_kl_term_before_the_baseline():
+    """`reverse_kl_advantage_fn(baseline=True, clip=c)`: each token's term is clamped to [-c, c],
+    then the per-position mean of the clamped terms is subtracted."""
+    batch, mask, current, teacher_logp = distill_case(6, seed=15)
+    teacher_logp = 4.0 * teacher_logp  # terms down to -4 nats
+    cfg = PPOActorConfig(path="x", discount=0.0)
+    advantages = reverse_kl_advantage_fn(baseline=True, clip=1.0)
+    actor = DistillActor(cfg, FixedStudent(current), teacher=lambda b: teacher_logp, advantage_fn=advantages)  # type: ignore[arg-type]
+    actor.compute_advantages(batch)
+    kl_term = (teacher_logp - current).clamp(-1.0, 1.0) * mask
+    assert bool(((teacher_logp - current).abs() > 1.0)[mask].any())
     column_mean = kl_term.sum(0) / mask.sum(0).clamp(min=1)
     torch.testing.assert_close(batch["advantages"], (kl_term - column_mean) * mask)
 

@@ -741,6 +741,29 @@ def test_reverse_kl_advantages(gamma):
     assert F.reverse_kl_advantages(teacher, teacher, b["mask"], b["cu"], gamma).abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("gamma", [0.0, 0.5])
+@pytest.mark.parametrize("clip", [0.1, 0.5])
+def test_reverse_kl_advantages_clip_each_term_before_the_returns(gamma, clip):
+    b = make_packed(LENS, seed=24, empty=(2,))
+    student, teacher = b["behav"], 3.0 * b["prox"]  # wider terms, so that some are clipped
+    ours = F.reverse_kl_advantages(student, teacher, b["mask"], b["cu"], gamma, clip=clip)
+    ref = [0.0] * student.numel()
+    n_clipped = 0
+    for s, e in spans(b["cu"]):
+        idx = [j for j in range(s, e) if b["mask"][j]]
+        future = 0.0
+        for j in reversed(idx):
+            term = float(teacher[j] - student[j])
+            n_clipped += abs(term) > clip
+            future = min(max(term, -clip), clip) + gamma * future
+            ref[j] = future
+    assert n_clipped > 0
+    torch.testing.assert_close(ours, torch.tensor(ref, dtype=D), rtol=1e-10, atol=1e-12)
+    # a clip wider than every term changes nothing
+    wide = F.reverse_kl_advantages(student, teacher, b["mask"], b["cu"], gamma, clip=1e6)
+    torch.testing.assert_close(wide, F.reverse_kl_advantages(student, teacher, b["mask"], b["cu"], gamma))
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_position_baseline(case):
     b = make_packed(LENS, seed=23, **case)

@@ -265,6 +265,7 @@ def reverse_kl_advantages(
     mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
     gamma: float = 0.0,
+    clip: float | None = None,
 ) -> torch.Tensor:
     """On-policy distillation advantages ``[T]``: the per-token reverse KL to a teacher as a reward.
 
@@ -274,8 +275,14 @@ def reverse_kl_advantages(
     al. 2024, GKD). The advantage is the discounted return of these rewards; ``gamma=0`` (each
     token's own term, as Lu et al. 2025, "On-Policy Distillation", Thinking Machines) is the default,
     ``gamma=1`` credits each token with the whole rest of the sequence's KL. 0 outside the mask.
+    ``clip`` (None: off) clamps each token's reward to ``[-clip, clip]`` before the returns: a token
+    the teacher all but rules out (``log pi_teacher`` of -10 nats) then counts as much as one at
+    ``-clip``, which bounds the few tokens that would otherwise dominate a batch's gradient.
     """
-    return discounted_returns((teacher_logp - student_logp) * mask.to(student_logp.dtype), mask, cu_seqlens, gamma)
+    rewards = teacher_logp - student_logp
+    if clip is not None:
+        rewards = rewards.clamp(-clip, clip)
+    return discounted_returns(rewards * mask.to(student_logp.dtype), mask, cu_seqlens, gamma)
 
 
 def position_baseline(advantages: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
