@@ -6,7 +6,6 @@ moves the right way over a few steps."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from tensordict import TensorDict
+from test_fsdp import torchrun
 
 from areal_lite.actors import DistillActor, DPOActor, PPOActor, PPOCritic, ReinforceActor, SFTActor, train_on_tangents
 from areal_lite.actors.distill import reverse_kl_advantage_fn, reverse_kl_with_baseline
@@ -24,7 +24,6 @@ from areal_lite.algorithms import functional as F
 from areal_lite.api.config import DPOConfig, OptimizerConfig, PPOActorConfig, PPOCriticConfig, TrainEngineConfig
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec
 from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.tiny import build_tiny_model
 
 # Adam's first step is lr * g / (|g| + eps): with eps = lr much larger than |g| it is g itself,
@@ -637,22 +636,8 @@ def test_ppo_update_on_two_ranks_equals_one_rank(model_dir, tmp_path):
 
     one, stats_one = ppo_delta(model_dir, skip_zero_advantage=False)
     assert stats_one["clip_frac"] > 0 and stats_one["importance_weight_capped_frac"] > 0
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(find_free_port()), str(Path(__file__).parent / "scripts" / "actor_worker.py"),
-        model_dir, str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-4000:]
+    code, output = torchrun(2, Path(__file__).parent / "scripts" / "actor_worker.py", model_dir, str(tmp_path))
+    assert code == 0, output[-4000:]
     two = torch.load(tmp_path / "ppo_delta_w2.pt")["delta"]
     assert_same_update(one, two)
 

@@ -12,21 +12,17 @@ vocabulary.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_fsdp import torchrun
 from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.io import SaveLoadMeta
 from areal_lite.kit import make_train_engine
-from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.tiny import build_tiny_model
 
 WORKER = Path(__file__).parent / "scripts" / "megatron_worker.py"
@@ -39,22 +35,8 @@ TOL = 1e-5
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = build_tiny_model(str(tmp_path_factory.mktemp("mcore_model")), hidden_size=32, num_layers=2, vocab_size=301)
     out = tmp_path_factory.mktemp("mcore_out")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
-        str(WORKER), model, str(out),
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-6000:]
+    code, output = torchrun(2, WORKER, model, str(out), timeout=400)
+    assert code == 0, output[-6000:]
     (out / "model").write_text(model)
     return out
 

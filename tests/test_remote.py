@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +28,7 @@ from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 from inference_servers import perturbed_copy, running_on, start_servers, stop_servers
+from test_fsdp import torchrun
 
 TRAINER = Path(__file__).parent / "scripts" / "inference_trainer.py"
 
@@ -238,22 +238,8 @@ def test_weight_updates_from_torchrun_fsdp_trainer(servers, kind: str, model_pat
         reset_weights(engine, model_path)
     finally:
         engine.destroy()
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
-        str(TRAINER), model_path, ",".join(addresses), str(tmp_path), kind,
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-6000:]
+    code, output = torchrun(2, TRAINER, model_path, ",".join(addresses), str(tmp_path), kind)
+    assert code == 0, output[-6000:]
     report = json.loads((tmp_path / "trainer.json").read_text())
     assert report["before"]["versions"] == [0] and report["before"]["max_err"] < 1e-4
     assert report["disk"]["versions"] == [1] and report["disk"]["max_err"] < 1e-4
