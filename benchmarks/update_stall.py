@@ -32,21 +32,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
+from roofline import MODELS, mixed_prompts  # the model and prompts of the roofline
 from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.engines.request import GenerationResult, SamplingParams
 from areal_lite.engines.scheduler import Scheduler
 from areal_lite.utils.tiny import build_tiny_model
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from roofline import MODELS, mixed_prompts  # the model and prompts of the roofline
 
 
 @dataclass

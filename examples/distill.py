@@ -7,7 +7,7 @@ Then the student samples answers to unlabelled prompts, the frozen teacher score
 token, and the student is trained with each token's advantage the teacher's log-probability minus
 its own (`DistillActor`: the per-token reverse KL, Lu et al. 2025, "On-Policy Distillation";
 Agarwal et al. 2024), minus the batch's mean advantage at the same answer position (``baseline``,
-`reverse_kl_with_baseline`). There is no reward in the update: the verifier only measures. Rollouts run
+`reverse_kl_advantage_fn`). There is no reward in the update: the verifier only measures. Rollouts run
 asynchronously as in the quickstart, with decoupled PPO correcting the stale tokens.
 
 Each token's reverse-KL term is clamped to ``[-kl_clip, kl_clip]`` before the baseline: a few
