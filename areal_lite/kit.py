@@ -50,6 +50,7 @@ from areal_lite.utils.stats import StatsTracker
 from areal_lite.utils.stats_logger import StatsLogger
 from areal_lite.utils.step import StepInfo
 
+
 def make_train_engine(config: TrainEngineConfig) -> TrainEngine:
     """An uninitialised `FSDPEngine` or `MegatronEngine` for ``config.backend``, so swapping
     backends is one config line. The backends are imported lazily: megatron-core is optional."""
@@ -97,7 +98,9 @@ def make_rollout(cfg: RLExperimentConfig, model_dir: str | None = None) -> tuple
         control = _is_rank0()
         adapter = POLICY_ADAPTER if cfg.actor.lora.enabled else None  # the name requests give the trained adapter
         factory = functools.partial(client, cfg.rollout, control_servers=False, adapter_name=adapter)
-        rollout = RolloutController(client(cfg.rollout, control_servers=control, adapter_name=adapter), cfg.rollout, factory)
+        rollout = RolloutController(
+            client(cfg.rollout, control_servers=control, adapter_name=adapter), cfg.rollout, factory
+        )
         if cfg.weight_update == "distributed":
             backend = "nccl" if torch.cuda.is_available() else "gloo"  # GPU tensors by NCCL, else gloo
             meta = WeightUpdateMeta(type="distributed", backend=backend, world_size=1 + len(cfg.rollout.addresses))
@@ -164,7 +167,9 @@ def mean_reward(rollout: RolloutController, workflow: RolloutWorkflow, items: li
     runs its share of ``items`` and the sums are reduced (collective: every rank calls it)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     share = items[rank::world]
-    rewards = rollout.rollout_batch(share, workflow)["rewards"].double() if share else torch.zeros(0, dtype=torch.float64)
+    rewards = (
+        rollout.rollout_batch(share, workflow)["rewards"].double() if share else torch.zeros(0, dtype=torch.float64)
+    )
     totals = torch.tensor([rewards.sum().item(), float(len(rewards))], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(totals)

@@ -116,13 +116,13 @@ class Run:
 
 
 def ppo_config(model_dir: str, **kw: object) -> PPOActorConfig:
-    base = dict(
-        path=model_dir,
-        optimizer=OptimizerConfig(lr=LR),
-        group_size=GROUP,
-        ppo_n_minibatches=2,
-        behav_imp_weight_cap=5.0,
-    )
+    base = {
+        "path": model_dir,
+        "optimizer": OptimizerConfig(lr=LR),
+        "group_size": GROUP,
+        "ppo_n_minibatches": 2,
+        "behav_imp_weight_cap": 5.0,
+    }
     base.update(kw)
     return PPOActorConfig(**base)  # type: ignore[arg-type]
 

@@ -144,7 +144,11 @@ def adapter_on_inference_side(model_dir: str, repeats: int) -> dict[str, float]:
     for _ in range(repeats * 4):  # alternating, so that both see the same load
         on_the_fly.append(median_seconds(on_the_fly_step, 1))
         merged.append(median_seconds(merged_step, 1))
-    out = {"merge_s": merge, "decode_merged_s": statistics.median(merged), "decode_on_the_fly_s": statistics.median(on_the_fly)}
+    out = {
+        "merge_s": merge,
+        "decode_merged_s": statistics.median(merged),
+        "decode_on_the_fly_s": statistics.median(on_the_fly),
+    }
     overhead = out["decode_on_the_fly_s"] - out["decode_merged_s"]
     out["breakeven_steps"] = merge / overhead if overhead > 0 else float("inf")
     return out
@@ -161,7 +165,9 @@ def main() -> None:
         full = measure_updates(model_dir, replace(LORA, rank=0), tmp, args.repeats)
         lora = measure_updates(model_dir, LORA, tmp, args.repeats)
         sides = {"34M": adapter_on_inference_side(model_dir, args.repeats)}
-        small = build_tiny_model(os.path.join(tmp, "small"), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, vocab_size=0)
+        small = build_tiny_model(
+            os.path.join(tmp, "small"), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, vocab_size=0
+        )
         sides["quickstart"] = adapter_on_inference_side(small, args.repeats)
 
     mb = 1024 * 1024
@@ -177,7 +183,9 @@ def main() -> None:
     ]
     for label, key, unit in rows:
         print(f"{label:<34}{full[key] / unit:>12.4f}{lora[key] / unit:>12.4f}{full[key] / lora[key]:>10.1f}x")
-    print(f"\n{'adapter on the inference side (ms)':<36}{'merge':>8}{'decode merged':>15}{'on the fly':>12}{'breakeven steps':>17}")
+    print(
+        f"\n{'adapter on the inference side (ms)':<36}{'merge':>8}{'decode merged':>15}{'on the fly':>12}{'breakeven steps':>17}"
+    )
     for size, side in sides.items():
         print(f"{size + ' model':<36}{side['merge_s'] * 1e3:>8.1f}{side['decode_merged_s'] * 1e3:>15.2f}"
               f"{side['decode_on_the_fly_s'] * 1e3:>12.2f}{side['breakeven_steps']:>17.1f}")  # fmt: skip

@@ -44,7 +44,9 @@ def main() -> None:
             nb.append(len(b))
             nn.append(len(s))
         rows.append((name, float(np.mean(fb)), float(np.mean(fn)), float(np.mean(nb)), float(np.mean(nn))))
-    print(f"budget={args.budget} tokens, {args.batch_size} sequences/batch, groups of {args.granularity}, {args.batches} batches each")
+    print(
+        f"budget={args.budget} tokens, {args.batch_size} sequences/batch, groups of {args.granularity}, {args.batches} batches each"
+    )
     print(f"{'lengths':<20}{'fill balanced':>15}{'fill naive':>12}{'mbs balanced':>14}{'mbs naive':>11}")
     for name, a, b, c, d in rows:
         print(f"{name:<20}{a:>15.3f}{b:>12.3f}{c:>14.1f}{d:>11.1f}")

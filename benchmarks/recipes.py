@@ -47,7 +47,9 @@ def make_samples(n: int, seed: int) -> list[TokenizedThread]:
     return out
 
 
-def as_batch(samples: list[TokenizedThread], old: list[list[float]], ref: list[list[float]], adv: list[float]) -> TensorDict:
+def as_batch(
+    samples: list[TokenizedThread], old: list[list[float]], ref: list[list[float]], adv: list[float]
+) -> TensorDict:
     """The samples as the padded trajectory batch `PPOActor.ppo_update` takes."""
     width = max(len(s) for s in samples)
     n = len(samples)
@@ -68,7 +70,9 @@ def as_batch(samples: list[TokenizedThread], old: list[list[float]], ref: list[l
 
 
 async def bench(args: argparse.Namespace) -> dict[str, list[float]]:
-    path = build_tiny_model(tempfile.mkdtemp(), hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=4)
+    path = build_tiny_model(
+        tempfile.mkdtemp(), hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=4
+    )
     optimizer = OptimizerConfig(lr=1e-6, gradient_clipping=1.0)
     model = await ModelBuilder(path, ModelConfig(optimizer=optimizer, max_seq_len=64)).spawn_train("bench")
     samples = make_samples(args.samples, seed=0)
@@ -84,7 +88,9 @@ async def bench(args: argparse.Namespace) -> dict[str, list[float]]:
 
     async def recipe() -> float:
         t0 = time.perf_counter()
-        await async_map(lambda i: model.train_grpo(samples[i], logprobs[i], ref[i], adv[i], CLIP, BETA), range(args.samples))
+        await async_map(
+            lambda i: model.train_grpo(samples[i], logprobs[i], ref[i], adv[i], CLIP, BETA), range(args.samples)
+        )
         await model.optim_step()
         return time.perf_counter() - t0
 
@@ -123,7 +129,9 @@ def main() -> None:
     times = asyncio.run(bench(args))
     median = {k: statistics.median(v) for k, v in times.items()}
     base = median["ppo_update"]
-    print(f"{args.samples} GRPO samples per step, model hidden {args.hidden} x {args.layers} layers, {args.repeats} rounds")
+    print(
+        f"{args.samples} GRPO samples per step, model hidden {args.hidden} x {args.layers} layers, {args.repeats} rounds"
+    )
     print(f"{'variant':<46}{'median s':>10}{'min s':>9}{'max s':>9}{'x ppo_update':>14}")
     names = {
         "ppo_update": "PPOActor.ppo_update (inside the engine thread)",

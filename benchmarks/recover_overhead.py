@@ -44,8 +44,11 @@ def timed(fn, repeats: int) -> float:
 def server_startup_seconds(model: str) -> float:
     port = find_free_port()
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "areal_lite.engines.server", "--model-path", model, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_lite.engines.server", "--model-path", model, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         while not is_healthy(f"127.0.0.1:{port}", timeout=1.0):
             if proc.poll() is not None:
@@ -64,13 +67,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:
-        model = build_tiny_model(os.path.join(work, "model"), hidden_size=args.hidden, num_layers=args.layers,
-                                 num_heads=4, num_kv_heads=2)
+        model = build_tiny_model(
+            os.path.join(work, "model"), hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2
+        )
         engine = FSDPEngine(TrainEngineConfig(path=model))
         engine.initialize(FinetuneSpec(1, 64, 8))
         ids = torch.randint(10, 200, (8, 32))
-        batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-                            "loss_mask": torch.ones_like(ids, dtype=torch.int32)}, batch_size=[8])
+        batch = TensorDict(
+            {
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+                "loss_mask": torch.ones_like(ids, dtype=torch.int32),
+            },
+            batch_size=[8],
+        )
         train = lambda: engine.train_batch(batch, lambda lp, ent, mb: (-lp.mean(), {}), lambda mb: 1.0)
         train()  # optimizer state exists from here on, as in a real dump
         n_params = sum(p.numel() for p in engine.model.parameters())
@@ -86,13 +96,17 @@ def main() -> None:
             ("server start -> /health 200", timed(lambda: server_startup_seconds(model), max(1, args.repeats // 2))),
         ]
         engine.destroy()
-    print(f"model: hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.2f} M parameters; medians of {args.repeats}")
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.2f} M parameters; medians of {args.repeats}"
+    )
     print(f"{'operation':32s} {'seconds':>8s}")
     for name, s in rows:
         print(f"{name:32s} {s:8.3f}")
     r = dict(rows)
-    print(f"RESULT dump_s={r['recover dump']:.3f} load_s={r['recover load']:.3f} hf_save_s={r['HF checkpoint']:.3f} "
-          f"server_start_s={r['server start -> /health 200']:.2f} dump_over_step={r['recover dump'] / r['train step (8 x 32 tokens)']:.2f}")
+    print(
+        f"RESULT dump_s={r['recover dump']:.3f} load_s={r['recover load']:.3f} hf_save_s={r['HF checkpoint']:.3f} "
+        f"server_start_s={r['server start -> /health 200']:.2f} dump_over_step={r['recover dump'] / r['train step (8 x 32 tokens)']:.2f}"
+    )
 
 
 if __name__ == "__main__":

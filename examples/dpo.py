@@ -82,7 +82,9 @@ def main(argv: list[str]) -> None:
     train_pairs = (
         load_rows(cfg.train_dataset.path)
         if cfg.train_dataset.path
-        else addition_pairs(task.n_train_pairs, task.n_digits, task.seed + 2, exclude={str(p["prompt"]) for p in eval_pairs})
+        else addition_pairs(
+            task.n_train_pairs, task.n_digits, task.seed + 2, exclude={str(p["prompt"]) for p in eval_pairs}
+        )
     )
     eval_batch = preference_batch(tokenizer, eval_pairs[: task.n_eval], task.use_chat_template)
     ref = make_train_engine(cfg.ref)
@@ -93,7 +95,9 @@ def main(argv: list[str]) -> None:
     ref.initialize()  # no FinetuneSpec: frozen, forward only
     dpo.engine.initialize(run.finetune_spec)
     resumed = run.resume()
-    before = resumed["before"] if resumed else dpo.evaluate_dpo(eval_batch)  # the policy equals the reference: loss log 2
+    before = (
+        resumed["before"] if resumed else dpo.evaluate_dpo(eval_batch)
+    )  # the policy equals the reference: loss log 2
 
     def evaluate() -> dict[str, float]:
         return {f"eval/{k}": v for k, v in dpo.evaluate_dpo(eval_batch).items()}

@@ -60,7 +60,12 @@ def main(argv: list[str]) -> None:
     critic = PPOCritic(cfg.critic, make_train_engine(cfg.critic))
     dataloader = rank_dataloader(train_problems, cfg.train_dataset, actor.engine, seed=cfg.seed)
     run = RunKit(
-        cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta,
+        cfg,
+        actor.engine,
+        dataloader,
+        tokenizer=tokenizer,
+        rollout=rollout,
+        weight_meta=weight_meta,
         others={"critic": critic.engine},
     )
     actor.engine.initialize(run.finetune_spec)

@@ -112,7 +112,9 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
     from areal_lite.engines.local import LocalInferenceEngine
 
     engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
-    engine_cfg.optimizer = replace(cfg.actor.optimizer, lr=task.sft_lr, lr_scheduler_type="constant", warmup_steps_proportion=0.0)
+    engine_cfg.optimizer = replace(
+        cfg.actor.optimizer, lr=task.sft_lr, lr_scheduler_type="constant", warmup_steps_proportion=0.0
+    )
     engine = make_train_engine(engine_cfg)
 
     def build() -> None:
@@ -134,7 +136,9 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
     sft = SFTActor(engine_cfg, engine)
 
     dev = addition_problems(task.n_dev, task.n_digits, task.seed + 2, exclude=held_out)
-    judge = RolloutController(LocalInferenceEngine(replace(cfg.local_engine, path=base_dir)), replace(cfg.rollout, episode_process=False))
+    judge = RolloutController(
+        LocalInferenceEngine(replace(cfg.local_engine, path=base_dir)), replace(cfg.rollout, episode_process=False)
+    )
     judge.initialize()
     engine.connect_engine(judge.engine, WeightUpdateMeta(type="in_process"))
     greedy = RLVRWorkflow(
@@ -147,13 +151,17 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
     rank, world = engine.data_parallel_rank, engine.data_parallel_world_size
     for step in range(task.sft_steps):
         # Each rank trains on its share of the step's problems (all of them on one rank).
-        problems = addition_problems(task.sft_batch_size * world, task.n_digits, task.seed + 1000 + step, exclude=held_out)
+        problems = addition_problems(
+            task.sft_batch_size * world, task.n_digits, task.seed + 1000 + step, exclude=held_out
+        )
         problems = problems[rank::world]
         stats = sft.train_lm(sft_batch(tokenizer, as_demonstrations(problems)))
         if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
             engine.update_weights(WeightUpdateMeta(type="in_process"))
             acc = mean_reward(judge, greedy, dev)
-            print_rank0(f"[sft] step {step + 1} loss {stats['loss']:.3f} dev greedy accuracy {acc:.3f} ({time.time() - t0:.0f}s)")
+            print_rank0(
+                f"[sft] step {step + 1} loss {stats['loss']:.3f} dev greedy accuracy {acc:.3f} ({time.time() - t0:.0f}s)"
+            )
             if acc >= task.sft_target_acc:
                 break
     judge.destroy()

@@ -45,7 +45,9 @@ def test_yaml_then_overrides_merge_over_schema(tmp_path) -> None:
         str(tmp_path / "c.yaml"),
         {"actor": {"path": "/m", "optimizer": {"lr": 3e-4}}, "cluster": {"fileroot": str(tmp_path / "out")}},
     )
-    cfg = load_config(["--config", cfg_file, "actor.optimizer.lr=1e-5", "actor.mb_spec.max_tokens_per_mb=256"], ExpConfig)
+    cfg = load_config(
+        ["--config", cfg_file, "actor.optimizer.lr=1e-5", "actor.mb_spec.max_tokens_per_mb=256"], ExpConfig
+    )
     assert isinstance(cfg, ExpConfig)
     assert cfg.actor.path == "/m"
     assert cfg.actor.optimizer.lr == 1e-5  # the command line wins over the file
@@ -78,15 +80,20 @@ def test_missing_required_value_is_named() -> None:
         load_config([], ExpConfig, save=False)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("actor.optimizer.lr_scheduler_type=step",
-     "'actor.optimizer.lr_scheduler_type' is 'step'; choose one of constant, linear, cosine"),
-    ("actor.backend=deepspeed", "'actor.backend' is 'deepspeed'; choose one of fsdp, megatron"),
-    ("actor.dtype=fp16", "'actor.dtype' is 'fp16'; choose one of float32, bfloat16, float16, auto"),
-    ("stats_logger.wandb_mode=offline_sync", "'stats_logger.wandb_mode'"),
-    ("launcher.backend=tgi", "'launcher.backend' is 'tgi'; choose one of local, areal, sglang, vllm"),
-    ("task.mode=medium", "'task.mode' is 'medium'; choose one of fast, slow"),  # a script's own section
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "actor.optimizer.lr_scheduler_type=step",
+            "'actor.optimizer.lr_scheduler_type' is 'step'; choose one of constant, linear, cosine",
+        ),
+        ("actor.backend=deepspeed", "'actor.backend' is 'deepspeed'; choose one of fsdp, megatron"),
+        ("actor.dtype=fp16", "'actor.dtype' is 'fp16'; choose one of float32, bfloat16, float16, auto"),
+        ("stats_logger.wandb_mode=offline_sync", "'stats_logger.wandb_mode'"),
+        ("launcher.backend=tgi", "'launcher.backend' is 'tgi'; choose one of local, areal, sglang, vllm"),
+        ("task.mode=medium", "'task.mode' is 'medium'; choose one of fast, slow"),  # a script's own section
+    ],
+)
 def test_invalid_choice_names_the_field_the_value_and_the_choices(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(["actor.path=/m", override], ExpConfig, save=False)
@@ -99,8 +106,11 @@ def test_every_choice_field_accepts_its_default() -> None:
 
 def test_input_paths_are_the_marked_fields() -> None:
     cfg = load_config(["actor.path=/m", "task.data=/d.jsonl", "train_dataset.path=/t.parquet"], ExpConfig, save=False)
-    assert input_paths(cfg) == {"actor.path": ("model", "/m"), "train_dataset.path": ("file", "/t.parquet"),
-                                "task.data": ("file", "/d.jsonl")}, "empty paths are left out"
+    assert input_paths(cfg) == {
+        "actor.path": ("model", "/m"),
+        "train_dataset.path": ("file", "/t.parquet"),
+        "task.data": ("file", "/d.jsonl"),
+    }, "empty paths are left out"
 
 
 def test_checking_only_validates_and_neither_returns_nor_saves(tmp_path) -> None:

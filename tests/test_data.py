@@ -61,7 +61,7 @@ def test_concat_pack_unpack_round_trip(groups: list[list[int]], seed: int) -> No
     assert torch.equal(packed["rewards"], batch["rewards"])
 
     restored = unpack_batch(packed, batch["attention_mask"].shape[1], PER_TOKEN)
-    for key in batch.keys():
+    for key in batch:
         assert torch.equal(restored[key], batch[key]), key
 
 
@@ -104,9 +104,7 @@ def test_split_restores_original_order(lengths: list[int], seed: int, n_mbs: int
     assert torch.equal(rewards, batch["rewards"])
     # per-token results, padded back to the batch's width
     width = batch["attention_mask"].shape[1]
-    padded = [
-        torch.nn.functional.pad(mb["logprobs"], (0, width - mb["logprobs"].shape[1])) for mb in split.mbs
-    ]
+    padded = [torch.nn.functional.pad(mb["logprobs"], (0, width - mb["logprobs"].shape[1])) for mb in split.mbs]
     assert torch.equal(torch.cat(padded)[split.restore_order], batch["logprobs"])
     for mb, idx in zip(split.mbs, split.indices):
         assert mb["attention_mask"].shape[1] == max(lengths[i] for i in idx)

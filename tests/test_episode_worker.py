@@ -29,7 +29,9 @@ from inference_servers import perturbed_copy, running_on, start_servers, stop_se
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(str(tmp_path_factory.mktemp("episodes") / "m"), hidden_size=32, num_layers=2, vocab_size=260)
+    return build_tiny_model(
+        str(tmp_path_factory.mktemp("episodes") / "m"), hidden_size=32, num_layers=2, vocab_size=260
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,11 @@ def server(model_path: str):
 def controller(address: str, episode_process: bool) -> RolloutController:
     """What `make_rollout` builds for servers: the child's engine generates, the trainer's controls."""
     config = InferenceEngineConfig(
-        addresses=[address], episode_process=episode_process, consumer_batch_size=4, request_timeout=60, setup_timeout=60
+        addresses=[address],
+        episode_process=episode_process,
+        consumer_batch_size=4,
+        request_timeout=60,
+        setup_timeout=60,
     )
     follower = functools.partial(RemoteSGLangEngine, config, control_servers=False)
     c = RolloutController(RemoteSGLangEngine(config), config, follower)
@@ -143,4 +149,6 @@ def test_a_killed_child_fails_rollouts_instead_of_hanging(server: str) -> None:
 
 def test_the_embedded_engine_refuses_episode_processes() -> None:
     with pytest.raises(ValueError, match="episode_process"):
-        RolloutController(LocalInferenceEngine(LocalEngineConfig(path="unused")), InferenceEngineConfig(episode_process=True))
+        RolloutController(
+            LocalInferenceEngine(LocalEngineConfig(path="unused")), InferenceEngineConfig(episode_process=True)
+        )

@@ -8,6 +8,7 @@ import os
 import random
 import threading
 from collections import Counter
+from typing import ClassVar
 
 import pytest
 from hypothesis import given, settings
@@ -473,7 +474,7 @@ def test_recovery_replays_unconsumed_items_exactly_once() -> None:
     from areal_lite.utils.dataloader import stateful_dataloader
 
     items = [{"i": i} for i in range(24)]
-    cfg = dict(consumer_batch_size=2, max_head_offpolicyness=2, max_concurrent_rollouts=8)
+    cfg = {"consumer_batch_size": 2, "max_head_offpolicyness": 2, "max_concurrent_rollouts": 8}
 
     def make_loader():
         return stateful_dataloader(items, batch_size=2, shuffle=True, seed=3)
@@ -513,11 +514,16 @@ def test_staleness_ignores_padding() -> None:
     from areal_lite.core.executor import trajectory_staleness
     from areal_lite.utils.data import concat_padded
 
-    short = from_response(ModelResponse(input_tokens=[1], output_tokens=[5], output_logprobs=[-1.0], output_versions=[7]), 0.0)
-    long = from_response(
-        ModelResponse(input_tokens=[1], output_tokens=[5, 6, 7], output_logprobs=[-1.0] * 3, output_versions=[6, 7, 7]), 0.0
+    short = from_response(
+        ModelResponse(input_tokens=[1], output_tokens=[5], output_logprobs=[-1.0], output_versions=[7]), 0.0
     )
-    none = from_response(ModelResponse(input_tokens=[1, 2], output_tokens=[], output_logprobs=[], output_versions=[]), 0.0)
+    long = from_response(
+        ModelResponse(input_tokens=[1], output_tokens=[5, 6, 7], output_logprobs=[-1.0] * 3, output_versions=[6, 7, 7]),
+        0.0,
+    )
+    none = from_response(
+        ModelResponse(input_tokens=[1, 2], output_tokens=[], output_logprobs=[], output_versions=[]), 0.0
+    )
     batch = concat_padded([short, none, long])  # the short row is padded with version 0
     assert trajectory_staleness(batch, 8) == [1, 2]  # the row without generated tokens is skipped
 
@@ -525,7 +531,7 @@ def test_staleness_ignores_padding() -> None:
 class Affinity(RolloutWorkflow):
     """Records the cores its episodes run on (the executor's thread and what it started)."""
 
-    seen: list[set[int]] = []
+    seen: ClassVar[list[set[int]]] = []
 
     async def arun_episode(self, engine, data: dict[str, object]) -> TensorDict | None:
         on_loop = os.sched_getaffinity(0)

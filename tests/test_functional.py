@@ -77,7 +77,7 @@ def assert_value_and_grad(ours_fn, ref_fn, x: torch.Tensor) -> None:
 
 
 LENS = [5, 1, 7, 3, 4]
-CASES = [dict(), dict(empty=(2,)), dict(empty=(0, 1, 2, 3, 4))]
+CASES = [{}, {"empty": (2,)}, {"empty": (0, 1, 2, 3, 4)}]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -269,7 +269,7 @@ def ref_ppo_token(lp, prox, behav, a, eps_lo, eps_hi, c_clip, cap):
     elif ratio > 1 + eps_hi:
         clipped_ratio = torch.full_like(ratio, 1 + eps_hi)
     clipped = -a * clipped_ratio
-    loss = unclipped if unclipped >= clipped else clipped
+    loss = max(unclipped, clipped)
     if c_clip is not None and a < 0 and loss > -c_clip * a:
         loss = -c_clip * a
     w = math.exp(float(prox - behav))
@@ -279,11 +279,11 @@ def ref_ppo_token(lp, prox, behav, a, eps_lo, eps_hi, c_clip, cap):
 
 
 PPO_VARIANTS = [
-    dict(eps_clip=0.2),
-    dict(eps_clip=0.2, eps_clip_higher=0.28),
-    dict(eps_clip=0.1, c_clip=1.5),
-    dict(eps_clip=0.2, behav_imp_weight_cap=1.2),
-    dict(eps_clip=0.2, eps_clip_higher=0.3, c_clip=2.0, behav_imp_weight_cap=1.5),
+    {"eps_clip": 0.2},
+    {"eps_clip": 0.2, "eps_clip_higher": 0.28},
+    {"eps_clip": 0.1, "c_clip": 1.5},
+    {"eps_clip": 0.2, "behav_imp_weight_cap": 1.2},
+    {"eps_clip": 0.2, "eps_clip_higher": 0.3, "c_clip": 2.0, "behav_imp_weight_cap": 1.5},
 ]
 
 
@@ -465,9 +465,9 @@ def test_clipped_value_loss(eps):
                 toks.append(0.5 * l1)
                 continue
             delta = v[j] - old[j]
-            v_clip = old[j] + (eps if delta > eps else (-eps if delta < -eps else delta))
+            v_clip = old[j] + (eps if delta > eps else (max(delta, -eps)))
             l2 = (v_clip - returns[j]) ** 2
-            toks.append(0.5 * (l1 if l1 >= l2 else l2))
+            toks.append(0.5 * (max(l1, l2)))
         return ref_aggregate(toks, b["mask"], b["cu"], "token-mean")
 
     v = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=D)

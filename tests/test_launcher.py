@@ -40,8 +40,13 @@ def _write_config(tmp_path, **sections: object) -> str:
 
 
 def test_read_plan_takes_the_launcher_and_recover_sections(tmp_path) -> None:
-    cfg = _write_config(tmp_path, actor={"path": "/models/m"}, launcher={"backend": "areal", "n_servers": 2},
-                        experiment_name="e", cluster={"fileroot": str(tmp_path)})
+    cfg = _write_config(
+        tmp_path,
+        actor={"path": "/models/m"},
+        launcher={"backend": "areal", "n_servers": 2},
+        experiment_name="e",
+        cluster={"fileroot": str(tmp_path)},
+    )
     plan = read_plan("train.py", cfg, ["recover.retries=2", "launcher.trainer_nproc=2"])
     assert plan.launcher.backend == "areal" and plan.launcher.n_servers == 2 and plan.launcher.trainer_nproc == 2
     assert plan.recover.retries == 2
@@ -49,16 +54,21 @@ def test_read_plan_takes_the_launcher_and_recover_sections(tmp_path) -> None:
     assert plan.output_dir == os.path.join(str(tmp_path), "e", "trial0")
     plan = read_plan("train.py", cfg, ["launcher.server_model_path=/models/other"])
     assert plan.model_path == "/models/other"
-    cfg = _write_config(tmp_path, actor={"path": "${cluster.fileroot}/${experiment_name}/model"}, launcher={"backend": "areal"})
+    cfg = _write_config(
+        tmp_path, actor={"path": "${cluster.fileroot}/${experiment_name}/model"}, launcher={"backend": "areal"}
+    )
     assert read_plan("train.py", cfg, []).model_path == "outputs/areal-lite/model", "interpolations see the defaults"
     assert read_plan("train.py", cfg, ["cluster.fileroot=/r"]).model_path == "/r/areal-lite/model"
 
 
-@pytest.mark.parametrize("override, message", [
-    ("launcher.n_server=2", "n_server"),
-    ("launcher.backend=tgi", "launcher.backend"),
-    ("launcher.n_servers=two", "n_servers"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("launcher.n_server=2", "n_server"),
+        ("launcher.backend=tgi", "launcher.backend"),
+        ("launcher.n_servers=two", "n_servers"),
+    ],
+)
 def test_read_plan_rejects_bad_launcher_config(tmp_path, override: str, message: str) -> None:
     cfg = _write_config(tmp_path, actor={"path": "/m"})
     with pytest.raises(ConfigError, match=message):
@@ -80,17 +90,40 @@ def test_servers_need_a_model(tmp_path) -> None:
 
 
 def _plan(**launcher: object) -> LaunchPlan:
-    return LaunchPlan("train.py", "cfg.yaml", ["a.b=1"], LauncherConfig(**launcher), RecoverConfig(), "/models/m", "out",
-                      python="py")
+    return LaunchPlan(
+        "train.py", "cfg.yaml", ["a.b=1"], LauncherConfig(**launcher), RecoverConfig(), "/models/m", "out", python="py"
+    )
 
 
 def test_server_command_lines() -> None:
     assert server_command(_plan(backend="areal", server_args=["--max-running-requests", "8"]), 9000) == [
-        "py", "-m", "areal_lite.engines.server", "--model-path", "/models/m", "--host", "127.0.0.1", "--port", "9000",
-        "--max-running-requests", "8"]
+        "py",
+        "-m",
+        "areal_lite.engines.server",
+        "--model-path",
+        "/models/m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9000",
+        "--max-running-requests",
+        "8",
+    ]
     assert server_command(_plan(backend="sglang", server_tp_size=2, server_host="0.0.0.0"), 9001, base_gpu_id=2) == [
-        "py", "-m", "sglang.launch_server", "--model-path", "/models/m", "--host", "0.0.0.0", "--port", "9001",
-        "--tp-size", "2", "--base-gpu-id", "2"]
+        "py",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/m",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9001",
+        "--tp-size",
+        "2",
+        "--base-gpu-id",
+        "2",
+    ]
     with pytest.raises(ValueError):
         server_command(_plan(backend="local"), 9000)
 
@@ -128,8 +161,15 @@ def test_trainer_gets_the_gpus_after_the_sglang_servers() -> None:
 def _launch_with_output(tmp_path, *overrides: str, timeout: float = 120) -> tuple[int, list[dict], str]:
     """The launcher's exit code, the probe's records (one per start) and the launcher's stderr."""
     out = tmp_path / "probe.jsonl"
-    cmd = [sys.executable, "-m", "areal_lite.launcher.local", PROBE, f"probe.out={out}",
-           f"cluster.fileroot={tmp_path}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_lite.launcher.local",
+        PROBE,
+        f"probe.out={out}",
+        f"cluster.fileroot={tmp_path}",
+        *overrides,
+    ]
     proc = subprocess.run(cmd, env=ENV, check=False, capture_output=True, text=True, timeout=timeout)
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return proc.returncode, records, proc.stderr
@@ -155,19 +195,30 @@ def test_prepare_run_comes_first_and_must_succeed(tmp_path) -> None:
     assert rc == 0
     assert [r["tag"] for r in records] == ["prepare", "main"]
     (tmp_path / "b").mkdir()
-    rc, records = _launch(tmp_path / "b", "launcher.prepare_overrides=[probe.tag=prepare,probe.fail_attempts=1]",
-                          "recover.retries=2")
+    rc, records = _launch(
+        tmp_path / "b", "launcher.prepare_overrides=[probe.tag=prepare,probe.fail_attempts=1]", "recover.retries=2"
+    )
     assert rc == 3 and [r["tag"] for r in records] == ["prepare"], "a failed prepare run stops the launch"
 
 
-@pytest.mark.parametrize("override, message", [
-    ("rollout.pause_mode=pause", "config field 'rollout.pause_mode' is 'pause'; choose one of abort, in_place"),
-    ("probe.model=/nonexistent/model", "the config names paths that do not exist: probe.model='/nonexistent/model'"),
-    ("launcher.prepare_overrides=[probe.tagg=prepare]",
-     ("unknown config key 'probe.tagg' (from command line); did you mean probe.tag, probe.out, probe.model? "
-      "(with launcher.prepare_overrides)")),
-    ("launcher.backend=tgi", "config field 'launcher.backend' is 'tgi'; choose one of local, areal, sglang, vllm"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.pause_mode=pause", "config field 'rollout.pause_mode' is 'pause'; choose one of abort, in_place"),
+        (
+            "probe.model=/nonexistent/model",
+            "the config names paths that do not exist: probe.model='/nonexistent/model'",
+        ),
+        (
+            "launcher.prepare_overrides=[probe.tagg=prepare]",
+            (
+                "unknown config key 'probe.tagg' (from command line); did you mean probe.tag, probe.out, probe.model? "
+                "(with launcher.prepare_overrides)"
+            ),
+        ),
+        ("launcher.backend=tgi", "config field 'launcher.backend' is 'tgi'; choose one of local, areal, sglang, vllm"),
+    ],
+)
 def test_a_config_error_is_one_line_and_nothing_starts(tmp_path, override: str, message: str) -> None:
     """Checked before any server or trainer starts, with the script's own config class; a failure
     that would repeat is never retried."""
@@ -179,8 +230,13 @@ def test_a_config_error_is_one_line_and_nothing_starts(tmp_path, override: str, 
 
 def test_the_servers_model_must_exist_after_the_prepare_run(tmp_path) -> None:
     model = tmp_path / "areal-lite" / "trial0" / "model"  # in the output directory: the prepare run could write it
-    rc, records, err = _launch_with_output(tmp_path, "launcher.backend=areal", f"launcher.server_model_path={model}",
-                                           "launcher.prepare_overrides=[probe.tag=prepare]", "recover.retries=3")
+    rc, records, err = _launch_with_output(
+        tmp_path,
+        "launcher.backend=areal",
+        f"launcher.server_model_path={model}",
+        "launcher.prepare_overrides=[probe.tag=prepare]",
+        "recover.retries=3",
+    )
     assert rc == CONFIG_ERROR_EXIT
     assert [r["tag"] for r in records] == ["prepare"], "the prepare run, then no server and no trainer"
     last = err.splitlines()[-1]
@@ -194,24 +250,46 @@ def test_the_gpu_recipe_on_a_cpu_machine_names_the_overrides_it_needs(tmp_path) 
     line and before starting anything, which overrides run it on the CPU; with them it passes."""
     root = os.path.dirname(HERE)
     recipe = ["examples/gsm8k_grpo.py", "--config", "configs/gsm8k_grpo.yaml", f"cluster.fileroot={tmp_path}"]
-    proc = subprocess.run([sys.executable, "-m", "areal_lite.launcher.local", *recipe], cwd=root, env=ENV,
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "areal_lite.launcher.local", *recipe],
+        cwd=root,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == CONFIG_ERROR_EXIT
-    assert proc.stderr.splitlines() == [(f"[launcher] config error: launcher.backend=sglang needs GPUs and this "
-                                         f"machine has none; on CPU set {CPU_OVERRIDES}")], proc.stderr
+    assert proc.stderr.splitlines() == [
+        (
+            f"[launcher] config error: launcher.backend=sglang needs GPUs and this "
+            f"machine has none; on CPU set {CPU_OVERRIDES}"
+        )
+    ], proc.stderr
     plan = read_plan(recipe[0], recipe[2], [*recipe[3:], *CPU_OVERRIDES.split()])
     check_machine(plan)  # no error
     with pytest.raises(ConfigError, match=r"local_engine.device=cuda but this machine has no GPU; set "):
-        check_machine(read_plan(recipe[0], recipe[2], [*recipe[3:], "launcher.backend=areal", "launcher.server_args=[]"]))
-    with pytest.raises(ConfigError, match=r"launcher.server_args \['--mem-fraction-static', '0.8'\] are not flags of our"):
-        check_machine(read_plan(recipe[0], recipe[2], [*recipe[3:], *CPU_OVERRIDES.split()[:1], *CPU_OVERRIDES.split()[2:]]))
+        check_machine(
+            read_plan(recipe[0], recipe[2], [*recipe[3:], "launcher.backend=areal", "launcher.server_args=[]"])
+        )
+    with pytest.raises(
+        ConfigError, match=r"launcher.server_args \['--mem-fraction-static', '0.8'\] are not flags of our"
+    ):
+        check_machine(
+            read_plan(recipe[0], recipe[2], [*recipe[3:], *CPU_OVERRIDES.split()[:1], *CPU_OVERRIDES.split()[2:]])
+        )
 
 
 def test_which_paths_must_exist(tmp_path) -> None:
     (tmp_path / "data.jsonl").write_text("")
-    inputs = {"a": ("model", str(tmp_path / "data.jsonl")), "b": ("model", "Qwen/Qwen2.5-1.5B-Instruct"),
-              "c": ("file", "data/train.parquet"), "d": ("model", "/models/m"), "e": ("model", "../m/x"),
-              "f": ("file", str(tmp_path / "out" / "made_by_the_run.jsonl"))}
+    inputs = {
+        "a": ("model", str(tmp_path / "data.jsonl")),
+        "b": ("model", "Qwen/Qwen2.5-1.5B-Instruct"),
+        "c": ("file", "data/train.parquet"),
+        "d": ("model", "/models/m"),
+        "e": ("model", "../m/x"),
+        "f": ("file", str(tmp_path / "out" / "made_by_the_run.jsonl")),
+    }
     assert missing_inputs(inputs, str(tmp_path / "out")) == ["c='data/train.parquet'", "d='/models/m'", "e='../m/x'"]
 
 
@@ -222,8 +300,12 @@ def test_the_check_run_reports_a_script_that_cannot_load(tmp_path) -> None:
     assert check(str(nope), [], {}) == {"error": f"the training script '{nope}' does not exist"}
     broken = tmp_path / "broken.py"
     broken.write_text("import no_such_module_here\n")
-    assert check(str(broken), [], {}) == {"logged": True, "error": (f"{broken} failed before loading its config: "
-                                                  "ModuleNotFoundError: No module named 'no_such_module_here'")}
+    assert check(str(broken), [], {}) == {
+        "logged": True,
+        "error": (
+            f"{broken} failed before loading its config: ModuleNotFoundError: No module named 'no_such_module_here'"
+        ),
+    }
 
 
 def test_trainer_under_torchrun_is_pinned(tmp_path) -> None:
@@ -252,8 +334,16 @@ def _alive(pid: int) -> bool:
 
 def test_sigterm_is_forwarded_and_everything_stops(tmp_path) -> None:
     out = tmp_path / "probe.jsonl"
-    cmd = [sys.executable, "-m", "areal_lite.launcher.local", PROBE, f"probe.out={out}", "probe.wait_for_signal=true",
-           f"cluster.fileroot={tmp_path}", "recover.retries=3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_lite.launcher.local",
+        PROBE,
+        f"probe.out={out}",
+        "probe.wait_for_signal=true",
+        f"cluster.fileroot={tmp_path}",
+        "recover.retries=3",
+    ]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         _wait_for(str(out) + ".ready", proc, "trainer start")
@@ -280,11 +370,24 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
     placed per node by GPU count, the trainer gets their addresses as one override and is retried."""
     from areal_lite.launcher.slurm import sbatch_script
 
-    plan = LaunchPlan("train.py", "cfg.yaml", ["a.b=1"],
-                      LauncherConfig(backend="sglang", n_servers=3, server_tp_size=4, gpus_per_node=8, trainer_nnodes=2,
-                                     trainer_nproc=8, prepare_overrides=["task.prepare_only=true"]),
-                      RecoverConfig(mode="auto", retries=1), "/models/m", str(tmp_path / "out" / "exp" / "trial"),
-                      python="python")
+    plan = LaunchPlan(
+        "train.py",
+        "cfg.yaml",
+        ["a.b=1"],
+        LauncherConfig(
+            backend="sglang",
+            n_servers=3,
+            server_tp_size=4,
+            gpus_per_node=8,
+            trainer_nnodes=2,
+            trainer_nproc=8,
+            prepare_overrides=["task.prepare_only=true"],
+        ),
+        RecoverConfig(mode="auto", retries=1),
+        "/models/m",
+        str(tmp_path / "out" / "exp" / "trial"),
+        python="python",
+    )
     script = sbatch_script(plan)
     assert "#SBATCH --nodes=4" in script, "3 servers of 4 GPUs on 8-GPU nodes take 2 nodes, plus 2 trainer nodes"
     bin_dir = tmp_path / "bin"
@@ -294,12 +397,26 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
     _shim(bin_dir, "curl", "exit 0")
     # The servers' sruns run in the background (Slurm stops them when the job ends), so their
     # records may land after the script has exited: bash builtins write them, and we wait for them.
-    _shim(bin_dir, "srun", f"(IFS=$'\\t'; echo \"${{AREAL_LITE_ATTEMPT}}\"$'\\t'\"$*\") >> {calls}\n"
-                            "[[ \"$*\" == *torch.distributed.run*rollout.addresses* && \"$AREAL_LITE_ATTEMPT\" == 0 ]] && exit 5; exit 0")
+    _shim(
+        bin_dir,
+        "srun",
+        f"(IFS=$'\\t'; echo \"${{AREAL_LITE_ATTEMPT}}\"$'\\t'\"$*\") >> {calls}\n"
+        '[[ "$*" == *torch.distributed.run*rollout.addresses* && "$AREAL_LITE_ATTEMPT" == 0 ]] && exit 5; exit 0',
+    )
     job = tmp_path / "job.sh"
     job.write_text(script)
-    proc = subprocess.run(["bash", str(job)], check=False, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-                                                   "SLURM_JOB_NODELIST": "n[0-3]", "SLURM_JOB_ID": "7"}, capture_output=True, text=True)
+    proc = subprocess.run(
+        ["bash", str(job)],
+        check=False,
+        env={
+            **os.environ,
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "SLURM_JOB_NODELIST": "n[0-3]",
+            "SLURM_JOB_ID": "7",
+        },
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     deadline = time.monotonic() + 30
     while True:
@@ -310,9 +427,14 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
         time.sleep(0.05)
     trainers = [r for r in records if "torch.distributed.run" in r]
     # Servers start in the background, so they reach the log in any order.
-    assert sorted((s[s.index("--nodelist=n0") if "--nodelist=n0" in s else s.index("--nodelist=n1")],
-                   s[s.index("--port") + 1], s[s.index("--base-gpu-id") + 1]) for s in servers) == [
-        ("--nodelist=n0", "30000", "0"), ("--nodelist=n0", "30001", "4"), ("--nodelist=n1", "30000", "0")]
+    assert sorted(
+        (
+            s[s.index("--nodelist=n0") if "--nodelist=n0" in s else s.index("--nodelist=n1")],
+            s[s.index("--port") + 1],
+            s[s.index("--base-gpu-id") + 1],
+        )
+        for s in servers
+    ) == [("--nodelist=n0", "30000", "0"), ("--nodelist=n0", "30001", "4"), ("--nodelist=n1", "30000", "0")]
     assert records.index(trainers[0]) == 0 and trainers[0][-1] == "task.prepare_only=true", "the prepare run goes first"
     trainers = trainers[1:]
     assert [t[0] for t in trainers] == ["0", "1"], "one retry after the failed first attempt"
@@ -330,7 +452,9 @@ def test_slurm_colocated_servers_share_the_first_trainer_node() -> None:
     assert "#SBATCH --nodes=1" in script and "#SBATCH --requeue" in script
     assert script.count('--nodelist="${NODES[0]}"') == 2 and 'MASTER="${NODES[0]}"' in script
     assert "--job-name=server1" in script and "CUDA_VISIBLE_DEVICES" not in script
-    gpu = _plan(backend="sglang", n_servers=2, trainer_nproc=4, gpus_per_node=6, slurm=SlurmConfig(colocate_servers=True))
+    gpu = _plan(
+        backend="sglang", n_servers=2, trainer_nproc=4, gpus_per_node=6, slurm=SlurmConfig(colocate_servers=True)
+    )
     assert "CUDA_VISIBLE_DEVICES=2,3,4,5 srun" in sbatch_script(gpu), "the trainer gets the GPUs after the servers'"
 
 
@@ -352,16 +476,22 @@ def test_ray_placement_and_commands() -> None:
     cpu = _plan(backend="areal", n_servers=1)
     assert server_bundles(cpu) == [{"CPU": 1}]
     assert trainer_bundles(cpu) == [{"CPU": 1}]
-    assert forwarded_env({"PYTHONPATH": "/src", "HOME": "/root", "WANDB_MODE": "offline", "CUDA_VISIBLE_DEVICES": "0"}) == {
-        "PYTHONPATH": "/src", "WANDB_MODE": "offline"}, "never the driver's GPUs: Ray sets each task's"
+    assert forwarded_env(
+        {"PYTHONPATH": "/src", "HOME": "/root", "WANDB_MODE": "offline", "CUDA_VISIBLE_DEVICES": "0"}
+    ) == {"PYTHONPATH": "/src", "WANDB_MODE": "offline"}, "never the driver's GPUs: Ray sets each task's"
 
 
 def test_areal_servers_are_up_for_the_trainer_and_stopped_after_a_failure(tmp_path) -> None:
     from areal_lite.utils.tiny import build_tiny_model
 
     model = build_tiny_model(str(tmp_path / "model"), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
-    rc, records = _launch(tmp_path, "launcher.backend=areal", "launcher.n_servers=2", f"launcher.server_model_path={model}",
-                          "probe.fail_attempts=1")
+    rc, records = _launch(
+        tmp_path,
+        "launcher.backend=areal",
+        "launcher.n_servers=2",
+        f"launcher.server_model_path={model}",
+        "probe.fail_attempts=1",
+    )
     assert rc == 1, "torchrun turns the trainer's failure into exit code 1"
     servers = json.loads((tmp_path / "areal-lite" / "trial0" / "logs" / "servers.json").read_text())
     assert [r["addresses"] for r in records] == [[s["address"] for s in servers]]
@@ -381,12 +511,25 @@ def test_training_completes_when_a_rollout_server_dies(tmp_path, weight_update: 
     model = build_tiny_model(str(tmp_path / "model"), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
     out_dir = tmp_path / "out" / "areal-lite" / "trial0"
     total_steps, kill_after = 5, 1
-    cmd = [sys.executable, "-m", "areal_lite.launcher.local", os.path.join(HERE, "scripts", "remote_train.py"),
-           f"actor.path={model}", f"cluster.fileroot={tmp_path / 'out'}", "launcher.backend=areal", "launcher.n_servers=2",
-           "launcher.server_args=[--max-running-requests,8]", "rollout.consumer_batch_size=4",
-           "rollout.max_head_offpolicyness=1", "rollout.request_timeout=60", f"total_steps={total_steps}",
-           f"pause_after_step={kill_after}", f"weight_update={weight_update}", "stats_logger.console=false",
-           "stats_logger.wandb_mode=disabled"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_lite.launcher.local",
+        os.path.join(HERE, "scripts", "remote_train.py"),
+        f"actor.path={model}",
+        f"cluster.fileroot={tmp_path / 'out'}",
+        "launcher.backend=areal",
+        "launcher.n_servers=2",
+        "launcher.server_args=[--max-running-requests,8]",
+        "rollout.consumer_batch_size=4",
+        "rollout.max_head_offpolicyness=1",
+        "rollout.request_timeout=60",
+        f"total_steps={total_steps}",
+        f"pause_after_step={kill_after}",
+        f"weight_update={weight_update}",
+        "stats_logger.console=false",
+        "stats_logger.wandb_mode=disabled",
+    ]
     launcher = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     servers: list[dict] = []
     try:

@@ -76,7 +76,9 @@ def test_every_import_points_down_the_layers() -> None:
         for target in imported:
             target_package, target_level = layer_of(target)
             if target_package != package and target_level >= level:
-                upward.append(f"{module} ({package}, layer {level}) imports {target} ({target_package}, layer {target_level})")
+                upward.append(
+                    f"{module} ({package}, layer {level}) imports {target} ({target_package}, layer {target_level})"
+                )
     assert not upward, "imports that point up or across the layers:\n" + "\n".join(sorted(upward))
 
 

@@ -34,7 +34,8 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 def trained_adapter(model_path: str, seed: int, rank: int = 4, targets: tuple[str, ...] = ("all-linear",)) -> PeftModel:
     """A peft model over the base whose adapter holds random (non-zero) A and B, as after training."""
     model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model_path), peft_config(LoRAConfig(rank=rank, alpha=2.0 * rank, target_modules=list(targets)))
+        AutoModelForCausalLM.from_pretrained(model_path),
+        peft_config(LoRAConfig(rank=rank, alpha=2.0 * rank, target_modules=list(targets))),
     )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -129,7 +130,9 @@ def test_embedded_engine_serves_adapters(model_path: str, tmp_path) -> None:
         second = trained_adapter(model_path, seed=2, rank=2, targets=("q_proj", "down_proj"))
         second.save_pretrained(str(tmp_path / "adapter"))
         lora_config = config_dict(second.peft_config["default"])
-        engine.update_weights(WeightUpdateMeta(type="disk", path=str(tmp_path / "adapter"), lora_config=lora_config, version=2)).result()
+        engine.update_weights(
+            WeightUpdateMeta(type="disk", path=str(tmp_path / "adapter"), lora_config=lora_config, version=2)
+        ).result()
         assert_serves(engine, second, version=2)
 
         # By broadcast: registered (zeros: the base model), then filled in two chunks.
@@ -137,12 +140,16 @@ def test_embedded_engine_serves_adapters(model_path: str, tmp_path) -> None:
         tensors = adapter_tensors(third)
         group_meta = WeightUpdateMeta(type="distributed", master_port=find_free_port(), version=3)
         joined = engine.init_weights_update_group(group_meta)
-        group = init_custom_process_group("gloo", "127.0.0.1", group_meta.master_port, 0, 2, group_meta.group_name, timeout=60)
+        group = init_custom_process_group(
+            "gloo", "127.0.0.1", group_meta.master_port, 0, 2, group_meta.group_name, timeout=60
+        )
         joined.result(timeout=60)
         names = sorted(tensors)
         for chunk in (names[::2], names[1::2]):
             specs = [ParamSpec(n, tuple(tensors[n].shape), "float32") for n in chunk]
-            fut = engine.update_weights(WeightUpdateMeta(**{**group_meta.to_json(), "param_specs": specs, "lora_config": config}))
+            fut = engine.update_weights(
+                WeightUpdateMeta(**{**group_meta.to_json(), "param_specs": specs, "lora_config": config})
+            )
             for n in chunk:
                 group.broadcast(tensors[n])
             fut.result(timeout=60)

@@ -75,13 +75,19 @@ def test_sync_client_models_completions_and_chat(base_url: str, model_path: str)
     assert model.id == model_path
     prompt = [11, 12, 13, 14]
     done = client.completions.create(
-        model=model.id, prompt=prompt, max_tokens=8, logprobs=0, extra_body={"return_token_ids": True, "ignore_eos": True}
+        model=model.id,
+        prompt=prompt,
+        max_tokens=8,
+        logprobs=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
     )
     [choice] = done.choices
     out = choice.model_extra["token_ids"]
     assert choice.model_extra["prompt_token_ids"] == prompt and len(out) == 8 and choice.finish_reason == "length"
     hf = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    torch.testing.assert_close(torch.tensor(choice.logprobs.token_logprobs), hf_logprobs(hf, prompt, out), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(choice.logprobs.token_logprobs), hf_logprobs(hf, prompt, out), atol=1e-4, rtol=0
+    )
     tok = AutoTokenizer.from_pretrained(model_path)
     assert choice.text == tok.decode(out) and done.usage.prompt_tokens == 4 and done.usage.completion_tokens == 8
 
@@ -122,11 +128,15 @@ def test_streaming_adds_up_to_the_whole_answer(base_url: str, model_path: str) -
     whole = client.completions.create(prompt="The quick", **common).choices[0]
     chunks = list(client.completions.create(prompt="The quick", stream=True, **common))
     assert "".join(c.choices[0].text for c in chunks) == whole.text
-    assert chunks[-1].choices[0].finish_reason == "length" and all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].choices[0].finish_reason == "length" and all(
+        c.choices[0].finish_reason is None for c in chunks[:-1]
+    )
 
     messages = [{"role": "user", "content": "Tell me a story"}]
     answer = client.chat.completions.create(messages=messages, **common).choices[0].message.content
-    stream = list(client.chat.completions.create(messages=messages, stream=True, stream_options={"include_usage": True}, **common))
+    stream = list(
+        client.chat.completions.create(messages=messages, stream=True, stream_options={"include_usage": True}, **common)
+    )
     assert stream[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
     assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == 12
@@ -154,8 +164,11 @@ def test_tool_calls_sync_and_streamed(base_url: str, model_path: str) -> None:
     # The conversation goes on with the call and its result in the history.
     follow = client.chat.completions.create(
         model=model_path,
-        messages=[*QUESTION, choice.message.model_dump(exclude_none=True),
-                  {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}],
+        messages=[
+            *QUESTION,
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'},
+        ],
         tools=[WEATHER_TOOL],
         max_tokens=4,
     )

@@ -57,7 +57,9 @@ def run(coro):
 
 
 def sgd_config(**changes: object) -> ModelConfig:
-    return replace(ModelConfig(optimizer=SGD_LIKE, max_seq_len=64, gconfig=GenerationConfig(max_new_tokens=6)), **changes)  # type: ignore[arg-type]
+    return replace(
+        ModelConfig(optimizer=SGD_LIKE, max_seq_len=64, gconfig=GenerationConfig(max_new_tokens=6)), **changes
+    )  # type: ignore[arg-type]
 
 
 def padded(samples: list[TokenizedThread], **per_token: list[list[float]]) -> TensorDict:
@@ -171,7 +173,9 @@ def test_train_policy_then_optim_step_equals_ppo_update(model_dir, kind):
 
         per_token_adv = [[x] * s.n_trained for x, s in zip(adv, samples)]
         batch = padded(samples, logprobs=old, prox_logp=old, ref_logp=ref, advantages=per_token_adv)
-        cfg = PPOActorConfig(path=model_dir, optimizer=SGD_LIKE, behav_imp_weight_cap=None, use_decoupled_loss=False, **settings)
+        cfg = PPOActorConfig(
+            path=model_dir, optimizer=SGD_LIKE, behav_imp_weight_cap=None, use_decoupled_loss=False, **settings
+        )
         actor = PPOActor(cfg, b.engine, ref_engine=b.engine)
         await b.with_engine("ppo_update", lambda _: actor.ppo_update(batch))
         worst = largest_difference(before, a, b)
@@ -188,7 +192,9 @@ def test_train_dpo_then_optim_step_equals_the_dpo_actor(model_dir):
         samples = random_samples(8, seed=9)  # pairs (0, 1), (2, 3)...
         ref = [[x - 0.1 * (i % 3) for x in lp] for i, lp in enumerate(await async_map(a.logprobs_per_token, samples))]
         before = params(a.engine)
-        await async_map(lambda i: a.train_dpo(samples[2 * i], samples[2 * i + 1], ref[2 * i], sum(ref[2 * i + 1]), 0.5), range(4))
+        await async_map(
+            lambda i: a.train_dpo(samples[2 * i], samples[2 * i + 1], ref[2 * i], sum(ref[2 * i + 1]), 0.5), range(4)
+        )
         await a.optim_step()
         cfg = DPOConfig(path=model_dir, optimizer=SGD_LIKE, beta=0.5, mb_spec=MicroBatchSpec(granularity=2))
         actor = DPOActor(cfg, b.engine, b.engine)
@@ -267,7 +273,9 @@ def test_concurrent_calls_are_packed(model_dir):
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 def test_generation_uses_the_current_weights_and_clones_stay_frozen(model_dir, lora_rank):
     async def go():
-        cfg = ModelConfig(max_seq_len=64, gconfig=GenerationConfig(max_new_tokens=6, ignore_eos=True), lora=LoRAConfig(rank=lora_rank))
+        cfg = ModelConfig(
+            max_seq_len=64, gconfig=GenerationConfig(max_new_tokens=6, ignore_eos=True), lora=LoRAConfig(rank=lora_rank)
+        )
         model = await ModelBuilder(model_dir, cfg).spawn_train("gen")
         trainable = {n for n, p in model.engine.model.named_parameters() if p.requires_grad}
         assert trainable and all(("lora_" in n) == bool(lora_rank) for n in trainable)
@@ -275,7 +283,9 @@ def test_generation_uses_the_current_weights_and_clones_stay_frozen(model_dir, l
         update, connect = model.engine.update_weights, model.engine.connect_engine
         model.engine.update_weights = lambda meta: (syncs.append(1), update(meta))[1]
         # With LoRA, connecting sends the adapter at once (requests name it); that is not a sync.
-        model.engine.connect_engine = lambda engine, meta: (connect(engine, meta), syncs.pop() if lora_rank else None)[0]
+        model.engine.connect_engine = lambda engine, meta: (connect(engine, meta), syncs.pop() if lora_rank else None)[
+            0
+        ]
         prompt = await model.tokenize_thread(StringThread([("user", "hello")]))
         ref = await model.clone_inf()
         first = await model.generate_tokens(prompt)
@@ -364,7 +374,9 @@ def test_save_writes_the_current_weights(model_dir, tmp_path):
         loaded = await ModelBuilder(str(tmp_path / "out"), sgd_config()).spawn_inference("loaded")
         torch.testing.assert_close(await loaded.logprobs_per_token(s[1]), await model.logprobs_per_token(s[1]))
         await loaded.close()
-        again = await ModelBuilder(str(tmp_path / "out"), sgd_config()).spawn_inference("loaded")  # the name is free again
+        again = await ModelBuilder(str(tmp_path / "out"), sgd_config()).spawn_inference(
+            "loaded"
+        )  # the name is free again
         await shutdown(again, model)
 
     run(go())
@@ -381,7 +393,9 @@ def test_bad_input_gets_a_clear_error(model_dir):
         with pytest.raises(ValueError, match="no trained token"):
             await model.logprobs_per_token(no_answer)
         s = random_samples(1, seed=7)[0]
-        with pytest.raises(ValueError, match=rf"tangents has {s.n_trained + 1} values but the thread has {s.n_trained} trained tokens"):
+        with pytest.raises(
+            ValueError, match=rf"tangents has {s.n_trained + 1} values but the thread has {s.n_trained} trained tokens"
+        ):
             await model.train_tangents(s, [0.0] * (s.n_trained + 1))
         with pytest.raises(ValueError, match="logprobs has 1 values"):
             await model.train_grpo(s, [0.0], [0.0] * s.n_trained, 1.0)

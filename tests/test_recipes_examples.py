@@ -42,7 +42,13 @@ def test_recipe_example(script: str, tmp_path: Path, capsys: pytest.CaptureFixtu
         sys.path.remove(str(EXAMPLES))
     config_cls = next(v for k, v in vars(module).items() if k.endswith("Config") and v.__module__ == script)
     out_key = "output_dir" if script == "grpo_walkthrough" else "run.output_dir"
-    argv = ["--config", str(ROOT / "configs" / "recipes" / f"{script}.yaml"), f"{out_key}={tmp_path}", *TINY, *CASES[script]]
+    argv = [
+        "--config",
+        str(ROOT / "configs" / "recipes" / f"{script}.yaml"),
+        f"{out_key}={tmp_path}",
+        *TINY,
+        *CASES[script],
+    ]
     asyncio.run(module.main(load_config(argv, config_cls)))
     assert re.search(r"^RESULT ", capsys.readouterr().out, re.MULTILINE)
 

@@ -35,8 +35,12 @@ def test_dataloader_resumes_exactly_at_every_batch(rank: int) -> None:
 def test_dataloader_shards_each_epoch_disjointly() -> None:
     epochs = []
     for epoch in range(3):
-        per_rank = [trainer_kill.batches(stateful_dataloader(list(range(12)), 3, seed=1, rank=r, world_size=2), 2 * (epoch + 1))[-2:]
-                    for r in range(2)]
+        per_rank = [
+            trainer_kill.batches(
+                stateful_dataloader(list(range(12)), 3, seed=1, rank=r, world_size=2), 2 * (epoch + 1)
+            )[-2:]
+            for r in range(2)
+        ]
         ids = [i for batches in per_rank for b in batches for i in b]
         assert sorted(ids) == list(range(12)), "every sample once per epoch, no sample on two ranks"
         epochs.append(ids)
@@ -122,15 +126,28 @@ def test_sigkilled_trainer_resumes_with_each_sample_once_per_epoch(tmp_path) -> 
 
     from areal_lite.utils.tiny import build_tiny_model
 
-    model = build_tiny_model(str(tmp_path / "model"), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=256)
+    model = build_tiny_model(
+        str(tmp_path / "model"), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=256
+    )
     out_dir = tmp_path / "out" / "areal-lite" / "trial0"
-    cmd = [sys.executable, "-m", "areal_lite.launcher.local", trainer_kill.SCRIPT,
-           *trainer_kill.overrides(model, str(tmp_path / "out"))]
-    launcher = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_lite.launcher.local",
+        trainer_kill.SCRIPT,
+        *trainer_kill.overrides(model, str(tmp_path / "out")),
+    ]
+    launcher = subprocess.Popen(
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         pids = trainer_kill.wait_paused(
-            out_dir, lambda: None if launcher.poll() is None else launcher.communicate()[0].decode()[-3000:])
+            out_dir, lambda: None if launcher.poll() is None else launcher.communicate()[0].decode()[-3000:]
+        )
         os.kill(pids[1], signal.SIGKILL)
         log = launcher.communicate(timeout=300)[0].decode()
         assert launcher.returncode == 0, log[-3000:]
@@ -149,8 +166,14 @@ def test_resume_pushes_the_recovered_policy_to_the_inference_engine(tmp_path) ->
 
     build_tiny_model(str(tmp_path / "model"), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=256)
     script = os.path.join(os.path.dirname(__file__), "scripts", "recover_push.py")
-    proc = subprocess.run([sys.executable, script, str(tmp_path)], check=False, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, script, str(tmp_path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 

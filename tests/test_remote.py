@@ -104,8 +104,12 @@ def assert_switched_models(req: ModelRequest, resp, model, new_model, n: int) ->
     switch = resp.output_versions.index(1)
     assert 0 < switch < n and resp.output_versions == [0] * switch + [1] * (n - switch)
     lp = torch.tensor(resp.output_logprobs)
-    torch.testing.assert_close(lp[:switch], hf_logprobs(model, req.input_ids, resp.output_tokens)[:switch], atol=1e-4, rtol=0)
-    torch.testing.assert_close(lp[switch:], hf_logprobs(new_model, req.input_ids, resp.output_tokens)[switch:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        lp[:switch], hf_logprobs(model, req.input_ids, resp.output_tokens)[:switch], atol=1e-4, rtol=0
+    )
+    torch.testing.assert_close(
+        lp[switch:], hf_logprobs(new_model, req.input_ids, resp.output_tokens)[switch:], atol=1e-4, rtol=0
+    )
 
 
 def test_generation_logprobs_routing_and_mid_generation_update(servers, kind: str, model_path: str, tmp_path) -> None:
@@ -156,7 +160,9 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, kind: st
         engine.destroy()
 
 
-def test_batch_requests_go_to_one_server_and_resume_across_an_update(servers, kind: str, model_path: str, tmp_path) -> None:
+def test_batch_requests_go_to_one_server_and_resume_across_an_update(
+    servers, kind: str, model_path: str, tmp_path
+) -> None:
     """agenerate_batch (a GRPO group) sends one batch request; its generations, interrupted by a
     weight update, resume as batch requests again and end with tokens of both versions, each
     scored right."""
@@ -180,7 +186,9 @@ def test_batch_requests_go_to_one_server_and_resume_across_an_update(servers, ki
         async def update_mid_generation():
             tasks = [asyncio.ensure_future(engine.agenerate_batch(group)) for group in groups]
             await generating_on_every_server(addresses)
-            await asyncio.wrap_future(engine.update_weights(WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"), version=1)))
+            await asyncio.wrap_future(
+                engine.update_weights(WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"), version=1))
+            )
             return await asyncio.gather(*tasks)
 
         results = asyncio.run(update_mid_generation())
@@ -209,7 +217,10 @@ def test_generations_aborted_by_our_pause_wait_for_the_resume(servers, kind: str
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     try:
         reset_weights(engine, model_path)
-        reqs = [ModelRequest(input_ids=[5, 30 + i], gconfig=GenerationConfig(max_new_tokens=200, ignore_eos=True)) for i in range(4)]
+        reqs = [
+            ModelRequest(input_ids=[5, 30 + i], gconfig=GenerationConfig(max_new_tokens=200, ignore_eos=True))
+            for i in range(4)
+        ]
 
         async def pause_mid_generation():
             tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs]

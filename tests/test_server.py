@@ -200,16 +200,25 @@ BAD_INPUTS = [
     ("/pause?mode=wait", {}, "mode"),
     ("/collective_rpc", {"method": "execute_model", "args": []}, "method"),
     ("/collective_rpc", {"method": "areal_load_weights_from_disk", "args": [{"model_path": "/x"}]}, "JSON object"),
-    ("/collective_rpc", {"method": "areal_load_weights_from_disk", "args": ['{"model_path": "/nonexistent"}']}, "safetensors"),
     (
         "/collective_rpc",
-        {"method": "areal_receive_weights", "args": ['{"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]]}']},
+        {"method": "areal_load_weights_from_disk", "args": ['{"model_path": "/nonexistent"}']},
+        "safetensors",
+    ),
+    (
+        "/collective_rpc",
+        {
+            "method": "areal_receive_weights",
+            "args": ['{"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]]}'],
+        },
         "shape",
     ),
     (
         "/collective_rpc",
-        {"method": "areal_join_weight_update_group",
-         "args": ['{"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 3, "world_size": 2}']},
+        {
+            "method": "areal_join_weight_update_group",
+            "args": ['{"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 3, "world_size": 2}'],
+        },
         "rank_offset",
     ),
 ]
@@ -358,7 +367,9 @@ def test_lora_adapter_routes(server: str, model_path: str, tmp_path) -> None:
     from areal_lite.utils.lora import config_dict, peft_config
 
     def adapter(seed: int, rank: int):
-        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_path), peft_config(LoRAConfig(rank=rank)))
+        peft_model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(model_path), peft_config(LoRAConfig(rank=rank))
+        )
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in peft_model.named_parameters():
@@ -381,8 +392,14 @@ def test_lora_adapter_routes(server: str, model_path: str, tmp_path) -> None:
 
     first = adapter(seed=1, rank=4)
     first.save_pretrained(str(tmp_path / "a1"))
-    status, out = run(call(server, "/load_lora_adapter", {"lora_name": "policy", "lora_path": str(tmp_path / "a1"), "pinned": False}))
-    assert status == 200 and out == {"success": True, "error_message": "", "loaded_adapters": {"policy": str(tmp_path / "a1")}}
+    status, out = run(
+        call(server, "/load_lora_adapter", {"lora_name": "policy", "lora_path": str(tmp_path / "a1"), "pinned": False})
+    )
+    assert status == 200 and out == {
+        "success": True,
+        "error_message": "",
+        "loaded_adapters": {"policy": str(tmp_path / "a1")},
+    }
     assert_serves(first, "policy")
     assert_serves(first, ["policy", None])  # one entry per prompt; the server holds one adapter, merged
 
@@ -391,10 +408,17 @@ def test_lora_adapter_routes(server: str, model_path: str, tmp_path) -> None:
         ("/load_lora_adapter", {"lora_name": "policy", "lora_path": str(tmp_path)}, "not a PEFT adapter directory"),
         ("/update_weights_from_disk", {"model_path": model_path}, "unload it"),
         ("/unload_lora_adapter", {"lora_name": "other"}, "not loaded"),
-        ("/register_lora_adapter", {"lora_name": "policy", "config_dict": {"peft_type": "NOPE"}}, "PEFT adapter config"),
+        (
+            "/register_lora_adapter",
+            {"lora_name": "policy", "config_dict": {"peft_type": "NOPE"}},
+            "PEFT adapter config",
+        ),
     ]:
         status, out = run(call(server, path, body))
-        assert status == 400 and out["success"] is False and message in (out.get("error_message") or out["message"]), (path, out)
+        assert status == 400 and out["success"] is False and message in (out.get("error_message") or out["message"]), (
+            path,
+            out,
+        )
     assert_serves(first, "policy")  # nothing changed
 
     status, out = run(call(server, "/unload_lora_adapter", {"lora_name": "policy"}))
@@ -410,12 +434,24 @@ def test_lora_adapter_routes(server: str, model_path: str, tmp_path) -> None:
     port = find_free_port()
 
     async def broadcast() -> None:
-        join = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": "lora", "backend": "gloo"}
+        join = {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "lora",
+            "backend": "gloo",
+        }
         joined = asyncio.ensure_future(call(server, "/init_weights_update_group", join))
         group = await asyncio.to_thread(init_custom_process_group, "gloo", "127.0.0.1", port, 0, 2, "lora", 60)
         assert (await joined)[0] == 200
         names = sorted(tensors)
-        bad = {"names": ["other:" + names[0]], "dtypes": ["float32"], "shapes": [list(tensors[names[0]].shape)], "group_name": "lora"}
+        bad = {
+            "names": ["other:" + names[0]],
+            "dtypes": ["float32"],
+            "shapes": [list(tensors[names[0]].shape)],
+            "group_name": "lora",
+        }
         assert (await call(server, "/update_weights_from_distributed", bad))[0] == 400
         for chunk in (names[::2], names[1::2]):
             body = {

@@ -50,9 +50,20 @@ def test_tracker_reductions_in_one_process() -> None:
 
 def test_tracker_reduces_across_two_ranks(tmp_path) -> None:
     out_file = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(find_free_port()),
-           os.path.join(HERE, "scripts", "stats_reduce.py"), str(out_file)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(find_free_port()),
+        os.path.join(HERE, "scripts", "stats_reduce.py"),
+        str(out_file),
+    ]
+    proc = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(out_file.read_text())
     s = out["scalars"]
@@ -101,8 +112,18 @@ class _Terminal(io.StringIO):
         return True
 
 
-PPO_STEP = {"reward_mean": 0.52, "reward_std": 0.3, "approx_kl": 0.0031, "behav_kl": 0.0042, "loss": -0.012, "advantage_mean": 0.0,
-            "grad_norm": 1.7, "rollout/staleness_max": 2.0, "rollout/staleness_mean": 1.25, "rollout/accepted": 64.0}
+PPO_STEP = {
+    "reward_mean": 0.52,
+    "reward_std": 0.3,
+    "approx_kl": 0.0031,
+    "behav_kl": 0.0042,
+    "loss": -0.012,
+    "advantage_mean": 0.0,
+    "grad_norm": 1.7,
+    "rollout/staleness_max": 2.0,
+    "rollout/staleness_mean": 1.25,
+    "rollout/accepted": 64.0,
+}
 
 
 def test_console_shows_one_short_line_per_step(tmp_path) -> None:
@@ -117,8 +138,11 @@ def test_console_shows_one_short_line_per_step(tmp_path) -> None:
     assert re.fullmatch(r"step 2/3  reward 0\.52  acc 0\.61  loss .*  time [\d.e-]+s  eta \d+s", lines[1]), lines[1]
     assert "kl_ref" not in lines[1] and "grad_norm" not in lines[1], "missing keys and keys not asked for stay out"
     custom = io.StringIO()
-    log = StatsLogger(_config(console=True, console_keys=["grad_norm", "mean stale=rollout/staleness_mean", "nope"]),
-                      str(tmp_path), stream=custom)
+    log = StatsLogger(
+        _config(console=True, console_keys=["grad_norm", "mean stale=rollout/staleness_mean", "nope"]),
+        str(tmp_path),
+        stream=custom,
+    )
     log.commit(0, PPO_STEP)
     assert custom.getvalue() == "step 1  grad_norm 1.7  mean stale 1.25\n"
 
@@ -156,12 +180,16 @@ def test_no_control_characters_unless_on_a_terminal(tmp_path) -> None:
 
 
 def test_tensorboard_wandb_and_curves_get_every_statistic(tmp_path) -> None:
-    cfg = StatsLoggerConfig(console=False, tensorboard=True, wandb_mode="offline",
-                            plot_keys=["reward/mean", "eval/accuracy"])
+    cfg = StatsLoggerConfig(
+        console=False, tensorboard=True, wandb_mode="offline", plot_keys=["reward/mean", "eval/accuracy"]
+    )
     log = StatsLogger(cfg, str(tmp_path), total_steps=4, run_name="t")
     for step in range(4):
-        log.commit(step, {"reward/mean": 0.1 * step, "n_tokens": 100.0},
-                   StepStats({"eval/accuracy": 0.2 * step}, {"staleness": [0.0, 1.0]}))
+        log.commit(
+            step,
+            {"reward/mean": 0.1 * step, "n_tokens": 100.0},
+            StepStats({"eval/accuracy": 0.2 * step}, {"staleness": [0.0, 1.0]}),
+        )
     png = log.close()
     assert png == os.path.join(str(tmp_path), "curves.png")
     with open(png, "rb") as f:

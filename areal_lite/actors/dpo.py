@@ -62,7 +62,7 @@ class DPOActor:
     def train_dpo(self, batch: TensorDict) -> dict[str, float]:
         """One optimizer step on a batch of pairs (``ref_logp`` is computed when missing)."""
         self._check_pairs(batch)
-        if "ref_logp" not in batch.keys():
+        if "ref_logp" not in batch:
             batch["ref_logp"] = self.compute_ref_logp(batch)
         stats = self.engine.train_batch(batch, self.loss_fn, self.loss_weight)
         return {**stats, "tokens_trained": float(batch["loss_mask"].sum())}
@@ -70,7 +70,7 @@ class DPOActor:
     def evaluate_dpo(self, batch: TensorDict) -> dict[str, float]:
         """The loss and implicit-reward statistics without an update."""
         self._check_pairs(batch)
-        if "ref_logp" not in batch.keys():
+        if "ref_logp" not in batch:
             batch["ref_logp"] = self.compute_ref_logp(batch)
         return self.engine.eval_batch(batch, self.loss_fn, self.loss_weight)
 

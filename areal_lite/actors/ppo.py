@@ -104,7 +104,7 @@ def rloo_estimator(cfg: PPOActorConfig, x: AdvantageInputs) -> tuple[torch.Tenso
 
 
 def remax_estimator(cfg: PPOActorConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if "baseline_rewards" not in x.batch.keys():
+    if "baseline_rewards" not in x.batch:
         raise ValueError("adv_estimator=remax needs batch['baseline_rewards'] (the greedy answers' rewards)")
     baseline = F.shape_rewards(
         x.batch["baseline_rewards"].float(), cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip
@@ -117,7 +117,7 @@ def reinforce_pp_estimator(cfg: PPOActorConfig, x: AdvantageInputs) -> tuple[tor
 
 
 def gae_estimator(cfg: PPOActorConfig, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if "values" not in x.batch.keys():
+    if "values" not in x.batch:
         raise ValueError("adv_estimator=gae needs batch['values'] from PPOCritic.compute_values")
     values = packed_view(x.batch, "values")
     return F.gae_advantages(x.token_rewards, values, x.mask, x.cu_seqlens, cfg.discount, cfg.gae_lambda)
@@ -221,7 +221,7 @@ class PPOActor:
             )
         rewards = F.shape_rewards(rewards, cfg.reward_bias, cfg.reward_scaling, cfg.reward_clip)
         if cfg.mask_truncated:
-            if "truncated" in batch.keys():
+            if "truncated" in batch:
                 truncated = batch["truncated"].bool()
             elif cfg.max_new_tokens > 0:
                 truncated = gen_lens >= cfg.max_new_tokens
@@ -239,7 +239,7 @@ class PPOActor:
         rewards = self.shaped_rewards(batch)
         kl = torch.zeros(mask.shape, dtype=torch.float32)
         if cfg.kl_ctl > 0:
-            if "ref_logp" not in batch.keys():
+            if "ref_logp" not in batch:
                 assert self.ref_engine is not None
                 batch["ref_logp"] = self.ref_engine.forward(batch)
             if cfg.kl_in_reward:
@@ -269,7 +269,7 @@ class PPOActor:
             prox = mb["prox_logp"]
         else:  # one optimizer step per batch: the policy being updated is the proximal policy
             prox = logp.detach()
-        behav = mb["behav_logp"] if "behav_logp" in mb else prox
+        behav = mb.get("behav_logp", prox)
         if self._log_weights is not None:
             if "versions" in mb:
                 same_version = mb["versions"][mask] == self.engine.get_version()  # type: ignore[index]
@@ -335,10 +335,10 @@ class PPOActor:
         With ``skip_zero_advantage`` each minibatch is trained without its zero-advantage
         sequences (`drop_zero_advantage`); ``skipped_seq_frac`` says how many were left out."""
         cfg = self.config
-        if "advantages" not in batch.keys():
+        if "advantages" not in batch:
             raise ValueError("ppo_update needs batch['advantages']: call compute_advantages first")
         data = batch.clone(recurse=False)
-        if "prox_logp" not in batch.keys():
+        if "prox_logp" not in batch:
             if not cfg.recompute_logprob:
                 data["prox_logp"] = batch["logprobs"]
             elif cfg.ppo_n_minibatches > 1:
@@ -346,7 +346,7 @@ class PPOActor:
             # else: loss_fn takes them from the update's own forward pass
         if cfg.use_decoupled_loss:
             data["behav_logp"] = batch["logprobs"]
-        elif "prox_logp" in data.keys():
+        elif "prox_logp" in data:
             data["behav_logp"] = data["prox_logp"]
         self._log_weights = []
         trained = 0
@@ -451,7 +451,7 @@ class PPOCritic:
         """``ppo_n_minibatches`` steps on the value loss against ``returns``, clipped around the
         rollout-time ``values``."""
         for key in ("values", "returns"):
-            if key not in batch.keys():
+            if key not in batch:
                 raise ValueError(f"PPOCritic.ppo_update needs batch[{key!r}]")
         mbs = minibatches(batch, self.config.ppo_n_minibatches, self.config.group_size)
         stats = mean_stats([self.engine.train_batch(mb, self.loss_fn, self.loss_weight) for mb in mbs])

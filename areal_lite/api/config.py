@@ -623,7 +623,7 @@ def _unknown_key_error(node: DictConfig, full_key: str, source: str) -> ConfigEr
     """``node`` is the schema node that lacks the last part of ``full_key``."""
     parent, _, _ = full_key.rpartition(".")
     prefix = f"{parent}." if parent else ""
-    candidates = [prefix + str(k) for k in node.keys()]
+    candidates = [prefix + str(k) for k in node]
     close = difflib.get_close_matches(full_key, candidates, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys here: {', '.join(candidates[:20])}"
     return ConfigError(f"unknown config key {full_key!r} (from {source}){hint}")
@@ -632,9 +632,9 @@ def _unknown_key_error(node: DictConfig, full_key: str, source: str) -> ConfigEr
 def _check_keys(schema: DictConfig, given: DictConfig, source: str, parent: str = "") -> None:
     """Walk ``given`` and fail on the first key the structured ``schema`` lacks."""
     is_structured = is_dataclass(schema._metadata.object_type)
-    for key in given.keys():
+    for key in given:
         full = f"{parent}.{key}" if parent else str(key)
-        sub_schema = schema._get_node(key, throw_on_missing_key=False) if key in schema.keys() else None
+        sub_schema = schema._get_node(key, throw_on_missing_key=False) if key in schema else None
         if is_structured and sub_schema is None:
             raise _unknown_key_error(schema, full, source)
         sub_given = given._get_node(key)

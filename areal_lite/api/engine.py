@@ -98,7 +98,9 @@ class TrainEngine(abc.ABC):
         """Number of data-parallel ranks."""
 
     @abc.abstractmethod
-    def forward(self, batch: TensorDict, *, with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, batch: TensorDict, *, with_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probabilities (values, for a critic) of a padded trajectory batch, without
         gradient. Returns float32 ``[B, L]`` in the batch's padded layout, aligned to the token
         (``out[b, i]`` scores ``input_ids[b, i]``; 0 at position 0 and on padding); with

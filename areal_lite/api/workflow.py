@@ -50,14 +50,16 @@ def check_trajectory_layout(traj: object, producer: str = "the workflow") -> Non
     where = f"{producer} returned a trajectory that breaks the data contract"
     if not isinstance(traj, TensorDict):
         raise TrajectoryError(f"{producer} must return a TensorDict or None, got {type(traj).__name__}")
-    missing = [k for k in TRAJECTORY_KEYS if k not in traj.keys()]
+    missing = [k for k in TRAJECTORY_KEYS if k not in traj]
     if missing:
         raise TrajectoryError(f"{where}: it lacks key {missing[0]!r} (needs {', '.join(TRAJECTORY_KEYS)})")
     if len(traj.batch_size) != 1:
         raise TrajectoryError(f"{where}: its batch size must be [n], got {list(traj.batch_size)}")
     ids = traj["input_ids"]
     if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise TrajectoryError(f"{where}: 'input_ids' must be an integer [n, L] tensor, got {ids.dtype} {list(ids.shape)}")
+        raise TrajectoryError(
+            f"{where}: 'input_ids' must be an integer [n, L] tensor, got {ids.dtype} {list(ids.shape)}"
+        )
     for key in ("attention_mask", "loss_mask", "logprobs", "versions"):
         if traj[key].shape != ids.shape:
             raise TrajectoryError(

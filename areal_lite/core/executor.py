@@ -225,7 +225,9 @@ class WorkflowExecutor:
         """Queue one pipeline rollout; it starts when the staleness bound admits it."""
         self._submit(data, workflow, should_accept, drawn=False)
 
-    def _submit(self, data: dict[str, object], workflow: RolloutWorkflow, should_accept: AcceptFn | None, drawn: bool) -> None:
+    def _submit(
+        self, data: dict[str, object], workflow: RolloutWorkflow, should_accept: AcceptFn | None, drawn: bool
+    ) -> None:
         self._check_alive()
         with self._cond:
             task = _Task(next(self._seq), data, workflow, should_accept, ticket=None)

@@ -104,7 +104,9 @@ class _PackedModel(nn.Module):
         entropy = align_to_tokens(entropy, cu_seqlens) if entropy is not None else torch.zeros_like(logp)
         return logp, entropy
 
-    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, **extra: object) -> torch.Tensor:
+    def _hidden(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, **extra: object
+    ) -> torch.Tensor:
         # Sequence boundaries for varlen attention (ours on CPU, flash-attention's on CUDA);
         # built-in sdpa/eager ignore them and mask by the restarting position ids instead.
         max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
@@ -164,7 +166,9 @@ class FSDPEngine(TrainEngineBase):
     def initialize(self, ft_spec: FinetuneSpec | None = None) -> None:
         cfg = self.config
         if cfg.shared_prefix and cfg.attn_impl != "sdpa":
-            raise ValueError(f"shared_prefix needs attn_impl=sdpa (the engine's varlen attention), not {cfg.attn_impl!r}")
+            raise ValueError(
+                f"shared_prefix needs attn_impl=sdpa (the engine's varlen attention), not {cfg.attn_impl!r}"
+            )
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.compute_dtype = compute_dtype(cfg.dtype, self.device)
@@ -511,7 +515,10 @@ class FSDPEngine(TrainEngineBase):
                 continue
             full = t.full_tensor() if isinstance(t, DTensor) else t
             # peft keeps an adapted layer's own weights under ``<layer>.base_layer``.
-            yield name.replace(".base_layer.", "."), full.detach().to(self.compute_dtype if cast else full.dtype, copy=True)
+            yield (
+                name.replace(".base_layer.", "."),
+                full.detach().to(self.compute_dtype if cast else full.dtype, copy=True),
+            )
 
 
 __all__ = ["FSDPEngine"]

@@ -98,7 +98,9 @@ class LocalInferenceEngine(InferenceEngine):
                 self.scheduler.register_adapter(ADAPTER, lora).result()
                 self._registered = lora
             names = [f"{ADAPTER}{SEPARATOR}{n}" for n in names]
-        return self.scheduler.receive_broadcast(names, [s.dtype for s in specs], [list(s.shape) for s in specs], meta.version)
+        return self.scheduler.receive_broadcast(
+            names, [s.dtype for s in specs], [list(s.shape) for s in specs], meta.version
+        )
 
     def set_version(self, version: int) -> None:
         self.scheduler.version = version

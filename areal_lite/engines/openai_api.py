@@ -211,7 +211,11 @@ class OpenAIRoutes:
     @staticmethod
     def _usage(results: list[GenerationResult], prompt_tokens: int) -> dict[str, int]:
         completion = sum(len(r.output_ids) for r in results)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
 
     # ----- /v1/completions -----------------------------------------------------------------
 
@@ -356,9 +360,13 @@ class OpenAIRoutes:
                 yield chunk(first)
                 if calls:  # the text around the calls, then the calls, each as one delta
                     if content:
-                        yield chunk({"index": i, "delta": {"content": content}, "logprobs": None, "finish_reason": None})
+                        yield chunk(
+                            {"index": i, "delta": {"content": content}, "logprobs": None, "finish_reason": None}
+                        )
                     tool_calls = [{"index": j, **c.to_openai()} for j, c in enumerate(calls)]
-                    yield chunk({"index": i, "delta": {"tool_calls": tool_calls}, "logprobs": None, "finish_reason": None})
+                    yield chunk(
+                        {"index": i, "delta": {"tool_calls": tool_calls}, "logprobs": None, "finish_reason": None}
+                    )
                 else:
                     for k, delta in self._deltas(r, text, o.skip_special):
                         c: dict[str, object] = {

@@ -122,7 +122,9 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     ``control_servers=False`` a client that generates but never pauses, updates or re-versions
     the servers (another client does). Subclasses implement one protocol's calls."""
 
-    def __init__(self, config: InferenceEngineConfig, control_servers: bool = True, adapter_name: str | None = None) -> None:
+    def __init__(
+        self, config: InferenceEngineConfig, control_servers: bool = True, adapter_name: str | None = None
+    ) -> None:
         if not config.addresses:
             raise ValueError(f"{type(self).__name__} needs at least one server address (config.addresses)")
         check_cores(config.client_cores, "rollout.client_cores")
@@ -144,7 +146,9 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     # ----- the protocol ---------------------------------------------------------------------
 
     @abc.abstractmethod
-    def _generate_call(self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int) -> tuple[str, dict[str, object]]:
+    def _generate_call(
+        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int
+    ) -> tuple[str, dict[str, object]]:
         """(path, payload) of one generation call for ``prompts`` (one, or a batch of several)
         that have each produced ``produced`` of ``g``'s tokens so far."""
 
@@ -425,12 +429,16 @@ def _sglang_answer(data: object) -> Answer:
 class RemoteSGLangEngine(RemoteEngine):
     """The client of SGLang-protocol servers (docs/protocol.md): SGLang itself, or ours."""
 
-    def __init__(self, config: InferenceEngineConfig, control_servers: bool = True, adapter_name: str | None = None) -> None:
+    def __init__(
+        self, config: InferenceEngineConfig, control_servers: bool = True, adapter_name: str | None = None
+    ) -> None:
         super().__init__(config, control_servers, adapter_name)
         self._adapter_held: dict[str, object] | None = None
         """The config of the adapter the servers hold (loaded or registered by this client)."""
 
-    def _generate_call(self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int) -> tuple[str, dict[str, object]]:
+    def _generate_call(
+        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int
+    ) -> tuple[str, dict[str, object]]:
         params = g.to_sglang()
         params["max_new_tokens"] = g.max_new_tokens - produced
         params["min_new_tokens"] = max(0, g.min_new_tokens - produced)

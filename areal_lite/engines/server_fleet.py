@@ -35,9 +35,9 @@ STICKY_RIDS = 100_000
 """How many rid -> server assignments are remembered."""
 
 
-
 _GONE = object()
 """What `ServerFleet.fanout` gets from a server found dead during the call."""
+
 
 class ServerError(RuntimeError):
     """A server answered with an error status."""

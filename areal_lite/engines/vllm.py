@@ -57,7 +57,9 @@ def _answer(choice: dict[str, object]) -> Answer:
 class RemoteVLLMEngine(RemoteEngine):
     """`InferenceEngine` over vLLM servers (or ours, which serves the same routes)."""
 
-    def __init__(self, config: InferenceEngineConfig, control_servers: bool = True, adapter_name: str | None = None) -> None:
+    def __init__(
+        self, config: InferenceEngineConfig, control_servers: bool = True, adapter_name: str | None = None
+    ) -> None:
         if adapter_name is not None:
             raise ValueError(
                 "LoRA adapters are served through SGLang's protocol only: use launcher.backend sglang or areal "

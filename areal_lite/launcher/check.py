@@ -55,10 +55,16 @@ def config_class(script: str, argv: list[str]) -> type:
     except ConfigChecked as e:
         return type(e.config)
     found = {
-        v for v in vars(module).values()
-        if isinstance(v, type) and is_dataclass(v) and issubclass(v, BaseExperimentConfig) and v is not BaseExperimentConfig
+        v
+        for v in vars(module).values()
+        if isinstance(v, type)
+        and is_dataclass(v)
+        and issubclass(v, BaseExperimentConfig)
+        and v is not BaseExperimentConfig
     }
-    leaves = sorted((c for c in found if not any(o is not c and issubclass(o, c) for o in found)), key=lambda c: c.__name__)
+    leaves = sorted(
+        (c for c in found if not any(o is not c and issubclass(o, c) for o in found)), key=lambda c: c.__name__
+    )
     if len(leaves) != 1:
         what = ", ".join(c.__name__ for c in leaves) or "none"
         raise _Unchecked(f"{script} defines no single BaseExperimentConfig subclass (found: {what})")

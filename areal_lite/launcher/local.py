@@ -177,8 +177,12 @@ def check_config(plan: LaunchPlan, *, paths: bool = True) -> None:
         request, out = os.path.join(tmp, "request.json"), os.path.join(tmp, "answer.json")
         with open(request, "w") as f:
             json.dump({"script": plan.script, "argv": script_args(plan, [])[1:], "extra": extra, "out": out}, f)
-        proc = spawn([plan.python, "-m", "areal_lite.launcher.check", request], cores=plan.launcher.trainer_cores,
-                     env={**os.environ}, log_path=log)
+        proc = spawn(
+            [plan.python, "-m", "areal_lite.launcher.check", request],
+            cores=plan.launcher.trainer_cores,
+            env={**os.environ},
+            log_path=log,
+        )
         try:
             rc = proc.wait()
         finally:
@@ -255,7 +259,11 @@ def server_command(plan: LaunchPlan, port: int, *, base_gpu_id: int = 0, host: s
         # /resume, /collective_rpc) need the dev mode.
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(base_gpu_id + cfg.server_tp_size)]
-        env = ["env", "VLLM_SERVER_DEV_MODE=1", "CUDA_VISIBLE_DEVICES=" + ",".join(ids[base_gpu_id : base_gpu_id + cfg.server_tp_size])]
+        env = [
+            "env",
+            "VLLM_SERVER_DEV_MODE=1",
+            "CUDA_VISIBLE_DEVICES=" + ",".join(ids[base_gpu_id : base_gpu_id + cfg.server_tp_size]),
+        ]
         serve = ["-m", "vllm.entrypoints.cli.main", "serve", plan.model_path, *common[2:]]
         extension = ["--tensor-parallel-size", str(cfg.server_tp_size), "--worker-extension-cls", VLLM_WORKER_EXTENSION,
                      "--logprobs-mode", "raw_logprobs"]  # fmt: skip
@@ -317,7 +325,9 @@ def trainer_gpus(launcher: LauncherConfig, visible: str | None) -> str | None:
     ids = visible.split(",") if visible else [str(i) for i in range(first + launcher.trainer_nproc)]
     chosen = ids[first : first + launcher.trainer_nproc]
     if len(chosen) < launcher.trainer_nproc:
-        raise ConfigError(f"{first} server GPUs and {launcher.trainer_nproc} trainer GPUs do not fit in CUDA_VISIBLE_DEVICES={visible}")
+        raise ConfigError(
+            f"{first} server GPUs and {launcher.trainer_nproc} trainer GPUs do not fit in CUDA_VISIBLE_DEVICES={visible}"
+        )
     return ",".join(chosen)
 
 
@@ -345,8 +355,14 @@ def spawn(cmd: list[str], *, cores: list[int], env: dict[str, str], log_path: st
     if log_path is None:
         return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=child_setup)  # noqa: PLW1509
     with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=child_setup)  # noqa: PLW1509
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=child_setup,  # noqa: PLW1509
+        )
 
 
 def stop(procs: list[subprocess.Popen], grace: float = TEARDOWN_GRACE_S) -> None:
@@ -422,7 +438,9 @@ class LocalLauncher:
                 if rc == 0 or self.received_signal is not None or not self._servers_left():
                     break
                 if attempt < retries:
-                    logger.warning("trainer exited with %d; restart %d of %d from the last checkpoint", rc, attempt + 1, retries)
+                    logger.warning(
+                        "trainer exited with %d; restart %d of %d from the last checkpoint", rc, attempt + 1, retries
+                    )
             if self.received_signal is not None:
                 return 128 + self.received_signal
             return rc
@@ -465,11 +483,15 @@ class LocalLauncher:
                 rc = self.servers[i].poll()
                 if rc is not None:
                     log = os.path.join(self.plan.log_dir, f"server{i}.log")
-                    raise RuntimeError(f"server {i} exited with {rc} before becoming healthy; {log} ends with:\n{_tail(log)}")
+                    raise RuntimeError(
+                        f"server {i} exited with {rc} before becoming healthy; {log} ends with:\n{_tail(log)}"
+                    )
                 if is_healthy(self.addresses[i]):
                     pending.discard(i)
             if pending and time.monotonic() > deadline:
-                raise TimeoutError(f"servers {sorted(pending)} not healthy after {self.plan.launcher.server_startup_timeout} s")
+                raise TimeoutError(
+                    f"servers {sorted(pending)} not healthy after {self.plan.launcher.server_startup_timeout} s"
+                )
             if pending:
                 time.sleep(0.2)
 
@@ -479,7 +501,9 @@ class LocalLauncher:
         for i, p in enumerate(self.servers):
             if p.poll() is not None and i not in self._reported_dead:
                 self._reported_dead.add(i)
-                logger.warning("server %d (%s) exited with %d; continuing with the others", i, self.addresses[i], p.returncode)
+                logger.warning(
+                    "server %d (%s) exited with %d; continuing with the others", i, self.addresses[i], p.returncode
+                )
         return len(self._reported_dead) < len(self.servers)
 
     def run_trainer(self, attempt: int, prepare: bool = False) -> int:
@@ -519,7 +543,9 @@ class LocalLauncher:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("script", help="the training script")
     parser.add_argument("--config", default=None, help="YAML config of the run")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")

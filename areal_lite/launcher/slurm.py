@@ -54,7 +54,9 @@ def servers_per_node(plan: LaunchPlan) -> int:
         return max(cfg.n_servers, 1)
     per_node = cfg.gpus_per_node // cfg.server_tp_size
     if per_node < 1:
-        raise ValueError(f"launcher.server_tp_size={cfg.server_tp_size} exceeds launcher.gpus_per_node={cfg.gpus_per_node}")
+        raise ValueError(
+            f"launcher.server_tp_size={cfg.server_tp_size} exceeds launcher.gpus_per_node={cfg.gpus_per_node}"
+        )
     return per_node
 
 
@@ -88,8 +90,19 @@ def sbatch_script(plan: LaunchPlan) -> str:
     if slurm.account:
         lines.append(f"#SBATCH --account={slurm.account}")
     lines += [f"#SBATCH {opt}" for opt in slurm.extra_sbatch]
-    torchrun = [plan.python, "-m", "torch.distributed.run", "--nnodes", str(n_trainer_nodes),
-                "--nproc-per-node", str(cfg.trainer_nproc), "--rdzv-backend", "c10d", "--max-restarts", "0"]
+    torchrun = [
+        plan.python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(n_trainer_nodes),
+        "--nproc-per-node",
+        str(cfg.trainer_nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--max-restarts",
+        "0",
+    ]
     srun_trainer = f'srun --overlap --nodes={n_trainer_nodes} --ntasks-per-node=1 --nodelist="$TRAINER_NODES"'
     attempts = plan.recover.retries + 1
     gpus = trainer_gpus(cfg, None) if slurm.colocate_servers else None
@@ -107,8 +120,10 @@ def sbatch_script(plan: LaunchPlan) -> str:
     ]
     if cfg.prepare_overrides:
         prepare = trainer + shlex.join(script_args(plan, [], prepare=True))
-        lines.append(f'AREAL_LITE_ATTEMPT=$FIRST_ATTEMPT {srun_trainer} --job-name=prepare {prepare} '
-                     '|| { echo "the prepare run failed"; exit 1; }')
+        lines.append(
+            f"AREAL_LITE_ATTEMPT=$FIRST_ATTEMPT {srun_trainer} --job-name=prepare {prepare} "
+            '|| { echo "the prepare run failed"; exit 1; }'
+        )
     lines.append("ADDRESSES=()")
     per_node = cfg.n_servers if slurm.colocate_servers else servers_per_node(plan)
     for i in range(cfg.n_servers if cfg.backend != "local" else 0):
@@ -124,7 +139,7 @@ def sbatch_script(plan: LaunchPlan) -> str:
     lines += [
         'for address in "${ADDRESSES[@]}"; do',
         '  address="${address//\\"/}"',
-        f"  for _ in $(seq {timeout}); do curl -sf \"http://$address/health\" > /dev/null && break; sleep 1; done",
+        f'  for _ in $(seq {timeout}); do curl -sf "http://$address/health" > /dev/null && break; sleep 1; done',
         f'  curl -sf "http://$address/health" > /dev/null || {{ echo "server $address not healthy after {timeout} s"; exit 1; }}',
         "done",
         "OVERRIDES=()",

@@ -129,7 +129,9 @@ class CombinedGrader(Grader):
     """``sum(weight * score)`` over named graders (weights default to 1). ``setup`` sets every
     child up; `score_components` gives each child's score and the ``total``."""
 
-    def __init__(self, graders: Mapping[str, Grader] | list[Grader], weights: Mapping[str, float] | list[float] | None = None) -> None:
+    def __init__(
+        self, graders: Mapping[str, Grader] | list[Grader], weights: Mapping[str, float] | list[float] | None = None
+    ) -> None:
         if isinstance(graders, Mapping):
             named = dict(graders)
         else:

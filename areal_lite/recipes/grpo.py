@@ -88,7 +88,9 @@ class GRPO(Recipe):
         evaluate: Evaluate | None = None,
     ) -> None:
         if samples_per_batch % completions_per_sample:
-            raise ValueError(f"samples_per_batch={samples_per_batch} is not a multiple of completions_per_sample={completions_per_sample}")
+            raise ValueError(
+                f"samples_per_batch={samples_per_batch} is not a multiple of completions_per_sample={completions_per_sample}"
+            )
         data = DataSet(dataset, allow_looping=True, seed=data_seed)
         self.prompts_per_batch = per_rank(samples_per_batch // completions_per_sample, "prompts per batch")
         steps = max_num_grpo_steps or max(1, len(data) // self.prompts_per_batch)

@@ -122,14 +122,18 @@ class InferenceModel:
         tokens = await self.generate_tokens(await self.tokenize_thread(thread), gconfig)
         return await self.detokenize_thread(tokens)
 
-    async def generate_tokens(self, thread: TokenizedThread, gconfig: GenerationConfig | None = None) -> TokenizedThread:
+    async def generate_tokens(
+        self, thread: TokenizedThread, gconfig: GenerationConfig | None = None
+    ) -> TokenizedThread:
         """``thread`` with a sampled assistant turn appended (weight 1 on every sampled token);
         the result's ``logprobs`` are the sampling log-probabilities of those tokens."""
         g = gconfig or self.config.gconfig
         prompt = self.threads.prompt_ids(thread)
         room = self.config.max_seq_len - len(prompt)
         if room <= 0:
-            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room under max_seq_len={self.config.max_seq_len}")
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens leaves no room under max_seq_len={self.config.max_seq_len}"
+            )
         g = g.new(
             max_new_tokens=min(g.max_new_tokens, room),
             stop_token_ids=sorted({*g.stop_token_ids, self.threads.eos_id}),

@@ -177,8 +177,10 @@ class EngineThread:
                 self._remove(call)
                 asked = ", ".join(f"rank {i}: {h!r}" for i, h in enumerate(heads))
                 call.future.set_exception(
-                    RuntimeError(f"the ranks asked for different collective operations ({asked}); every rank must "
-                                 "call optim_step, save, clone_inf and close in the same order")
+                    RuntimeError(
+                        f"the ranks asked for different collective operations ({asked}); every rank must "
+                        "call optim_step, save, clone_inf and close in the same order"
+                    )
                 )
             else:
                 if call is not None and not warned and time.monotonic() - call.submitted > _WAIT_WARN_S:

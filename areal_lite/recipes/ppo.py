@@ -175,5 +175,10 @@ class PPO(Recipe):
 
         with run.timer("train"):
             return await train_minibatches(
-                rollouts, self.samples_per_mini_batch, self.mini_epochs_per_batch, self.step, self.train_rollout, optim_step
+                rollouts,
+                self.samples_per_mini_batch,
+                self.mini_epochs_per_batch,
+                self.step,
+                self.train_rollout,
+                optim_step,
             )

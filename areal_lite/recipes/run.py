@@ -81,9 +81,7 @@ class RecipeRun:
         self.dataset = dataset
         self.evaluate = evaluate
         self.saver = Saver(config.saver, config.output_dir)
-        self.recover = {
-            name: RecoverHandler(config.recover, os.path.join(config.output_dir, name)) for name in models
-        }
+        self.recover = {name: RecoverHandler(config.recover, os.path.join(config.output_dir, name)) for name in models}
         self.stats_logger = StatsLogger(config.stats_logger, config.output_dir, total_steps=total_steps, run_name=name)
         self.tracker = StatsTracker()
         self.start_step = 0
@@ -139,6 +137,7 @@ class RecipeRun:
         logged = {**stats, **step_stats.scalars, **scores, "elapsed_min": (time.perf_counter() - self._t0) / 60}
         self.stats_logger.commit(step, logged, StepStats(histograms=step_stats.histograms))
         return logged
+
     def close(self) -> None:
         """Finish the loggers (curves, wandb)."""
         self.stats_logger.close()

@@ -103,14 +103,14 @@ class _Trainable(InferenceModel):
         losses = sorted({loss for loss, _ in queued}, key=repr)
         everyone = sorted({loss for mine in gather(losses) for loss in mine}, key=repr)
         if not everyone:
-            raise RuntimeError(
-                f"optim_step on {self.name!r} with no gradient accumulated: call a train_* method first"
-            )
+            raise RuntimeError(f"optim_step on {self.name!r} with no gradient accumulated: call a train_* method first")
         stats: dict[str, float] = {}
         n_samples = n_tokens = 0
         names = [loss.name for loss in everyone]
         for i, loss in enumerate(everyone):
-            calls = sorted((rs for q, rs in queued if q == loss), key=lambda rs: batch_order(rs[0].input_ids, rs[0].loss_mask))
+            calls = sorted(
+                (rs for q, rs in queued if q == loss), key=lambda rs: batch_order(rs[0].input_ids, rs[0].loss_mask)
+            )
             rows = [row for rs in calls for row in rs]
             n_samples += len(rows) // loss.rows_per_call
             n_tokens += sum(sum(r.loss_mask) for r in rows)
@@ -288,7 +288,10 @@ class TrainingModel(_Trainable):
         neg = self._trainable(sample_neg, "train_dpo")
         rows = [
             train_row(s, ref_logp=_sequence_or_tokens(name, ref, s))
-            for s, ref, name in ((pos, ref_logprobs_pos, "ref_logprobs_pos"), (neg, ref_logprobs_neg, "ref_logprobs_neg"))
+            for s, ref, name in (
+                (pos, ref_logprobs_pos, "ref_logprobs_pos"),
+                (neg, ref_logprobs_neg, "ref_logprobs_neg"),
+            )
         ]
         self._queue(DPOLoss(beta=beta), *rows)
 
@@ -349,8 +352,12 @@ class ValueModel(_Trainable):
         """PPO's clipped value loss toward ``returns``, the new values clipped to within
         ``clip_range`` of ``values`` (the ones the returns were computed with)."""
         sample = self._trainable(sample, "train_value")
-        row = train_row(sample, values=per_token("values", values, sample), returns=per_token("returns", returns, sample))
+        row = train_row(
+            sample, values=per_token("values", values, sample), returns=per_token("returns", returns, sample)
+        )
         self._queue(ValueLoss(eps_clip=clip_range), row)
 
-    async def generate_tokens(self, thread: TokenizedThread, gconfig: GenerationConfig | None = None) -> TokenizedThread:
+    async def generate_tokens(
+        self, thread: TokenizedThread, gconfig: GenerationConfig | None = None
+    ) -> TokenizedThread:
         raise TypeError("a ValueModel scores tokens; it does not generate")

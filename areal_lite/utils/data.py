@@ -37,7 +37,7 @@ def concat_padded(trajs: list[TensorDict], pad_to: int | None = None) -> TensorD
     if pad_to is not None:
         max_len = max(max_len, pad_to)
     out: dict[str, torch.Tensor] = {}
-    for key in trajs[0].keys():
+    for key in trajs[0]:
         parts = []
         for t in trajs:
             v = t[key]
@@ -105,7 +105,9 @@ def unpack_batch(packed: PackedBatch, seqlen: int, per_token_keys: set[str]) -> 
     return TensorDict(out, batch_size=[cu.numel() - 1])
 
 
-def allocate_balanced(lengths: list[int], budget: int | None, min_bins: int = 1, granularity: int = 1) -> list[list[int]]:
+def allocate_balanced(
+    lengths: list[int], budget: int | None, min_bins: int = 1, granularity: int = 1
+) -> list[list[int]]:
     """Assign sequences to micro-batches: balanced first-fit-decreasing over groups.
 
     Consecutive runs of ``granularity`` sequences form a group that is never split. Groups are

@@ -27,7 +27,9 @@ class EpochSampler(Sampler[int]):
     calling ``iter`` after an epoch is exhausted starts the next one.
     """
 
-    def __init__(self, dataset_size: int, *, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, dataset_size: int, *, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.dataset_size = dataset_size
@@ -95,7 +97,9 @@ def stateful_dataloader(
     ``state_dict()`` / ``load_state_dict()`` resume at the exact batch, across epochs.
     """
     sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
-    return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, collate_fn=collate_fn)
+    return StatefulDataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, collate_fn=collate_fn
+    )
 
 
 def endless(dataloader: Iterable[object]) -> Iterator[object]:

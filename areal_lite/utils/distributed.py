@@ -75,7 +75,9 @@ def init_custom_process_group(
     ``world_size`` ranks have joined or ``timeout`` seconds pass.
     """
     td = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=td, wait_for_workers=True)
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=(rank == 0), timeout=td, wait_for_workers=True
+    )
     prefixed = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, td)

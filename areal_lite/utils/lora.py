@@ -92,7 +92,9 @@ class MergedLoRA:
     copies of those of the targeted layers are kept.
     """
 
-    def __init__(self, model_config: object, adapter_config: Mapping[str, object], base: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self, model_config: object, adapter_config: Mapping[str, object], base: Mapping[str, torch.Tensor]
+    ) -> None:
         from peft import inject_adapter_in_model
         from peft.tuners.lora import LoraLayer
         from peft.utils import get_peft_model_state_dict
@@ -149,4 +151,13 @@ class MergedLoRA:
         return {name: torch.zeros(shape) for name, shape in self.shapes.items()}
 
 
-__all__ = ["ALL_LINEAR", "PEFT_PREFIX", "MergedLoRA", "config_dict", "lora_config_of", "peft_config", "peft_name", "read_adapter"]
+__all__ = [
+    "ALL_LINEAR",
+    "PEFT_PREFIX",
+    "MergedLoRA",
+    "config_dict",
+    "lora_config_of",
+    "peft_config",
+    "peft_name",
+    "read_adapter",
+]

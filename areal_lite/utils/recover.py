@@ -54,7 +54,11 @@ class RecoverInfo:
 
 def rng_state() -> dict[str, object]:
     """The states of Python's, NumPy's and torch's (CPU and CUDA) random generators."""
-    state: dict[str, object] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state: dict[str, object] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -72,7 +72,9 @@ class Saver:
     def path_of(self, step: StepInfo) -> str:
         return os.path.join(self.root, f"globalstep{step.global_step + 1}")
 
-    def save(self, engine: TrainEngine, step: StepInfo, *, tokenizer: object | None = None, last: bool = False) -> str | None:
+    def save(
+        self, engine: TrainEngine, step: StepInfo, *, tokenizer: object | None = None, last: bool = False
+    ) -> str | None:
         """Save after ``step`` if it is due (collective); returns the directory written, or None."""
         if not is_due(step, self.config.freq_steps, self.config.freq_epochs, last=last):
             return None

@@ -173,7 +173,11 @@ class StatsLogger:
 
             cfg = asdict(run_config) if is_dataclass(run_config) and not isinstance(run_config, type) else None
             self._wandb = wandb.init(
-                project=config.wandb_project, name=run_name, dir=output_dir, mode=config.wandb_mode, config=cfg,
+                project=config.wandb_project,
+                name=run_name,
+                dir=output_dir,
+                mode=config.wandb_mode,
+                config=cfg,
                 reinit="finish_previous",  # a run left open by an earlier logger in this process
             )
         if config.tensorboard:

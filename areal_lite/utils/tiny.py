@@ -109,21 +109,21 @@ def build_tiny_model(
 
     os.makedirs(save_dir, exist_ok=True)
     tokenizer = build_tokenizer(save_dir, corpus=corpus, vocab_size=vocab_size)
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-    )
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size or 4 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": tie_word_embeddings,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+    }
     if arch == "qwen2":
         config = Qwen2Config(**common)
     elif arch == "llama":

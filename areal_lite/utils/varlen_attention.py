@@ -28,7 +28,6 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-
 VARLEN_SDPA = "areal_varlen_sdpa"
 PAD_WASTE = 2.0
 """Largest ``B * max(L)^2 / sum(L^2)`` for which the padded single-call path is used."""

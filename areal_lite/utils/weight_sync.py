@@ -70,15 +70,15 @@ class WeightSender:
         if self._engine().weight_update_group_intact():
             return
         assert self.group_meta is not None
-        logger.warning(
-            "a rollout server of the weight-update group is gone: forming a new group of the live servers"
-        )
+        logger.warning("a rollout server of the weight-update group is gone: forming a new group of the live servers")
         self.group = None  # the old group's dead member would fail every broadcast
         self.group_meta.master_port = find_free_port(self.group_meta.master_address)
         self.group = self._form_group(self.group_meta)
         logger.warning("new weight-update group of %d ranks formed", self.group_meta.world_size)
 
-    def send(self, meta: WeightUpdateMeta, version: int, tensors: NamedTensors, write_disk: Callable[[str], None]) -> None:
+    def send(
+        self, meta: WeightUpdateMeta, version: int, tensors: NamedTensors, write_disk: Callable[[str], None]
+    ) -> None:
         """Send the weights and wait until the engine has loaded them; collective over the
         trainer's ranks. ``meta.version`` defaults to ``version``; ``write_disk(path)`` writes the
         directory of a disk update, whose ``*.safetensors`` files the servers load (collective,

@@ -186,7 +186,9 @@ async def warm_up_with_sft(model: TrainingModel, task: TaskConfig, warmup: Warmu
         stats = await model.optim_step(lr)
         if (step + 1) % warmup.eval_every == 0 or step + 1 == warmup.steps:
             acc = await greedy_accuracy(model, split.dev)
-            print_rank0(f"[sft] step {step + 1} loss {stats['loss']:.3f} dev greedy accuracy {acc:.3f} ({time.time() - t0:.0f}s)")
+            print_rank0(
+                f"[sft] step {step + 1} loss {stats['loss']:.3f} dev greedy accuracy {acc:.3f} ({time.time() - t0:.0f}s)"
+            )
             if acc >= warmup.target_acc:
                 break
     return acc

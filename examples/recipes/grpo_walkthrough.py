@@ -65,7 +65,9 @@ class Sample:
 
 
 class GRPO:
-    def __init__(self, dataset: list[StringThread], model: TrainingModel, grader: Grader, cfg: WalkthroughConfig) -> None:
+    def __init__(
+        self, dataset: list[StringThread], model: TrainingModel, grader: Grader, cfg: WalkthroughConfig
+    ) -> None:
         self.dataset = DataSet(dataset, allow_looping=True, seed=cfg.seed)  # an iterator over StringThreads
         self.model = model
         self.grader = grader
@@ -90,7 +92,9 @@ class GRPO:
         """A group of graded completions of one prompt."""
         tokens = await self.model.tokenize_thread(prompt)
         group = await async_map_batch(
-            lambda t: self.model.generate_tokens(t, self.gconfig), repeat_thread(tokens), batch_size=self.completions_per_sample
+            lambda t: self.model.generate_tokens(t, self.gconfig),
+            repeat_thread(tokens),
+            batch_size=self.completions_per_sample,
         )
         texts = await async_map(self.model.detokenize_thread, group)
         scores = await async_map(self.grader.score_float_value, texts)
@@ -105,7 +109,9 @@ class GRPO:
         ]
 
     async def train_sample(self, s: Sample) -> None:
-        await self.model.train_grpo(s.sample, s.logprobs, s.ref_logprobs, [s.advantage] * len(s.logprobs), self.clip_range, self.kl_beta)
+        await self.model.train_grpo(
+            s.sample, s.logprobs, s.ref_logprobs, [s.advantage] * len(s.logprobs), self.clip_range, self.kl_beta
+        )
 
     async def run(self, log_every: int = 25) -> None:
         self.model_ref = await self.model.clone_inf()  # the reference: the policy before RL
@@ -173,7 +179,9 @@ async def main(cfg: WalkthroughConfig) -> None:
     t_start = time.time()
     torch.manual_seed(cfg.seed)
     split, policy, acc_before = await start(cfg.task, cfg.model, cfg.output_dir, cfg.warmup)  # SFT warm-up included
-    print_rank0(f"[walkthrough] held-out greedy accuracy after SFT: {acc_before:.3f} ({(time.time() - t_start) / 60:.1f} min)")
+    print_rank0(
+        f"[walkthrough] held-out greedy accuracy after SFT: {acc_before:.3f} ({(time.time() - t_start) / 60:.1f} min)"
+    )
 
     t_rl = time.time()
     await GRPO([prompt_thread(p) for p in split.train], policy, exact_grader(), cfg).run()

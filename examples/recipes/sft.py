@@ -42,7 +42,9 @@ async def main(cfg: SFTExampleConfig) -> None:
     last = await sft.run()
     await shutdown(model)
     minutes = (time.time() - t0) / 60
-    print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={last['eval/accuracy']:.3f} steps={sft.total_steps} minutes={minutes:.1f}")
+    print_rank0(
+        f"RESULT acc_before={acc_before:.3f} acc_after={last['eval/accuracy']:.3f} steps={sft.total_steps} minutes={minutes:.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ def make_batch() -> TensorDict:
             "loss_mask": loss_mask.int(),
             "logprobs": torch.zeros(N, width),
             "versions": torch.where(loss_mask, 0, -1).int(),
-            "rewards": torch.randn(N, generator=g).index_fill(0, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15]), 1.0),
+            "rewards": torch.randn(N, generator=g).index_fill(
+                0, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15]), 1.0
+            ),
             "noise": torch.randn(N, width, 2, generator=g) * loss_mask.unsqueeze(-1),
         },
         batch_size=[N],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 from tensordict import TensorDict
 
@@ -46,7 +47,7 @@ class SignalsProgress(RolloutWorkflow):
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, object]) -> TensorDict | None:
         prompt = list(data["prompt"])  # type: ignore[call-overload]
         head = await engine.agenerate(ModelRequest(input_ids=prompt, gconfig=_greedy(self.first)))
-        open(str(data["marker"]), "w").close()
+        Path(str(data["marker"])).touch()
         tail = await engine.agenerate(ModelRequest(input_ids=prompt + head.output_tokens, gconfig=_greedy(self.rest)))
         both = ModelResponse(
             input_tokens=prompt,

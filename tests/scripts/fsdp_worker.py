@@ -289,7 +289,10 @@ def check_shared_prefix(res: dict[str, object]) -> None:
     from areal_lite.utils.shared_prefix import shared_prefix_layout
 
     res["shared_tokens"] = [
-        [int(mb["input_ids"].numel()), int(shared_prefix_layout(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"]).input_ids.numel())]
+        [
+            int(mb["input_ids"].numel()),
+            int(shared_prefix_layout(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"]).input_ids.numel()),
+        ]
         for mb in layout
     ]
     e.destroy()

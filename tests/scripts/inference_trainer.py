@@ -123,7 +123,9 @@ def check_lora(full_rollout: RemoteEngine | None) -> dict[str, object]:
     rollout = None
     if full_rollout is not None:
         full_rollout.update_weights(WeightUpdateMeta(type="disk", path=MODEL, version=0)).result()
-        rollout = RemoteSGLangEngine(InferenceEngineConfig(addresses=ADDRESSES, request_timeout=120), adapter_name="policy")
+        rollout = RemoteSGLangEngine(
+            InferenceEngineConfig(addresses=ADDRESSES, request_timeout=120), adapter_name="policy"
+        )
         rollout.initialize()
     lora = LoRAConfig(rank=4, alpha=16.0)
     engine = FSDPEngine(TrainEngineConfig(path=MODEL, optimizer=OptimizerConfig(lr=1e-2), lora=lora))

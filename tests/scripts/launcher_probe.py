@@ -36,9 +36,16 @@ class Config(BaseExperimentConfig):
 cfg = load_config(sys.argv[1:], Config, save=False)
 healthy = [is_healthy(a) for a in cfg.rollout.addresses]
 attempt = int(os.environ.get("AREAL_LITE_ATTEMPT", "-1"))
-record = {"argv": sys.argv[1:], "attempt": attempt, "pid": os.getpid(), "affinity": sorted(os.sched_getaffinity(0)),
-          "addresses": cfg.rollout.addresses, "rank": os.environ.get("RANK"), "tag": cfg.probe.tag,
-          "healthy": healthy}
+record = {
+    "argv": sys.argv[1:],
+    "attempt": attempt,
+    "pid": os.getpid(),
+    "affinity": sorted(os.sched_getaffinity(0)),
+    "addresses": cfg.rollout.addresses,
+    "rank": os.environ.get("RANK"),
+    "tag": cfg.probe.tag,
+    "healthy": healthy,
+}
 with open(cfg.probe.out, "a") as f:
     f.write(json.dumps(record) + "\n")
 if attempt < cfg.probe.fail_attempts:

@@ -41,7 +41,11 @@ def lora_engine(model: str, ft: FinetuneSpec | None, n_mbs: int = 1) -> FSDPEngi
     from areal_lite.api.io import MicroBatchSpec
 
     cfg = TrainEngineConfig(
-        path=model, optimizer=OptimizerConfig(lr=1e-2), mb_spec=MicroBatchSpec(n_mbs=n_mbs), logits_chunk_size=7, lora=LORA
+        path=model,
+        optimizer=OptimizerConfig(lr=1e-2),
+        mb_spec=MicroBatchSpec(n_mbs=n_mbs),
+        logits_chunk_size=7,
+        lora=LORA,
     )
     e = FSDPEngine(cfg)
     e.initialize(ft)
@@ -65,7 +69,9 @@ class RecordingEngine(LocalInferenceEngine):
             files = sorted(os.listdir(path))
             self.received.append(("disk", files, sum(os.path.getsize(os.path.join(path, f)) for f in files)))
         else:
-            nbytes = sum(torch.Size(s.shape).numel() * torch.finfo(getattr(torch, s.dtype)).bits // 8 for s in meta.param_specs)
+            nbytes = sum(
+                torch.Size(s.shape).numel() * torch.finfo(getattr(torch, s.dtype)).bits // 8 for s in meta.param_specs
+            )
             self.received.append(("distributed", [s.name for s in meta.param_specs], nbytes))
         return super().update_weights(meta)
 
@@ -161,7 +167,9 @@ def check_lora(res: dict[str, object], model: str, out: str) -> None:
     engine_lp = e.forward(batch)
     if rank0:
         merged = AutoModelForCausalLM.from_pretrained(hf_dir)
-        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), os.path.join(hf_dir, "adapter"))
+        adapted = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(model), os.path.join(hf_dir, "adapter")
+        )
         am = batch["attention_mask"]
         with torch.no_grad():
             a = merged(input_ids=batch["input_ids"], attention_mask=am.long()).logits
@@ -184,7 +192,11 @@ def check_lora(res: dict[str, object], model: str, out: str) -> None:
         engine.initialize()
     dist_meta = WeightUpdateMeta(type="distributed", chunk_bytes=4000)
     e.connect_engine(engine, dist_meta)  # type: ignore[arg-type]  # with LoRA: sends the adapter at once
-    kinds = [WeightUpdateMeta(type="in_process"), WeightUpdateMeta(type="disk", path=os.path.join(out, "lora_push")), dist_meta]
+    kinds = [
+        WeightUpdateMeta(type="in_process"),
+        WeightUpdateMeta(type="disk", path=os.path.join(out, "lora_push")),
+        dist_meta,
+    ]
     for i, meta in enumerate(kinds):
         e.train_batch(make_batch(50 + i)[share], nll, n_tokens)
         e.set_version(i + 1)
@@ -193,7 +205,9 @@ def check_lora(res: dict[str, object], model: str, out: str) -> None:
         res[f"lora_update_{meta.type}"] = {"err": err, "versions": versions}
     if engine is not None:
         res["lora_received"] = engine.received
-        res["lora_full_bytes"] = sum(v.nbytes for v in AutoModelForCausalLM.from_pretrained(model).state_dict().values())
+        res["lora_full_bytes"] = sum(
+            v.nbytes for v in AutoModelForCausalLM.from_pretrained(model).state_dict().values()
+        )
         engine.destroy()
 
     # A train_state checkpoint resumes adapters and optimizer state.

@@ -14,7 +14,7 @@ import runpy
 import sys
 from collections.abc import Iterator
 
-import areal_lite.kit as kit
+from areal_lite import kit
 
 
 class RecordingLoader:

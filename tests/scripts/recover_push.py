@@ -31,8 +31,14 @@ from areal_lite.utils.step import StepInfo
 work = sys.argv[1]
 model_dir = os.path.join(work, "model")
 ids = torch.randint(10, 200, (4, 12), generator=torch.Generator().manual_seed(0))
-batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-                    "loss_mask": torch.ones_like(ids, dtype=torch.int32)}, batch_size=[4])
+batch = TensorDict(
+    {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+        "loss_mask": torch.ones_like(ids, dtype=torch.int32),
+    },
+    batch_size=[4],
+)
 
 
 def loss_fn(logp, entropy, mb):

@@ -73,8 +73,9 @@ def main() -> None:
     ft_spec = FinetuneSpec(cfg.total_train_epochs, len(dataset), cfg.train_dataset.batch_size * world)
     engine.initialize(ft_spec)
     rank = engine.data_parallel_rank
-    dataloader = stateful_dataloader(dataset, cfg.train_dataset.batch_size, seed=cfg.seed, rank=rank,
-                                     world_size=engine.data_parallel_world_size)
+    dataloader = stateful_dataloader(
+        dataset, cfg.train_dataset.batch_size, seed=cfg.seed, rank=rank, world_size=engine.data_parallel_world_size
+    )
     steps_per_epoch = len(dataloader)
     total_steps = cfg.total_train_epochs * steps_per_epoch
     stats_logger = StatsLogger(cfg.stats_logger, cfg.output_dir, total_steps=total_steps)
@@ -94,8 +95,17 @@ def main() -> None:
             stats = engine.train_batch(to_batch(items), sft_loss, n_trained_tokens)
             engine.step_lr_scheduler()
             tracker.total(n_samples=len(items))
-            record.write(json.dumps({"attempt": attempt, "step": step.global_step, "ids": [it["id"] for it in items],
-                                     "loss": stats["loss"]}) + "\n")
+            record.write(
+                json.dumps(
+                    {
+                        "attempt": attempt,
+                        "step": step.global_step,
+                        "ids": [it["id"] for it in items],
+                        "loss": stats["loss"],
+                    }
+                )
+                + "\n"
+            )
             record.flush()
             if attempt == 0 and step.global_step == cfg.pause_at_step:
                 with open(os.path.join(cfg.output_dir, f"paused_rank{rank}"), "w") as f:

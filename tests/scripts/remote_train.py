@@ -52,7 +52,9 @@ class SampleWorkflow(RolloutWorkflow):
         return from_response(resp, reward=0.0)
 
 
-def likelihood_loss(logp: torch.Tensor, entropy: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def likelihood_loss(
+    logp: torch.Tensor, entropy: torch.Tensor, mb: dict
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     m = mb["loss_mask"].float()
     return -(logp * m).sum() / m.sum().clamp(min=1), {}
 
@@ -63,7 +65,9 @@ def main() -> None:
     rollout = RolloutController(RemoteSGLangEngine(cfg.rollout), cfg.rollout)
     rollout.initialize()
     actor = FSDPEngine(cfg.actor)
-    actor.initialize(FinetuneSpec(1, cfg.total_steps * cfg.rollout.consumer_batch_size, cfg.rollout.consumer_batch_size))
+    actor.initialize(
+        FinetuneSpec(1, cfg.total_steps * cfg.rollout.consumer_batch_size, cfg.rollout.consumer_batch_size)
+    )
     if cfg.weight_update == "distributed":
         meta = WeightUpdateMeta(type="distributed", backend="gloo", master_address="127.0.0.1")
     else:
