@@ -193,6 +193,7 @@ def memory_cgroup_parent() -> tuple[str, int] | None:
         here = os.path.normpath(point + "/" + path[len(root) :])
         while True:  # from this process's cgroup up to the hierarchy's root
             if _can_make_children(here, version):
+                _remove_stale(here)
                 return here, version
             if here == os.path.normpath(point):
                 break
@@ -229,6 +230,22 @@ def _can_make_children(directory: str, version: int) -> bool:
         return os.path.exists(os.path.join(probe, "memory.max" if version == 2 else "memory.limit_in_bytes"))
     finally:
         os.rmdir(probe)
+
+
+def _remove_stale(directory: str) -> None:
+    """The empty run cgroups a trainer that was killed left behind (its pid is gone)."""
+    for name in os.listdir(directory):
+        parts = name.split("-")
+        if len(parts) == 4 and name.startswith("areal-sandbox-") and parts[2].isdigit():
+            try:
+                os.kill(int(parts[2]), 0)
+            except ProcessLookupError:
+                try:
+                    os.rmdir(os.path.join(directory, name))
+                except OSError:
+                    pass  # processes still in it: left alone
+            except PermissionError:
+                pass  # alive
 
 
 class _RunCgroup:
@@ -408,7 +425,9 @@ class Sandbox:
         if os.geteuid() != 0 and os.environ.get("HOME"):
             # the trainer's own files are readable by its uid: hidden under an empty, read-only tmpfs
             fs += ["--tmpfs", os.environ["HOME"], "--remount-ro", os.environ["HOME"]]
-        spaces = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
+        # --as-pid-1: the init is the namespace's pid 1 (not dumpable), with no reaper of bwrap's
+        # that the code's uid could trace (under bwrap without root the uids are the same).
+        spaces = ["--unshare-pid", "--as-pid-1", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
         return [shutil.which("bwrap") or "bwrap", *spaces, *user, "--die-with-parent", "--new-session",
                 *fs, "--clearenv", "--", *boot]  # fmt: skip
 
