@@ -66,7 +66,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=256, help="runs of each kind per backend")
     parser.add_argument("--parallel", type=int, default=64, help="runs at once")
     args = parser.parse_args()
-    cpu = "Zen 4 / AVX-512 BF16" if "avx512_bf16" in open("/proc/cpuinfo").read() else platform.processor()
+    with open("/proc/cpuinfo") as f:
+        cpu = "Zen 4 / AVX-512 BF16" if "avx512_bf16" in f.read() else platform.processor()
     print(f"CPU: {cpu}, {os.cpu_count()} cores; {args.runs} runs of each kind, {args.parallel} at once")
     print(f"{'backend':<10}{'run/s':>10}{'grade/s':>10}")
     result = []

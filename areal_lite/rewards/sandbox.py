@@ -22,8 +22,8 @@ Each run is a fresh process tree, contained by layers that each stop something:
    bpf, perf events, userfaultfd or keyrings.
 4. Memory. Under root, where the machine has a memory cgroup this process may write (cgroup v2
    with the memory controller, or the v1 memory hierarchy), each run gets one of its own:
-   ``memory_mb`` bounds everything the run holds (all its processes, the files it writes in
-   ``/tmp``, shared mappings), swap included, and a run over it is killed (``memory_limit``).
+   ``memory_mb + tmp_mb`` bounds everything the run holds (all its processes, the files it writes
+   in ``/tmp``, shared mappings), swap included, and a run over it is killed (``memory_limit``).
    Without one (bwrap without root, a container whose cgroups are read-only), the bound is the
    sum of the rlimits: ``memory_mb`` of address space per process (``processes`` of them) plus
    ``tmp_mb`` of files; the filter closes the paths rlimits do not see (memfd, System V shared
@@ -111,8 +111,8 @@ class SandboxLimits:
     cpu_seconds: int = 10
     """CPU seconds per process (SIGXCPU, then SIGKILL a second later)."""
     memory_mb: int = 256
-    """Memory of the whole run (its processes and its files together) where a memory cgroup is
-    available (`Sandbox.memory_cgroup`); address space per process in any case."""
+    """Address space per process; where a memory cgroup is available (`Sandbox.memory_cgroup`),
+    the run's processes and its files together hold at most ``memory_mb + tmp_mb``."""
     processes: int = 16
     """Processes and threads of the run's uid."""
     file_size_mb: int = 16
@@ -463,7 +463,10 @@ class Sandbox:
         lim = self.limits
         start = time.monotonic()
         try:
-            cgroup = _RunCgroup(*self._cgroups, lim.memory_mb << 20) if self._cgroups else None
+            # memory_mb + tmp_mb: one process may reach its address space with /tmp full, as
+            # without a cgroup, and no number of processes more than that.
+            limit = (lim.memory_mb + lim.tmp_mb) << 20
+            cgroup = _RunCgroup(*self._cgroups, limit) if self._cgroups else None
         except OSError as e:
             raise SandboxUnavailable(f"the run's memory cgroup could not be made: {e}") from e
         try:
