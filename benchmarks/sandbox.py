@@ -6,7 +6,9 @@ grades a code completion). ``--parallel`` runs at once (``max_parallel``), ``--r
 backend available here (``unshare`` as root, ``bwrap`` when installed). Every run must succeed;
 the figure is wall-clock runs per second over the batch, so it counts the set-up of each sandbox
 (namespaces, mounts, the memory cgroup where there is one) and the interpreter's start.
-The last line is ``RESULT <backend>_run_per_s=... <backend>_grade_per_s=...``.
+Each backend runs with a memory cgroup per run where one can be made (the default) and without
+(``<backend>, no cgroup``): what the cgroup costs. The last line is
+``RESULT <backend>_run_per_s=... <backend>_grade_per_s=... <backend>_nocgroup_run_per_s=...``.
 
 Run: ``.venv/bin/python benchmarks/sandbox.py [--runs 256 --parallel 64]`` (as root, or with
 bubblewrap installed).
@@ -44,8 +46,7 @@ async def timed(jobs: list) -> float:
     return time.perf_counter() - start
 
 
-async def measure(backend: str, runs: int, parallel: int) -> dict[str, float]:
-    sandbox = Sandbox(SandboxLimits(timeout=60.0), backend=backend, max_parallel=parallel)
+async def measure(sandbox: Sandbox, runs: int, parallel: int) -> dict[str, float]:
     grader = CodeGrader(sandbox)
 
     async def run_once() -> None:
@@ -69,12 +70,25 @@ def main() -> None:
     with open("/proc/cpuinfo") as f:
         cpu = "Zen 4 / AVX-512 BF16" if "avx512_bf16" in f.read() else platform.processor()
     print(f"CPU: {cpu}, {os.cpu_count()} cores; {args.runs} runs of each kind, {args.parallel} at once")
-    print(f"{'backend':<10}{'run/s':>10}{'grade/s':>10}")
+    print(f"{'sandbox':<22}{'run/s':>10}{'grade/s':>10}")
     result = []
     for backend in backends():
-        rates = asyncio.run(measure(backend, args.runs, args.parallel))
-        print(f"{backend:<10}{rates['run']:>10.1f}{rates['grade']:>10.1f}")
-        result += [f"{backend}_run_per_s={rates['run']:.1f}", f"{backend}_grade_per_s={rates['grade']:.1f}"]
+        for cgroup in (None, False):  # the default (a cgroup where one can be made), and none
+            limits = SandboxLimits(timeout=60.0)
+            try:
+                sandbox = Sandbox(limits, backend=backend, max_parallel=args.parallel, memory_cgroup=cgroup)
+            except TypeError:  # a version of the sandbox without the option: its default only
+                if cgroup is False:
+                    continue
+                sandbox = Sandbox(limits, backend=backend, max_parallel=args.parallel)
+            with_cgroup = getattr(sandbox, "memory_cgroup", False)
+            if cgroup is False and not result[-1].startswith(backend + "_grade"):
+                continue  # the default row had no cgroup either
+            rates = asyncio.run(measure(sandbox, args.runs, args.parallel))
+            name = backend if with_cgroup else f"{backend}, no cgroup"
+            print(f"{name:<22}{rates['run']:>10.1f}{rates['grade']:>10.1f}")
+            key = backend if with_cgroup else f"{backend}_nocgroup"
+            result += [f"{key}_run_per_s={rates['run']:.1f}", f"{key}_grade_per_s={rates['grade']:.1f}"]
     print("RESULT " + " ".join(result))
 
 

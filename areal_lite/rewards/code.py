@@ -25,8 +25,11 @@ import re
 from areal_lite.rewards.sandbox import Sandbox
 
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_harness.py")) as _f:
-    HARNESS_SOURCE = _f.read()
-"""Both sides of a test run, as source (the sandbox's python may not see this package)."""
+    _common, _program_side, _checker_side = re.split(r"\n# ---- .*\n", _f.read())
+PROGRAM_SOURCE = _common + _program_side
+"""The program's side of a test run, as source (the sandbox's python may not see this package)."""
+CHECKER_SOURCE = _common + _checker_side
+"""The checker's side of a test run, as source: each side compiles only its own part."""
 
 _FENCED = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -39,12 +42,12 @@ def extract_code(completion: str) -> str:
 
 def _program(solution: str) -> tuple[str, dict[str, str]]:
     """``main.py`` that runs the solution (``solution.py``) and serves its names to the checker."""
-    return HARNESS_SOURCE + '\nserve("solution.py")\n', {"solution.py": solution}
+    return PROGRAM_SOURCE + '\nserve("solution.py")\n', {"solution.py": solution}
 
 
 def _checker(tests: str) -> str:
     """The checker's source: the tests, run against the program's names."""
-    return HARNESS_SOURCE + f"\ncheck({tests!r})\n"
+    return CHECKER_SOURCE + f"\ncheck({tests!r})\n"
 
 
 class CodeGrader:

@@ -13,9 +13,10 @@ lists, tuples, dicts, sets and frozensets of them, of exactly those types (a sub
 is not plain), sent as JSON lines (`encode`, `decode`) over two pipes: the program reads requests
 on fd 3 and answers on fd 4, the checker the other way round.
 
-The sandbox runs this file's source, not this module: the program's ``main.py`` is the source
-followed by ``serve("solution.py")``, the checker's the source followed by ``check(<tests>)``;
-inside, only the standard library is there. Importing it (tests) runs neither.
+The sandbox runs this file's source, not this module: the program's ``main.py`` is the part above
+the checker's side followed by ``serve("solution.py")``, the checker's the parts without the
+program's side followed by ``check(<tests>)`` (`areal_lite.rewards.code` cuts them at the ``# ----``
+lines); inside, only the standard library is there. Importing it (tests) runs neither.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from __future__ import annotations
 import builtins
 import json
 import sys
-import types
-from collections.abc import Callable
-from typing import Any
+
+TYPE_CHECKING = False  # typing's flag, without importing typing: each sandboxed run pays for imports
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 NOT_PLAIN = "the solution gave an object, not plain data: compare plain values (lists, numbers, strings ...)"
 
@@ -123,7 +126,7 @@ def _answer(request: dict, objects: list[Any], scope: dict[str, Any]) -> Any:
         return {
             name: value
             for name, value in scope.items()
-            if not name.startswith("__") and not isinstance(value, types.ModuleType)
+            if not name.startswith("__") and not isinstance(value, type(sys))  # not modules
         }
     target = objects[request["ref"]]
     args = decode(request.get("args", []), objects.__getitem__)

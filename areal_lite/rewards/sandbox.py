@@ -348,6 +348,7 @@ class Sandbox:
         self.backend = available_backend(backend)
         self.max_parallel = max_parallel or os.cpu_count() or 1
         self.python = python or system_python()
+        self._memory_cgroup_asked = memory_cgroup
         self._cgroups = memory_cgroup_parent() if memory_cgroup is not False else None
         if memory_cgroup and self._cgroups is None:
             raise SandboxUnavailable(
@@ -366,7 +367,7 @@ class Sandbox:
             "backend": self.backend,
             "max_parallel": self.max_parallel,
             "python": self.python,
-            "memory_cgroup": self.memory_cgroup,
+            "memory_cgroup": self._memory_cgroup_asked,
         }
 
     def __setstate__(self, state: dict[str, object]) -> None:
@@ -375,7 +376,7 @@ class Sandbox:
             backend=state["backend"],
             max_parallel=state["max_parallel"],
             python=state["python"],
-            memory_cgroup=state["memory_cgroup"] or None,
+            memory_cgroup=state["memory_cgroup"],
         )  # type: ignore[misc,arg-type]
 
     def stats(self, reset: bool = False) -> dict[str, float]:
