@@ -129,8 +129,9 @@ def seccomp_filter(families: list[int], machine: str) -> bytes:
 
 def install_seccomp(families: list[int]) -> None:
     """The filter on this process and all it starts (needs ``no_new_privs`` or root)."""
-    program = ctypes.create_string_buffer(seccomp_filter(families, os.uname().machine))
-    fprog = _SockFprog(len(program.raw) // 8, ctypes.cast(program, ctypes.c_void_p))
+    instructions = seccomp_filter(families, os.uname().machine)
+    program = ctypes.create_string_buffer(instructions, len(instructions))
+    fprog = _SockFprog(len(instructions) // 8, ctypes.cast(program, ctypes.c_void_p))
     if libc.prctl(PR_SET_SECCOMP, 2, ctypes.byref(fprog), 0, 0) != 0:  # 2: SECCOMP_MODE_FILTER
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
 
