@@ -2,25 +2,34 @@
 
 The tests come with the dataset item, in either form (or both):
 
-- ``tests``: Python source run after the program in the same interpreter (``assert f(2) == 4``);
-  the run passes when the tests end and print this run's pass token, which the harness reads from
-  stdin before the program starts: a program that exits early with status 0 does not pass.
+- ``tests``: Python source (``assert f(2) == 4``) run against the program's top-level names by a
+  checker, a second process of the same sandbox that the program cannot inspect (another uid,
+  not dumpable: `areal_lite.rewards.code_harness`); what the program gives the tests is compared
+  by value, as plain data (numbers, strings, bytes, lists, tuples, dicts, sets), never by the
+  ``__eq__`` of the program's own objects. The run passes when the checker's tests end without an
+  exception: a program that exits early, or tampers with its interpreter, does not pass.
 - ``test_cases``: ``[{"input": ..., "output": ...}]``: the program runs once per case with the input
   on stdin and passes when its stdout equals the output (trailing whitespace aside).
 
 Everything that goes wrong (a syntax error, a failed assert, a timeout, a fork bomb, a memory bomb,
 a flood of output) scores 0; the sandbox counts how each run ended (`stats`). The grader is a
 coroutine (``RewardRunner`` awaits it in ``async`` mode): waiting on a sandboxed process needs no
-worker process of its own. The pass token stops accidental passes, not a program written to find
-the token in its own interpreter's memory.
+worker process of its own.
 """
 
 from __future__ import annotations
 
+import os
 import re
-import secrets
 
 from areal_lite.rewards.sandbox import Sandbox
+
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_harness.py")) as _f:
+    _common, _program_side, _checker_side = re.split(r"\n# ---- .*\n", _f.read())
+PROGRAM_SOURCE = _common + _program_side
+"""The program's side of a test run, as source (the sandbox's python may not see this package)."""
+CHECKER_SOURCE = _common + _checker_side
+"""The checker's side of a test run, as source: each side compiles only its own part."""
 
 _FENCED = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -31,17 +40,14 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-def _harness(program: str, tests: str) -> str:
-    """``main.py`` that runs the program, then the tests, then prints the token read from stdin."""
-    return (
-        "import sys\n"
-        "def _run(token, program, tests):\n"
-        "    scope = {'__name__': '__main__'}\n"
-        "    exec(compile(program, 'solution.py', 'exec'), scope)\n"
-        "    exec(compile(tests, 'tests.py', 'exec'), scope)\n"
-        "    sys.stdout.write('\\n' + token + '\\n')\n"
-        f"_run(sys.stdin.readline().strip(), {program!r}, {tests!r})\n"
-    )
+def _program(solution: str) -> tuple[str, dict[str, str]]:
+    """``main.py`` that runs the solution (``solution.py``) and serves its names to the checker."""
+    return PROGRAM_SOURCE + '\nserve("solution.py")\n', {"solution.py": solution}
+
+
+def _checker(tests: str) -> str:
+    """The checker's source: the tests, run against the program's names."""
+    return CHECKER_SOURCE + f"\ncheck({tests!r})\n"
 
 
 class CodeGrader:
@@ -70,9 +76,9 @@ class CodeGrader:
             raise ValueError("a code item needs 'tests' (Python asserts) or 'test_cases' (stdin/stdout pairs)")
         program = extract_code(completion)
         if tests:
-            token = secrets.token_hex(16)
-            result = await self.sandbox.run(_harness(program, tests), stdin=token + "\n")
-            if not (result.ok and result.stdout.rstrip().endswith("\n" + token)):
+            main, files = _program(program)
+            result = await self.sandbox.run(main, files=files, checker=_checker(tests))
+            if not result.ok:
                 return 0.0
         for case in test_cases or []:
             result = await self.sandbox.run(program, stdin=str(case["input"]))

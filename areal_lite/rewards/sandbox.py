@@ -15,33 +15,59 @@ Each run is a fresh process tree, contained by layers that each stop something:
    signal or trace any other process, or regain privileges, and ``RLIMIT_NPROC`` counts its
    processes alone. Under bwrap without root it is the trainer's uid in a user namespace, with no
    capabilities.
-3. rlimits: CPU seconds (SIGXCPU), address space (a memory bomb gets MemoryError), processes (a
+3. A seccomp filter (`sandbox_init.seccomp_filter`): sockets of the `SOCKET_FAMILIES` only
+   (UNIX, IPv4, IPv6, which the network namespace confines; not ``AF_VSOCK``, which reaches the
+   hypervisor from any namespace, nor netlink, packet, bluetooth ...), no new namespaces, no
+   io_uring (it opens sockets past the filter), no ``memfd_create`` or System V shared memory, no
+   bpf, perf events, userfaultfd or keyrings.
+4. Memory. Under root, where the machine has a memory cgroup this process may write (cgroup v2
+   with the memory controller, or the v1 memory hierarchy), each run gets one of its own:
+   ``memory_mb + tmp_mb`` bounds everything the run holds (all its processes, the files it writes
+   in ``/tmp``, shared mappings), swap included, and a run over it is killed (``memory_limit``).
+   Without one (bwrap without root, a container whose cgroups are read-only), the bound is the
+   sum of the rlimits: ``memory_mb`` of address space per process (``processes`` of them) plus
+   ``tmp_mb`` of files; the filter closes the paths rlimits do not see (memfd, System V shared
+   memory, a tmpfs in a new user namespace) and every other tmpfs (``/dev``, ``/dev/shm``, the
+   hidden home) is read-only. `Sandbox.memory_cgroup` tells which applies.
+5. rlimits: CPU seconds (SIGXCPU), address space (a memory bomb gets MemoryError), processes (a
    fork bomb gets EAGAIN), file size (EFBIG), open files, no core files; and ``nice`` 19, so a
    busy sandbox yields the CPU to the trainer.
-4. A bare environment (PATH, HOME, TMPDIR, LANG): nothing of the trainer's is inherited, and the
+6. A bare environment (PATH, HOME, TMPDIR, LANG): nothing of the trainer's is inherited, and the
    launcher is started with an empty one.
-5. The parent: at most ``output_bytes`` of stdout and stderr are read (a flood is cut there and
+7. The parent: at most ``output_bytes`` of stdout and stderr are read (a flood is cut there and
    the run killed), a wall-clock ``timeout``, and on either the launcher's whole process group is
    killed with SIGKILL, which takes the PID namespace with it.
 
+A run may come with a checker: trusted Python source (the grader's side of a test) run in a
+second process of the same sandbox, under a uid of its own (1,000,000 + 2**22 + the launcher's
+pid) and not dumpable, so the program can neither trace it nor read its memory, files or command
+line; the two talk over pipes (fds 3 and 4 on each side), and the run passes when the checker
+exits with status 0 (`CodeGrader` grades tests this way).
+
 Without root and without bwrap no namespace can be made, and rlimits alone contain neither network
 access nor writes outside the working directory: `Sandbox` then refuses to run
-(`SandboxUnavailable`) rather than run untrusted code half-contained.
+(`SandboxUnavailable`) rather than run untrusted code half-contained. Text that is not valid
+Unicode (a lone surrogate) cannot be handed to a program: such a run ends as ``error`` without
+starting.
 
 The code runs under the system's ``python3`` (``-I``: no environment variables, no user site),
 standard library only. Not contained: CPU time shared with the trainer (bounded by the timeout,
-the process limit and ``nice``), and memory, which the limits bound per process (``memory_mb`` x
-``processes`` in the worst case) rather than in total, as a cgroup would.
+the process limit and ``nice``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import functools
+import itertools
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -63,6 +89,12 @@ with open(INIT) as _f:
 visible (bwrap mounts a fresh tmpfs over /tmp, where a checkout or its virtual environment may live)."""
 UID_BASE = 1_000_000
 """Under root, a run's code gets uid UID_BASE + its launcher's pid: unique among the runs alive."""
+CHECKER_UID_OFFSET = 1 << 22
+"""A run's checker gets uid UID_BASE + CHECKER_UID_OFFSET + the launcher's pid (pids stay below
+2**22, the kernel's largest ``pid_max``): no program's uid."""
+SOCKET_FAMILIES: tuple[int, ...] = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
+"""The address families sandboxed code may open sockets of: those the network namespace confines."""
+_RUN_IDS = itertools.count()
 
 
 class SandboxUnavailable(RuntimeError):
@@ -79,7 +111,8 @@ class SandboxLimits:
     cpu_seconds: int = 10
     """CPU seconds per process (SIGXCPU, then SIGKILL a second later)."""
     memory_mb: int = 256
-    """Address space per process."""
+    """Address space per process; where a memory cgroup is available (`Sandbox.memory_cgroup`),
+    the run's processes and its files together hold at most ``memory_mb + tmp_mb``."""
     processes: int = 16
     """Processes and threads of the run's uid."""
     file_size_mb: int = 16
@@ -98,7 +131,8 @@ class SandboxResult:
 
     outcome: Outcome
     exit_code: int | None
-    """The program's exit status; None when a signal ended it or it was killed."""
+    """The program's exit status (with a checker, the checker's, unless the program failed
+    first); None when a signal ended it or it was killed."""
     stdout: str
     stderr: str
     seconds: float
@@ -131,6 +165,163 @@ def system_python() -> str:
     return sys.executable
 
 
+@functools.cache
+def memory_cgroup_parent() -> tuple[str, int] | None:
+    """(directory, cgroup version) under which this process can make per-run memory cgroups, or
+    None: cgroup v2 where the memory controller is enabled for the directory's children, else the
+    v1 memory hierarchy; the nearest such directory to this process's own cgroup that it may
+    write (root only). Found once, by making and removing a probe."""
+    if os.geteuid() != 0:
+        return None
+    own: dict[str, str] = {}  # "v2" or a v1 controller -> this process's cgroup in that hierarchy
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                own.update(dict.fromkeys(controllers.split(",") if controllers else ["v2"], path))
+        with open("/proc/self/mountinfo") as f:
+            mounts = [_cgroup_mount(line) for line in f]
+    except OSError:
+        return None
+    for version, point, root, options in sorted(filter(None, mounts), reverse=True):  # v2 first
+        path = own.get("v2" if version == 2 else "memory")
+        if path is None or (version == 1 and "memory" not in options):
+            continue
+        root = root.rstrip("/")
+        if not (path + "/").startswith(root + "/"):
+            continue  # this process's cgroup is outside what the mount shows
+        here = os.path.normpath(point + "/" + path[len(root) :])
+        while True:  # from this process's cgroup up to the hierarchy's root
+            if _can_make_children(here, version):
+                _remove_stale(here)
+                return here, version
+            if here == os.path.normpath(point):
+                break
+            here = os.path.dirname(here)
+    return None
+
+
+def _cgroup_mount(line: str) -> tuple[int, str, str, list[str]] | None:
+    """A line of /proc/self/mountinfo as (cgroup version, mount point, root, super options), or
+    None for a mount that is not a cgroup hierarchy."""
+    fields = line.split()
+    dash = fields.index("-")
+    fstype, options = fields[dash + 1], fields[dash + 3].split(",")
+    if fstype not in ("cgroup", "cgroup2"):
+        return None
+    return (2 if fstype == "cgroup2" else 1), fields[4], fields[3], options
+
+
+def _can_make_children(directory: str, version: int) -> bool:
+    """Whether a child of ``directory`` can be made and has a memory limit (probed)."""
+    if version == 2:
+        try:
+            with open(os.path.join(directory, "cgroup.subtree_control")) as f:
+                if "memory" not in f.read().split():
+                    return False
+        except OSError:
+            return False
+    probe = os.path.join(directory, f"areal-sandbox-{os.getpid()}-probe")
+    try:
+        os.mkdir(probe)
+    except OSError:
+        return False
+    try:
+        return os.path.exists(os.path.join(probe, "memory.max" if version == 2 else "memory.limit_in_bytes"))
+    finally:
+        os.rmdir(probe)
+
+
+def _remove_stale(directory: str) -> None:
+    """The empty run cgroups a trainer that was killed left behind (its pid is gone)."""
+    for name in os.listdir(directory):
+        parts = name.split("-")
+        if len(parts) == 4 and name.startswith("areal-sandbox-") and parts[2].isdigit():
+            try:
+                os.kill(int(parts[2]), 0)
+            except ProcessLookupError:
+                try:
+                    os.rmdir(os.path.join(directory, name))
+                except OSError:
+                    pass  # processes still in it: left alone
+            except PermissionError:
+                pass  # alive
+
+
+class _RunCgroup:
+    """The memory cgroup of one run: made with its limit, joined by the sandbox's children through
+    the open ``cgroup.procs`` (`procs_fd`), asked how many processes the kernel killed for memory,
+    and removed."""
+
+    def __init__(self, parent: str, version: int, limit_bytes: int) -> None:
+        self.path = os.path.join(parent, f"areal-sandbox-{os.getpid()}-{next(_RUN_IDS)}")
+        self.version = version
+        os.mkdir(self.path)
+        try:
+            if version == 2:
+                self._write("memory.max", limit_bytes)
+                self._write("memory.swap.max", 0, optional=True)
+            else:
+                self._write("memory.limit_in_bytes", limit_bytes)
+                self._write("memory.memsw.limit_in_bytes", limit_bytes, optional=True)  # no swap either
+            self.procs_fd: int | None = os.open(os.path.join(self.path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
+        except BaseException:
+            os.rmdir(self.path)
+            raise
+
+    def _write(self, name: str, value: int, optional: bool = False) -> None:
+        try:
+            with open(os.path.join(self.path, name), "w") as f:
+                f.write(str(value))
+        except FileNotFoundError:
+            if not optional:
+                raise
+
+    def close_procs(self) -> None:
+        if self.procs_fd is not None:
+            os.close(self.procs_fd)
+            self.procs_fd = None
+
+    def oom_kills(self) -> int:
+        """Processes of the run killed for memory (``oom_kill`` in memory.events or memory.oom_control)."""
+        try:
+            with open(os.path.join(self.path, "memory.events" if self.version == 2 else "memory.oom_control")) as f:
+                counts = dict(line.split() for line in f if line.strip())
+        except OSError:
+            return 0
+        return int(counts.get("oom_kill", 0))
+
+    async def remove(self) -> None:
+        """Removed once empty: the PID namespace's processes are gone when its launcher is; any
+        straggler is killed, and a cgroup that cannot be removed is reported."""
+        self.close_procs()
+        for attempt in range(50):
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                if e.errno != errno.EBUSY:
+                    break
+                if attempt == 5:
+                    self._kill_members()
+                await asyncio.sleep(0.02)
+        logger.warning("sandbox: could not remove the memory cgroup %s", self.path)
+
+    def _kill_members(self) -> None:
+        try:
+            with open(os.path.join(self.path, "cgroup.procs")) as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 class Sandbox:
     """Runs Python source in a fresh sandbox per call; counts how runs ended (`stats`).
 
@@ -139,6 +330,9 @@ class Sandbox:
         backend: ``auto`` (``unshare`` under root, else ``bwrap``), ``unshare`` or ``bwrap``.
         max_parallel: runs at once (more wait their turn; the timeout starts with the run).
         python: the interpreter inside (default `system_python`).
+        memory_cgroup: bound each run's memory in total with a cgroup of its own: None (the
+            default) where the machine allows it, True to require it (`SandboxUnavailable`
+            where it cannot), False never (the rlimits alone: see the module's docstring).
     """
 
     def __init__(
@@ -148,11 +342,21 @@ class Sandbox:
         backend: Backend = "auto",
         max_parallel: int | None = None,
         python: str | None = None,
+        memory_cgroup: bool | None = None,
     ) -> None:
         self.limits = limits or SandboxLimits()
         self.backend = available_backend(backend)
         self.max_parallel = max_parallel or os.cpu_count() or 1
         self.python = python or system_python()
+        self._memory_cgroup_asked = memory_cgroup
+        self._cgroups = memory_cgroup_parent() if memory_cgroup is not False else None
+        if memory_cgroup and self._cgroups is None:
+            raise SandboxUnavailable(
+                "memory_cgroup=True, but no memory cgroup can be made here: it needs root and a writable "
+                "cgroup v2 with the memory controller enabled, or the cgroup v1 memory hierarchy"
+            )
+        self.memory_cgroup = self._cgroups is not None
+        """Whether ``memory_mb`` bounds each run in total (a cgroup per run) or per process."""
         self.counts: Counter[str] = Counter()
         self._slots: asyncio.Semaphore | None = None
 
@@ -163,11 +367,16 @@ class Sandbox:
             "backend": self.backend,
             "max_parallel": self.max_parallel,
             "python": self.python,
+            "memory_cgroup": self._memory_cgroup_asked,
         }
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__(
-            state["limits"], backend=state["backend"], max_parallel=state["max_parallel"], python=state["python"]
+            state["limits"],
+            backend=state["backend"],
+            max_parallel=state["max_parallel"],
+            python=state["python"],
+            memory_cgroup=state["memory_cgroup"],
         )  # type: ignore[misc,arg-type]
 
     def stats(self, reset: bool = False) -> dict[str, float]:
@@ -178,19 +387,29 @@ class Sandbox:
             self.counts.clear()
         return out
 
-    async def run(self, code: str, stdin: str = "", files: dict[str, str] | None = None) -> SandboxResult:
-        """Run ``code`` (as ``main.py`` in the working directory, next to ``files``) with ``stdin``."""
+    async def run(
+        self, code: str, stdin: str = "", files: dict[str, str] | None = None, *, checker: str | None = None
+    ) -> SandboxResult:
+        """Run ``code`` (as ``main.py`` in the working directory, next to ``files``) with ``stdin``;
+        with a ``checker`` (trusted Python source, see the module's docstring) the run ends when
+        the checker does, and is ``ok`` when it exits with status 0."""
+        files = {**(files or {}), "main.py": code}
+        invalid = _not_unicode({**files, "stdin": stdin, "checker": checker or ""})
+        if invalid:  # a program that cannot be written down cannot run: an error, like a syntax error
+            result = SandboxResult("error", None, "", f"sandbox: {invalid}\n", 0.0)
+            self.counts[result.outcome] += 1
+            return result
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_parallel)
         async with self._slots:
             try:
-                result = await self._run({**(files or {}), "main.py": code}, stdin)
+                result = await self._run(files, stdin, checker)
             except SandboxUnavailable as first:
                 # The set-up failed before any of ``code`` ran (it never reported ready): once more,
                 # in case that was passing pressure on the machine; a second failure is reported.
                 logger.warning("sandbox set-up failed, trying once more: %s", first)
                 await asyncio.sleep(0.5)
-                result = await self._run({**(files or {}), "main.py": code}, stdin)
+                result = await self._run(files, stdin, checker)
         self.counts[result.outcome] += 1
         return result
 
@@ -200,15 +419,22 @@ class Sandbox:
             namespaces = ["--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--ipc", "--uts"]
             return [shutil.which("unshare") or "unshare", *namespaces, "--", *boot]
         user = [] if os.geteuid() == 0 else ["--unshare-user", "--cap-drop", "ALL"]
-        fs = ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+        # /dev is a tmpfs that the code's uid owns in a user namespace: read-only, like every
+        # other mount but /tmp, so that no file is written outside /tmp's size.
+        fs = ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
               "--size", str(self.limits.tmp_mb << 20), "--perms", "0700", "--tmpfs", "/tmp"]  # fmt: skip
         if os.geteuid() != 0 and os.environ.get("HOME"):
-            fs += ["--tmpfs", os.environ["HOME"]]  # the trainer's own files are readable by its uid
-        spaces = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
+            # the trainer's own files are readable by its uid: hidden under an empty, read-only tmpfs
+            fs += ["--tmpfs", os.environ["HOME"], "--remount-ro", os.environ["HOME"]]
+        # --as-pid-1: the init is the namespace's pid 1 (not dumpable), with no reaper of bwrap's
+        # that the code's uid could trace (under bwrap without root the uids are the same).
+        spaces = ["--unshare-pid", "--as-pid-1", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
         return [shutil.which("bwrap") or "bwrap", *spaces, *user, "--die-with-parent", "--new-session",
                 *fs, "--clearenv", "--", *boot]  # fmt: skip
 
-    def _payload(self, pid: int, status_fd: int, files: dict[str, str], stdin: str) -> bytes:
+    def _payload(
+        self, pid: int, status_fd: int, cgroup_fd: int | None, files: dict[str, str], stdin: str, checker: str | None
+    ) -> bytes:
         lim = self.limits
         limits = {
             "RLIMIT_CPU": lim.cpu_seconds,
@@ -224,23 +450,48 @@ class Sandbox:
             "argv": [self.python, "-I", "main.py"],
             "limits": limits,
             "uid": UID_BASE + pid,
+            "checker_uid": UID_BASE + CHECKER_UID_OFFSET + pid,
             "mounts": self.backend == "unshare",
             "tmp_bytes": lim.tmp_mb << 20,
+            "socket_families": [int(f) for f in SOCKET_FAMILIES],
             "status_fd": status_fd,
+            "cgroup_fd": cgroup_fd,
+            "checker": checker,
         }
         return json.dumps(cfg).encode()
 
-    async def _run(self, files: dict[str, str], stdin: str) -> SandboxResult:
+    async def _run(self, files: dict[str, str], stdin: str, checker: str | None) -> SandboxResult:
         lim = self.limits
         start = time.monotonic()
+        try:
+            # memory_mb + tmp_mb: one process may reach its address space with /tmp full, as
+            # without a cgroup, and no number of processes more than that.
+            limit = (lim.memory_mb + lim.tmp_mb) << 20
+            cgroup = _RunCgroup(*self._cgroups, limit) if self._cgroups else None
+        except OSError as e:
+            raise SandboxUnavailable(f"the run's memory cgroup could not be made: {e}") from e
+        try:
+            return await self._run_in(files, stdin, checker, cgroup, start)
+        finally:
+            if cgroup is not None:
+                await cgroup.remove()
+
+    async def _run_in(
+        self, files: dict[str, str], stdin: str, checker: str | None, cgroup: _RunCgroup | None, start: float
+    ) -> SandboxResult:
+        lim = self.limits
+        cgroup_fd = cgroup.procs_fd if cgroup is not None else None
         status_r, status_w = os.pipe()
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *self._command(),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                pass_fds=(status_w,),
+            # Popen, not asyncio's subprocess transport: a transport cancelled while it connects
+            # its pipes (asyncio.run's clean-up cancels every task at once) waits forever for them
+            # (CPython 3.11). Here every wait is on a descriptor this function owns.
+            proc = subprocess.Popen(  # noqa: ASYNC220 - returns at the exec, as asyncio's own transport does
+                self._command(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(status_w,) if cgroup_fd is None else (status_w, cgroup_fd),
                 env={},
                 start_new_session=True,
             )
@@ -249,17 +500,21 @@ class Sandbox:
             raise
         finally:
             os.close(status_w)
+            if cgroup is not None:
+                cgroup.close_procs()
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         output = _Output(lim.output_bytes, on_overflow=lambda: _kill_group(proc.pid))
-        readers = asyncio.gather(output.read(proc.stdout, 0), output.read(proc.stderr, 1))
+        readers = asyncio.gather(output.read(proc.stdout.fileno(), 0), output.read(proc.stderr.fileno(), 1))
         timed_out = False
         try:
             try:
-                proc.stdin.write(self._payload(proc.pid, status_w, files, stdin))
-                await proc.stdin.drain()
-                proc.stdin.close()
+                await _write_all(
+                    proc.stdin.fileno(), self._payload(proc.pid, status_w, cgroup_fd, files, stdin, checker)
+                )
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the launcher died first: its stderr says why
+            finally:
+                proc.stdin.close()
             try:
                 await asyncio.wait_for(asyncio.shield(readers), lim.timeout)
             except asyncio.TimeoutError:
@@ -269,41 +524,68 @@ class Sandbox:
             _kill_group(proc.pid)
             raise
         finally:  # in every case, nothing outlives the run
-            await _reap(proc, readers)
-            status = _read_all(status_r)
+            try:
+                await _reap(proc, readers)
+            finally:
+                proc.stdout.close()
+                proc.stderr.close()
+                status = _read_all(status_r)
         cut = "output_limit" if output.overflow else ("timeout" if timed_out else None)
-        return self._result(cut, status, output, time.monotonic() - start)
+        oom_kills = cgroup.oom_kills() if cgroup is not None else 0
+        return self._result(cut, status, output, checker is not None, oom_kills, time.monotonic() - start)
 
-    def _result(self, cut: str | None, status: str, output: _Output, seconds: float) -> SandboxResult:
+    def _result(
+        self, cut: str | None, status: str, output: _Output, checked: bool, oom_kills: int, seconds: float
+    ) -> SandboxResult:
         stdout, stderr = output.text(0), output.text(1)
-        if cut is None and "ready" not in status.split():
+        lines = status.splitlines()
+        ready = "ready" in lines and (not checked or "checker-ready" in lines)
+        if cut is None and not oom_kills and not ready:
             raise SandboxUnavailable(f"the sandbox could not be set up: {stderr.strip()}")
-        code: int | None = None
-        sig: int | None = None
-        for line in status.splitlines():
-            kind, _, value = line.partition(" ")
-            if kind == "exit":
-                code = int(value)
-            elif kind == "signal":
-                sig = int(value)
+        ends: dict[str, tuple[str, int]] = {}
+        for line in lines:
+            who, _, end = line.partition(" ")
+            kind, _, value = end.partition(" ")
+            if who in ("program", "checker") and kind in ("exit", "signal"):
+                ends[who] = (kind, int(value))
+        judged = ends.get("program")
+        if checked and judged in (None, ("exit", 0)):
+            judged = ends.get("checker")  # the program serves until the checker is done, or failed first
         outcome: Outcome
         if cut is not None:
             outcome = cut  # type: ignore[assignment]
-        elif sig == signal.SIGXCPU:
-            outcome = "cpu_limit"
-        elif sig == signal.SIGXFSZ:
-            outcome = "file_size_limit"
-        elif sig is not None or code is None:
-            outcome = "killed"
-        elif code == 0:
-            outcome = "ok"
-        elif "MemoryError" in stderr:
+        elif oom_kills:
             outcome = "memory_limit"
-        elif "[Errno 27] File too large" in stderr:  # Python ignores SIGXFSZ: the write fails instead
-            outcome = "file_size_limit"
         else:
-            outcome = "error"
-        return SandboxResult(outcome, code if sig is None else None, stdout, stderr, seconds)
+            outcome = _outcome(judged, stderr)
+        code = judged[1] if judged is not None and judged[0] == "exit" else None
+        return SandboxResult(outcome, code, stdout, stderr, seconds)
+
+
+def _outcome(end: tuple[str, int] | None, stderr: str) -> Outcome:
+    """How a process that ended so (``("exit", N)``, ``("signal", N)``, None: unknown) ended."""
+    if end is None:
+        return "killed"
+    kind, value = end
+    if kind == "signal":
+        return {signal.SIGXCPU: "cpu_limit", signal.SIGXFSZ: "file_size_limit"}.get(value, "killed")  # type: ignore[return-value]
+    if value == 0:
+        return "ok"
+    if "MemoryError" in stderr or "[Errno 12] Cannot allocate memory" in stderr:
+        return "memory_limit"
+    if "[Errno 27] File too large" in stderr:  # Python ignores SIGXFSZ: the write fails instead
+        return "file_size_limit"
+    return "error"
+
+
+def _not_unicode(texts: dict[str, str]) -> str | None:
+    """Why one of ``texts`` cannot be written as UTF-8 (a lone surrogate), or None."""
+    for name, text in texts.items():
+        try:
+            text.encode()
+        except UnicodeEncodeError as e:
+            return f"{name} is not valid Unicode text ({e.reason}: {e.object[e.start : e.end]!a} at {e.start})"
+    return None
 
 
 class _Output:
@@ -315,9 +597,17 @@ class _Output:
         self.parts: list[bytearray] = [bytearray(), bytearray()]
         self.overflow = False
 
-    async def read(self, stream: asyncio.StreamReader, which: int) -> None:
+    async def read(self, fd: int, which: int) -> None:
         """Keep what fits; past the budget, kill the run and drain the pipe until it closes."""
-        while chunk := await stream.read(65536):
+        os.set_blocking(fd, False)
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                await _ready(fd, writing=False)
+                continue
+            if not chunk:
+                return
             room = self.limit - len(self.parts[0]) - len(self.parts[1])
             self.parts[which] += chunk[: max(room, 0)]
             if len(chunk) > room and not self.overflow:
@@ -328,9 +618,49 @@ class _Output:
         return self.parts[which].decode(errors="replace")
 
 
-async def _reap(proc: asyncio.subprocess.Process, readers: asyncio.Future) -> None:
+async def _ready(fd: int, writing: bool) -> None:
+    """Until ``fd`` can be read (or written) without blocking."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    (loop.add_writer if writing else loop.add_reader)(fd, wake)
+    try:
+        await ready
+    finally:
+        (loop.remove_writer if writing else loop.remove_reader)(fd)
+
+
+async def _write_all(fd: int, data: bytes) -> None:
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            await _ready(fd, writing=True)
+
+
+async def _exited(proc: subprocess.Popen) -> None:
+    """Until the launcher has exited (and is reaped): its pidfd turns readable then."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): a thread waits instead
+        await asyncio.to_thread(proc.wait)
+        return
+    try:
+        while proc.poll() is None:
+            await _ready(pidfd, writing=False)
+    finally:
+        os.close(pidfd)
+
+
+async def _reap(proc: subprocess.Popen, readers: asyncio.Future) -> None:
     """Wait for the launcher, then for its pipes to close (the namespace dies with it)."""
-    await proc.wait()
+    await _exited(proc)
     try:
         await asyncio.wait_for(readers, 10.0)
     except asyncio.TimeoutError:
