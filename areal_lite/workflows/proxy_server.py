@@ -1,0 +1,64 @@
+"""Recording proxies over real HTTP, for agents that run in other processes (a verifiers harness,
+a CLI agent): one aiohttp server on a loopback port serves any number of episodes'
+`RecordingProxy` objects, each under a path of its own (``http://127.0.0.1:PORT/<key>/v1``).
+
+The server runs in the event loop of the workflows that register proxies (the rollout
+controller's), so a proxy's calls reach ``engine.agenerate`` exactly as in-process calls do.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from aiohttp import web
+
+from areal_lite.utils.distributed import find_free_port
+from areal_lite.workflows.openai_proxy import RecordingProxy
+
+
+class ProxyServer:
+    """An HTTP server holding the recording proxies of running episodes.
+
+    `start` in the event loop the proxies' engine calls run in; `register` a proxy for the
+    length of its episode (it returns the proxy's base URL), `unregister` it after; `stop` at the
+    end. A request for a key no longer registered is a 404 in OpenAI's error shape.
+    """
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port: int | None = None
+        self._proxies: dict[str, RecordingProxy] = {}
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=256 * 1024**2)
+        app.router.add_route("*", "/{key}/{tail:.*}", self._route)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        self.port = find_free_port()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def register(self, proxy: RecordingProxy) -> tuple[str, str]:
+        """(key, base URL ending in ``/v1``) under which ``proxy`` answers."""
+        if self.port is None:
+            raise RuntimeError("start the proxy server first")
+        key = uuid.uuid4().hex
+        self._proxies[key] = proxy
+        return key, f"http://{self.host}:{self.port}/{key}/v1"
+
+    def unregister(self, key: str) -> None:
+        self._proxies.pop(key, None)
+
+    async def _route(self, request: web.Request) -> web.Response:
+        proxy = self._proxies.get(request.match_info["key"])
+        if proxy is None:
+            body = {"error": {"message": "no running episode at this address", "type": "invalid_request_error",
+                              "param": None, "code": "unknown_url"}}  # fmt: skip
+            return web.json_response(body, status=404)
+        status, content_type, content = await proxy.handle(request.method, request.path, await request.read())
+        return web.Response(status=status, body=content, content_type=content_type)
