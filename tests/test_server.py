@@ -178,7 +178,11 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": "7"}, "seed"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "x"}]}, "tools"),
     (
         "/v1/chat/completions",
@@ -200,7 +204,11 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": [1, 2], "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/responses", {"input": []}, "input"),
     ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, "not stored"),
-    ("/v1/responses", {"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]}, "text parts"),
+    (
+        "/v1/responses",
+        {"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]},
+        "text parts",
+    ),
     ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "function tools"),
     ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema"}}}, "structured"),
     ("/v1/responses", {"input": "hi", "tool_choice": "required"}, "tool_choice"),
