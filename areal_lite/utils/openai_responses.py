@@ -113,7 +113,9 @@ def _chat_tools(body: dict[str, object]) -> list[dict[str, object]] | None:
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
             kind = t.get("type") if isinstance(t, dict) else None
             raise BadRequest(f"tools[{j}]: only function tools are supported, got {kind!r}", param="tools")
-        function = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+        # ``strict`` (schema-constrained arguments) is left out: no engine here constrains decoding,
+        # and the chat template then shows the tool as a chat request would.
+        function = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
         out.append({"type": "function", "function": function})
     return out
 

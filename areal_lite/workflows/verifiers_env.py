@@ -44,12 +44,13 @@ API_KEY_VAR = "AREAL_LITE_PROXY_KEY"
 """The environment variable verifiers reads the proxy's API key from (the proxy needs none)."""
 
 
-def local_agent(**agent: object) -> vf.AgentConfig:
-    """A verifiers agent that runs here: `LocalChatHarness` (verifiers' chat loop, nothing to
-    download) in the ``subprocess`` runtime; ``agent`` sets other `vf.AgentConfig` fields."""
+def local_agent(in_process: bool = False, **agent: object) -> vf.AgentConfig:
+    """A verifiers agent that runs here: ``areal_lite_harness.LocalChatHarness`` (verifiers' chat
+    loop, nothing to download; ``in_process``: a plain chat from this process, no program start
+    per episode) in the ``subprocess`` runtime; ``agent`` sets other `vf.AgentConfig` fields."""
     import verifiers.v1 as vf
 
-    harness = {"id": "areal_lite_harness"}
+    harness = {"id": "areal_lite_harness", "in_process": in_process}
     return vf.AgentConfig(harness=harness, runtime=vf.SubprocessConfig(), **agent)  # type: ignore[arg-type]
 
 
