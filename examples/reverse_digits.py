@@ -12,6 +12,7 @@ import random
 from collections.abc import Iterator
 
 import verifiers.v1 as vf
+from pydantic import Field
 
 
 class ReverseConfig(vf.TasksetConfig):
@@ -23,7 +24,7 @@ class ReverseConfig(vf.TasksetConfig):
     """Tasks, distinct numbers drawn with ``seed``."""
     seed: int = 0
     """Seed of the draw; two tasksets with different seeds may share numbers (``exclude`` them)."""
-    exclude: list[str] = []
+    exclude: list[str] = Field(default_factory=list)
     """Numbers left out (another taskset's, e.g. the held-out ones)."""
 
 

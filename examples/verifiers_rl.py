@@ -26,6 +26,10 @@ from dataclasses import dataclass, field, replace
 import torch
 import verifiers.v1 as vf
 
+# verifiers imports the taskset by module name: this script's directory is on the path (as the
+# directory of the script Python runs), so examples/reverse_digits.py is found.
+from reverse_digits import ReverseConfig
+
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.actors.sft import SFTActor
 from areal_lite.api.config import RLExperimentConfig, TrainEngineConfig, load_config
@@ -46,9 +50,6 @@ from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
 from areal_lite.workflows.agent import episode_means
 from areal_lite.workflows.trajectory import encode_chat
 from areal_lite.workflows.verifiers_env import VerifiersWorkflow, local_agent, task_items
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # verifiers imports the taskset by name
-from reverse_digits import ReverseConfig  # noqa: E402
 
 
 @dataclass
