@@ -8,6 +8,9 @@ received by broadcast in a weight-update group) are applied between two steps; a
 load, running requests get their KV cache recomputed under the new weights and continue, so
 every later token is produced by (and tagged with the version of) the new weights.
 
+A streamed request (`stream`) gets each token as it is sampled: the scheduler hands it over right
+after the step that produced it, before the request's result.
+
 A LoRA adapter is one more kind of weight load: merged into the weights (`AdapterSlot`), then
 applied like any other update.
 

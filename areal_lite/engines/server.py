@@ -6,15 +6,17 @@ OpenAI server too (docs/protocol.md).
 It exists so that `RemoteSGLangEngine` and `RemoteVLLMEngine` are tested against a real HTTP server
 on machines where SGLang and vLLM cannot run, and so that CPU deployments get rollout servers with
 no extra dependency. Same endpoints, payloads, status codes and error shapes as SGLang for what
-areal-lite uses; the OpenAI-compatible routes (`areal_lite.engines.openai_api`) and vLLM's RL
-control routes (`areal_lite.engines.vllm_routes`) and SGLang's LoRA adapter routes
-(`areal_lite.engines.lora_routes`) are registered here too. Bad input is a 400 with
-``{"error": {"message": ...}}`` and the server keeps serving.
+areal-lite uses; the OpenAI-compatible routes (`areal_lite.engines.openai_api`, the Responses
+API in `areal_lite.engines.openai_responses`), vLLM's token-in-token-out route
+(`areal_lite.engines.tokens_api`) and RL control routes (`areal_lite.engines.vllm_routes`) and
+SGLang's LoRA adapter routes (`areal_lite.engines.lora_routes`) are registered here too. Every
+error, on every route (unknown routes and methods included), is OpenAI's error object
+``{"error": {"message", "type", "param", "code"}}``, and the server keeps serving.
 
 Deliberate differences from SGLang: weight versions are integers (as strings on the wire, "0" at
 start); ``meta_info`` carries one extra key, ``output_token_versions`` (the version of each output
-token, which can change inside one request when weights are updated in place); streaming, top
-logprobs and the penalty / min-p / seed sampling options are refused with a 400 rather than
+token, which can change inside one request when weights are updated in place); ``stream`` on
+``/generate`` and the penalty / min-p sampling options are refused with a 400 rather than
 silently ignored.
 """
 
