@@ -17,7 +17,9 @@ because verifiers loads a harness by its id as a top-level module name (a dotted
 
 from __future__ import annotations
 
+import functools
 import json
+import ssl
 import sys
 
 from verifiers.v1.clients import ModelContext
@@ -92,8 +94,15 @@ class LocalChatHarness(Harness[LocalChatHarnessConfig]):
         return await runtime.run_program([sys.executable, program, *args], {**self.config.resolved_env})
 
 
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """One TLS context for every episode's client: building one loads the CA bundle (about 0.1 s)."""
+    return ssl.create_default_context()
+
+
 async def _chat(model: str, endpoint: str, secret: str, system: str | None, prompt: object) -> ProgramResult:
     """One chat call to the rollout's endpoint: the program of ``in_process: true``."""
+    import httpx
     import openai
 
     messages: list[dict[str, object]] = [{"role": "system", "content": system}] if system else []
@@ -101,7 +110,8 @@ async def _chat(model: str, endpoint: str, secret: str, system: str | None, prom
         messages.append({"role": "user", "content": prompt})
     elif prompt is not None:
         messages += [message_to_wire(m) for m in prompt]  # type: ignore[attr-defined]
-    async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+    http = httpx.AsyncClient(verify=_tls(), timeout=None)  # the rollout's own timeouts bound the call
+    async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=http) as client:
         try:
             reply = await client.chat.completions.create(model=model, messages=messages)  # type: ignore[arg-type]
         except openai.APIConnectionError as e:
