@@ -23,6 +23,7 @@ audio, moderations), with a message that says so.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
@@ -239,11 +240,8 @@ class OpenAIRoutes:
         return out
 
     async def generate(self, jobs: list[tuple[list[int], SamplingParams, str]]) -> list[GenerationResult]:
-        results: list[GenerationResult | None] = [None] * len(jobs)
-        async for i, event in merged(self.scheduler, jobs):
-            if isinstance(event, GenerationResult):
-                results[i] = event
-        return results  # type: ignore[return-value]
+        """The results of ``jobs`` (prompt, params, rid), not streamed: no per-token hand-over."""
+        return list(await asyncio.gather(*(self.scheduler.generate(p, params, rid) for p, params, rid in jobs)))
 
     def token_text(self, token: int, as_ids: bool = False) -> str:
         tok = self.scheduler.tokenizer

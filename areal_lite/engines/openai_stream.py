@@ -5,8 +5,8 @@ server-sent events.
 `TextDeltas` turns a growing list of token ids into pieces of text that never need taking back:
 a token that ends inside a multi-byte character adds nothing until the character is complete, the
 last characters that could still be the start of a stop string (or of a ``<tool_call>`` block,
-when tools are offered) are held back, and nothing is sent after such a block begins. The final
-text, cut at its stop string and with its tool calls parsed out, supplies the rest.
+when tools are offered) are held back, and nothing is sent from a complete one on. The final text,
+cut at its stop string and with its tool calls parsed out, supplies the rest.
 """
 
 from __future__ import annotations
@@ -47,9 +47,15 @@ class TextDeltas:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special
-        self.markers = list(markers)
-        self.hold = max((len(s) - 1 for s in [*stop, *markers]), default=0)
+        self.cuts = [*stop, *markers]
+        self.hold = max((len(s) - 1 for s in self.cuts), default=0)
         self.ids: list[int] = []
+        self.text = ""
+        """The text of ``ids[:read]``."""
+        self.prefix = 0
+        self.read = 0
+        """Tokens ``ids[prefix:read]`` are decoded again before new ones, as context (a token's
+        text can depend on the one before it); only new tokens are decoded, never the whole list."""
         self.sent = ""
         self.frozen = False
         """A marker was seen: the rest comes from the final text."""
@@ -59,12 +65,18 @@ class TextDeltas:
         self.ids.append(token)
         if self.tokenizer is None or self.frozen:
             return ""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special)
-        if text.endswith("\ufffd") or not text.startswith(self.sent):
-            return ""
+        decode = self.tokenizer.decode
+        context = decode(self.ids[self.prefix : self.read], skip_special_tokens=self.skip_special)
+        window = decode(self.ids[self.prefix :], skip_special_tokens=self.skip_special)
+        if window.endswith("\ufffd") or not window.startswith(context):
+            return ""  # inside a multi-byte character: wait for the rest of it
+        self.text += window[len(context) :]
+        self.prefix, self.read = self.read, len(self.ids)
+        text = self.text
         end = len(text) - self.hold
-        for marker in self.markers:
-            at = text.find(marker, len(self.sent))
+        for cut in self.cuts:
+            # Held back until complete, a stop string or marker starts after what was sent.
+            at = text.find(cut, len(self.sent))
             if at >= 0:
                 end, self.frozen = min(end, at), True
         if end <= len(self.sent):
