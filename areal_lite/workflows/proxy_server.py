@@ -16,7 +16,6 @@ import uuid
 
 from aiohttp import web
 
-from areal_lite.utils.distributed import find_free_port
 from areal_lite.workflows.openai_proxy import RecordingProxy
 
 
@@ -39,8 +38,9 @@ class ProxyServer:
         app.router.add_route("*", "/{key}/{tail:.*}", self._route)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        self.port = find_free_port()
-        await web.TCPSite(self._runner, self.host, self.port).start()
+        # Port 0: the OS picks a free port at bind time (choosing one first races with other binds).
+        await web.TCPSite(self._runner, self.host, 0).start()
+        self.port = int(self._runner.addresses[0][1])
 
     async def stop(self) -> None:
         if self._runner is not None:
