@@ -112,6 +112,24 @@ def test_generate_matches_hf_and_protocol_shapes(server: str, model_path: str) -
     assert status == 200 and len(out) == 3 and all(isinstance(o["text"], str) for o in out)
 
 
+def test_generate_seeds_and_top_logprobs(server: str, model_path: str) -> None:
+    """SGLang's ``sampling_seed`` (the same seed, the same tokens; the samples of ``n`` differ) and
+    ``top_logprobs_num`` (the most likely tokens per position, equal to a HF forward)."""
+    sp = {"max_new_tokens": 12, "ignore_eos": True, "temperature": 1.0, "sampling_seed": 7, "n": 2}
+    body = {"input_ids": [11, 12, 13], "sampling_params": sp, "return_logprob": True, "top_logprobs_num": 3}
+    status, first = run(call(server, "/generate", body))
+    _, again = run(call(server, "/generate", body))
+    assert status == 200 and [o["output_ids"] for o in first] == [o["output_ids"] for o in again]
+    assert first[0]["output_ids"] != first[1]["output_ids"]
+    tops = first[0]["meta_info"]["output_top_logprobs"]
+    ids = torch.tensor([[11, 12, 13, *first[0]["output_ids"]]])
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(model_path)(ids).logits.float()
+    want = torch.log_softmax(logits, dim=-1)[0, 2:-1].topk(3, dim=-1)
+    assert [[t for _, t, _ in top] for top in tops] == want.indices.tolist()
+    torch.testing.assert_close(torch.tensor([[v for v, _, _ in top] for top in tops]), want.values, atol=1e-4, rtol=0)
+
+
 def test_info_endpoints_and_api_key(server: str, model_path: str) -> None:
     assert run(call(server, "/health", method="GET", headers={}))[0] == 200
     assert run(call(server, "/generate", {"input_ids": [1]}, headers={}))[0] == 401

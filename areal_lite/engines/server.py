@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
@@ -271,14 +272,16 @@ class Server:
         jobs = []
         for prompt, rid in zip(prompts, rid_list):
             for k in range(n):
-                jobs.append((prompt, rid if n == 1 else f"{rid}-{k}"))
+                # The samples of a seeded request differ: sample k draws with seed + k.
+                sample = params if params.seed is None or n == 1 else dataclasses.replace(params, seed=params.seed + k)
+                jobs.append((prompt, sample, rid if n == 1 else f"{rid}-{k}"))
         want_input = return_logprob and start_len >= 0
         try:
-            for prompt, _ in jobs:
+            for prompt, _, _ in jobs:
                 self.scheduler.validate_request(prompt, params)
         except ValueError as e:
             raise BadRequest(str(e)) from e
-        results = await asyncio.gather(*[self.scheduler.generate(p, params, rid, want_input) for p, rid in jobs])
+        results = await asyncio.gather(*[self.scheduler.generate(p, sp, rid, want_input) for p, sp, rid in jobs])
         out = [self._response(r, return_logprob, start_len, skip_special, no_stop_trim) for r in results]
         return web.json_response(out if is_batch or n > 1 else out[0])
 
