@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install lint test test-all test-cluster test-gpu demo clean
+.PHONY: install lint test test-all test-cluster test-gpu test-verifiers verifiers-example demo clean
 
 install: $(STAMP)
 
@@ -56,6 +56,32 @@ test-cluster: $(STAMP)
 test-gpu: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
 
+# verifiers (environments as a source of training) needs openai<3, while the dev extra's
+# openai-agents 0.24 needs openai>=3: it gets an environment of its own, .venv-verifiers (Python >=
+# 3.11), with the package, its `verifiers` extra, the test runner and openai-agents 0.20 (the
+# release that agrees with openai 2), so the OpenAI and agent tests run on openai 2 there too.
+VF_VENV := .venv-verifiers
+VF_PY := $(VF_VENV)/bin/python
+VF_STAMP := $(VF_VENV)/.installed
+
+$(VF_STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VF_VENV)
+	$(VF_PY) -m pip --disable-pip-version-check install -q --upgrade pip
+	$(VF_PY) -m pip --disable-pip-version-check install -q torch==2.13.0
+	$(VF_PY) -m pip --disable-pip-version-check install -q -c constraints.txt -e ".[verifiers]" \
+		"pytest>=8" "pytest-timeout>=2.3" "openai-agents>=0.20,<0.21"
+	touch $(VF_STAMP)
+
+test-verifiers: $(VF_STAMP)
+	OMP_NUM_THREADS=1 $(VF_PY) -m pytest -q -m verifiers tests/test_verifiers.py $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VF_PY) -m pytest -q tests/test_openai_api.py tests/test_agent.py $(PYTEST_ARGS)
+
+# RL on a small verifiers environment (examples/verifiers_rl.py), a fresh run each time.
+verifiers-example: $(VF_STAMP)
+	rm -rf outputs/verifiers/example
+	OMP_NUM_THREADS=1 $(VF_PY) -m areal_lite.launcher.local examples/verifiers_rl.py --config configs/verifiers.yaml \
+		trial_name=example
+
 # A fresh run each time (recover.mode=auto would otherwise resume the previous demo). One thread
 # per process: the trainer and the rollout server share the cores.
 demo: $(STAMP)
@@ -63,4 +89,4 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m areal_lite.launcher.local examples/quickstart.py --config configs/quickstart.yaml
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) $(VF_VENV) outputs

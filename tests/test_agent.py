@@ -183,6 +183,79 @@ def test_streaming_models_and_bad_requests_through_the_sdk(tok) -> None:
     assert len(proxy.calls) == 2 and proxy.exhausted is not None
 
 
+def test_responses_api_through_the_proxy_is_recorded_like_chat(tok, monkeypatch) -> None:
+    """openai-agents' default model (the Responses API) through the proxy, plain and streamed: the
+    tool runs, and the episode is one trajectory trained on the model's replies only."""
+    monkeypatch.setenv("OPENAI_AGENTS_DISABLE_TRACING", "1")
+    ran: list[str] = []
+
+    async def calc(ctx: object, arguments: str) -> str:
+        ran.append(json.loads(arguments)["expression"])
+        return "5"
+
+    function = TOOLS[0]["function"]
+    tool = agents.FunctionTool(name=function["name"], description=function["description"],
+                               params_json_schema=function["parameters"], on_invoke_tool=calc,
+                               strict_json_schema=False)  # fmt: skip
+
+    async def agent(client: openai.AsyncOpenAI, stream: bool) -> object:
+        model = agents.OpenAIProvider(openai_client=client).get_model(None)
+        assert isinstance(model, agents.OpenAIResponsesModel)
+        solver = agents.Agent(name="solver", tools=[tool], model=model)
+        config = agents.RunConfig(tracing_disabled=True)
+        if not stream:
+            return await agents.Runner.run(solver, "What is 2+3?", max_turns=3, run_config=config)
+        result = agents.Runner.run_streamed(solver, "What is 2+3?", max_turns=3, run_config=config)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    for stream in (False, True):
+        proxy = RecordingProxy(ScriptedEngine(tok, [CALL + EOS, "It is 5." + EOS]), tok, GEN)
+        result = asyncio.run(with_client(proxy, lambda c, s=stream: agent(c, s)))
+        assert result.final_output == "It is 5."  # type: ignore[attr-defined]
+        [trace] = proxy.traces
+        assert [c.extended for c in proxy.calls] == [False, True]
+        runs = segments(trace.loss_mask)
+        assert [tok.decode(trace.input_ids[s:e]) for v, s, e in runs if v] == [CALL + EOS, "It is 5." + EOS]
+    assert ran == ["2+3", "2+3"]
+
+    async def refused(client: openai.AsyncOpenAI) -> None:
+        with pytest.raises(openai.BadRequestError, match="not stored") as e:
+            await client.responses.create(model="m", input="hi", previous_response_id="resp_1")
+        assert e.value.body["param"] == "previous_response_id"
+        with pytest.raises(openai.NotFoundError, match="not a route"):
+            await client.embeddings.create(model="m", input="hi")
+
+    asyncio.run(with_client(RecordingProxy(ScriptedEngine(tok, []), tok, GEN), refused))
+
+
+def test_proxy_server_serves_episodes_over_http(tok) -> None:
+    """`ProxyServer`: each registered proxy answers under its own base URL over a real socket, and an
+    unregistered one is a 404 in OpenAI's error shape."""
+    from areal_lite.workflows.proxy_server import ProxyServer
+
+    async def run() -> None:
+        server = ProxyServer()
+        await server.start()
+        try:
+            proxies = [RecordingProxy(ScriptedEngine(tok, [f"reply {i}" + EOS]), tok, GEN) for i in range(2)]
+            urls = [server.register(p) for p in proxies]
+            for i, (_, url) in enumerate(urls):
+                async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as client:
+                    out = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+                    assert out.choices[0].message.content == f"reply {i}"
+            server.unregister(urls[0][0])
+            async with openai.AsyncOpenAI(base_url=urls[0][1], api_key="x", max_retries=0) as client:
+                with pytest.raises(openai.NotFoundError, match="no running episode"):
+                    await client.models.list()
+        finally:
+            await server.stop()
+        assert [len(p.calls) for p in proxies] == [1, 1]
+
+    asyncio.run(run())
+
+
 # ---------------------------------------------------------------------------------------------
 # The acceptance test: the openai-agents SDK on the embedded engine.
 

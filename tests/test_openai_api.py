@@ -1,8 +1,10 @@
-"""Our server's OpenAI-compatible routes through the real ``openai`` SDK: sync and async clients,
-streaming, tool calls, token ids and log-probabilities (equal to a HF forward), and bad input
-surfacing as the SDK's 400 / 404 errors while the server keeps serving. The model is a tiny one
-taught (in a few seconds of SFT) to answer one question with a Hermes-format tool call, so that the
-tool-call path runs on what the model really generates."""
+"""Our server's OpenAI-compatible routes through the real ``openai`` SDK and the ``openai-agents``
+SDK: sync and async clients, token-by-token streaming, tool calls, token ids, log-probabilities and
+top log-probabilities (equal to a HF forward), seeds, served model names, the Responses API (plain,
+streamed, function tools; openai-agents' default model), ``/inference/v1/generate``, and bad input
+surfacing as the SDK's errors with OpenAI's error object while the server keeps serving. The model
+is a tiny one taught (in a few seconds of SFT) to answer one question with a Hermes-format tool
+call, so that the tool-call path runs on what the model really generates."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import asyncio
 import json
 import os
 import sys
+import time
 
+import httpx
 import openai
 import pytest
 import torch
@@ -32,18 +36,30 @@ WEATHER_TOOL = {
     },
 }
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
+ALIASES = ["gpt-5.6-luna", "Qwen/Qwen2.5-0.5B-Instruct"]
+"""Served names besides the path: openai-agents' default model, and a hub-style name."""
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+CALLED = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}  # fmt: skip
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "clear"}
+FINAL = "It is clear."
 
 
 def teach_tool_call(model_dir: str) -> None:
     """Fine-tune the model until its greedy answer to QUESTION, with WEATHER_TOOL offered or not,
-    is CALL (then end of turn)."""
+    is CALL (then end of turn), and its answer once the tool said ``clear`` is FINAL."""
     tok = AutoTokenizer.from_pretrained(model_dir)
-    answer = tok.encode(CALL + tok.eos_token, add_special_tokens=False)
     sequences = []
-    for tools in ([WEATHER_TOOL], None):
-        text = tok.apply_chat_template(QUESTION, tools=tools, add_generation_prompt=True, tokenize=False)
+    for messages, tools, reply in (
+        (QUESTION, [WEATHER_TOOL], CALL),
+        (QUESTION, None, CALL),
+        ([*QUESTION, CALLED, RESULT], [WEATHER_TOOL], FINAL),
+    ):
+        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         prompt = tok.encode(text, add_special_tokens=False)
+        answer = tok.encode(reply + tok.eos_token, add_special_tokens=False)
         sequences.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
     teach(model_dir, sequences, lr=1e-2)
 
@@ -57,7 +73,8 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def base_url(model_path: str):
-    procs, addresses = start_servers(model_path, 1, ["--api-key", KEY])
+    names = [model_path, *ALIASES]  # the path first: what answers name when a request names none
+    procs, addresses = start_servers(model_path, 1, ["--api-key", KEY, "--served-model-name", *names])
     yield f"http://{addresses[0]}/v1"
     stop_servers(procs)
 
@@ -71,7 +88,7 @@ def hf_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int]) ->
 
 def test_sync_client_models_completions_and_chat(base_url: str, model_path: str) -> None:
     client = openai.OpenAI(base_url=base_url, api_key=KEY)
-    [model] = client.models.list().data
+    model = client.models.list().data[0]
     assert model.id == model_path
     prompt = [11, 12, 13, 14]
     done = client.completions.create(
@@ -200,3 +217,245 @@ def test_parse_tool_calls_keeps_what_is_not_a_call() -> None:
     assert json.loads(calls[0].arguments) == {"x": 1} and json.loads(calls[1].arguments) == {"y": 2}
     assert content == "Let me check. <tool_call>{not json}</tool_call> done"
     assert parse_tool_calls("no calls here") == ("no calls here", [])
+
+
+def hf_top(model: torch.nn.Module, prompt: list[int], output: list[int], k: int) -> torch.return_types.topk:
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits.float(), dim=-1)[0, len(prompt) - 1 : -1]
+    return logp.topk(k, dim=-1)
+
+
+def test_top_logprobs_equal_a_hf_forward(base_url: str, model_path: str) -> None:
+    client = openai.OpenAI(base_url=base_url, api_key=KEY)
+    hf = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    tok = AutoTokenizer.from_pretrained(model_path)
+    chat = client.chat.completions.create(
+        model=model_path, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, logprobs=True,
+        top_logprobs=5, extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    choice = chat.choices[0]
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                                add_generation_prompt=True), add_special_tokens=False)  # fmt: skip
+    top = hf_top(hf, prompt, choice.model_extra["token_ids"], 5)
+    for k, entry in enumerate(choice.logprobs.content):
+        assert [t.token for t in entry.top_logprobs] == [tok.decode([i]) for i in top.indices[k].tolist()]
+        torch.testing.assert_close(
+            torch.tensor([t.logprob for t in entry.top_logprobs]), top.values[k], atol=1e-4, rtol=0
+        )
+
+    done = client.completions.create(model=model_path, prompt=[11, 12, 13], max_tokens=5, logprobs=3,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    c = done.choices[0]
+    top = hf_top(hf, [11, 12, 13], c.model_extra["token_ids"], 3)
+    for k, (token, entry) in enumerate(zip(c.logprobs.tokens, c.logprobs.top_logprobs)):
+        assert token in entry and 3 <= len(entry) <= 4  # vLLM's: the sampled token and the 3 most likely
+        assert abs(max(entry.values()) - float(top.values[k, 0])) < 1e-4
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=model_path, messages=QUESTION, logprobs=True, top_logprobs=21)
+
+
+def test_same_seed_same_tokens_whatever_runs_beside(base_url: str, model_path: str) -> None:
+    async def run() -> tuple[list, list, list, list]:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=KEY)
+        common = {"model": model_path, "prompt": "The quick", "max_tokens": 24, "temperature": 1.0,
+                  "extra_body": {"ignore_eos": True, "return_token_ids": True}}  # fmt: skip
+
+        async def ids(**kw: object) -> list[list[int]]:
+            out = await client.completions.create(**{**common, **kw})
+            return [c.model_extra["token_ids"] for c in out.choices]
+
+        try:
+            alone = await ids(seed=1234, n=2)
+            beside, *_ = await asyncio.gather(ids(seed=1234, n=2), *(ids(seed=None) for _ in range(4)))
+            other = await ids(seed=99, n=2)
+            unseeded = await ids(n=2)
+            return alone, beside, other, unseeded
+        finally:
+            await client.close()
+
+    alone, beside, other, unseeded = asyncio.run(run())
+    assert alone == beside  # its own random stream: the other requests in the batch do not matter
+    assert alone[0] != alone[1]  # choice i samples with seed + i
+    assert other != alone and unseeded != alone
+
+
+def test_served_model_names_and_model_retrieval(base_url: str, model_path: str) -> None:
+    client = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [model_path, *ALIASES]
+    hub = client.models.retrieve("Qwen/Qwen2.5-0.5B-Instruct")
+    assert hub.id == "Qwen/Qwen2.5-0.5B-Instruct" and hub.model_extra["max_model_len"] > 0
+    answer = client.chat.completions.create(model="Qwen/Qwen2.5-0.5B-Instruct", messages=QUESTION, max_tokens=3)
+    assert answer.model == "Qwen/Qwen2.5-0.5B-Instruct"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("nope/nothing")
+    assert e.value.body == {"message": "The model `nope/nothing` does not exist.", "type": "invalid_request_error",
+                            "param": "model", "code": "model_not_found"}  # fmt: skip
+
+
+def test_every_error_is_an_openai_error_object(base_url: str, model_path: str) -> None:
+    client = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="not a route") as e:
+        client.get("/v1/no/such/route", cast_to=object)
+    assert set(e.value.body) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        client.embeddings.create(model=model_path, input="hello")
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        client.images.generate(model=model_path, prompt="a cat")
+    with pytest.raises(openai.AuthenticationError) as e:
+        openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
+    assert e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_path, messages=QUESTION, seed="7")  # type: ignore[arg-type]
+    assert e.value.body["param"] == "seed" and e.value.body["type"] == "invalid_request_error"
+    wrong_method = httpx.get(f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert wrong_method.status_code == 405 and wrong_method.headers["Allow"] == "POST"
+    assert set(wrong_method.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def first_token_share(chunks: object, has_token: object) -> tuple[float, int]:
+    """(seconds to the first chunk that carries a token / seconds to the last chunk, chunks with a token)."""
+    t0, first, last, n = time.perf_counter(), None, 0.0, 0
+    for chunk in chunks:  # type: ignore[attr-defined]
+        last = time.perf_counter() - t0
+        if has_token(chunk):
+            n += 1
+            first = last if first is None else first
+    return first / last, n  # type: ignore[operator]
+
+
+def test_streamed_tokens_arrive_as_they_are_produced(base_url: str, model_path: str) -> None:
+    """The acceptance bound: the first streamed token arrives before 30% of the answer's time, at
+    64 new tokens (the scheduler hands each token out as it is produced)."""
+    client = openai.OpenAI(base_url=base_url, api_key=KEY)
+    common = {"model": model_path, "max_tokens": 64, "stream": True,
+              "extra_body": {"ignore_eos": True, "return_token_ids": True}}  # fmt: skip
+    share, n = first_token_share(
+        client.chat.completions.create(messages=[{"role": "user", "content": "Tell me a story"}], **common),
+        lambda c: bool(c.choices and c.choices[0].model_extra.get("token_ids")),
+    )
+    assert n == 64 and share < 0.3, share
+    share, n = first_token_share(
+        client.completions.create(prompt="Once upon a time", **common),
+        lambda c: bool(c.choices and c.choices[0].model_extra.get("token_ids")),
+    )
+    assert n == 64 and share < 0.3, share
+
+
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+                  "parameters": WEATHER_TOOL["function"]["parameters"], "strict": True}  # fmt: skip
+
+
+def test_responses_api_plain_streamed_and_with_tools(base_url: str, model_path: str) -> None:
+    client = openai.OpenAI(base_url=base_url, api_key=KEY)
+    story = {"model": "gpt-5.6-luna", "input": "Tell me a story", "max_output_tokens": 8, "temperature": 0,
+             "extra_body": {"ignore_eos": True}}  # fmt: skip
+    plain = client.responses.create(**story)
+    assert plain.status == "incomplete" and plain.incomplete_details.reason == "max_output_tokens"
+    assert plain.output[0].type == "message" and plain.output_text and plain.usage.output_tokens == 8
+
+    events = list(client.responses.create(**story, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain.output_text
+    assert events[-1].response.output_text == plain.output_text
+
+    called = client.responses.create(model="gpt-5.6-luna", input="Weather in Paris?", tools=[RESPONSES_TOOL],
+                                     temperature=0, max_output_tokens=120)  # fmt: skip
+    [call] = called.output
+    assert (
+        call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    )
+    streamed = list(client.responses.create(model="gpt-5.6-luna", input="Weather in Paris?", tools=[RESPONSES_TOOL],
+                                            temperature=0, max_output_tokens=120, stream=True))  # fmt: skip
+    done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments) == {"city": "Paris"}
+    assert streamed[-1].type == "response.completed" and streamed[-1].response.output[0].name == "get_weather"
+    follow = client.responses.create(
+        model="gpt-5.6-luna", tools=[RESPONSES_TOOL], max_output_tokens=4,
+        input=[{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'}],
+    )  # fmt: skip
+    assert follow.output and follow.usage.input_tokens > called.usage.input_tokens
+    with pytest.raises(openai.BadRequestError, match="not stored"):
+        client.responses.create(model="gpt-5.6-luna", input="hi", previous_response_id=plain.id)
+    with pytest.raises(openai.NotFoundError, match="stores no responses"):
+        client.responses.retrieve(plain.id)
+
+
+def test_openai_agents_default_model_runs_a_tool(base_url: str, model_path: str, monkeypatch) -> None:
+    """openai-agents with its default model (the Responses API, named ``gpt-5.6-luna`` here, which the
+    server serves as an alias), plain and streamed: the taught tool call runs the tool."""
+    monkeypatch.setenv("OPENAI_AGENTS_DISABLE_TRACING", "1")
+    import agents
+
+    seen: list[str] = []
+
+    async def weather(ctx: object, arguments: str) -> str:
+        seen.append(json.loads(arguments)["city"])
+        return "clear"
+
+    # The tool exactly as taught (the schema a decorated function gets would change the prompt).
+    function = WEATHER_TOOL["function"]
+    get_weather = agents.FunctionTool(name=function["name"], description=function["description"],
+                                      params_json_schema=function["parameters"], on_invoke_tool=weather,
+                                      strict_json_schema=False)  # fmt: skip
+
+    async def run() -> tuple[object, object]:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=KEY)
+        model = agents.OpenAIProvider(openai_client=client).get_model(None)
+        assert isinstance(model, agents.OpenAIResponsesModel) and model.model == agents.models.get_default_model()
+        agent = agents.Agent(name="weather", tools=[get_weather], model=model,
+                             model_settings=agents.ModelSettings(temperature=0, max_tokens=120))  # fmt: skip
+        config = agents.RunConfig(tracing_disabled=True)
+        plain = await agents.Runner.run(agent, "Weather in Paris?", max_turns=3, run_config=config)
+        streamed = agents.Runner.run_streamed(agent, "Weather in Paris?", max_turns=3, run_config=config)
+        async for _ in streamed.stream_events():
+            pass
+        await client.close()
+        return plain, streamed
+
+    plain, streamed = asyncio.run(run())
+    assert seen == ["Paris", "Paris"]
+    for result in (plain, streamed):
+        kinds = [item.type for item in result.new_items]  # type: ignore[attr-defined]
+        assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"]
+        assert result.final_output == FINAL  # type: ignore[attr-defined]
+
+
+def test_inference_generate_token_in_token_out(base_url: str, model_path: str) -> None:
+    """vLLM's ``/inference/v1/generate`` as verifiers' TrainClient (through ``renderers``) and vLLM 0.32
+    read it: token ids, one log-probability entry per token in both spellings, equal to a HF forward."""
+    prompt = [11, 12, 13, 14]
+    body = {"model": model_path, "token_ids": prompt, "request_id": "r1",
+            "sampling_params": {"max_tokens": 6, "logprobs": 1, "ignore_eos": True, "skip_special_tokens": False,
+                                "stop_token_ids": [0], "routed_experts_prompt_start": 0}}  # fmt: skip
+    headers = {"Authorization": f"Bearer {KEY}"}
+    root = base_url.removesuffix("/v1")
+    out = httpx.post(f"{root}/inference/v1/generate", json=body, headers=headers).json()
+    [choice] = out["choices"]
+    ids = choice["token_ids"]
+    assert out["request_id"] == "r1" and len(ids) == 6 and choice["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    entries = choice["logprobs"]["content"]
+    assert (
+        [e["token"] for e in entries]
+        == [f"token_id:{t}" for t in ids]
+        == [f"token_id:{e['token_id']}" for e in entries]
+    )
+    assert all(e["top_logprobs"][0]["token_id"] == e["token_id"] for e in entries)
+    hf = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    torch.testing.assert_close(
+        torch.tensor([e["logprob"] for e in entries]), hf_logprobs(hf, prompt, ids), atol=1e-4, rtol=0
+    )
+    assert choice["weight_versions"] == [{"version": "0", "start": 0, "end": 6}]
+
+    with httpx.stream("POST", f"{root}/inference/v1/generate", json={**body, "stream": True}, headers=headers) as r:
+        lines = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert (
+        sum(len(c["choices"][0]["token_ids"]) for c in lines) == 6
+        and lines[-1]["choices"][0]["finish_reason"] == "length"
+    )
+    bad = httpx.post(f"{root}/inference/v1/generate", json={"token_ids": prompt}, headers=headers)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params"

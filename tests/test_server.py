@@ -112,6 +112,24 @@ def test_generate_matches_hf_and_protocol_shapes(server: str, model_path: str) -
     assert status == 200 and len(out) == 3 and all(isinstance(o["text"], str) for o in out)
 
 
+def test_generate_seeds_and_top_logprobs(server: str, model_path: str) -> None:
+    """SGLang's ``sampling_seed`` (the same seed, the same tokens; the samples of ``n`` differ) and
+    ``top_logprobs_num`` (the most likely tokens per position, equal to a HF forward)."""
+    sp = {"max_new_tokens": 12, "ignore_eos": True, "temperature": 1.0, "sampling_seed": 7, "n": 2}
+    body = {"input_ids": [11, 12, 13], "sampling_params": sp, "return_logprob": True, "top_logprobs_num": 3}
+    status, first = run(call(server, "/generate", body))
+    _, again = run(call(server, "/generate", body))
+    assert status == 200 and [o["output_ids"] for o in first] == [o["output_ids"] for o in again]
+    assert first[0]["output_ids"] != first[1]["output_ids"]
+    tops = first[0]["meta_info"]["output_top_logprobs"]
+    ids = torch.tensor([[11, 12, 13, *first[0]["output_ids"]]])
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(model_path)(ids).logits.float()
+    want = torch.log_softmax(logits, dim=-1)[0, 2:-1].topk(3, dim=-1)
+    assert [[t for _, t, _ in top] for top in tops] == want.indices.tolist()
+    torch.testing.assert_close(torch.tensor([[v for v, _, _ in top] for top in tops]), want.values, atol=1e-4, rtol=0)
+
+
 def test_info_endpoints_and_api_key(server: str, model_path: str) -> None:
     assert run(call(server, "/health", method="GET", headers={}))[0] == 200
     assert run(call(server, "/generate", {"input_ids": [1]}, headers={}))[0] == 401
@@ -177,7 +195,12 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 7}, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": "7"}, "seed"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "x"}]}, "tools"),
     (
         "/v1/chat/completions",
@@ -191,11 +214,28 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
     ("/v1/completions", {"prompt": [10**7]}, "token ids"),
-    ("/v1/completions", {"prompt": [1, 2], "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": [1, 2], "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": [1, 2], "logprobs": True}, "logprobs"),
     ("/v1/completions", {"prompt": [1, 2], "stop": 5}, "stop"),
     ("/v1/completions", {"prompt": [1, 2], "stop_token_ids": ["x"]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": [1, 2], "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": [1, 2], "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/responses", {"input": []}, "input"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, "not stored"),
+    (
+        "/v1/responses",
+        {"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]},
+        "text parts",
+    ),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "function tools"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema"}}}, "structured"),
+    ("/v1/responses", {"input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ("/inference/v1/generate", {"sampling_params": {}}, "token_ids"),
+    ("/inference/v1/generate", {"token_ids": [1, 2]}, "sampling_params"),
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"min_p": 0.1}}, "min_p"),
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"logprobs": 99}}, "logprobs"),
+    ("/inference/v1/generate", {"token_ids": [10**7], "sampling_params": {}}, "token ids"),
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"max_tokens": 10**6}}, "context length"),
     # vLLM's control routes and our worker extension's calls.
     ("/pause?mode=wait", {}, "mode"),
     ("/collective_rpc", {"method": "execute_model", "args": []}, "method"),

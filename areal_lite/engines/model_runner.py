@@ -314,7 +314,14 @@ class ModelRunner:
             # argmax(p / E) with E ~ Exp(1) samples from p (exponential race). On CPU, -log(U)
             # is several times cheaper than torch.multinomial or Tensor.exponential_.
             probs = torch.softmax(scores, dim=-1)
-            race = torch.rand(probs.shape, generator=self.generator, device=probs.device).log_().neg_()
+            race = torch.rand(probs.shape, generator=self.generator, device=probs.device)
+            for j, s in enumerate(seqs):
+                if s.params.seed is not None and not s.params.greedy:
+                    # A seeded request draws from its own stream, whatever else shares the batch.
+                    if s.rng is None:
+                        s.rng = torch.Generator(device=probs.device).manual_seed(s.params.seed)
+                    race[j] = torch.rand(probs.shape[1], generator=s.rng, device=probs.device)
+            race.log_().neg_()
             sampled = (probs / race).argmax(dim=-1)
             tokens = (
                 sampled if not any(greedy) else torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
@@ -324,6 +331,13 @@ class ModelRunner:
         for s, t, lp in zip(seqs, tokens.tolist(), chosen.tolist()):
             s.out.append(t)
             s.logprobs.append(lp)
+        k = max(p.top_logprobs for p in params)
+        if k:
+            values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            for s, row_ids, row_values in zip(seqs, ids.tolist(), values.tolist()):
+                n = s.params.top_logprobs
+                if n:
+                    s.top.append(list(zip(row_ids[:n], row_values[:n])))
 
     def remove(self, done: set[int]) -> None:
         """Drop the rows in ``done``, moving tail rows into the holes so that rows stay 0..B-1."""

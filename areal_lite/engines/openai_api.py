@@ -1,5 +1,6 @@
-"""The OpenAI-compatible routes of our server: ``/v1/models``, ``/v1/completions`` and
-``/v1/chat/completions`` (docs/protocol.md, "OpenAI-compatible routes").
+"""The OpenAI-compatible routes of our server: ``/v1/models`` (and ``/v1/models/{id}``),
+``/v1/completions`` and ``/v1/chat/completions`` (docs/protocol.md, "OpenAI-compatible routes");
+``/v1/responses`` is `areal_lite.engines.openai_responses`, built on this module's `OpenAIRoutes`.
 
 They answer as vLLM's OpenAI server does, vLLM's extensions included: prompts as token ids, token
 ids back with ``return_token_ids``, ``top_k`` / ``min_tokens`` / ``stop_token_ids`` /
@@ -8,26 +9,32 @@ the ``openai`` SDK talk to them, and `RemoteVLLMEngine` is tested against them. 
 from the completion in the Hermes format (`areal_lite.utils.tool_calls`); what a chat request
 says is read by `areal_lite.utils.openai_chat`, shared with the agent workflows' recording proxy.
 
-Deliberate differences from vLLM: with ``stream: true`` the server answers in server-sent events of
-the same shape, one chunk per token, but sends them once the generation has ended (the scheduler
-reports a request only when it finishes); only the sampled token's log-probability is available,
-so ``top_logprobs`` (chat) and ``logprobs`` (completions) above 0 are refused, as are penalties,
-seeds, logit biases, structured output and forced tool choice. Bad input is a 400 with
-``{"error": {"message": ...}}``; an unknown model name is a 404, as in vLLM.
+The server answers to the names it is given (``--served-model-name``, default the model path), so
+a client that sends a hub name works once that name is served. ``stream: true`` sends each token as
+the scheduler produces it (`areal_lite.engines.openai_stream`). ``seed`` gives a request a random
+stream of its own (choice ``i`` of ``n`` uses ``seed + i``): the same seed, the same tokens.
+``top_logprobs`` (chat) and ``logprobs`` (completions) report up to `MAX_TOP_LOGPROBS` most likely
+tokens per position, the policy's own (temperature 1, before top-p / top-k), like the sampled
+token's. Refused with a 400: penalties, logit biases, structured output, forced tool choice. Every
+error is OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``); an unknown
+model is a 404, as in vLLM, and so are routes this server does not serve (embeddings, images,
+audio, moderations), with a message that says so.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from aiohttp import web
 
-from areal_lite.engines.request import GenerationResult, SamplingParams
+from areal_lite.engines.openai_stream import TOOL_CALL_START, TextDeltas, merged, send_events
+from areal_lite.engines.request import GenerationResult, SamplingParams, TokenOut
 from areal_lite.engines.scheduler import Scheduler
 from areal_lite.engines.server_common import output_text, read_json, token_ids
 from areal_lite.utils.openai_chat import (
@@ -45,8 +52,23 @@ from areal_lite.utils.openai_chat import (
 )
 from areal_lite.utils.tool_calls import parse_tool_calls
 
+MAX_TOP_LOGPROBS = 20
+"""The most top log-probabilities a request may ask for per position (OpenAI's and vLLM's limit)."""
 
-def _finish_reason(r: GenerationResult) -> str:
+NOT_SERVED = (
+    "/v1/embeddings",
+    "/v1/images/generations",
+    "/v1/images/edits",
+    "/v1/images/variations",
+    "/v1/audio/speech",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v1/moderations",
+)
+"""OpenAI routes a text-generation server does not serve: answered with a 404 that says so."""
+
+
+def finish_type(r: GenerationResult) -> str:
     """OpenAI's (and vLLM's) name for why a generation ended: stop, length or abort."""
     return str(r.finish_reason["type"])
 
@@ -54,10 +76,6 @@ def _finish_reason(r: GenerationResult) -> str:
 def _stop_reason(r: GenerationResult) -> int | str | None:
     matched = r.finish_reason.get("matched")
     return matched if isinstance(matched, (int, str)) else None
-
-
-def _sse(obj: object) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
 
 
 @dataclass
@@ -80,12 +98,12 @@ class Options:
         stream = bool_field(body, "stream", False)
         opts = body.get("stream_options")
         if opts is not None and not stream:
-            raise BadRequest("stream_options can only be given with stream: true")
+            raise BadRequest("stream_options can only be given with stream: true", param="stream_options")
         if opts is not None and not isinstance(opts, dict):
-            raise BadRequest("stream_options must be an object")
+            raise BadRequest("stream_options must be an object", param="stream_options")
         request_id = body.get("request_id") or uuid.uuid4().hex
         if not isinstance(request_id, str):
-            raise BadRequest("request_id must be a string")
+            raise BadRequest("request_id must be a string", param="request_id")
         return cls(
             stream=stream,
             include_usage=opts is not None and bool_field(opts, "include_usage", False),
@@ -97,58 +115,96 @@ class Options:
         )
 
 
-class OpenAIRoutes:
-    """Handlers of the OpenAI-compatible routes over the server's `Scheduler`; ``model_name`` is the
-    one model served (``/v1/models``), which requests must name."""
+def top_logprobs_field(body: dict[str, object], key: str) -> int:
+    """A request's count of top log-probabilities per position, checked against the limit."""
+    n = int_field(body, key, 0)
+    if not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"{key} must be in [0, {MAX_TOP_LOGPROBS}], got {n}", param=key)
+    return n
 
-    def __init__(self, scheduler: Scheduler, model_name: str) -> None:
+
+class OpenAIRoutes:
+    """Handlers of the OpenAI-compatible routes over the server's `Scheduler`.
+
+    ``model_names`` are the names the server answers to (``/v1/models`` lists them; a request
+    must name one of them or none); the first is the name answers carry when a request names none.
+    """
+
+    def __init__(self, scheduler: Scheduler, model_names: list[str]) -> None:
+        if not model_names:
+            raise ValueError("give the server at least one model name")
         self.scheduler = scheduler
-        self.model_name = model_name
+        self.model_names = list(model_names)
 
     def register(self, router: web.UrlDispatcher) -> None:
         router.add_get("/v1/models", self.models)
+        router.add_get("/v1/models/{model_id:.+}", self.model)
         router.add_post("/v1/completions", self.completions)
         router.add_post("/v1/chat/completions", self.chat_completions)
+        for path in NOT_SERVED:
+            router.add_route("*", path, self.not_served)
+
+    # ----- models and what is not served -------------------------------------------------------
+
+    def _card(self, name: str) -> dict[str, object]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "areal-lite",
+            "root": self.scheduler.config.path,
+            "parent": None,
+            "max_model_len": self.scheduler.context_len,
+        }
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model_name,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "areal-lite",
-                        "max_model_len": self.scheduler.context_len,
-                    }
-                ],
-            }
+        return web.json_response({"object": "list", "data": [self._card(name) for name in self.model_names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = unquote(request.match_info["model_id"])
+        return web.json_response(self._card(self.model_name({"model": name})))
+
+    async def not_served(self, request: web.Request) -> web.Response:
+        raise BadRequest(
+            f"{request.path} is not served: this server generates text with one model "
+            "(/v1/chat/completions, /v1/completions, /v1/responses)",
+            status=404,
+            code="unsupported_endpoint",
         )
 
-    # ----- shared by both routes -----------------------------------------------------------
+    # ----- shared by the routes ------------------------------------------------------------
 
-    def _check_model(self, body: dict[str, object]) -> None:
+    def model_name(self, body: dict[str, object]) -> str:
+        """The served name a request names (the first one when it names none); 404 otherwise."""
         model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise BadRequest(f"The model `{model}` does not exist.", status=404)
+        if model is None:
+            return self.model_names[0]
+        if model not in self.model_names:
+            raise BadRequest(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
+        return str(model)
 
-    def _sampling(self, body: dict[str, object], max_tokens: int | None, prompt_len: int) -> SamplingParams:
+    def sampling(
+        self, body: dict[str, object], max_tokens: int | None, prompt_len: int, top_logprobs: int = 0
+    ) -> SamplingParams:
         """The request's sampling options; ``max_tokens`` None = up to the context length."""
         context = self.scheduler.context_len
         if max_tokens is None:
             max_tokens = max(context - prompt_len, 0)
         if max_tokens < 0:
-            raise BadRequest(f"max_tokens must be >= 0, got {max_tokens}")
+            raise BadRequest(f"max_tokens must be >= 0, got {max_tokens}", param="max_tokens")
         if prompt_len + max_tokens > context:
             raise BadRequest(
                 f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} to generate)."
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} to generate).",
+                param="max_tokens",
             )
         stop_ids = body.get("stop_token_ids") or []
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-            raise BadRequest("stop_token_ids must be a list of integers")
+            raise BadRequest("stop_token_ids must be a list of integers", param="stop_token_ids")
         top_k = int_field(body, "top_k", -1)
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise BadRequest(f"seed must be an integer, got {seed!r}", param="seed")
         try:
             return SamplingParams(
                 max_new_tokens=max_tokens,
@@ -159,57 +215,55 @@ class OpenAIRoutes:
                 stop=stop_strings(body),
                 stop_token_ids=list(stop_ids),
                 ignore_eos=bool_field(body, "ignore_eos", False),
+                top_logprobs=top_logprobs,
+                seed=seed,
             )
         except ValueError as e:
             raise BadRequest(str(e)) from e
 
-    async def _generate(
+    def jobs(
         self, prompts: list[list[int]], params: SamplingParams, n: int, request_id: str
-    ) -> list[GenerationResult]:
-        """``n`` samples of each prompt, in the order prompt 0's samples, prompt 1's, ..."""
+    ) -> list[tuple[list[int], SamplingParams, str]]:
+        """(prompt, params, rid) of each choice: ``n`` of each prompt, in the order prompt 0's
+        choices, prompt 1's, ...; choice ``i`` of a seeded request samples with ``seed + i``."""
         if n < 1:
-            raise BadRequest(f"n must be >= 1, got {n}")
+            raise BadRequest(f"n must be >= 1, got {n}", param="n")
         try:
             for p in prompts:
                 self.scheduler.validate_request(p, params)
         except ValueError as e:
             raise BadRequest(str(e)) from e
-        rids = [f"{request_id}-{i}" for i in range(len(prompts) * n)]
-        jobs = [self.scheduler.generate(prompts[i // n], params, rid) for i, rid in enumerate(rids)]
-        return list(await asyncio.gather(*jobs))
+        out = []
+        for i in range(len(prompts) * n):
+            p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            out.append((prompts[i // n], p, f"{request_id}-{i}"))
+        return out
 
-    def _token_text(self, token: int, as_ids: bool) -> str:
+    async def generate(self, jobs: list[tuple[list[int], SamplingParams, str]]) -> list[GenerationResult]:
+        """The results of ``jobs`` (prompt, params, rid), not streamed: no per-token hand-over."""
+        return list(await asyncio.gather(*(self.scheduler.generate(p, params, rid) for p, params, rid in jobs)))
+
+    def token_text(self, token: int, as_ids: bool = False) -> str:
         tok = self.scheduler.tokenizer
         return f"token_id:{token}" if as_ids or tok is None else tok.decode([token])
 
-    def _deltas(self, r: GenerationResult, text: str, skip_special: bool) -> Iterator[tuple[int, str]]:
-        """(token index, the text it adds) per output token; the texts add up to ``text``. A token
-        that ends inside a multi-byte character adds nothing until the character is complete."""
-        tok = self.scheduler.tokenizer
-        prev = ""
-        last = len(r.output_ids) - 1
-        for k in range(len(r.output_ids)):
-            if k == last:
-                cur = text
-            else:
-                cur = tok.decode(r.output_ids[: k + 1], skip_special_tokens=skip_special)[: len(text)] if tok else ""
-                if cur.endswith("\ufffd") or not cur.startswith(prev):
-                    yield k, ""
-                    continue
-            yield k, cur[len(prev) :]
-            prev = cur
+    def text_of(self, r: GenerationResult, o: Options) -> str:
+        return output_text(self.scheduler.tokenizer, r, o.skip_special, o.keep_stop)
 
-    async def _stream(self, request: web.Request, chunks: Iterator[dict[str, object]]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        for chunk in chunks:
-            await resp.write(_sse(chunk))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+    def chat_logprobs(self, tokens: list[int], logprobs: list[float], tops: list | None) -> list[dict[str, object]]:
+        """Chat's ``logprobs.content`` entries for these output tokens (``tops``: their top lists)."""
+        out = []
+        for k, (token, lp) in enumerate(zip(tokens, logprobs)):
+            s = self.token_text(token)
+            top = [
+                {"token": (t := self.token_text(tid)), "logprob": v, "bytes": list(t.encode())}
+                for tid, v in (tops[k] if tops else [])
+            ]
+            out.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": top})
+        return out
 
     @staticmethod
-    def _usage(results: list[GenerationResult], prompt_tokens: int) -> dict[str, int]:
+    def usage(results: list[GenerationResult], prompt_tokens: int) -> dict[str, int]:
         completion = sum(len(r.output_ids) for r in results)
         return {
             "prompt_tokens": prompt_tokens,
@@ -227,123 +281,134 @@ class OpenAIRoutes:
             return [token_ids(prompt, "prompt")]
         texts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
-            raise BadRequest("prompt must be a non-empty string, a list of strings, token ids or lists of token ids")
+            raise BadRequest(
+                "prompt must be a non-empty string, a list of strings, token ids or lists of token ids", param="prompt"
+            )
         if self.scheduler.tokenizer is None:
-            raise BadRequest("this model directory has no tokenizer: send the prompt as token ids")
+            raise BadRequest("this model directory has no tokenizer: send the prompt as token ids", param="prompt")
         return [self.scheduler.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
-        self._check_model(body)
+        model = self.model_name(body)
         refuse_unsupported(body)
         prompts = self._completion_prompts(body.get("prompt"))
         logprobs = body.get("logprobs")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
-            raise BadRequest(f"logprobs must be an integer, got {logprobs!r}")
-        if logprobs:
-            raise BadRequest("logprobs above 0 (top log-probabilities) are not supported by the areal-lite server")
+            raise BadRequest(f"logprobs must be an integer, got {logprobs!r}", param="logprobs")
+        top_n = top_logprobs_field(body, "logprobs")
         o = Options.parse(body)
-        params = self._sampling(body, int_field(body, "max_tokens", 16), max(len(p) for p in prompts))
+        params = self.sampling(body, int_field(body, "max_tokens", 16), max(len(p) for p in prompts), top_n)
+        jobs = self.jobs(prompts, params, o.n, o.request_id)
         as_ids = bool_field(body, "return_tokens_as_token_ids", False)
-        results = await self._generate(prompts, params, o.n, o.request_id)
-        head = {"id": f"cmpl-{o.request_id}", "created": int(time.time()), "model": self.model_name}
-        texts = [output_text(self.scheduler.tokenizer, r, o.skip_special, o.keep_stop) for r in results]
-        usage = self._usage(results, sum(len(p) for p in prompts) * o.n)
+        head = {"id": f"cmpl-{o.request_id}", "object": "text_completion", "created": int(time.time()), "model": model}
+        prompt_tokens = sum(len(p) for p in prompts) * o.n
 
-        def logprob_block(r: GenerationResult, tokens: range) -> dict[str, object]:
-            strings = [self._token_text(r.output_ids[k], as_ids) for k in tokens]
-            offsets, pos = [], 0
+        def logprob_block(tokens: list[int], lps: list[float], tops: list | None, offset: int) -> dict[str, object]:
+            strings = [self.token_text(t, as_ids) for t in tokens]
+            offsets = []
             for s in strings:
-                offsets.append(pos)
-                pos += len(s)
-            lps = [r.output_logprobs[k] for k in tokens]
-            return {"tokens": strings, "token_logprobs": lps, "top_logprobs": [{s: lp} for s, lp in zip(strings, lps)],
-                    "text_offset": offsets}  # fmt: skip
+                offsets.append(offset)
+                offset += len(s)
+            top = []
+            for k, (s, lp) in enumerate(zip(strings, lps)):
+                entry = {s: lp}  # vLLM: the sampled token, then the most likely ones
+                for tid, v in tops[k] if tops else []:
+                    entry.setdefault(self.token_text(tid, as_ids), v)
+                top.append(entry)
+            return {"tokens": strings, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 
         if not o.stream:
+            results = await self.generate(jobs)
             choices = []
-            for i, (r, text) in enumerate(zip(results, texts)):
+            for i, r in enumerate(results):
                 choice: dict[str, object] = {
                     "index": i,
-                    "text": text,
-                    "logprobs": logprob_block(r, range(len(r.output_ids))) if logprobs is not None else None,
-                    "finish_reason": _finish_reason(r),
+                    "text": self.text_of(r, o),
+                    "logprobs": logprob_block(r.output_ids, r.output_logprobs, r.output_top_logprobs, 0)
+                    if logprobs is not None
+                    else None,
+                    "finish_reason": finish_type(r),
                     "stop_reason": _stop_reason(r),
                 }
                 if o.with_ids:
                     choice.update(prompt_token_ids=r.input_ids, token_ids=r.output_ids)
                 choices.append(choice)
-            return web.json_response({**head, "object": "text_completion", "choices": choices, "usage": usage})
+            return web.json_response({**head, "choices": choices, "usage": self.usage(results, prompt_tokens)})
 
-        def chunks() -> Iterator[dict[str, object]]:
-            for i, (r, text) in enumerate(zip(results, texts)):
-                for k, delta in self._deltas(r, text, o.skip_special):
-                    choice: dict[str, object] = {
-                        "index": i,
-                        "text": delta,
-                        "logprobs": logprob_block(r, range(k, k + 1)) if logprobs is not None else None,
-                        "finish_reason": None,
-                    }
+        async def chunks() -> AsyncIterator[dict[str, object]]:
+            texts = [
+                TextDeltas(self.scheduler.tokenizer, o.skip_special, () if o.keep_stop else params.stop) for _ in jobs
+            ]
+            first = [True] * len(jobs)
+            offsets = [0] * len(jobs)
+            results: list[GenerationResult] = []
+            async for i, event in merged(self.scheduler, jobs):
+                if isinstance(event, TokenOut):
+                    choice: dict[str, object] = {"index": i, "text": texts[i].add(event.token), "finish_reason": None}
+                    tops = [event.top] if event.top is not None else None
+                    block = logprob_block([event.token], [event.logprob], tops, offsets[i])
+                    choice["logprobs"] = block if logprobs is not None else None
+                    offsets[i] += len(block["tokens"][0])  # type: ignore[index]
                     if o.with_ids:
-                        choice["token_ids"] = [r.output_ids[k]]
-                        if k == 0:
-                            choice["prompt_token_ids"] = r.input_ids
-                    yield {**head, "object": "text_completion", "choices": [choice]}
-                end = {"index": i, "text": "", "logprobs": None, "finish_reason": _finish_reason(r),
-                       "stop_reason": _stop_reason(r)}  # fmt: skip
-                yield {**head, "object": "text_completion", "choices": [end]}
+                        choice["token_ids"] = [event.token]
+                        if first[i]:
+                            choice["prompt_token_ids"] = jobs[i][0]
+                    first[i] = False
+                    yield {**head, "choices": [choice]}
+                    continue
+                results.append(event)
+                rest = texts[i].rest(self.text_of(event, o))
+                if rest:
+                    yield {**head, "choices": [{"index": i, "text": rest, "logprobs": None, "finish_reason": None}]}
+                end = {"index": i, "text": "", "logprobs": None, "finish_reason": finish_type(event),
+                       "stop_reason": _stop_reason(event)}  # fmt: skip
+                yield {**head, "choices": [end]}
             if o.include_usage:
-                yield {**head, "object": "text_completion", "choices": [], "usage": usage}
+                yield {**head, "choices": [], "usage": self.usage(results, prompt_tokens)}
 
-        return await self._stream(request, chunks())
+        return await send_events(request, chunks())
 
     # ----- /v1/chat/completions ------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
-        self._check_model(body)
+        model = self.model_name(body)
         refuse_unsupported(body)
         tools = chat_tools(body)
         tok = self.scheduler.tokenizer
         prompt = tok.encode(render_chat(tok, body, tools), add_special_tokens=False)  # type: ignore[union-attr]
         want_logprobs = bool_field(body, "logprobs", False)
-        if int_field(body, "top_logprobs", 0):
-            raise BadRequest("top_logprobs above 0 are not supported by the areal-lite server")
+        top_n = top_logprobs_field(body, "top_logprobs")
+        if top_n and not want_logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         o = Options.parse(body)
-        params = self._sampling(body, max_completion_tokens(body), len(prompt))
-        results = await self._generate([prompt], params, o.n, o.request_id)
-        head = {"id": f"chatcmpl-{o.request_id}", "created": int(time.time()), "model": self.model_name}
-        usage = self._usage(results, len(prompt) * o.n)
-        answers = []  # (result, full text, content, tool calls)
-        for r in results:
-            text = output_text(self.scheduler.tokenizer, r, o.skip_special, o.keep_stop)
-            content, calls = parse_tool_calls(text) if tools else (text, [])
-            answers.append((r, text, content, calls))
+        params = self.sampling(body, max_completion_tokens(body), len(prompt), top_n)
+        jobs = self.jobs([prompt], params, o.n, o.request_id)
+        head = {"id": f"chatcmpl-{o.request_id}", "created": int(time.time()), "model": model}
+        prompt_tokens = len(prompt) * o.n
 
-        def finish(r: GenerationResult, calls: list) -> str:
-            return chat_finish_reason(_finish_reason(r), calls)
-
-        def logprob_entries(r: GenerationResult, tokens: range) -> list[dict[str, object]]:
-            out = []
-            for k in tokens:
-                s = self._token_text(r.output_ids[k], False)
-                out.append({"token": s, "logprob": r.output_logprobs[k], "bytes": list(s.encode()), "top_logprobs": []})
-            return out
+        def answer(r: GenerationResult) -> tuple[str, list]:
+            text = self.text_of(r, o)
+            return parse_tool_calls(text) if tools else (text, [])
 
         if not o.stream:
+            results = await self.generate(jobs)
             choices = []
-            for i, (r, _, content, calls) in enumerate(answers):
+            for i, r in enumerate(results):
+                content, calls = answer(r)
+                entries = self.chat_logprobs(r.output_ids, r.output_logprobs, r.output_top_logprobs)
                 choice: dict[str, object] = {
                     "index": i,
                     "message": assistant_message(content, calls),
-                    "logprobs": {"content": logprob_entries(r, range(len(r.output_ids)))} if want_logprobs else None,
-                    "finish_reason": finish(r, calls),
+                    "logprobs": {"content": entries} if want_logprobs else None,
+                    "finish_reason": chat_finish_reason(finish_type(r), calls),
                     "stop_reason": _stop_reason(r),
                 }
                 if o.with_ids:
                     choice["token_ids"] = r.output_ids
                 choices.append(choice)
-            out = {**head, "object": "chat.completion", "choices": choices, "usage": usage}
+            out = {**head, "object": "chat.completion", "choices": choices, "usage": self.usage(results, prompt_tokens)}
             if o.with_ids:
                 out["prompt_token_ids"] = prompt
             return web.json_response(out)
@@ -351,35 +416,51 @@ class OpenAIRoutes:
         def chunk(choice: dict[str, object]) -> dict[str, object]:
             return {**head, "object": "chat.completion.chunk", "choices": [choice]}
 
-        def chunks() -> Iterator[dict[str, object]]:
-            for i, (r, text, content, calls) in enumerate(answers):
+        async def chunks() -> AsyncIterator[dict[str, object]]:
+            stop = () if o.keep_stop else params.stop
+            markers = (TOOL_CALL_START,) if tools else ()
+            texts = [TextDeltas(tok, o.skip_special, stop, markers) for _ in jobs]
+            for i in range(len(jobs)):
                 first: dict[str, object] = {"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}  # fmt: skip
                 if o.with_ids:
                     first["prompt_token_ids"] = prompt
                 yield chunk(first)
-                if calls:  # the text around the calls, then the calls, each as one delta
-                    if content:
-                        yield chunk(
-                            {"index": i, "delta": {"content": content}, "logprobs": None, "finish_reason": None}
-                        )
+            results: list[GenerationResult] = []
+            async for i, event in merged(self.scheduler, jobs):
+                if isinstance(event, TokenOut):
+                    tops = [event.top] if event.top is not None else None
+                    c: dict[str, object] = {
+                        "index": i,
+                        "delta": {"content": texts[i].add(event.token)},
+                        "logprobs": {"content": self.chat_logprobs([event.token], [event.logprob], tops)}
+                        if want_logprobs
+                        else None,
+                        "finish_reason": None,
+                    }
+                    if o.with_ids:
+                        c["token_ids"] = [event.token]
+                    yield chunk(c)
+                    continue
+                results.append(event)
+                content, calls = answer(event)
+                rest = texts[i].rest(content)
+                if rest:
+                    yield chunk({"index": i, "delta": {"content": rest}, "logprobs": None, "finish_reason": None})
+                if calls:
                     tool_calls = [{"index": j, **c.to_openai()} for j, c in enumerate(calls)]
                     yield chunk(
                         {"index": i, "delta": {"tool_calls": tool_calls}, "logprobs": None, "finish_reason": None}
                     )
-                else:
-                    for k, delta in self._deltas(r, text, o.skip_special):
-                        c: dict[str, object] = {
-                            "index": i,
-                            "delta": {"content": delta},
-                            "logprobs": {"content": logprob_entries(r, range(k, k + 1))} if want_logprobs else None,
-                            "finish_reason": None,
-                        }
-                        if o.with_ids:
-                            c["token_ids"] = [r.output_ids[k]]
-                        yield chunk(c)
-                yield chunk({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish(r, calls)})
+                reason = chat_finish_reason(finish_type(event), calls)
+                yield chunk({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason,
+                             "stop_reason": _stop_reason(event)})  # fmt: skip
             if o.include_usage:
-                yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage}
+                yield {
+                    **head,
+                    "object": "chat.completion.chunk",
+                    "choices": [],
+                    "usage": self.usage(results, prompt_tokens),
+                }
 
-        return await self._stream(request, chunks())
+        return await send_events(request, chunks())

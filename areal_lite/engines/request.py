@@ -6,8 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from areal_lite.api.io import GenerationConfig
+
+if TYPE_CHECKING:
+    import torch
 
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures below this mean greedy decoding (SGLang's convention)."""
@@ -25,6 +29,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    top_logprobs: int = 0
+    """Also report this many most likely tokens (with their log-probabilities) at each output position."""
+    seed: int | None = None
+    """Sample from a random stream of this request's own: the same seed gives the same tokens
+    (None: the engine's shared stream)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -37,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +85,19 @@ class GenerationResult:
     ttft: float
     error: str | None = None
     """Set when the engine failed while running the request (`generate` raises it)."""
+    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With ``top_logprobs`` > 0: the (token id, log-probability) of the most likely tokens at each
+    output position, most likely first."""
+
+
+@dataclass
+class TokenOut:
+    """One output token as a streamed request produces it."""
+
+    token: int
+    logprob: float
+    version: int
+    top: list[tuple[int, float]] | None
 
 
 class GenerationError(RuntimeError):
@@ -85,8 +109,8 @@ class Sequence:
     (plain attributes: touched once per token)."""
 
     __slots__ = (
-        "abort_message", "deliver", "input_logprobs", "logprobs", "out", "params", "prompt", "rid", "stop_ids", "t0",
-        "ttft", "versions", "want_input_logprobs",
+        "abort_message", "deliver", "input_logprobs", "logprobs", "on_token", "out", "params", "prompt", "rid", "rng",
+        "stop_ids", "t0", "top", "ttft", "versions", "want_input_logprobs",
     )  # fmt: skip
 
     def __init__(
@@ -97,6 +121,7 @@ class Sequence:
         deliver: Callable[[GenerationResult], None],
         stop_ids: frozenset[int],
         want_input_logprobs: bool,
+        on_token: Callable[[TokenOut], None] | None = None,
     ) -> None:
         self.rid = rid
         self.prompt = prompt
@@ -105,6 +130,11 @@ class Sequence:
         self.out: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.on_token = on_token
+        """Called from the scheduler thread with each new token (streamed requests)."""
+        self.rng: torch.Generator | None = None
+        """The request's own random stream (``params.seed``), made by the model runner."""
         self.stop_ids = stop_ids
         self.want_input_logprobs = want_input_logprobs
         self.input_logprobs: list[float | None] | None = None
@@ -123,4 +153,11 @@ class Sequence:
             input_logprobs=self.input_logprobs,
             latency=time.monotonic() - self.t0,
             ttft=self.ttft,
+            output_top_logprobs=self.top if self.params.top_logprobs else None,
         )
+
+    def emit(self) -> None:
+        """Hand the last token to ``on_token`` (if any)."""
+        if self.on_token is not None:
+            top = self.top[-1] if self.params.top_logprobs else None
+            self.on_token(TokenOut(self.out[-1], self.logprobs[-1], self.versions[-1], top))

@@ -8,6 +8,9 @@ received by broadcast in a weight-update group) are applied between two steps; a
 load, running requests get their KV cache recomputed under the new weights and continue, so
 every later token is produced by (and tagged with the version of) the new weights.
 
+A streamed request (`stream`) gets each token as it is sampled: the scheduler hands it over right
+after the step that produced it, before the request's result.
+
 A LoRA adapter is one more kind of weight load: merged into the weights (`AdapterSlot`), then
 applied like any other update.
 
@@ -24,7 +27,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -34,7 +37,7 @@ from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.adapter_slot import AdapterSlot, split_adapter_names
 from areal_lite.engines.model_runner import ModelRunner, context_length, dtype_of, load_model
-from areal_lite.engines.request import GenerationError, GenerationResult, SamplingParams, Sequence
+from areal_lite.engines.request import GenerationError, GenerationResult, SamplingParams, Sequence, TokenOut
 from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.lora import read_adapter
@@ -173,12 +176,15 @@ class Scheduler:
         deliver: Callable[[GenerationResult], None],
         rid: str | None = None,
         return_input_logprobs: bool = False,
+        on_token: Callable[[TokenOut], None] | None = None,
     ) -> str:
         """Queue a request; ``deliver`` is called once, from the scheduler thread, with its
-        result. Returns the rid. Raises ValueError for an empty or too long prompt."""
+        result, and ``on_token`` (if given) with each token as it is produced, before that.
+        Returns the rid. Raises ValueError for an empty or too long prompt."""
         self.validate_request(input_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
-        seq = Sequence(rid or uuid.uuid4().hex, list(input_ids), params, deliver, stop_ids, return_input_logprobs)
+        rid = rid or uuid.uuid4().hex
+        seq = Sequence(rid, list(input_ids), params, deliver, stop_ids, return_input_logprobs, on_token)
         if params.max_new_tokens == 0 and not return_input_logprobs:
             deliver(seq.result({"type": "length", "length": 0}))
             return seq.rid
@@ -204,6 +210,33 @@ class Scheduler:
         if res.error is not None:
             raise GenerationError(f"request {rid} failed in the engine: {res.error}")
         return res
+
+    async def stream(
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None
+    ) -> AsyncIterator[TokenOut | GenerationResult]:
+        """`generate` token by token: yields each `TokenOut` as the scheduler produces it, then
+        the `GenerationResult`. Closing the iterator early aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenOut | GenerationResult] = asyncio.Queue()
+
+        def put(item: TokenOut | GenerationResult) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        rid = self.submit_request(input_ids, params, put, rid, on_token=put)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, GenerationResult):
+                    finished = True
+                    if item.error is not None:
+                        raise GenerationError(f"request {rid} failed in the engine: {item.error}")
+                    yield item
+                    return
+                yield item
+        finally:
+            if not finished:
+                self.abort(rid, message="the caller stopped reading the stream")
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> None:
         """End the requests whose rid starts with ``rid`` (or all) with their partial output."""
@@ -290,9 +323,11 @@ class Scheduler:
                     if s.params.max_new_tokens == 0:  # admitted only for its prompt logprobs
                         s.out.clear()
                         s.logprobs.clear()
+                        s.top.clear()
                         continue
                     s.versions.append(version)
                     s.ttft = time.monotonic() - s.t0
+                    s.emit()
                 self._finish_done()
                 if runner.rows and not self._paused:
                     before = [len(s.out) for s in runner.rows]
@@ -300,6 +335,7 @@ class Scheduler:
                     for s, n in zip(runner.rows, before):
                         if len(s.out) > n:
                             s.versions.append(version)
+                            s.emit()
                     self._finish_done()
             except Exception as e:  # fail the requests, keep serving
                 logger.exception("generation step failed")

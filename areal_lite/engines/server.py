@@ -6,15 +6,17 @@ OpenAI server too (docs/protocol.md).
 It exists so that `RemoteSGLangEngine` and `RemoteVLLMEngine` are tested against a real HTTP server
 on machines where SGLang and vLLM cannot run, and so that CPU deployments get rollout servers with
 no extra dependency. Same endpoints, payloads, status codes and error shapes as SGLang for what
-areal-lite uses; the OpenAI-compatible routes (`areal_lite.engines.openai_api`) and vLLM's RL
-control routes (`areal_lite.engines.vllm_routes`) and SGLang's LoRA adapter routes
-(`areal_lite.engines.lora_routes`) are registered here too. Bad input is a 400 with
-``{"error": {"message": ...}}`` and the server keeps serving.
+areal-lite uses; the OpenAI-compatible routes (`areal_lite.engines.openai_api`, the Responses
+API in `areal_lite.engines.openai_responses`), vLLM's token-in-token-out route
+(`areal_lite.engines.tokens_api`) and RL control routes (`areal_lite.engines.vllm_routes`) and
+SGLang's LoRA adapter routes (`areal_lite.engines.lora_routes`) are registered here too. Every
+error, on every route (unknown routes and methods included), is OpenAI's error object
+``{"error": {"message", "type", "param", "code"}}``, and the server keeps serving.
 
 Deliberate differences from SGLang: weight versions are integers (as strings on the wire, "0" at
 start); ``meta_info`` carries one extra key, ``output_token_versions`` (the version of each output
-token, which can change inside one request when weights are updated in place); streaming, top
-logprobs and the penalty / min-p / seed sampling options are refused with a 400 rather than
+token, which can change inside one request when weights are updated in place); ``stream`` on
+``/generate`` and the penalty / min-p sampling options are refused with a 400 rather than
 silently ignored.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
@@ -31,7 +34,8 @@ from aiohttp import web
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.lora_routes import LoRARoutes, check_lora_path
-from areal_lite.engines.openai_api import OpenAIRoutes
+from areal_lite.engines.openai_api import MAX_TOP_LOGPROBS, OpenAIRoutes
+from areal_lite.engines.openai_responses import ResponsesRoute
 from areal_lite.engines.request import GenerationResult, SamplingParams
 from areal_lite.engines.scheduler import Scheduler
 from areal_lite.engines.server_common import (
@@ -43,6 +47,7 @@ from areal_lite.engines.server_common import (
     output_text,
     read_json,
 )
+from areal_lite.engines.tokens_api import TokensRoute
 from areal_lite.engines.vllm_routes import VLLMRoutes
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 
@@ -82,7 +87,6 @@ UNSUPPORTED_SAMPLING = (
     "frequency_penalty",
     "presence_penalty",
     "repetition_penalty",
-    "sampling_seed",
     "json_schema",
     "regex",
     "ebnf",
@@ -124,10 +128,15 @@ def parse_sampling_params(raw: object) -> tuple[SamplingParams, int, bool, bool]
             stop=list(stop),
             stop_token_ids=list(stop_ids),
             ignore_eos=bool_field(raw, "ignore_eos", False),
+            seed=_optional_int(raw, "sampling_seed"),
         )
     except ValueError as e:
         raise BadRequest(str(e)) from e
     return params, n, bool_field(raw, "skip_special_tokens", True), bool_field(raw, "no_stop_trim", False)
+
+
+def _optional_int(d: dict[str, object], key: str) -> int | None:
+    return None if d.get(key) is None else int_field(d, key, 0)
 
 
 @dataclass
@@ -145,6 +154,7 @@ class ServerArgs:
     random_seed: int = 0
     weight_version: str = "0"
     keep_cache_on_update: bool = False
+    served_model_name: list[str] | None = None
 
 
 class Server:
@@ -180,7 +190,11 @@ class Server:
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
-        OpenAIRoutes(self.scheduler, self.args.model_path).register(r)
+        names = self.args.served_model_name or [self.args.model_path]
+        openai_routes = OpenAIRoutes(self.scheduler, names)
+        openai_routes.register(r)
+        ResponsesRoute(openai_routes).register(r)
+        TokensRoute(self.scheduler, names).register(r)
         VLLMRoutes(self.scheduler, self.args.device).register(r)
         LoRARoutes(self.scheduler).register(r)
         return app
@@ -193,7 +207,9 @@ class Server:
             and not request.path.startswith(OPEN_PATHS)
             and request.headers.get("Authorization", "") != f"Bearer {key}"
         ):
-            return error_response("Unauthorized", status=401)
+            return error_response(
+                "Unauthorized: send 'Authorization: Bearer <the server's API key>'", 401, code="invalid_api_key"
+            )
         return await handler(request)
 
     @web.middleware
@@ -201,9 +217,11 @@ class Server:
         try:
             return await handler(request)
         except BadRequest as e:
-            return error_response(str(e), e.status)
-        except web.HTTPException:
-            raise
+            return error_response(str(e), e.status, e.param, e.code)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _http_error(request, e)
         except Exception as e:  # one bad request must not take the server down
             logger.exception("request to %s failed", request.path)
             return error_response(f"internal error: {e}", status=500)
@@ -231,8 +249,9 @@ class Server:
         body = await read_json(request)
         if body.get("stream"):
             raise BadRequest("stream is not supported by the areal-lite server")
-        if int_field(body, "top_logprobs_num", 0) != 0:
-            raise BadRequest("top_logprobs_num is not supported by the areal-lite server")
+        top_n = int_field(body, "top_logprobs_num", 0)
+        if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_n}")
         has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
         if has_text == has_ids:
             raise BadRequest("give exactly one of text and input_ids")
@@ -241,6 +260,8 @@ class Server:
         params, n, skip_special, no_stop_trim = parse_sampling_params(body.get("sampling_params"))
         check_lora_path(body.get("lora_path"), len(prompts), self.scheduler.adapter.name)
         return_logprob = bool_field(body, "return_logprob", False)
+        if return_logprob and top_n:
+            params.top_logprobs = top_n
         start_len = int_field(body, "logprob_start_len", -1)
         rids = body.get("rid")
         if rids is None:
@@ -251,14 +272,16 @@ class Server:
         jobs = []
         for prompt, rid in zip(prompts, rid_list):
             for k in range(n):
-                jobs.append((prompt, rid if n == 1 else f"{rid}-{k}"))
+                # The samples of a seeded request differ: sample k draws with seed + k.
+                sample = params if params.seed is None or n == 1 else dataclasses.replace(params, seed=params.seed + k)
+                jobs.append((prompt, sample, rid if n == 1 else f"{rid}-{k}"))
         want_input = return_logprob and start_len >= 0
         try:
-            for prompt, _ in jobs:
+            for prompt, _, _ in jobs:
                 self.scheduler.validate_request(prompt, params)
         except ValueError as e:
             raise BadRequest(str(e)) from e
-        results = await asyncio.gather(*[self.scheduler.generate(p, params, rid, want_input) for p, rid in jobs])
+        results = await asyncio.gather(*[self.scheduler.generate(p, sp, rid, want_input) for p, sp, rid in jobs])
         out = [self._response(r, return_logprob, start_len, skip_special, no_stop_trim) for r in results]
         return web.json_response(out if is_batch or n > 1 else out[0])
 
@@ -296,6 +319,8 @@ class Server:
         }
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
+            if r.output_top_logprobs is not None:
+                meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in r.output_top_logprobs]
             if r.input_logprobs is not None:
                 start = max(start_len, 0)
                 meta["input_token_logprobs"] = [
@@ -452,6 +477,19 @@ class Server:
             raise BadRequest(str(e)) from e
 
 
+def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
+    """An error aiohttp raised (no such route, a method the route does not take, ...) as
+    OpenAI's error object, so that SDKs show its message rather than a bare status."""
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(e.allowed_methods))
+        resp = error_response(f"{request.method} is not allowed on {request.path}: use {allowed}", 405)
+        resp.headers["Allow"] = allowed
+        return resp
+    if isinstance(e, web.HTTPNotFound):
+        return error_response(f"{request.method} {request.path} is not a route of this server", 404, code="unknown_url")
+    return error_response(e.text or e.reason, e.status)
+
+
 def argument_parser() -> argparse.ArgumentParser:
     """The server's command line (the launcher also checks ``launcher.server_args`` against it)."""
     p = argparse.ArgumentParser(prog="python -m areal_lite.engines.server", description=__doc__.split("\n")[0])
@@ -465,6 +503,12 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=0, help="0 = the model's max_position_embeddings")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="0", help="initial weight version (an integer)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the names the OpenAI routes answer to (e.g. a hub name that clients send); default: the model path",
+    )
     p.add_argument(
         "--keep-cache-on-update",
         type=_true_or_false,

@@ -1,6 +1,6 @@
 """What our server's route modules (SGLang, OpenAI and vLLM routes) share: reading a JSON body,
-typed fields, the error that bad input gets (``{"error": {"message": ...}}``, 400 unless said
-otherwise), and the decoded text of a generation."""
+typed fields, the error that bad input gets (OpenAI's error object ``{"error": {"message", "type",
+"param", "code"}}``, 400 unless said otherwise), and the decoded text of a generation."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from areal_lite.engines.request import GenerationResult
-from areal_lite.utils.openai_chat import BadRequest, bool_field, float_field, int_field
+from areal_lite.utils.openai_chat import BadRequest, bool_field, error_body, float_field, int_field
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -27,8 +27,8 @@ __all__ = [  # the typed fields and BadRequest are the shared OpenAI request par
 ]
 
 
-def error_response(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
+def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> web.Response:
+    return web.json_response(error_body(message, status, param, code), status=status)
 
 
 async def read_json(request: web.Request) -> dict[str, object]:

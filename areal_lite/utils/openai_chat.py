@@ -5,7 +5,7 @@ recording proxy (`areal_lite.workflows.openai_proxy`).
 Pure functions over the request's JSON body and a HF tokenizer: the typed fields, the options no
 areal-lite generator can honour, the messages as a chat template wants them, the tools, the prompt
 text the template renders, and the assistant message of an answer. Bad input raises `BadRequest`,
-which servers answer with a 400 (404 for an unknown model) and ``{"error": {"message": ...}}``.
+which servers answer with a 400 (404 for an unknown model) and OpenAI's error object (`error_body`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ REFUSED: dict[str, object] = {
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
     "min_p": 0.0,
-    "seed": None,
     "logit_bias": None,
     "use_beam_search": False,
     "best_of": 1,
@@ -35,11 +34,22 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class BadRequest(ValueError):
-    """Invalid client input: answered with HTTP ``status`` (400; 404 for an unknown model)."""
+    """Invalid client input: answered with HTTP ``status`` (400; 404 for an unknown model) and
+    OpenAI's error object (`error_body`), naming the request field at fault (``param``) and a
+    machine-readable ``code`` where there is one."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.param = param
+        self.code = code
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, object]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``, the type
+    ``invalid_request_error`` for a client's mistake (4xx) and ``server_error`` otherwise."""
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def int_field(d: dict[str, object], key: str, default: int) -> int:

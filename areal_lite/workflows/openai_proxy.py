@@ -20,8 +20,16 @@ the framework or the template does, and every generated token is in exactly one 
 
 Sampling is the workflow's `GenerationConfig`; a request's ``temperature``, ``top_p``, ``top_k``,
 ``stop`` and ``min_tokens`` override it (the log-probabilities stay the policy's own, at temperature
-1), its ``max_tokens`` can only lower the budget. ``n`` above 1 is refused (an episode's samples
-are separate episodes), as are the options no areal-lite engine honours.
+1), its ``max_tokens`` can only lower the budget. A request's ``seed`` is accepted and not used:
+the episodes of a group must sample independently, whatever seed their harness sends. ``n`` above 1
+is refused (an episode's samples are separate episodes), as are ``top_logprobs`` (the engines
+report the sampled token's log-probability only) and the options no areal-lite engine honours.
+
+Routes: ``/v1/chat/completions`` and ``/v1/responses`` (OpenAI's Responses API, read as the chat
+request it stands for by `areal_lite.utils.openai_responses`, what the ``openai-agents`` SDK's
+default model calls), plain or streamed, and ``/v1/models``; errors are OpenAI's error object. The
+proxy answers in process (`client`), or over HTTP for programs in other processes
+(`areal_lite.workflows.proxy_server`).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from areal_lite.utils.openai_chat import (
     bool_field,
     chat_finish_reason,
     chat_tools,
+    error_body,
     float_field,
     int_field,
     max_completion_tokens,
@@ -47,7 +56,17 @@ from areal_lite.utils.openai_chat import (
     render_chat,
     stop_strings,
 )
-from areal_lite.utils.tool_calls import parse_tool_calls
+from areal_lite.utils.openai_responses import (
+    ResponseEvents,
+    chat_body,
+    new_response_id,
+    output_items,
+    response_object,
+    status_of,
+    usage,
+    wants_logprobs,
+)
+from areal_lite.utils.tool_calls import ToolCall, parse_tool_calls
 from areal_lite.workflows.trajectory import TokenTrace
 
 if TYPE_CHECKING:
@@ -129,6 +148,11 @@ class RecordingProxy:
     async def chat_completion(self, body: dict[str, object]) -> dict[str, object]:
         """Answer one chat-completions request body with OpenAI's chat completion object."""
         refuse_unsupported(body)
+        if int_field(body, "top_logprobs", 0):
+            raise BadRequest(
+                "top_logprobs is not recorded: the proxy reports the sampled token's log-probability only",
+                param="top_logprobs",
+            )
         if int_field(body, "n", 1) != 1:
             raise BadRequest("n must be 1: the samples of a prompt are separate episodes")
         bool_field(body, "stream", False)
@@ -255,33 +279,84 @@ class RecordingProxy:
             choice["token_ids"] = resp.output_tokens
         return out
 
+    async def responses(self, body: dict[str, object]) -> dict[str, object]:
+        """Answer one Responses API request body (``/v1/responses``) with OpenAI's response
+        object: the request is read as the chat request it stands for and recorded like one."""
+        chat = chat_body(body)
+        out = await self.chat_completion(chat)
+        [choice] = out["choices"]  # type: ignore[misc]
+        message = choice["message"]
+        calls = [
+            ToolCall(c["function"]["name"], c["function"]["arguments"], c["id"]) for c in message.get("tool_calls", [])
+        ]
+        logprobs = choice["logprobs"]["content"] if choice["logprobs"] and wants_logprobs(body) else None
+        status, incomplete = status_of(str(choice["finish_reason"]))
+        response_id = new_response_id()
+        output = output_items(message["content"] or "", calls, logprobs, status, f"msg_{uuid.uuid4().hex}")
+        use = usage(out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"])  # type: ignore[index]
+        return response_object(body, response_id, str(out["model"]), output, status, incomplete, use)
+
+    async def handle(self, method: str, path: str, content: bytes) -> tuple[int, str, bytes]:
+        """One HTTP request to the proxy: (status, content type, body). Routes: ``GET
+        /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions`` and ``POST
+        /v1/responses`` (plain or ``stream: true``); every error is OpenAI's error object."""
+        json_type = "application/json"
+
+        def error(
+            message: str, status: int, param: str | None = None, code: str | None = None
+        ) -> tuple[int, str, bytes]:
+            return status, json_type, json.dumps(error_body(message, status, param, code)).encode()
+
+        model = {"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "areal-lite"}
+        route = path[path.index("/v1/") + 3 :] if "/v1/" in path else path
+        if method == "GET" and route == "/models":
+            return 200, json_type, json.dumps({"object": "list", "data": [model]}).encode()
+        if method == "GET" and route.startswith("/models/"):
+            return 200, json_type, json.dumps({**model, "id": route.removeprefix("/models/")}).encode()
+        handlers = {"/chat/completions": self.chat_completion, "/responses": self.responses}
+        if route not in handlers:
+            return error(f"{method} {path} is not a route of the recording proxy", 404, code="unknown_url")
+        if method != "POST":
+            return error(f"{method} is not allowed on {path}: use POST", 405)
+        try:
+            body = json.loads(content or b"{}")
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            out = await handlers[route](body)
+        except json.JSONDecodeError as e:
+            return error(f"malformed JSON: {e}", 400)
+        except BadRequest as e:
+            return error(str(e), e.status, e.param, e.code)
+        except Exception as e:  # noqa: BLE001 - the engine failed: the workflow re-raises it
+            self.error = e
+            return error(f"generation failed: {type(e).__name__}: {e}", 500)
+        if not body.get("stream"):
+            return 200, json_type, json.dumps(out).encode()
+        if route == "/responses":
+            return 200, "text/event-stream", _response_events(body, out)
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        return 200, "text/event-stream", _sse(out, include_usage)
+
     async def _handle(self, request: httpx.Request) -> httpx.Response:
         import httpx
 
-        method, path = request.method, request.url.path
-        if method == "GET" and path.endswith("/models"):
-            model = {"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "areal-lite"}
-            return httpx.Response(200, json={"object": "list", "data": [model]})
-        if method != "POST" or not path.endswith("/chat/completions"):
-            message = f"the agent proxy answers /v1/chat/completions and /v1/models, not {method} {path}"
-            return httpx.Response(404, json={"error": {"message": message}})
-        try:
-            body = json.loads(request.content or b"{}")
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
-            out = await self.chat_completion(body)
-        except json.JSONDecodeError as e:
-            return httpx.Response(400, json={"error": {"message": f"malformed JSON: {e}"}})
-        except BadRequest as e:
-            return httpx.Response(e.status, json={"error": {"message": str(e)}})
-        except Exception as e:  # noqa: BLE001 - the engine failed: the workflow re-raises it
-            self.error = e
-            return httpx.Response(500, json={"error": {"message": f"generation failed: {type(e).__name__}: {e}"}})
-        if not body.get("stream"):
-            return httpx.Response(200, json=out)
-        options = body.get("stream_options")
-        usage = isinstance(options, dict) and options.get("include_usage") is True
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=_sse(out, usage))
+        status, content_type, content = await self.handle(request.method, request.url.path, request.content)
+        return httpx.Response(status, headers={"content-type": content_type}, content=content)
+
+
+def _response_events(body: dict[str, object], out: dict[str, object]) -> bytes:
+    """A response object as the server-sent events of a streamed response."""
+    events = ResponseEvents(body, str(out["id"]), str(out["model"]))
+    parts = events.start()
+    message = next((item for item in out["output"] if item["type"] == "message"), None)  # type: ignore[union-attr]
+    text = message["content"][0]["text"] if message else ""  # type: ignore[index]
+    logprobs = message["content"][0].get("logprobs") if message else None  # type: ignore[index]
+    calls = [ToolCall(i["name"], i["arguments"], i["call_id"]) for i in out["output"] if i["type"] == "function_call"]  # type: ignore[union-attr]
+    parts += events.text(text, logprobs)
+    finish = "length" if out["status"] == "incomplete" else "stop"
+    parts += events.finish(text, calls, logprobs, finish, out["usage"])  # type: ignore[arg-type]
+    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in parts)
 
 
 def _sse(out: dict[str, object], include_usage: bool) -> bytes:

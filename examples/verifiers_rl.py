@@ -1,0 +1,221 @@
+"""RL on a verifiers environment, on CPU: a tiny model learns to reverse the digits of a number.
+
+The environment is plain verifiers v1 code (`examples/reverse_digits.py`: a ``Taskset``, a ``Task``
+with one ``@vf.reward``), run by ``vf.SingleAgentEnv`` with a harness that works offline
+(``areal_lite_harness`` in the ``subprocess`` runtime). `VerifiersWorkflow` runs its episodes: the
+harness's model calls reach the rollout engine through the recording proxy, so they come back as
+trajectory tokens with their log-probabilities and versions, and the rubric's score is the reward.
+
+A short SFT warm-up on the tasks' answers teaches the format partly, stopping once the dev reward
+reaches ``task.sft_target_reward``; RL then raises the held-out reward. The advantage is
+``rewards - baseline_rewards`` (``adv_estimator: remax``), the baseline being the mean reward of
+the task's episodes (Dr. GRPO over episodes, as in examples/agent.py).
+
+    make verifiers-example   # builds .venv-verifiers (verifiers needs openai<3), then runs:
+    python -m areal_lite.launcher.local examples/verifiers_rl.py --config configs/verifiers.yaml
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+import verifiers.v1 as vf
+
+# verifiers imports the taskset by module name: this script's directory is on the path (as the
+# directory of the script Python runs), so examples/reverse_digits.py is found.
+from reverse_digits import ReverseConfig
+
+from areal_lite.actors.ppo import PPOActor
+from areal_lite.actors.sft import SFTActor
+from areal_lite.api.config import RLExperimentConfig, TrainEngineConfig, load_config
+from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal_lite.core.controller import RolloutController
+from areal_lite.kit import (
+    RunKit,
+    make_rollout,
+    make_train_engine,
+    mean_reward,
+    on_rank0_first,
+    print_rank0,
+    rank_dataloader,
+    sync_weights,
+)
+from areal_lite.utils.datasets import padded_batch
+from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
+from areal_lite.workflows.agent import episode_means
+from areal_lite.workflows.trajectory import encode_chat
+from areal_lite.workflows.verifiers_env import VerifiersWorkflow, local_agent, task_items
+
+
+@dataclass
+class TaskConfig:
+    """The verifiers taskset and the SFT warm-up."""
+
+    n_digits: int = 3
+    """Digits of each number."""
+    n_train: int = 600
+    """Training tasks."""
+    n_eval: int = 100
+    """Held-out tasks for the mean greedy reward before and after RL."""
+    n_dev: int = 32
+    """Dev tasks for the SFT stopping rule (drawn from the training tasks' numbers' complement)."""
+    sft_steps: int = 400
+    """At most this many SFT steps."""
+    sft_target_reward: float = 0.5
+    """Stop SFT once the dev greedy reward reaches this: RL needs groups whose rewards differ."""
+    sft_eval_every: int = 10
+    """Measure the dev reward every this many SFT steps."""
+    sft_batch_size: int = 32
+    """Demonstrations per SFT step and rank."""
+    sft_lr: float = 1e-3
+    """SFT learning rate."""
+    hidden_size: int = 128
+    """Width of the tiny model."""
+    num_layers: int = 4
+    """Depth of the tiny model."""
+    in_process: bool = True
+    """Run the harness's chat from this process (no program start per episode): see areal_lite_harness."""
+    seed: int = 0
+    """Seed of the model and the tasks."""
+
+
+@dataclass
+class VerifiersExperimentConfig(RLExperimentConfig):
+    """``gconfig`` is the sampling of each model call; ``actor.group_size`` is the number of episodes
+    per task."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+
+
+def make_env(task: TaskConfig, n_tasks: int, seed: int, exclude: list[str] | None = None) -> vf.Env:
+    """The verifiers env over ``n_tasks`` reversal tasks, its agent a local harness."""
+    taskset = ReverseConfig(id="reverse_digits", n_digits=task.n_digits, n_tasks=n_tasks, seed=seed,
+                            exclude=exclude or [])  # fmt: skip
+    return vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=taskset, agent=local_agent(in_process=task.in_process)))
+
+
+def numbers(env: vf.Env) -> list[str]:
+    return [t.data.answer[::-1] for t in env.taskset]
+
+
+def demonstrations(tokenizer: object, env: vf.Env) -> list[tuple[list[int], list[int]]]:
+    """(token ids, loss mask) per task: its prompt as the harness sends it, rendered by the chat
+    template as the recording proxy renders it, then the answer and the end of the turn."""
+    out = []
+    for task in env.taskset:
+        prompt = encode_chat(tokenizer, [{"role": "user", "content": task.data.prompt}])
+        answer = list(tokenizer(task.data.answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+        out.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+    return out
+
+
+def warm_up_with_sft(cfg: VerifiersExperimentConfig, base_dir: str, sft_dir: str, train: vf.Env, dev: vf.Env) -> None:
+    """Build the tiny model (its tokenizer's merges learnt on a prompt with the digits left out, so
+    every digit is a token), then SFT until the dev greedy reward reaches ``task.sft_target_reward``."""
+    from transformers import AutoTokenizer
+
+    from areal_lite.engines.local import LocalInferenceEngine
+
+    task = cfg.task
+    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
+    engine_cfg.optimizer = replace(
+        cfg.actor.optimizer, lr=task.sft_lr, lr_scheduler_type="constant", warmup_steps_proportion=0.0
+    )
+    engine = make_train_engine(engine_cfg)
+
+    def build() -> None:
+        if os.path.exists(os.path.join(base_dir, "config.json")):
+            return
+        example = build_tokenizer(vocab_size=0)
+        text = example.apply_chat_template([{"role": "user", "content": "Reverse the digits of ."}], tokenize=False,
+                                           add_generation_prompt=True)  # fmt: skip
+        build_tiny_model(base_dir, hidden_size=task.hidden_size, num_layers=task.num_layers, corpus=[text],
+                         vocab_size=512, max_position_embeddings=256, seed=task.seed)  # fmt: skip
+
+    on_rank0_first(engine, build)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    engine.initialize(FinetuneSpec(1, task.sft_steps * task.sft_batch_size, task.sft_batch_size))
+    sft = SFTActor(engine_cfg, engine)
+    local = LocalInferenceEngine(replace(cfg.local_engine, path=base_dir))
+    judge = RolloutController(local, replace(cfg.rollout, episode_process=False))
+    judge.initialize()
+    engine.connect_engine(judge.engine, WeightUpdateMeta(type="in_process"))
+    greedy = VerifiersWorkflow(dev, cfg.gconfig.new(n_samples=1, greedy=True), tokenizer)
+    dev_items = task_items(dev.taskset)
+    rank, world = engine.data_parallel_rank, engine.data_parallel_world_size
+    pool, rng, t0 = demonstrations(tokenizer, train)[rank::world], random.Random(task.seed + rank), time.time()
+    for step in range(task.sft_steps):
+        stats = sft.train_lm(padded_batch(rng.choices(pool, k=task.sft_batch_size)))
+        if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
+            engine.update_weights(WeightUpdateMeta(type="in_process"))
+            reward = mean_reward(judge, greedy, dev_items)
+            print_rank0(
+                f"[sft] step {step + 1} loss {stats['loss']:.3f} dev reward {reward:.2f} ({time.time() - t0:.0f}s)"
+            )
+            if reward >= task.sft_target_reward:
+                break
+    judge.destroy()
+    engine.save(SaveLoadMeta(path=sft_dir, weight_format="hf", tokenizer=tokenizer))
+    engine.destroy()
+
+
+def main(argv: list[str]) -> None:
+    cfg = load_config(argv, VerifiersExperimentConfig)
+    torch.manual_seed(cfg.seed)
+    t0 = time.time()
+    task = cfg.task
+    base_dir, sft_dir = os.path.join(cfg.output_dir, "base_model"), os.path.join(cfg.output_dir, "sft_model")
+    held_out = make_env(task, task.n_eval, seed=task.seed + 1)
+    train = make_env(task, task.n_train, seed=task.seed + 2, exclude=numbers(held_out))
+    dev = make_env(task, task.n_dev, seed=task.seed + 3, exclude=numbers(held_out) + numbers(train))
+    actor_cfg = replace(cfg.actor, path=sft_dir, group_size=1)  # an episode may split: no fixed-size groups
+    actor = PPOActor(actor_cfg, make_train_engine(actor_cfg))
+    actor.engine.create_process_group()  # before SFT's: torchrun's group cannot be re-made
+    if not os.path.exists(os.path.join(sft_dir, "config.json")):
+        warm_up_with_sft(cfg, base_dir, sft_dir, train, dev)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(sft_dir)
+    workflow = VerifiersWorkflow(train, cfg.gconfig.new(n_samples=cfg.actor.group_size), tokenizer)
+    eval_workflow = VerifiersWorkflow(held_out, cfg.gconfig.new(n_samples=1, greedy=True), tokenizer)
+    eval_items = task_items(held_out.taskset)
+
+    rollout, weight_meta = make_rollout(cfg, sft_dir)
+    dataloader = rank_dataloader(task_items(train.taskset), cfg.train_dataset, actor.engine, seed=cfg.seed)
+    run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
+    actor.engine.initialize(run.finetune_spec)
+    actor.engine.connect_engine(rollout.engine, weight_meta)
+    resumed = run.resume()
+    before = float(resumed["reward_before"]) if resumed else mean_reward(rollout, eval_workflow, eval_items)  # type: ignore[arg-type]
+    print_rank0(f"[verifiers] held-out greedy reward after SFT: {before:.3f}")
+
+    def evaluate() -> dict[str, float]:
+        return {"eval/reward": mean_reward(rollout, eval_workflow, eval_items)}
+
+    for global_step in range(run.start_step, run.total_steps):
+        with run.timer("rollout"):
+            batch = rollout.prepare_batch(dataloader, workflow=workflow)
+        with run.timer("train"):
+            actor.compute_advantages(batch)
+            stats = actor.ppo_update(batch)
+            actor.step_lr_scheduler()
+        with run.timer("weight_sync"):
+            sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+        stats.update(episode_means(batch))
+        run.end_step(global_step, stats, evaluate=evaluate, extra={"reward_before": before})
+
+    after = mean_reward(rollout, eval_workflow, eval_items)
+    run.close()
+    rollout.destroy()
+    actor.engine.destroy()
+    print_rank0(f"RESULT reward_before={before:.3f} reward_after={after:.3f} minutes={(time.time() - t0) / 60:.1f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

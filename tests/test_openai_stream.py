@@ -1,0 +1,47 @@
+"""`TextDeltas`, the streamed text of our server's OpenAI routes: the pieces it hands out add up to
+the whole answer's text, a multi-byte character is never split, a stop string never leaks into the
+stream (even in part), and nothing from a ``<tool_call>`` on is streamed as text."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_lite.engines.openai_stream import TOOL_CALL_START, TextDeltas
+from areal_lite.utils.tiny import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def stream(tok, text: str, **kw: object) -> tuple[list[str], TextDeltas]:
+    deltas = TextDeltas(tok, skip_special=True, **kw)  # type: ignore[arg-type]
+    return [deltas.add(t) for t in tok.encode(text, add_special_tokens=False)], deltas
+
+
+@pytest.mark.parametrize("text", ["Hello, world! The answer is 42.", "naïve café — 東京 🙂 ok", "  spaced   out  "])
+def test_pieces_add_up_to_the_text_and_never_split_a_character(tok, text: str) -> None:
+    pieces, deltas = stream(tok, text)
+    assert "".join(pieces) + deltas.rest(text) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text  # no hold without stop strings or markers: all of it streamed
+
+
+def test_a_stop_string_never_leaks_into_the_stream(tok) -> None:
+    text = "one two STOP three"
+    pieces, deltas = stream(tok, text, stop=["STOP"])
+    streamed = "".join(pieces)
+    # Whatever was sent before the stop string completed is a prefix of the text before it.
+    final = text[: text.index("STOP")]
+    assert "S" not in streamed[len("one two ") :] and final.startswith(streamed)
+    assert streamed + deltas.rest(final) == final
+
+
+def test_nothing_from_a_tool_call_on_is_streamed_as_text(tok) -> None:
+    text = 'Let me check. <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    pieces, deltas = stream(tok, text, markers=[TOOL_CALL_START])
+    streamed = "".join(pieces)
+    assert deltas.frozen and "<" not in streamed and "Let me check. ".startswith(streamed)
+    # The whole answer's content strips the space before the call: the stream keeps it.
+    assert streamed == "Let me check. " and deltas.rest("Let me check.") == ""
