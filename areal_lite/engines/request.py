@@ -6,8 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from areal_lite.api.io import GenerationConfig
+
+if TYPE_CHECKING:
+    import torch
 
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures below this mean greedy decoding (SGLang's convention)."""
@@ -74,6 +78,9 @@ class GenerationResult:
     ttft: float
     error: str | None = None
     """Set when the engine failed while running the request (`generate` raises it)."""
+    routed_experts: torch.Tensor | None = None
+    """A mixture-of-experts model's routes: int32 [prompt + output tokens - 1, layers, top_k], the
+    experts each token that went through the model was sent to (-1 on layers without experts)."""
 
 
 class GenerationError(RuntimeError):
@@ -85,8 +92,8 @@ class Sequence:
     (plain attributes: touched once per token)."""
 
     __slots__ = (
-        "abort_message", "deliver", "input_logprobs", "logprobs", "out", "params", "prompt", "rid", "stop_ids", "t0",
-        "ttft", "versions", "want_input_logprobs",
+        "abort_message", "deliver", "input_logprobs", "logprobs", "out", "params", "prompt", "rid", "routes", "stop_ids",
+        "t0", "ttft", "versions", "want_input_logprobs",
     )  # fmt: skip
 
     def __init__(
@@ -111,6 +118,8 @@ class Sequence:
         self.t0 = time.monotonic()
         self.ttft = 0.0
         self.abort_message: str | None = None
+        self.routes: torch.Tensor | None = None
+        """Set by the scheduler as the request leaves the batch (mixture-of-experts models)."""
 
     def result(self, finish_reason: dict[str, object]) -> GenerationResult:
         return GenerationResult(
@@ -123,4 +132,6 @@ class Sequence:
             input_logprobs=self.input_logprobs,
             latency=time.monotonic() - self.t0,
             ttft=self.ttft,
+            # A request admitted only for its prompt's log-probabilities cached its whole prompt.
+            routed_experts=None if self.routes is None else self.routes[: len(self.prompt) + len(self.out) - 1],
         )

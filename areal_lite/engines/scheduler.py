@@ -142,6 +142,12 @@ class Scheduler:
         return self._runner.context_len
 
     @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        """(layers, top_k) of the routes a mixture-of-experts model records; None for a dense model."""
+        assert self._runner is not None, "call start() first"
+        return self._runner.route_shape
+
+    @property
     def num_running(self) -> int:
         """Requests admitted or waiting."""
         with self._cond:
@@ -317,6 +323,7 @@ class Scheduler:
         done = {i for i, s in enumerate(runner.rows) if s.abort_message is not None}
         for i in done:
             s = runner.rows[i]
+            s.routes = runner.routes_of(i)
             s.deliver(s.result({"type": "abort", "message": s.abort_message}))
         runner.remove(done)
 
@@ -328,6 +335,7 @@ class Scheduler:
             reason = self._finish_reason(s)
             if reason is not None:
                 done.add(i)
+                s.routes = runner.routes_of(i)
                 s.deliver(s.result(reason))
         runner.remove(done)
 
