@@ -159,6 +159,12 @@ class TrainEngineConfig:
     """Seed for initialisation of new heads, adapters and dropout."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters instead of full-parameter training (off by default)."""
+    routing_replay: bool = False
+    """Mixture-of-experts models, FSDP: route each token to the experts the inference engine chose
+    for it (the batch's ``routed_experts``; generate with ``gconfig.return_routed_experts``), with
+    gate weights recomputed from the current router so that it still trains
+    (`areal_lite.utils.moe`). Without it the router routes by itself and the ``moe/*`` statistics
+    say how often it disagrees with generation."""
 
 
 @dataclass
@@ -634,7 +640,8 @@ def _check_keys(schema: DictConfig, given: DictConfig, source: str, parent: str 
     is_structured = is_dataclass(schema._metadata.object_type)
     for key in given:
         full = f"{parent}.{key}" if parent else str(key)
-        sub_schema = schema._get_node(key, throw_on_missing_key=False) if key in schema else None
+        # keys(), not `in`: omegaconf 2.4 answers False to `in` for a field whose value is MISSING.
+        sub_schema = schema._get_node(key, throw_on_missing_key=False) if key in schema.keys() else None
         if is_structured and sub_schema is None:
             raise _unknown_key_error(schema, full, source)
         sub_given = given._get_node(key)

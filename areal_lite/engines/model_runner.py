@@ -185,7 +185,9 @@ class ModelRunner:
         for old, new in zip(self.k_cache + self.v_cache, new_k + new_v):
             new[:, :, : self.cap].copy_(old)
         if self.route_shape is not None:
-            routes = torch.full((self.max_rows, cap, *self.route_shape), NO_EXPERT, dtype=torch.int32, device=self.device)
+            routes = torch.full(
+                (self.max_rows, cap, *self.route_shape), NO_EXPERT, dtype=torch.int32, device=self.device
+            )
             if self.routes is not None:
                 routes[:, : self.cap] = self.routes
             self.routes = routes

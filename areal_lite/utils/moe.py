@@ -31,6 +31,7 @@ experts, top-k, optional renormalisation), which return ``(logits, gate weights,
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -155,7 +156,7 @@ class RoutingReplay:
 
         - ``moe/routing_agreement``: of the recorded experts of each (token, layer), the share the
           router picks itself (tokens with recorded routes only; 1 = generation and training route
-          alike).
+          alike, and 1 when no token has any).
         - ``moe/token_route_match``: the share of those tokens whose experts agree in every layer.
         - ``moe/expert_load_max``: the largest share of routed slots one expert took, times the
           number of experts (1 = balanced), averaged over layers.
@@ -175,12 +176,13 @@ class RoutingReplay:
             aux.append(float(n_exp * (share * lr.probs.mean(dim=0)).sum()))
         out = {"moe/expert_load_max": sum(loads) / len(loads), "moe/aux_loss": sum(aux) / len(aux)}
         with_rec = [lr for lr in layers if lr.recorded is not None]
-        if with_rec:
+        if with_rec:  # the keys depend only on whether the batch has routes: ranks reduce them together
             has = with_rec[0].recorded[:, 0] >= 0  # type: ignore[index]
-            if bool(has.any()):
-                overlap = torch.stack([_overlap(lr.own[has], lr.recorded[has]) for lr in with_rec])  # type: ignore[index]
-                out["moe/routing_agreement"] = float(overlap.mean())
-                out["moe/token_route_match"] = float((overlap == 1).all(dim=0).float().mean())
+            overlap = torch.stack([_overlap(lr.own[has], lr.recorded[has]) for lr in with_rec])  # type: ignore[index]
+            agree = overlap.mean() if overlap.numel() else torch.tensor(1.0)
+            match = (overlap == 1).all(dim=0).float().mean() if overlap.numel() else torch.tensor(1.0)
+            out["moe/routing_agreement"] = float(agree)
+            out["moe/token_route_match"] = float(match)
         return out
 
 
@@ -189,8 +191,15 @@ def _overlap(own: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
     return (own[:, :, None] == recorded[:, None, :]).any(dim=1).float().mean(dim=1)
 
 
-def _make_forward(replay: RoutingReplay, layer: int, renormalise: bool, cast: bool):  # noqa: ANN202 - a bound forward
-    def forward(router: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+RouterForward = Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _make_forward(replay: RoutingReplay, layer: int, renormalise: bool, cast: bool) -> RouterForward:
+    """The ``forward`` of router ``layer``: the HF router's computation, with the experts `RoutingReplay.route` chooses."""
+
+    def forward(
+        router: torch.nn.Module, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden = hidden_states.reshape(-1, router.weight.shape[1])
         logits = F.linear(hidden, router.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

@@ -137,7 +137,9 @@ def build_tiny_model(
         config = LlamaConfig(**common, attention_bias=False)
     elif arch == "qwen3_moe":
         if not 0 < num_experts_per_tok <= num_experts:
-            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {num_experts_per_tok}")
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {num_experts_per_tok}"
+            )
         config = Qwen3MoeConfig(
             **common,
             head_dim=hidden_size // num_heads,
