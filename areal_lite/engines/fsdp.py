@@ -457,11 +457,12 @@ class FSDPEngine(TrainEngineBase):
 
     def _write_weights(self, path: str) -> None:
         """A disk weight update: ``model.safetensors`` (and ``config.json``, once) in ``path`` from
-        rank 0. Half the time of ``save_pretrained`` for a small model, and no progress bar per
-        update; servers read only the weight files. Collective."""
+        rank 0, in the checkpoint layout. Half the time of ``save_pretrained`` for a small model,
+        and no progress bar per update; servers read only the weight files. Collective."""
         sd = self._full_state_dict()
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
+            sd = dict(self._checkpoint_layout().to_checkpoint(sd.items()))
             save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
             config = os.path.join(path, "config.json")
             if not os.path.exists(config):
@@ -516,6 +517,9 @@ class FSDPEngine(TrainEngineBase):
         set_rng_state(extra["rng"])
 
     # ---------------------------------------------------------------- weight updates
+
+    def _hf_model_config(self) -> object:
+        return self._module().hf.config
 
     def _hf_tensors(self, cast: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors with HF names, one at a time, cast to the compute dtype (``cast=False``:

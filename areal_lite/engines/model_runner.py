@@ -244,7 +244,7 @@ class ModelRunner:
         for a dense model."""
         if self.routes is None:
             return None
-        return self.routes[row, : int(self.lens[row])].cpu()
+        return self.routes[row, : int(self.lens[row])].to("cpu", copy=True)  # the row is refilled later
 
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence]) -> list[Sequence]:
