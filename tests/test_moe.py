@@ -59,7 +59,9 @@ def moe_config(model_type: str) -> object:
             num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
         )  # fmt: skip
     if model_type == "mixtral":
-        return MixtralConfig(**common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+        return MixtralConfig(
+            **common, num_hidden_layers=2, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2
+        )
     return Qwen2MoeConfig(
         **common, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=32,
         shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
@@ -116,7 +118,10 @@ def generate(engine: object, reqs: list[ModelRequest]) -> list[ModelResponse]:
 
 def requests(n: int, max_new_tokens: int = 12, **g: object) -> list[ModelRequest]:
     gconfig = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True, return_routed_experts=True, **g)
-    return [ModelRequest(input_ids=[5 + i, 7, 9 + 2 * i, 11], gconfig=gconfig.new(max_new_tokens=max_new_tokens + i)) for i in range(n)]
+    return [
+        ModelRequest(input_ids=[5 + i, 7, 9 + 2 * i, 11], gconfig=gconfig.new(max_new_tokens=max_new_tokens + i))
+        for i in range(n)
+    ]
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -157,7 +162,8 @@ def test_engine_routes_follow_a_weight_update(moe_path: str, tmp_path) -> None:
     for keep in (False, True):
         engine = local_engine(moe_path, keep_cache_on_update=keep)
         req = ModelRequest(
-            input_ids=[3, 4, 5], gconfig=GenerationConfig(max_new_tokens=80, ignore_eos=True, return_routed_experts=True)
+            input_ids=[3, 4, 5],
+            gconfig=GenerationConfig(max_new_tokens=80, ignore_eos=True, return_routed_experts=True),
         )
 
         async def run(engine: LocalInferenceEngine = engine, req: ModelRequest = req) -> ModelResponse:
@@ -247,7 +253,10 @@ def test_router_replay_is_the_hf_router_and_keeps_the_router_trained(moe_path: s
         replay.begin(None, replay=False)
         assert torch.equal(model(ids, use_cache=False).logits, expected)
         own = torch.stack(
-            [replay._pass.layers[i].own if i in replay._pass.layers else torch.full((20, 2), NO_EXPERT) for i in range(3)],
+            [
+                replay._pass.layers[i].own if i in replay._pass.layers else torch.full((20, 2), NO_EXPERT)
+                for i in range(3)
+            ],
             dim=1,
         ).to(torch.int32)
         replay.begin(own, replay=True)

@@ -640,8 +640,9 @@ def _check_keys(schema: DictConfig, given: DictConfig, source: str, parent: str 
     is_structured = is_dataclass(schema._metadata.object_type)
     for key in given:
         full = f"{parent}.{key}" if parent else str(key)
-        # keys(), not `in`: omegaconf 2.4 answers False to `in` for a field whose value is MISSING.
-        sub_schema = schema._get_node(key, throw_on_missing_key=False) if key in schema.keys() else None
+        # keys(): omegaconf 2.4 answers False to `in` for a field whose value is MISSING.
+        known = key in schema.keys()  # noqa: SIM118
+        sub_schema = schema._get_node(key, throw_on_missing_key=False) if known else None
         if is_structured and sub_schema is None:
             raise _unknown_key_error(schema, full, source)
         sub_given = given._get_node(key)
