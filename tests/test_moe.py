@@ -11,8 +11,10 @@ are, and without replay they are measurably further apart."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,8 +33,10 @@ from areal_lite.workflows.trajectory import check_trajectory, from_response, fro
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 from inference_servers import running_on, start_servers, stop_servers
+from test_fsdp import torchrun
 
 VOCAB = 300
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def save_model(path: str, config: object, init_std: float | None = None, seed: int = 0) -> str:
@@ -370,3 +374,42 @@ def test_server_returns_routes_through_a_pause_and_an_update(moe_path: str, tmp_
     finally:
         engine.destroy()
         stop_servers(procs)
+
+
+# ----------------------------------------------------------------------------- FSDP on 2 ranks
+
+
+@pytest.fixture(scope="module")
+def two_ranks(moe_path: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("moe_worker")
+    code, output = torchrun(2, ROOT / "tests" / "scripts" / "moe_worker.py", moe_path, str(out), timeout=600)
+    assert code == 0, output[-6000:]
+    with open(out / "moe_w2.json") as f:
+        return json.load(f)
+
+
+def test_fsdp_replay_on_two_ranks_equals_a_plain_model_replaying(two_ranks: dict) -> None:
+    assert two_ranks["replay_logp_packed"] < 1e-5
+    assert two_ranks["replay_logp_tree"] < 1e-5  # shared prefixes take the first sequence's routes
+    assert two_ranks["replay_sgd_vs_reference"] < 1e-6
+    assert two_ranks["replay_router_moved"] > 1e-4  # the gate weights kept their gradient
+    stats = two_ranks["replay_stats"]
+    assert 0 < stats["moe/routing_agreement"] < 1 and stats["moe/aux_loss"] > 0
+
+
+def test_fsdp_weight_updates_of_every_kind_reach_the_engine(two_ranks: dict) -> None:
+    for kind, version in (("in_process", 1), ("disk", 2), ("distributed", 3)):
+        assert two_ranks[f"update_{kind}"]["err"] < 1e-5, kind
+        assert two_ranks[f"update_{kind}"]["versions"] == [version]
+    received = {kind: names for kind, names, _ in two_ranks["update_received"]}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in received["in_process"]  # the runtime layout in process
+    sent = [n for kind, names, _ in two_ranks["update_received"] if kind == "distributed" for n in names]
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in sent and not any("gate_up_proj" in n for n in sent)
+    assert "model.layers.0.mlp.experts.0.down_proj.weight" in two_ranks["update_disk_keys"]
+
+
+def test_fsdp_lora_on_attention_experts_and_routers(two_ranks: dict) -> None:
+    assert {"q_proj", "o_proj", "experts", "gate"} <= set(two_ranks["lora_trainable"])
+    for kind in ("in_process", "disk", "distributed"):
+        assert two_ranks[f"lora_{kind}"]["err"] < 1e-5, kind
+    assert two_ranks["lora_merged_vs_peft_logits"] < 1e-5

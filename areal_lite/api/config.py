@@ -113,7 +113,13 @@ class LoRAConfig:
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Which linear layers get adapters, as peft matches them: module names such as ``q_proj`` or
     ``down_proj`` (a name matches every module whose name ends with it), or ``all-linear``: every
-    linear layer but the output head."""
+    linear layer but the output head (on a transformers 5 mixture-of-experts model peft adds the
+    experts' 3-D weights and the routers' weights to it)."""
+    target_parameters: list[str] = field(default_factory=list)
+    """Parameters (not modules) that get adapters, as peft's ``target_parameters`` matches them: the
+    stacked expert weights of a mixture-of-experts model, e.g. ``mlp.experts.gate_up_proj`` and
+    ``mlp.experts.down_proj`` (each expert gets its own low-rank update) with ``target_modules``
+    naming the attention projections, to leave the routers without adapters."""
 
     @property
     def enabled(self) -> bool:

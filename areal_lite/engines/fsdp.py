@@ -59,7 +59,7 @@ from areal_lite.engines.train_base import TrainEngineBase
 from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatches, unpack_sequences
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
-from areal_lite.utils.lora import PEFT_PREFIX, MergedLoRA, config_dict, peft_config
+from areal_lite.utils.lora import PEFT_PREFIX, MergedLoRA, base_name, config_dict, peft_config
 from areal_lite.utils.moe import RoutingReplay, routing_shape
 from areal_lite.utils.precision import compute_dtype
 from areal_lite.utils.recover import rng_state, set_rng_state
@@ -537,9 +537,8 @@ class FSDPEngine(TrainEngineBase):
             if name in self._adapter_names:
                 continue
             full = t.full_tensor() if isinstance(t, DTensor) else t
-            # peft keeps an adapted layer's own weights under ``<layer>.base_layer``.
             yield (
-                name.replace(".base_layer.", "."),
+                base_name(name),
                 full.detach().to(self.compute_dtype if cast else full.dtype, copy=True),
             )
 

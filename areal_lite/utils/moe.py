@@ -60,10 +60,13 @@ def is_router(module: torch.nn.Module) -> bool:
 
 
 def layer_routers(layers: list[torch.nn.Module] | torch.nn.ModuleList) -> list[torch.nn.Module | None]:
-    """The router of each decoder layer (``layer.mlp.gate``), None for a layer without experts."""
+    """The router of each decoder layer (``layer.mlp.gate``, unwrapped from peft's LoRA wrapper when
+    its weight has an adapter), None for a layer without experts."""
     out: list[torch.nn.Module | None] = []
     for layer in layers:
         gate = getattr(getattr(layer, "mlp", None), "gate", None)
+        if hasattr(gate, "get_base_layer"):
+            gate = gate.get_base_layer()
         out.append(gate if isinstance(gate, torch.nn.Module) and is_router(gate) else None)
     return out
 

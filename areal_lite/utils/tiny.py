@@ -106,13 +106,14 @@ def build_tiny_model(
 ) -> str:
     """Build a random-init causal LM and a locally trained tokenizer into ``save_dir``.
 
-    ``arch`` is ``qwen2`` (biases on q/k/v), ``llama``, or ``qwen3_moe``: every layer a
+    ``arch`` is ``qwen2`` (biases on q/k/v), ``llama``, ``qwen3`` (norms on q and k), or
+    ``qwen3_moe``, Qwen3 whose every layer is a
     mixture of ``num_experts`` experts of width ``moe_intermediate_size`` (default
     ``intermediate_size / num_experts_per_tok``, so that a token's active MLP width is the dense
     one's), ``num_experts_per_tok`` routed per token, top-k weights renormalised. The model's
     vocabulary is the tokenizer's length. Returns ``save_dir``, a HF model directory.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     os.makedirs(save_dir, exist_ok=True)
     tokenizer = build_tokenizer(save_dir, corpus=corpus, vocab_size=vocab_size)
@@ -135,6 +136,8 @@ def build_tiny_model(
         config = Qwen2Config(**common)
     elif arch == "llama":
         config = LlamaConfig(**common, attention_bias=False)
+    elif arch == "qwen3":
+        config = Qwen3Config(**common, head_dim=hidden_size // num_heads)
     elif arch == "qwen3_moe":
         if not 0 < num_experts_per_tok <= num_experts:
             raise ValueError(
@@ -149,7 +152,7 @@ def build_tiny_model(
             norm_topk_prob=True,
         )
     else:
-        raise ValueError(f"arch must be qwen2, llama or qwen3_moe, got {arch!r}")
+        raise ValueError(f"arch must be qwen2, llama, qwen3 or qwen3_moe, got {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
