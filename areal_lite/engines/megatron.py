@@ -615,11 +615,11 @@ class MegatronEngine(TrainEngineBase):
             self._stage_specs = stages  # type: ignore[assignment]
         return self._stage_specs  # type: ignore[return-value]
 
-    @torch.no_grad()
     def _hf_model_config(self) -> object:
         assert self._hf_config is not None
         return self._hf_config
 
+    @torch.no_grad()
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors, one at a time, on every rank, cast to the configured dtype.
         Collective over the model-parallel group: every rank iterates to the end. Each stage

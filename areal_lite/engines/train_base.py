@@ -62,7 +62,7 @@ class TrainEngineBase(TrainEngine):
         self._owns_group = False
         """Whether this engine created the default process group (and `destroy` ends it)."""
         self._sender = WeightSender()
-        self._layout: CheckpointLayout | None = None
+        self._checkpoint: CheckpointLayout | None = None
 
     def create_process_group(self) -> None:
         if not dist.is_initialized():
@@ -228,9 +228,9 @@ class TrainEngineBase(TrainEngine):
 
     def _checkpoint_layout(self) -> CheckpointLayout:
         """The checkpoint layout of the trained model (what disk and broadcast updates carry)."""
-        if self._layout is None:
-            self._layout = CheckpointLayout(self._hf_model_config())
-        return self._layout
+        if self._checkpoint is None:
+            self._checkpoint = CheckpointLayout(self._hf_model_config())
+        return self._checkpoint
 
     def _write_weights(self, path: str) -> None:
         """A disk weight update: the HF directory the inference servers load (collective)."""
