@@ -161,6 +161,9 @@ class TrainEngineConfig:
     """Megatron only: tensor-parallel degree (data-parallel degree is world size / this)."""
     pipeline_parallel_size: int = 1
     """Megatron only: pipeline-parallel degree."""
+    expert_parallel_size: int = 1
+    """Megatron only, mixture-of-experts models: expert-parallel degree (each rank of an
+    expert-parallel group holds num_experts / this experts; tokens travel to them all-to-all)."""
     seed: int = 1
     """Seed for initialisation of new heads, adapters and dropout."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
