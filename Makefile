@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install lint test test-all test-cluster test-gpu demo clean
+.PHONY: install lint test test-all test-cluster test-gpu demo demo-moe clean
 
 install: $(STAMP)
 
@@ -61,6 +61,11 @@ test-gpu: $(STAMP)
 demo: $(STAMP)
 	rm -rf outputs/quickstart/demo
 	OMP_NUM_THREADS=1 $(PY) -m areal_lite.launcher.local examples/quickstart.py --config configs/quickstart.yaml
+
+# The same on a mixture-of-experts model (Qwen3-MoE, 8 experts, 2 per token) with routing replay.
+demo-moe: $(STAMP)
+	rm -rf outputs/quickstart/moe
+	OMP_NUM_THREADS=1 $(PY) -m areal_lite.launcher.local examples/quickstart.py --config configs/quickstart_moe.yaml
 
 clean:
 	rm -rf $(VENV) outputs

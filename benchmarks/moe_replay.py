@@ -26,7 +26,9 @@ tokens routed alike in every layer. ``dense`` is the level replay should bring t
     OMP_NUM_THREADS=1 python benchmarks/moe_replay.py [--sft-loss 0.5] [--prompts 64]
 
 Last line: ``RESULT bf16_kl_dense=... bf16_kl_moe=... bf16_kl_moe_replay=... keep_kl_dense=...
-keep_kl_moe=... keep_kl_moe_replay=... bf16_replay_over_dense=... keep_replay_over_dense=...``.
+keep_kl_moe=... keep_kl_moe_replay=... bf16_replay_over_dense=... keep_replay_over_dense=...
+keep_per_update_dense=... keep_per_update_moe=... keep_per_update_moe_replay=...`` (the kept-cache
+KL over the update's own, ``KL stale``: the update moves the two models by different amounts).
 """
 
 from __future__ import annotations
@@ -223,12 +225,17 @@ def main() -> None:
             f"{'' if alike is None else f'{alike:.4f}':>14}{'' if stale is None else f'{stale:.2e}':>11}"
         )
     kl = {(src, label): s["kl"] for src, label, s in rows}
+    stale = {label: s["stale"] for src, label, s in rows if src == "kept cache"}
+    # A kept cache's mismatch scales with the update it spans: per unit of the update's own KL
+    per_update = {label: kl["kept cache", label] / stale[label] for label in stale}
     print(
         f"RESULT bf16_kl_dense={kl['bf16 train', 'dense']:.2e} bf16_kl_moe={kl['bf16 train', 'MoE']:.2e} "
         f"bf16_kl_moe_replay={kl['bf16 train', 'MoE, replay']:.2e} keep_kl_dense={kl['kept cache', 'dense']:.2e} "
         f"keep_kl_moe={kl['kept cache', 'MoE']:.2e} keep_kl_moe_replay={kl['kept cache', 'MoE, replay']:.2e} "
         f"bf16_replay_over_dense={kl['bf16 train', 'MoE, replay'] / kl['bf16 train', 'dense']:.2f} "
-        f"keep_replay_over_dense={kl['kept cache', 'MoE, replay'] / kl['kept cache', 'dense']:.2f}"
+        f"keep_replay_over_dense={kl['kept cache', 'MoE, replay'] / kl['kept cache', 'dense']:.2f} "
+        f"keep_per_update_dense={per_update['dense']:.2f} keep_per_update_moe={per_update['MoE']:.2f} "
+        f"keep_per_update_moe_replay={per_update['MoE, replay']:.2f}"
     )
 
 
