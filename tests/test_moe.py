@@ -6,7 +6,10 @@ trajectory (padding, packing, micro-batches), through our server's SGLang protoc
 client (also across a pause and a weight update); the train engine's routers replay them. The
 acceptance test: with bf16 training against fp32 generation, replay brings the train engine's
 log-probabilities of an MoE model's trajectories to the engine's as closely as a dense model's
-are, and without replay they are measurably further apart."""
+are, and without replay they are measurably further apart.
+
+The tests that start torchrun (FSDP on 2 ranks, Megatron with expert parallelism) and the
+quickstart's smoke run are marked slow: ``make test-moe`` runs them all (about 5 minutes)."""
 
 from __future__ import annotations
 
@@ -434,6 +437,7 @@ def two_ranks(moe_path: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
         return json.load(f)
 
 
+@pytest.mark.slow
 def test_fsdp_replay_on_two_ranks_equals_a_plain_model_replaying(two_ranks: dict) -> None:
     assert two_ranks["replay_logp_packed"] < 1e-5
     assert two_ranks["replay_logp_tree"] < 1e-5  # shared prefixes take the first sequence's routes
@@ -443,6 +447,7 @@ def test_fsdp_replay_on_two_ranks_equals_a_plain_model_replaying(two_ranks: dict
     assert 0 < stats["moe/routing_agreement"] < 1 and stats["moe/aux_loss"] > 0
 
 
+@pytest.mark.slow
 def test_fsdp_weight_updates_of_every_kind_reach_the_engine(two_ranks: dict) -> None:
     for kind, version in (("in_process", 1), ("disk", 2), ("distributed", 3)):
         assert two_ranks[f"update_{kind}"]["err"] < 1e-5, kind
@@ -454,6 +459,7 @@ def test_fsdp_weight_updates_of_every_kind_reach_the_engine(two_ranks: dict) -> 
     assert "model.layers.0.mlp.experts.0.down_proj.weight" in two_ranks["update_disk_keys"]
 
 
+@pytest.mark.slow
 def test_fsdp_lora_on_attention_experts_and_routers(two_ranks: dict) -> None:
     assert {"q_proj", "o_proj", "experts", "gate"} <= set(two_ranks["lora_trainable"])
     for kind in ("in_process", "disk", "distributed"):
@@ -481,6 +487,7 @@ def test_megatron_conversion_round_trips_a_qwen3_moe_checkpoint(moe_path: str, t
     assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
 
 
+@pytest.mark.slow
 def test_megatron_expert_parallel_equals_fsdp_with_and_without_replay(tmp_path) -> None:
     """megatron-core's MoE layers on CPU with the experts over 2 gloo ranks (all-to-all dispatch;
     the ranks' micro-batch counts differ) give FSDP's log-probabilities and AdamW step, also with
@@ -499,3 +506,23 @@ def test_megatron_expert_parallel_equals_fsdp_with_and_without_replay(tmp_path) 
     assert res["hf_save_loaded_all"] and res["hf_save_vs_tensors"] == 0.0
     for kind, version in (("in_process", 1), ("disk", 2), ("distributed", 3)):
         assert res[f"update_{kind}"]["err"] < 1e-5 and res[f"update_{kind}"]["versions"] == [version]
+
+
+@pytest.mark.slow
+def test_quickstart_moe_smoke(tmp_path) -> None:
+    """The MoE quickstart's path end to end, tiny: SFT warm-up, our server returning routes, FSDP
+    replaying them (with shared prefixes) under the launcher."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "areal_lite.launcher.local", "examples/quickstart.py"]
+    cmd += ["--config", "configs/quickstart_moe.yaml", f"cluster.fileroot={tmp_path}"]
+    cmd += ["task.sft_steps=10", "task.sft_eval_every=5", "task.sft_batch_size=16", "task.n_dev=8", "task.n_eval=8"]
+    cmd += ["task.n_train_prompts=64", "task.hidden_size=32", "task.num_layers=1", "total_train_steps=2"]
+    cmd += ["train_dataset.batch_size=4", "rollout.consumer_batch_size=4", "local_engine.max_running_requests=32"]
+    cmd += ["stats_logger.console=false", "stats_logger.tensorboard=false", "stats_logger.wandb_mode=disabled"]
+    cmd += ["recover.mode=disabled"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "RESULT acc_before=" in proc.stdout, out[-4000:]
