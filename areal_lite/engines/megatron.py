@@ -852,6 +852,7 @@ class MegatronEngine(TrainEngineBase):
             "world_size": dist.get_world_size(),
             "tensor_parallel_size": cfg.tensor_parallel_size,
             "pipeline_parallel_size": cfg.pipeline_parallel_size,
+            "expert_parallel_size": cfg.expert_parallel_size,
         }
 
     def _save_train_state(self, path: str) -> None:
@@ -881,7 +882,7 @@ class MegatronEngine(TrainEngineBase):
     @torch.no_grad()
     def _load_train_state(self, path: str) -> None:
         with open(self._train_state_file(path, "megatron_layout.json")) as f:
-            layout = json.load(f)
+            layout = {"expert_parallel_size": 1, **json.load(f)}  # older checkpoints had no experts
         if layout != self._layout():
             raise ValueError(f"checkpoint {path} was written with layout {layout}, this run has {self._layout()}")
         state = torch.load(os.path.join(path, f"megatron_rank{dist.get_rank()}.pt"), weights_only=False)
