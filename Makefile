@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install lint test test-all test-cluster test-gpu test-verifiers verifiers-example demo clean
+.PHONY: install lint test test-all test-moe test-cluster test-gpu test-verifiers verifiers-example demo demo-moe clean
 
 install: $(STAMP)
 
@@ -33,6 +33,11 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+
+# Mixture-of-experts models and routing replay, the slow tests included (torchrun: FSDP on 2 ranks,
+# Megatron with expert parallelism; the MoE quickstart's smoke run).
+test-moe: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "" tests/test_moe.py $(PYTEST_ARGS)
 
 # The Ray and Slurm launchers on real clusters started here (tests marked `cluster`, which `make
 # test` deselects): a 2-node Ray cluster (tests/clusters/ray.sh) and a one-node Slurm cluster
@@ -87,6 +92,11 @@ verifiers-example: $(VF_STAMP)
 demo: $(STAMP)
 	rm -rf outputs/quickstart/demo
 	OMP_NUM_THREADS=1 $(PY) -m areal_lite.launcher.local examples/quickstart.py --config configs/quickstart.yaml
+
+# The same on a mixture-of-experts model (Qwen3-MoE, 8 experts, 2 per token) with routing replay.
+demo-moe: $(STAMP)
+	rm -rf outputs/quickstart/moe
+	OMP_NUM_THREADS=1 $(PY) -m areal_lite.launcher.local examples/quickstart.py --config configs/quickstart_moe.yaml
 
 clean:
 	rm -rf $(VENV) $(VF_VENV) outputs

@@ -7,6 +7,11 @@ and part of the skill. Then asynchronous GRPO (rollouts up to ``rollout.max_head
 versions ahead of training, decoupled PPO loss) trains it against the verifier alone, and greedy
 accuracy on held-out problems is measured before and after RL.
 
+``task.model_type=moe`` makes the tiny model a mixture of experts (Qwen3-MoE: every layer
+``task.num_experts`` experts, ``task.num_experts_per_tok`` per token); with
+``actor.routing_replay`` and ``gconfig.return_routed_experts`` (configs/quickstart_moe.yaml) the
+rollouts record each token's experts and training routes the tokens to them.
+
 Deliberate simplification: this task has cheap correct labels, so more SFT would also solve it
 (FINDINGS measured that); the demo shows the RL machinery end to end in minutes on a CPU. The same
 loop, pointed at a HF model directory, GSM8K and SGLang servers, is examples/gsm8k_grpo.py.
@@ -30,7 +35,7 @@ import torch
 
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.actors.sft import SFTActor
-from areal_lite.api.config import RLExperimentConfig, TrainEngineConfig, load_config
+from areal_lite.api.config import RLExperimentConfig, TrainEngineConfig, load_config, one_of
 from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.core.controller import RolloutController
 from areal_lite.kit import (
@@ -78,6 +83,13 @@ class TaskConfig:
     """Width of the tiny model."""
     num_layers: int = 4
     """Depth of the tiny model."""
+    model_type: str = field(default="dense", metadata=one_of("dense", "moe"))
+    """dense (Qwen2) or moe (Qwen3-MoE: each layer's MLP a mixture of experts)."""
+    num_experts: int = 8
+    """moe: experts per layer."""
+    num_experts_per_tok: int = 2
+    """moe: experts each token is routed to (each expert is 1 / this as wide as the dense MLP, so
+    a token's active width is the dense model's)."""
     seed: int = 0
     """Seed of the model and the data."""
     prepare_only: bool = False
@@ -121,6 +133,9 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
         if not os.path.exists(os.path.join(base_dir, "config.json")):
             build_tiny_model(
                 base_dir,
+                arch="qwen3_moe" if task.model_type == "moe" else "qwen2",
+                num_experts=task.num_experts,
+                num_experts_per_tok=task.num_experts_per_tok,
                 hidden_size=task.hidden_size,
                 num_layers=task.num_layers,
                 num_heads=4,

@@ -113,7 +113,13 @@ class LoRAConfig:
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Which linear layers get adapters, as peft matches them: module names such as ``q_proj`` or
     ``down_proj`` (a name matches every module whose name ends with it), or ``all-linear``: every
-    linear layer but the output head."""
+    linear layer but the output head (on a transformers 5 mixture-of-experts model peft adds the
+    experts' 3-D weights and the routers' weights to it)."""
+    target_parameters: list[str] = field(default_factory=list)
+    """Parameters (not modules) that get adapters, as peft's ``target_parameters`` matches them: the
+    stacked expert weights of a mixture-of-experts model, e.g. ``mlp.experts.gate_up_proj`` and
+    ``mlp.experts.down_proj`` (each expert gets its own low-rank update) with ``target_modules``
+    naming the attention projections, to leave the routers without adapters."""
 
     @property
     def enabled(self) -> bool:
@@ -155,10 +161,19 @@ class TrainEngineConfig:
     """Megatron only: tensor-parallel degree (data-parallel degree is world size / this)."""
     pipeline_parallel_size: int = 1
     """Megatron only: pipeline-parallel degree."""
+    expert_parallel_size: int = 1
+    """Megatron only, mixture-of-experts models: expert-parallel degree (each rank of an
+    expert-parallel group holds num_experts / this experts; tokens travel to them all-to-all)."""
     seed: int = 1
     """Seed for initialisation of new heads, adapters and dropout."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters instead of full-parameter training (off by default)."""
+    routing_replay: bool = False
+    """Mixture-of-experts models, FSDP: route each token to the experts the inference engine chose
+    for it (the batch's ``routed_experts``; generate with ``gconfig.return_routed_experts``), with
+    gate weights recomputed from the current router so that it still trains
+    (`areal_lite.utils.moe`). Without it the router routes by itself and the ``moe/*`` statistics
+    say how often it disagrees with generation."""
 
 
 @dataclass
@@ -634,7 +649,9 @@ def _check_keys(schema: DictConfig, given: DictConfig, source: str, parent: str 
     is_structured = is_dataclass(schema._metadata.object_type)
     for key in given:
         full = f"{parent}.{key}" if parent else str(key)
-        sub_schema = schema._get_node(key, throw_on_missing_key=False) if key in schema.keys() else None  # noqa: SIM118 - `in` on a DictConfig is False for a MISSING value
+        # keys(): omegaconf 2.4 answers False to `in` for a field whose value is MISSING.
+        known = key in schema.keys()  # noqa: SIM118
+        sub_schema = schema._get_node(key, throw_on_missing_key=False) if known else None
         if is_structured and sub_schema is None:
             raise _unknown_key_error(schema, full, source)
         sub_given = given._get_node(key)

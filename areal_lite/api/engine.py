@@ -17,6 +17,21 @@ key                dtype/shape  meaning
 ``rewards``        f32   [B]    sequence reward
 =================  ===========  ============================================================
 
+Optional keys with a meaning of their own:
+
+==================  ====================  ===================================================
+``routed_experts``  int32 [B,L,layers,k]  mixture-of-experts models: the experts each decoder
+                                          layer's router chose for token ``i`` when the
+                                          inference engine ran it (``top_k`` ids per layer;
+                                          -1 on layers without experts, on positions never
+                                          run, e.g. the last token, and on padding). Present
+                                          when generation asked for them
+                                          (``GenerationConfig.return_routed_experts``); with
+                                          ``routing_replay`` the train engine's forward
+                                          routes each token to them
+                                          (`areal_lite.utils.moe`).
+==================  ====================  ===================================================
+
 Alignment is to the token: ``logprobs[i]`` scores ``input_ids[i]`` given ``input_ids[:i]``; the
 train engine does the shift when it computes logits; nothing else shifts. Position 0 of every
 sequence has log-probability 0.
@@ -25,7 +40,8 @@ Packed micro-batch (what a ``loss_fn`` receives): every per-token key above (and
 key the caller added, e.g. ``advantages`` or ``prox_logp``) concatenated over real tokens into 1-D
 ``[T]`` tensors; per-sequence keys (e.g. ``rewards``) stay ``[B]``; plus ``cu_seqlens`` int32
 ``[B+1]`` (sequence boundaries), ``position_ids`` int64 ``[T]`` restarting at 0 per sequence, and
-``max_seqlen`` (int). A key is per-token when its shape starts with ``[B, L]``.
+``max_seqlen`` (int). A key is per-token when its shape starts with ``[B, L]``; its trailing
+dimensions stay (``routed_experts`` packs to ``[T, layers, k]``).
 """
 
 from __future__ import annotations

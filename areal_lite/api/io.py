@@ -75,6 +75,10 @@ class GenerationConfig:
     """Strings that end generation once the decoded output contains them."""
     ignore_eos: bool = False
     """Keep generating after eos (benchmarks)."""
+    return_routed_experts: bool = False
+    """Mixture-of-experts models: return the experts each token was routed to
+    (`ModelResponse.routed_experts`; SGLang's ``return_routed_experts``), which the trajectory
+    carries as ``routed_experts`` for routing replay in the train engine."""
 
     def new(self, **changes: object) -> GenerationConfig:
         """A copy with some fields changed."""
@@ -124,6 +128,12 @@ class ModelResponse:
     ttft: float = 0.0
     """Seconds to the first output token."""
     rid: str = ""
+    routed_experts: torch.Tensor | None = None
+    """With ``GenerationConfig.return_routed_experts``: int32 ``[input_len + output_len - 1,
+    layers, top_k]``, row ``i`` the experts of each decoder layer (-1 on layers without experts)
+    that token ``i`` went through (the last token never goes through the model). For a response
+    stitched together across weight updates, the routes of its last part, which covers the whole
+    prefix."""
 
     @property
     def input_len(self) -> int:

@@ -70,3 +70,10 @@ def check_trajectory_layout(traj: object, producer: str = "the workflow") -> Non
     for key in ("logprobs", "rewards"):
         if not traj[key].dtype.is_floating_point:
             raise TrajectoryError(f"{where}: {key!r} must be floating point, got {traj[key].dtype}")
+    if "routed_experts" in traj:
+        routes = traj["routed_experts"]
+        if routes.dim() != 4 or routes.shape[:2] != ids.shape or routes.dtype.is_floating_point:
+            raise TrajectoryError(
+                f"{where}: 'routed_experts' must be an integer [n, L, layers, top_k] tensor, "
+                f"got {routes.dtype} {list(routes.shape)}"
+            )

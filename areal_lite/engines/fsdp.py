@@ -21,6 +21,11 @@ LoRA (``lora.rank > 0``): peft wraps the model before it is sharded, so each lay
 sharded with it; only the adapters require gradients, and so only they get optimizer state. Weight
 updates send the adapter alone (fp32, under its PEFT tensor names); HF saves write the model with
 the adapter merged in (`areal_lite.utils.lora.MergedLoRA`) and the PEFT adapter beside it.
+
+Mixture-of-experts models run their HF MoE blocks; their routers are driven by
+`areal_lite.utils.moe.RoutingReplay`: with ``routing_replay`` each token goes to the experts the
+batch's ``routed_experts`` recorded at generation, and every training pass reports routing
+agreement with generation, expert load and the load-balancing loss (``moe/*``).
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ from areal_lite.engines.train_base import TrainEngineBase
 from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatches, unpack_sequences
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
-from areal_lite.utils.lora import PEFT_PREFIX, MergedLoRA, config_dict, peft_config
+from areal_lite.utils.lora import PEFT_PREFIX, MergedLoRA, base_name, config_dict, peft_config
+from areal_lite.utils.moe import RoutingReplay, routing_shape
 from areal_lite.utils.precision import compute_dtype
 from areal_lite.utils.recover import rng_state, set_rng_state
 from areal_lite.utils.shared_prefix import SharedPrefixLayout, shared_prefix_layout
@@ -160,6 +166,8 @@ class FSDPEngine(TrainEngineBase):
         """With LoRA: peft's wrapper of the HF model (which `model` shards and runs)."""
         self._adapter_names: dict[str, str] = {}
         """With LoRA: each adapter parameter's name in the HF model -> its name in a PEFT file."""
+        self._routing: RoutingReplay | None = None
+        """A mixture-of-experts model's routers (None for a dense model)."""
 
     # ---------------------------------------------------------------- setup
 
@@ -177,6 +185,10 @@ class FSDPEngine(TrainEngineBase):
         hf = self._from_pretrained(cfg.path)
         if cfg.lora.enabled:
             hf = self._add_adapters(hf)
+        if routing_shape(hf.config) is not None:
+            self._routing = RoutingReplay(hf)
+        elif cfg.routing_replay:
+            raise ValueError(f"routing_replay needs a mixture-of-experts model; {cfg.path} is {hf.config.model_type!r}")
         if cfg.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if ft_spec is None:
@@ -293,6 +305,11 @@ class FSDPEngine(TrainEngineBase):
         ids, pos, cu = mb["input_ids"], mb["position_ids"], mb["cu_seqlens"]
         assert isinstance(ids, torch.Tensor) and isinstance(pos, torch.Tensor) and isinstance(cu, torch.Tensor)
         tree = shared_prefix_layout(ids, pos, cu) if self.config.shared_prefix else None
+        if self._routing is not None:
+            routes = mb.get("routed_experts")
+            if routes is not None and tree is not None:
+                routes = routes[tree.origin]  # type: ignore[index]
+            self._routing.begin(routes, self.config.routing_replay)  # type: ignore[arg-type]
         return self._module()(ids, pos, cu, with_entropy, tree)
 
     @torch.no_grad()
@@ -336,6 +353,8 @@ class FSDPEngine(TrainEngineBase):
             if i < n_real:
                 loss, stats = loss_fn(out, ent, mb)
                 results.append({"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in stats.items()}})
+                if self._routing is not None:
+                    results[-1].update(self._routing.stats())
             if not train:
                 continue
             if w > 0:
@@ -438,11 +457,12 @@ class FSDPEngine(TrainEngineBase):
 
     def _write_weights(self, path: str) -> None:
         """A disk weight update: ``model.safetensors`` (and ``config.json``, once) in ``path`` from
-        rank 0. Half the time of ``save_pretrained`` for a small model, and no progress bar per
-        update; servers read only the weight files. Collective."""
+        rank 0, in the checkpoint layout. Half the time of ``save_pretrained`` for a small model,
+        and no progress bar per update; servers read only the weight files. Collective."""
         sd = self._full_state_dict()
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
+            sd = dict(self._checkpoint_layout().to_checkpoint(sd.items()))
             save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
             config = os.path.join(path, "config.json")
             if not os.path.exists(config):
@@ -498,6 +518,9 @@ class FSDPEngine(TrainEngineBase):
 
     # ---------------------------------------------------------------- weight updates
 
+    def _hf_model_config(self) -> object:
+        return self._module().hf.config
+
     def _hf_tensors(self, cast: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors with HF names, one at a time, cast to the compute dtype (``cast=False``:
         the parameters' own, fp32), as copies that later optimizer steps cannot change. With
@@ -514,9 +537,8 @@ class FSDPEngine(TrainEngineBase):
             if name in self._adapter_names:
                 continue
             full = t.full_tensor() if isinstance(t, DTensor) else t
-            # peft keeps an adapted layer's own weights under ``<layer>.base_layer``.
             yield (
-                name.replace(".base_layer.", "."),
+                base_name(name),
                 full.detach().to(self.compute_dtype if cast else full.dtype, copy=True),
             )
 

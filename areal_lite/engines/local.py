@@ -61,6 +61,8 @@ class LocalInferenceEngine(InferenceEngine):
         return self.scheduler.tokenizer
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        if req.gconfig.return_routed_experts and self.scheduler.routing_shape is None:
+            raise ValueError("return_routed_experts is set but the model has no mixture-of-experts layers")
         res = await self.scheduler.generate(req.input_ids, SamplingParams.from_gconfig(req.gconfig), rid=req.rid)
         return ModelResponse(
             input_tokens=list(req.input_ids),
@@ -71,6 +73,7 @@ class LocalInferenceEngine(InferenceEngine):
             latency=res.latency,
             ttft=res.ttft,
             rid=req.rid,
+            routed_experts=res.routed_experts if req.gconfig.return_routed_experts else None,
         )
 
     def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]:

@@ -1,4 +1,4 @@
-"""HF <-> megatron-core weight conversion for the Qwen2 and Llama architectures.
+"""HF <-> megatron-core weight conversion for the Qwen2, Llama, Qwen3 and Qwen3-MoE architectures.
 
 mbridge does this for many architectures but only with Transformer Engine's layer names; our
 `MegatronEngine` builds megatron-core's local (non-TE) GPT layers, whose parameters map to HF's as
@@ -18,6 +18,23 @@ megatron-core                               HF
 ``output_layer.weight``                     ``lm_head.weight`` (absent when tied)
 ``value_head.{weight,bias}`` (critics)      ``score.{weight,bias}`` (token classification)
 ==========================================  =================================================
+
+Qwen3 adds per-head norms on queries and keys (``L.self_attention.{q,k}_layernorm.weight`` ``<->``
+``H.self_attn.{q,k}_norm.weight``). In a Qwen3-MoE layer the MLP is a router and experts, in the
+layout of HF checkpoints (one tensor per expert and projection, what ``save_pretrained`` writes;
+the runtime's stacked experts are `areal_lite.utils.hf_layout`'s business):
+
+==================================================  =========================================
+megatron-core                                       HF
+==================================================  =========================================
+``L.mlp.router.weight``                             ``H.mlp.gate.weight``
+``L.mlp.experts.local_experts.e.linear_fc1.weight``  ``H.mlp.experts.e.{gate,up}_proj.weight``
+``L.mlp.experts.local_experts.e.linear_fc2.weight``  ``H.mlp.experts.e.down_proj.weight``
+==================================================  =========================================
+
+Expert names here carry the global expert index ``e``; an expert-parallel rank holds a contiguous
+run of experts, which the engine numbers from 0 locally. Experts are never split over
+tensor-parallel ranks (expert tensor parallelism is not supported).
 
 A critic (``is_critic``) has no output layer; its value head maps to the ``score`` layer of HF's
 ``*ForTokenClassification`` with one label.
@@ -42,12 +59,12 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """The shape facts of a Qwen2/Llama model that the conversion and megatron-core need."""
+    """The shape facts of a Qwen2/Llama/Qwen3(-MoE) model that the conversion and megatron-core need."""
 
     model_type: str
     num_layers: int
@@ -70,10 +87,19 @@ class ArchSpec:
     qkv_bias: bool
     is_critic: bool = False
     """A value model: a scalar value head instead of the language-model head."""
+    qk_norm: bool = False
+    """RMSNorm on each query and key head (Qwen3)."""
+    num_experts: int = 0
+    """Experts per layer (0: a dense model)."""
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    """Whether the top-k gate weights are renormalised to sum to 1."""
 
     @classmethod
     def from_hf_config(cls, config: object, tp_size: int = 1, is_critic: bool = False) -> ArchSpec:
-        """Read a transformers ``Qwen2Config`` / ``LlamaConfig`` (anything else is refused)."""
+        """Read a transformers ``Qwen2Config`` / ``LlamaConfig`` / ``Qwen3Config`` /
+        ``Qwen3MoeConfig`` (anything else is refused)."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"MegatronEngine converts {SUPPORTED_MODEL_TYPES} models, not {model_type!r}")
@@ -111,6 +137,9 @@ class ArchSpec:
         qkv_bias = model_type == "qwen2" or bool(g("attention_bias", False))
         if model_type == "llama" and g("mlp_bias", False):
             raise ValueError("Llama with mlp_bias is not supported by the megatron conversion")
+        moe = model_type == "qwen3_moe"
+        if moe and (list(g("mlp_only_layers", None) or []) or g("decoder_sparse_step", 1) != 1):
+            raise ValueError("the megatron conversion needs every Qwen3-MoE layer to be a mixture of experts")
         return cls(
             model_type=model_type,
             num_layers=g("num_hidden_layers"),
@@ -129,15 +158,24 @@ class ArchSpec:
             tie_word_embeddings=bool(g("tie_word_embeddings", False)) and not is_critic,
             qkv_bias=qkv_bias,
             is_critic=is_critic,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            num_experts=int(g("num_experts", 0) or 0) if moe else 0,
+            experts_per_token=int(g("num_experts_per_tok", 0) or 0) if moe else 0,
+            moe_intermediate_size=int(g("moe_intermediate_size", 0) or 0) if moe else 0,
+            norm_topk_prob=bool(g("norm_topk_prob", True)),
         )
 
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
 _SIMPLE_LAYER = {
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
 }
 # megatron-core's dimension along which tensor-parallel ranks split each parameter (None: replicated)
 _SPLIT_DIM = {
@@ -148,7 +186,20 @@ _SPLIT_DIM = {
     "self_attention.linear_qkv.weight": 0,
     "self_attention.linear_qkv.bias": 0,
     "mlp.linear_fc1.weight": 0,
+    "self_attention.q_layernorm.weight": None,
+    "self_attention.k_layernorm.weight": None,
+    "mlp.router.weight": None,
+    "mlp.experts.linear_fc1": None,
+    "mlp.experts.linear_fc2": None,
 }
+_DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+_QK_NORM = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+
+
+def _layer_suffix(suffix: str) -> str:
+    """The `_SPLIT_DIM` key of a layer parameter (every expert's under one key)."""
+    match = _EXPERT.fullmatch(suffix)
+    return f"mlp.experts.{match.group(2)}" if match else suffix
 
 
 def mcore_param_names(arch: ArchSpec) -> list[str]:
@@ -158,7 +209,16 @@ def mcore_param_names(arch: ArchSpec) -> list[str]:
         for suffix in _SPLIT_DIM:
             if suffix == "self_attention.linear_qkv.bias" and not arch.qkv_bias:
                 continue
+            if suffix in _QK_NORM and not arch.qk_norm:
+                continue
+            if suffix in _DENSE_MLP and arch.num_experts:
+                continue
+            if suffix.startswith("mlp.experts.") or (suffix == "mlp.router.weight" and not arch.num_experts):
+                continue
             names.append(f"decoder.layers.{i}.{suffix}")
+            if suffix == "mlp.router.weight":
+                for e in range(arch.num_experts):
+                    names += [f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc{k}.weight" for k in (1, 2)]
     names.append("decoder.final_layernorm.weight")
     if arch.is_critic:
         names += ["value_head.weight", "value_head.bias"]
@@ -226,9 +286,15 @@ def _one_to_mcore(
     if name.startswith("value_head."):
         return hf["score." + name.removeprefix("value_head.")].clone()
     match = _LAYER.fullmatch(name)
-    if match is None or match.group(2) not in _SPLIT_DIM:
-        raise KeyError(f"not a megatron parameter of a Qwen2/Llama model: {name}")
+    if match is None or _layer_suffix(match.group(2)) not in _SPLIT_DIM:
+        raise KeyError(f"not a megatron parameter of a supported model: {name}")
     h, suffix = f"model.layers.{match.group(1)}.", match.group(2)
+    expert = _EXPERT.fullmatch(suffix)
+    if expert is not None:
+        e = f"{h}mlp.experts.{expert.group(1)}."
+        if expert.group(2) == "linear_fc2":
+            return hf[e + "down_proj.weight"].clone()
+        return torch.cat([hf[e + "gate_proj.weight"], hf[e + "up_proj.weight"]])
     if suffix in _SIMPLE_LAYER:
         t = hf[h + _SIMPLE_LAYER[suffix]]
         dim = _SPLIT_DIM[suffix]
@@ -249,9 +315,9 @@ def mcore_split_dim(name: str) -> int | None:
     if name in ("decoder.final_layernorm.weight", "value_head.weight", "value_head.bias"):
         return None
     match = _LAYER.fullmatch(name)
-    if match is None or match.group(2) not in _SPLIT_DIM:
-        raise KeyError(f"not a megatron parameter of a Qwen2/Llama model: {name}")
-    return _SPLIT_DIM[match.group(2)]
+    if match is None or _layer_suffix(match.group(2)) not in _SPLIT_DIM:
+        raise KeyError(f"not a megatron parameter of a supported model: {name}")
+    return _SPLIT_DIM[_layer_suffix(match.group(2))]
 
 
 def mcore_to_hf(name: str, shards: list[torch.Tensor], arch: ArchSpec) -> list[tuple[str, torch.Tensor]]:
@@ -269,6 +335,13 @@ def mcore_to_hf(name: str, shards: list[torch.Tensor], arch: ArchSpec) -> list[t
     assert match is not None
     i, suffix = match.group(1), match.group(2)
     h = f"model.layers.{i}."
+    expert = _EXPERT.fullmatch(suffix)
+    if expert is not None:
+        e = f"{h}mlp.experts.{expert.group(1)}."
+        if expert.group(2) == "linear_fc2":
+            return [(e + "down_proj.weight", shards[0])]
+        gate, up = torch.chunk(shards[0], 2, dim=0)
+        return [(e + "gate_proj.weight", gate), (e + "up_proj.weight", up)]
     if dim is None:
         return [(h + _SIMPLE_LAYER[suffix], shards[0])]
     if suffix in _SIMPLE_LAYER:

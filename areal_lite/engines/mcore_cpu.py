@@ -15,6 +15,15 @@ raises, so mapping them to the CPU changes nothing that could otherwise run:
 - `install_cpu_rng_tracker` replaces megatron's CUDA RNG tracker by one that forks the CPU
   generator, and its CUDA RNG state getter/setter by the CPU ones, so dropout inside
   tensor-parallel regions and activation recomputation (which replays RNG states) work.
+
+Mixture-of-experts layers (expert parallelism over gloo, measured to run forward and backward with
+the all-to-all token dispatcher, which also takes different token counts on different ranks): the
+dispatcher copies split sizes to the host on a side CUDA stream, so `cpu_compat` also stands in for
+CUDA streams and events (work on the CPU is already ordered), and `install_moe_fallbacks` makes its
+host copy of split sizes, which skips tensors already on the CPU, still turn them into the numpy
+arrays that ``all_to_all_single`` takes. Without Transformer Engine (on GPUs too), megatron-core
+0.16's router refers to a ``te_general_gemm`` it never defines; `install_moe_fallbacks` defines it
+as absent, which selects the router's plain matmul.
 """
 
 from __future__ import annotations
@@ -56,20 +65,60 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _HostStream:
+    """A stand-in for a CUDA stream (and its events) on the CPU, where work is already in order."""
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def record_event(self, event: object = None) -> _HostStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
 @contextlib.contextmanager
 def cpu_compat() -> Iterator[None]:
     """Inside this context megatron-core's CUDA-only calls run on the CPU (no-op with CUDA)."""
     if not cpu_mode():
         yield
         return
-    saved = torch.cuda.current_device, torch.cuda.synchronize
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    cuda = torch.cuda
+    saved = cuda.current_device, cuda.synchronize, cuda.Stream, cuda.current_stream, cuda.stream
+    cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    cuda.Stream = lambda *args, **kwargs: _HOST_STREAM  # type: ignore[assignment]
+    cuda.current_stream = lambda device=None: _HOST_STREAM  # type: ignore[assignment]
+    cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
     try:
         with _CudaToCpu():
             yield
     finally:
-        torch.cuda.current_device, torch.cuda.synchronize = saved  # type: ignore[assignment]
+        cuda.current_device, cuda.synchronize, cuda.Stream, cuda.current_stream, cuda.stream = saved  # type: ignore[assignment]
+
+
+def install_moe_fallbacks() -> None:
+    """Let megatron-core's MoE layers run without Transformer Engine and, in `cpu_mode`, without
+    CUDA (see the module docstring). Idempotent."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    host_copy = token_dispatcher.maybe_move_tensor_to_cpu
+    if not cpu_mode() or getattr(host_copy, "_areal_cpu", False):
+        return
+
+    def to_host(tensor: object, as_numpy: bool = False, record_stream: bool = False) -> object:
+        if as_numpy and isinstance(tensor, torch.Tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return host_copy(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    to_host._areal_cpu = True  # type: ignore[attr-defined]
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def install_cpu_rng_tracker(seed: int) -> None:

@@ -1,4 +1,4 @@
-"""`MegatronEngine`: a Qwen2/Llama causal language model trained with megatron-core.
+"""`MegatronEngine`: a Qwen2/Llama/Qwen3/Qwen3-MoE causal language model trained with megatron-core.
 
 The same contract as `FSDPEngine` (an actor cannot tell them apart; ``backend: megatron`` in the
 actor's config swaps them through `make_train_engine`), built on megatron-core's pieces: a
@@ -30,6 +30,14 @@ embedding that megatron keeps in sync (its gradients are summed with the first s
 
 On CPU (gloo) megatron-core's few hard-coded CUDA calls are redirected by `mcore_cpu`.
 
+Mixture-of-experts models (Qwen3-MoE) run megatron-core's MoE layers (router, local experts,
+all-to-all token dispatcher) with ``expert_parallel_size`` ranks sharing the experts of each
+layer; every forward pass then has collectives across those ranks, so ranks whose data cuts into
+fewer micro-batches run zero-weight passes, as FSDP's do. With ``routing_replay`` megatron's own
+router replay forces the batch's ``routed_experts`` (positions without a route take the router's
+choice); its probabilities are the router's scores at those experts, as `areal_lite.utils.moe`
+defines them for FSDP. The ``moe/*`` statistics are FSDP's only.
+
 Checkpoints: ``hf`` writes a HF directory from rank 0 (sharded safetensors and config);
 ``train_state`` writes each rank's parameter shards, optimizer state, LR schedule, step and RNG
 with `torch.save` into one directory; it resumes under the same parallel layout.
@@ -55,7 +63,7 @@ from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import LossFn, PackedBatch
 from areal_lite.api.io import FinetuneSpec
 from areal_lite.engines.mcore_convert import ArchSpec, hf_to_mcore, mcore_split_dim, mcore_to_hf
-from areal_lite.engines.mcore_cpu import cpu_compat, cpu_mode, install_cpu_rng_tracker
+from areal_lite.engines.mcore_cpu import cpu_compat, cpu_mode, install_cpu_rng_tracker, install_moe_fallbacks
 from areal_lite.engines.train_base import TrainEngineBase
 from areal_lite.utils.data import pack_batch, split_microbatches, unpack_sequences
 from areal_lite.utils.gc_freeze import freeze_startup_objects
@@ -69,6 +77,7 @@ if TYPE_CHECKING:
 
 _DTYPE_NAMES = ("float32", "bfloat16")
 _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 MicroBatch = tuple[PackedBatch, float]
 """A micro-batch as the schedule sees it: packed, and its loss weight."""
@@ -123,6 +132,31 @@ def _new_value_head(path: str, seed: int) -> dict[str, torch.Tensor]:
     return {f"score.{k}": v.detach().clone() for k, v in hf.score.state_dict().items()}
 
 
+def _replay_topk(
+    replay: object,
+    scores: torch.Tensor,
+    topk: int,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    default_compute_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron's `RouterReplay.get_replay_topk` with `areal_lite.utils.moe`'s convention for
+    tokens without a recorded route (-1: the last token of a sequence, environment tokens): they
+    take the router's own top-k instead of an invalid index."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    action = replay.router_replay_action  # type: ignore[attr-defined]
+    if action not in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
+        return RouterReplay.get_replay_topk(replay, scores, topk, num_groups, group_topk, default_compute_topk)  # type: ignore[arg-type]
+    forward = action == RouterReplayAction.REPLAY_FORWARD
+    target = replay.target_topk_idx if forward else replay.replay_backward_list.pop(0)  # type: ignore[attr-defined]
+    assert default_compute_topk is not None
+    _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+    target = target.to(own.device, own.dtype)
+    chosen = torch.where(target[:, :1] >= 0, target, own)
+    return scores.gather(1, chosen), chosen
+
+
 class _PackedCoreAttention(torch.nn.Module):
     """megatron core attention over THD-packed sequences: causal SDPA within each sequence.
 
@@ -174,8 +208,25 @@ def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> to
         def _postprocess(self, hidden_states: torch.Tensor, **kwargs: object) -> torch.Tensor:
             return hidden_states
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=arch.num_experts or None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
+    )
     spec.submodules.self_attention.submodules.core_attention = _PackedCoreAttention
+    moe = (
+        {
+            "num_moe_experts": arch.num_experts,
+            "moe_router_topk": arch.experts_per_token,
+            "moe_ffn_hidden_size": arch.moe_intermediate_size,
+            # softmax over the top-k logits = HF's softmax, top-k, renormalise
+            "moe_router_pre_softmax": not arch.norm_topk_prob,
+            "moe_router_load_balancing_type": "none",
+            "moe_aux_loss_coeff": 0.0,
+            "expert_model_parallel_size": cfg.expert_parallel_size,
+            "moe_enable_routing_replay": cfg.routing_replay,
+        }
+        if arch.num_experts
+        else {}
+    )
     recompute = (
         {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
         if cfg.gradient_checkpointing
@@ -214,7 +265,9 @@ def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> to
         persist_layer_norm=False,
         # micro-batches differ in length: pipeline stages exchange shapes first
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # no experts here; the default refuses variable lengths
+        moe_token_dispatcher_type="alltoall",  # takes different token counts on different ranks
+        qk_layernorm=arch.qk_norm,
+        **moe,
         **recompute,
     )
     gpt = HiddenStatesGPT(
@@ -256,6 +309,8 @@ class MegatronEngine(TrainEngineBase):
         self._owns_model_parallel = False
         self._layer_ids: list[int] = []
         self._stage_specs: list[list[tuple[str, list[tuple[str, tuple[int, ...]]]]]] | None = None
+        self._replays: list[object] = []
+        """With routing replay: megatron's `RouterReplay` of each local layer."""
 
     # ---------------------------------------------------------------- setup
 
@@ -278,6 +333,7 @@ class MegatronEngine(TrainEngineBase):
 
         self._hf_config = AutoConfig.from_pretrained(cfg.path, **({"num_labels": 1} if cfg.is_critic else {}))
         self.arch = ArchSpec.from_hf_config(self._hf_config, cfg.tensor_parallel_size, is_critic=cfg.is_critic)
+        self._check_experts(self.arch)
         dtype = self.compute_dtype
         weights = _SafetensorsDir(cfg.path)
         if cfg.is_critic and "score.weight" not in weights:
@@ -286,6 +342,10 @@ class MegatronEngine(TrainEngineBase):
             model = _build_gpt(self.arch, cfg, dtype).to(self.device)
         # local layer index -> global layer index (megatron numbers layers from 1)
         self._layer_ids = [layer.layer_number - 1 for layer in model.decoder.layers]
+        if cfg.routing_replay:
+            self._replays = [layer.mlp.router.router_replay for layer in model.decoder.layers]
+            for replay in self._replays:
+                replay.get_replay_topk = partial(_replay_topk, replay)
         self._copy_hf_into(model, weights)
         if ft_spec is None:
             model.requires_grad_(False)
@@ -295,20 +355,50 @@ class MegatronEngine(TrainEngineBase):
             self._build_optimizer(ft_spec)
         freeze_startup_objects()
 
+    def _check_experts(self, arch: ArchSpec) -> None:
+        cfg = self.config
+        if not arch.num_experts:
+            if cfg.expert_parallel_size != 1 or cfg.routing_replay:
+                raise ValueError("expert_parallel_size and routing_replay are for mixture-of-experts models")
+            return
+        if cfg.tensor_parallel_size != 1:
+            raise ValueError(
+                "mixture-of-experts models train with tensor_parallel_size=1 (no expert tensor parallelism)"
+            )
+        if arch.num_experts % cfg.expert_parallel_size != 0:
+            raise ValueError(f"expert_parallel_size={cfg.expert_parallel_size} must divide {arch.num_experts} experts")
+        if cfg.routing_replay and cfg.gradient_checkpointing:
+            raise ValueError("routing_replay with gradient_checkpointing is FSDP's only (backend=fsdp)")
+        install_moe_fallbacks()
+
     def create_process_group(self) -> None:
         from megatron.core import parallel_state as ps
 
         super().create_process_group()
-        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
-        if dist.get_world_size() % (tp * pp) != 0:
+        tp, pp, ep = (
+            self.config.tensor_parallel_size,
+            self.config.pipeline_parallel_size,
+            self.config.expert_parallel_size,
+        )
+        if dist.get_world_size() % (tp * pp * ep) != 0:
             raise ValueError(
-                f"world size {dist.get_world_size()} is not a multiple of tensor x pipeline parallel size {tp} x {pp}"
+                f"world size {dist.get_world_size()} is not a multiple of tensor x pipeline x expert parallel size "
+                f"{tp} x {pp} x {ep}"
             )
+        sizes = (tp, pp, ep)
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+            )
             self._owns_model_parallel = True
-        elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
-            raise RuntimeError("megatron model parallelism is already initialised with other tensor/pipeline sizes")
+        elif (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
+        ) != sizes:
+            raise RuntimeError(
+                "megatron model parallelism is already initialised with other tensor/pipeline/expert sizes"
+            )
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -358,7 +448,11 @@ class MegatronEngine(TrainEngineBase):
 
     def destroy(self) -> None:
         from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.router_replay import RouterReplay
 
+        if self._replays:
+            RouterReplay.clear_global_router_replay_instances()
+            self._replays = []
         if self._owns_model_parallel:
             ps.destroy_model_parallel()
             self._owns_model_parallel = False
@@ -394,10 +488,29 @@ class MegatronEngine(TrainEngineBase):
         assert isinstance(data, dict)
         return TensorDict(data, batch_size=[data["attention_mask"].shape[0]])
 
-    def _microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], torch.Tensor]:
-        """Packed micro-batches of this rank's data, and the order-restoring permutation."""
-        split = split_microbatches(self._same_batch_in_model_parallel_group(batch), self.config.mb_spec)
-        return [pack_batch(mb) for mb in split.mbs], split.restore_order
+    def _microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], torch.Tensor, int]:
+        """Packed micro-batches of this rank's data, the order-restoring permutation, and how many
+        are real. With experts, every forward pass has collectives over the expert-parallel ranks
+        (whose data differ): a rank with fewer micro-batches repeats its first with weight 0."""
+        from dataclasses import replace
+
+        spec = self.config.mb_spec
+        batch = self._same_batch_in_model_parallel_group(batch)
+        split = split_microbatches(batch, spec)
+        n = len(split.mbs)
+        if self.arch is not None and self.arch.num_experts and self.config.expert_parallel_size > 1:
+            most = torch.tensor([n], device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            if n < int(most):
+                split = split_microbatches(batch, replace(spec, n_mbs=int(most)))
+            n = len(split.mbs)
+            most = torch.tensor([n], device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        packed = [pack_batch(mb) for mb in split.mbs]
+        n_real = len(packed)
+        if self.arch is not None and self.arch.num_experts and self.config.expert_parallel_size > 1:
+            packed += [packed[0]] * (int(most) - n_real)
+        return packed, split.restore_order, n_real
 
     def _output_weight(self) -> torch.Tensor:
         """The full ``[vocab, hidden]`` LM head weight (gathered over tensor-parallel ranks, with
@@ -453,6 +566,8 @@ class MegatronEngine(TrainEngineBase):
             thd = PackedSeqParams(
                 qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
             )
+            if self._replays:
+                self._set_replay(packed)
             hidden = model(ids.to(self.device)[None], pos.to(self.device)[None], None, packed_seq_params=thd)
             return hidden, partial(head, packed, w)
 
@@ -465,6 +580,19 @@ class MegatronEngine(TrainEngineBase):
             micro_batch_size=1,
             forward_only=forward_only,
         )
+
+    def _set_replay(self, packed: PackedBatch) -> None:
+        """Give each local layer's router the routes of this micro-batch's tokens to replay."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if "routed_experts" not in packed:
+            raise ValueError("routing replay is on but the batch has no 'routed_experts'")
+        routes = packed["routed_experts"]
+        assert isinstance(routes, torch.Tensor)
+        for replay, layer in zip(self._replays, self._layer_ids):
+            replay.clear_indices()  # type: ignore[attr-defined]
+            replay.set_target_indices(routes[:, layer].to(self.device, torch.int64))  # type: ignore[attr-defined]
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)  # type: ignore[attr-defined]
 
     def _from_last_stage(self, obj: object) -> object:
         """``obj`` of the last pipeline stage, on every stage."""
@@ -484,7 +612,7 @@ class MegatronEngine(TrainEngineBase):
         model = self._module()
         model.eval()
         seqlen = batch["attention_mask"].shape[1]
-        mbs, order = self._microbatches(batch)
+        mbs, order, n_real = self._microbatches(batch)
 
         def head(packed: PackedBatch, w: float, hidden: torch.Tensor) -> tuple:
             logp, ent = self._token_outputs(hidden, packed, with_entropy)
@@ -495,7 +623,7 @@ class MegatronEngine(TrainEngineBase):
         result = None
         if store:
             outs, ents = [], []
-            for packed, out in zip(mbs, store):
+            for packed, out in zip(mbs[:n_real], store[:n_real]):
                 cu = packed["cu_seqlens"]
                 assert isinstance(cu, torch.Tensor)
                 outs.append(unpack_sequences(out["logp"].float().cpu(), cu, seqlen))
@@ -521,8 +649,8 @@ class MegatronEngine(TrainEngineBase):
         return head
 
     def _loss_microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], int]:
-        mbs, _ = self._microbatches(batch)
-        return mbs, len(mbs)
+        mbs, _, n_real = self._microbatches(batch)
+        return mbs, n_real
 
     def _loss_passes(
         self, mbs: list[PackedBatch], n_real: int, weights: list[float], total: float, loss_fn: LossFn, train: bool
@@ -533,7 +661,7 @@ class MegatronEngine(TrainEngineBase):
             store = self._schedule(
                 list(zip(mbs, weights)), self._loss_head(loss_fn, total, train), forward_only=not train
             )
-        per_mb = [{k: float(v) for k, v in out.items()} for out in store]
+        per_mb = [{k: float(v) for k, v in out.items()} for out in store[:n_real]]
         return self._from_last_stage(per_mb)  # type: ignore[return-value]
 
     def _clip_gradients(self, max_norm: float) -> float:
@@ -570,9 +698,25 @@ class MegatronEngine(TrainEngineBase):
 
     # ---------------------------------------------------------------- weights in HF form
 
-    def _global_name(self, local: str) -> str:
-        """A parameter's name with this stage's local layer index replaced by the global one."""
-        return _LAYER_PREFIX.sub(lambda m: f"decoder.layers.{self._layer_ids[int(m.group(1))]}.", local)
+    def _global_name(self, local: str, ep_rank: int | None = None) -> str:
+        """A parameter's name with this stage's local layer index replaced by the global one, and
+        a local expert's index by the global index it has on expert-parallel rank ``ep_rank``
+        (default: this rank's)."""
+        from megatron.core import parallel_state as ps
+
+        name = _LAYER_PREFIX.sub(lambda m: f"decoder.layers.{self._layer_ids[int(m.group(1))]}.", local)
+        if self.arch is None or not self.arch.num_experts:
+            return name
+        rank = ps.get_expert_model_parallel_rank() if ep_rank is None else ep_rank
+        per_rank = self.arch.num_experts // self.config.expert_parallel_size
+        return _LOCAL_EXPERT.sub(lambda m: f".local_experts.{rank * per_rank + int(m.group(1))}.", name)
+
+    def _global_names(self, local: str) -> list[str]:
+        """The global names of parameter ``local`` on every expert-parallel rank (one name but for
+        experts, of which each rank holds its own)."""
+        if self.arch is None or not self.arch.num_experts or not _LOCAL_EXPERT.search(local):
+            return [self._global_name(local)]
+        return [self._global_name(local, r) for r in range(self.config.expert_parallel_size)]
 
     def _is_tied_copy(self, name: str) -> bool:
         """The last stage's copy of a tied embedding (PP > 1): not a weight of its own."""
@@ -606,14 +750,20 @@ class MegatronEngine(TrainEngineBase):
             for name, p in self._gpt().named_parameters():
                 if self._is_tied_copy(name):
                     continue
-                gname = self._global_name(name)
-                n_shards = 1 if mcore_split_dim(gname) is None else tp
-                meta = [torch.empty(p.shape, device="meta") for _ in range(n_shards)]
-                mine.append((name, [(hf, tuple(t.shape)) for hf, t in mcore_to_hf(gname, meta, self.arch)]))
+                specs = []
+                for gname in self._global_names(name):
+                    n_shards = 1 if mcore_split_dim(gname) is None else tp
+                    meta = [torch.empty(p.shape, device="meta") for _ in range(n_shards)]
+                    specs += [(hf, tuple(t.shape)) for hf, t in mcore_to_hf(gname, meta, self.arch)]
+                mine.append((name, specs))
             stages: list[object] = [None] * ps.get_pipeline_model_parallel_world_size()
             dist.all_gather_object(stages, mine, group=ps.get_pipeline_model_parallel_group())
             self._stage_specs = stages  # type: ignore[assignment]
         return self._stage_specs  # type: ignore[return-value]
+
+    def _hf_model_config(self) -> object:
+        assert self._hf_config is not None
+        return self._hf_config
 
     @torch.no_grad()
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -634,14 +784,22 @@ class MegatronEngine(TrainEngineBase):
             for name, hf_specs in specs:
                 tensors: list[torch.Tensor]
                 if stage == my_stage:
-                    gname = self._global_name(name)
+                    gnames = self._global_names(name)
                     part = local[name].detach().to(self.device)
-                    shards = [part]
-                    if tp > 1 and mcore_split_dim(gname) is not None:
+                    if len(gnames) > 1:  # an expert: each expert-parallel rank holds its own
+                        parts = [torch.empty_like(part) for _ in gnames]
+                        dist.all_gather(parts, part.contiguous(), group=ps.get_expert_model_parallel_group())
+                        held = [(g, [p]) for g, p in zip(gnames, parts)]
+                    elif tp > 1 and mcore_split_dim(gnames[0]) is not None:
                         shards = [torch.empty_like(part) for _ in range(tp)]
                         dist.all_gather(shards, part.contiguous(), group=ps.get_tensor_model_parallel_group())
+                        held = [(gnames[0], shards)]
+                    else:
+                        held = [(gnames[0], [part])]
                     # copies: replicated parameters are views into megatron's live buffers
-                    tensors = [t.to(dtype=dtype, copy=True) for _, t in mcore_to_hf(gname, shards, self.arch)]
+                    tensors = [
+                        t.to(dtype=dtype, copy=True) for g, shards in held for _, t in mcore_to_hf(g, shards, self.arch)
+                    ]
                 else:
                     tensors = [torch.empty(shape, dtype=dtype, device=self.device) for _, shape in hf_specs]
                 for (hf_name, _), t in zip(hf_specs, tensors):
@@ -694,6 +852,7 @@ class MegatronEngine(TrainEngineBase):
             "world_size": dist.get_world_size(),
             "tensor_parallel_size": cfg.tensor_parallel_size,
             "pipeline_parallel_size": cfg.pipeline_parallel_size,
+            "expert_parallel_size": cfg.expert_parallel_size,
         }
 
     def _save_train_state(self, path: str) -> None:
@@ -723,7 +882,7 @@ class MegatronEngine(TrainEngineBase):
     @torch.no_grad()
     def _load_train_state(self, path: str) -> None:
         with open(self._train_state_file(path, "megatron_layout.json")) as f:
-            layout = json.load(f)
+            layout = {"expert_parallel_size": 1, **json.load(f)}  # older checkpoints had no experts
         if layout != self._layout():
             raise ValueError(f"checkpoint {path} was written with layout {layout}, this run has {self._layout()}")
         state = torch.load(os.path.join(path, f"megatron_rank{dist.get_rank()}.pt"), weights_only=False)

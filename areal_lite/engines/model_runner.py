@@ -4,9 +4,16 @@ It calls the HF model's own modules (embeddings, norms, projections, MLPs, LM he
 attention itself over a slot-based KV cache (row ``i`` of the cache belongs to the ``i``-th
 running request; finished rows are refilled from the tail), with per-row positions and one
 additive mask per step. This needs the Llama layer layout, shared by the supported
-``model_type``s (llama, qwen2, qwen3, mistral); the numerics are those of the HF forward (same
-modules, same rotary tables), so reported log-probabilities equal a HF forward of the same tokens
-to float tolerance.
+``model_type``s (llama, qwen2, qwen3, mistral, and the mixture-of-experts qwen3_moe, qwen2_moe,
+mixtral); the numerics are those of the HF forward (same modules, same rotary tables), so reported
+log-probabilities equal a HF forward of the same tokens to float tolerance.
+
+A mixture-of-experts block runs as the HF module. A forward hook on its router records the
+experts each token went to, in a per-row buffer beside the KV cache (``routes``: for each cached
+position, one row of ``top_k`` expert ids per layer, -1 on layers without experts), which a
+finished request takes with it (`routes_of`): routing replay in the train engine forces them.
+A position's routes are those of the pass that computed its cached keys and values: recomputing a
+request's cache after a weight update records them again.
 
 Reported log-probabilities are those of the policy itself (temperature 1, before top-p/top-k and
 before min-token suppression), as the train engine recomputes them.
@@ -23,13 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from areal_lite.engines.request import SamplingParams, Sequence
+from areal_lite.utils.moe import NO_EXPERT, layer_routers, routing_shape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
 PREFILL_TOKENS = 16 * 1024
 """A batched prefill is split when its distinct sequences hold more tokens than this."""
 
@@ -126,12 +134,23 @@ class ModelRunner:
         self.lens = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.last = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.rows: list[Sequence] = []
+        self.route_shape = routing_shape(cfg)
+        """(layers, top_k) of a mixture-of-experts model, else None (nothing recorded)."""
+        self.routes: torch.Tensor | None = None
+        """[max_rows, cache capacity, layers, top_k] int32: the experts each cached position went to."""
+        self._captured: dict[int, torch.Tensor] = {}
+        """Expert ids [tokens, top_k] by layer, from the routers' hooks during one forward pass."""
+        if self.route_shape is not None:
+            for i, router in enumerate(layer_routers(self.layers)):
+                if router is not None:
+                    router.register_forward_hook(lambda _m, _inp, out, i=i: self._captured.__setitem__(i, out[2]))
         self._ensure_capacity(min(256, context_len))
         self.fused = [self._fuse(layer) for layer in self.layers]
 
     @staticmethod
     def _fuse(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """One matmul for q/k/v and one for gate/up instead of five (fewer ops per step).
+        """One matmul for q/k/v and one for gate/up instead of five (fewer ops per step); a
+        mixture-of-experts block (no ``gate_proj``) gets no fused gate/up and runs as its HF module.
 
         The HF modules' parameters become views into the fused tensors, so a weight update that
         copies into the model's parameters (as every update here does) updates both at once.
@@ -149,7 +168,10 @@ class ModelRunner:
             return fused
 
         attn, mlp = layer.self_attn, layer.mlp
-        qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        if not hasattr(mlp, "gate_proj"):
+            return fuse(qkv, "weight"), fuse(qkv, "bias"), None, None  # type: ignore[return-value]
+        gate_up = [mlp.gate_proj, mlp.up_proj]
         return fuse(qkv, "weight"), fuse(qkv, "bias"), fuse(gate_up, "weight"), fuse(gate_up, "bias")  # type: ignore[return-value]
 
     def _ensure_capacity(self, needed: int) -> None:
@@ -162,6 +184,13 @@ class ModelRunner:
         new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         for old, new in zip(self.k_cache + self.v_cache, new_k + new_v):
             new[:, :, : self.cap].copy_(old)
+        if self.route_shape is not None:
+            routes = torch.full(
+                (self.max_rows, cap, *self.route_shape), NO_EXPERT, dtype=torch.int32, device=self.device
+            )
+            if self.routes is not None:
+                routes[:, : self.cap] = self.routes
+            self.routes = routes
         self.k_cache, self.v_cache, self.cap = new_k, new_v, cap
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -175,7 +204,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run every decoder layer on ``h`` [B, T, H]; ``attend(layer, q, k, v)`` stores the new
         keys and values ([B, kv heads, T, D]) in the cache and returns the attention output of the
-        queries ([B, heads, T, D])."""
+        queries ([B, heads, T, D]). The routers' hooks leave this pass's routes in ``_captured``."""
+        self._captured.clear()
         b, t, _ = h.shape
         cos = self.cos[positions][:, None]  # [B, 1, T, D]
         sin = self.sin[positions][:, None]
@@ -193,9 +223,28 @@ class ModelRunner:
             q, k = self._rope(qk.transpose(1, 2), cos, sin).split([self.n_heads, self.n_kv], dim=1)
             o = attend(i, q, k, v)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-            gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, h), w_gate_up, b_gate_up).chunk(2, dim=-1)
+            x = _rms_norm(layer.post_attention_layernorm, h)
+            if w_gate_up is None:
+                h = h + mlp(x)
+                continue
+            gate, up = F.linear(x, w_gate_up, b_gate_up).chunk(2, dim=-1)
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
         return _rms_norm(self.base.norm, h)
+
+    def _pass_routes(self, n: int) -> torch.Tensor:
+        """The routes [n, layers, top_k] of the ``n`` tokens of the last forward pass."""
+        assert self.route_shape is not None
+        routes = torch.full((n, *self.route_shape), NO_EXPERT, dtype=torch.int32, device=self.device)
+        for i, ids in self._captured.items():
+            routes[:, i] = ids.view(n, -1)
+        return routes
+
+    def routes_of(self, row: int) -> torch.Tensor | None:
+        """The routes [cached positions, layers, top_k] (int32, CPU) of running row ``row``; None
+        for a dense model."""
+        if self.routes is None:
+            return None
+        return self.routes[row, : int(self.lens[row])].to("cpu", copy=True)  # the row is refilled later
 
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -245,6 +294,10 @@ class ModelRunner:
             return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
         h = self._layers_forward(self.base.embed_tokens(ids[None]), pos[None], attend)[0]
+        if self.routes is not None:
+            routes = self._pass_routes(ids.shape[0])
+            for u, (a, e) in enumerate(pairwise(offsets)):
+                self.routes[rows_of[u], : e - a] = routes[a:e]
         rows = slice(start, start + len(seqs))
         self.rows.extend(seqs)
         self.lens[rows] = torch.tensor([lengths[u] for u in inverse], device=self.device)
@@ -292,6 +345,8 @@ class ModelRunner:
             return torch.bmm(probs, values).reshape(b, self.n_heads, 1, hd)
 
         h = self._layers_forward(self.base.embed_tokens(self.last[:b, None]), pos[:, None], attend)
+        if self.routes is not None:
+            self.routes[ar, pos] = self._pass_routes(b)
         self.lens[:b] += 1
         self._sample_and_append(self.model.lm_head(h[:, 0]).float(), self.rows, ar)
 
@@ -353,6 +408,8 @@ class ModelRunner:
             width = int(self.lens[:b].max()) + 1
             for cache in self.k_cache + self.v_cache:
                 cache[dst, :, :width] = cache[src, :, :width]
+            if self.routes is not None:
+                self.routes[dst, :width] = self.routes[src, :width]
             self.lens[dst] = self.lens[src]
             self.last[dst] = self.last[src]
             for h_, s_ in zip(holes, sources):

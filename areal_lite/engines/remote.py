@@ -31,6 +31,12 @@ rollout controller's episode child uses one.
 A subclass says how its protocol spells each of these: the generation call and its answer, the
 pause and resume calls, the weight-update and version calls.
 
+Mixture-of-experts routes (``GenerationConfig.return_routed_experts``): SGLang's
+``return_routed_experts``; ``meta_info["routed_experts"]`` (base64 int32) is shaped with the
+``(num_hidden_layers, num_experts_per_tok)`` of the served model's config, read once from the
+``model_path`` that ``/model_info`` names (so the client must see the servers' model directory). A
+resumed generation keeps the routes of its last part, whose prompt is the whole prefix.
+
 LoRA: a client built with an ``adapter_name`` names that adapter in every generation call (SGLang's
 ``lora_path``), and a weight update from a LoRA train engine (``WeightUpdateMeta.lora_config``)
 reaches the servers through SGLang's adapter routes: a PEFT adapter directory loaded with
@@ -43,12 +49,14 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import base64
 import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import aiohttp
+import torch
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import InferenceEngine
@@ -56,6 +64,7 @@ from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse, Wei
 from areal_lite.engines.server_fleet import ServerError, ServerFleet
 from areal_lite.utils.cpu import check_cores
 from areal_lite.utils.gc_freeze import freeze_startup_objects
+from areal_lite.utils.moe import routing_shape
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +86,9 @@ class Answer:
     """The version of each output token, when the server reports it."""
     finish: str
     """``length``, ``stop`` or ``abort`` (a pause ended it: resume)."""
+    routed_experts: torch.Tensor | None = None
+    """The routes of a mixture-of-experts model, when asked for: int32, flat as they came, then
+    ``[tokens, layers, top_k]`` once shaped (`RemoteEngine._shape_routes`)."""
 
 
 @dataclass
@@ -88,6 +100,8 @@ class _Partial:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     ttft: float = 0.0
+    routes: torch.Tensor | None = None
+    """The routes of the last answer (its prompt held everything generated before it)."""
 
     def absorb(self, answer: Answer, sent_version: int) -> str:
         """Append one answer to a call sent while ``sent_version`` was current (the version of
@@ -102,6 +116,8 @@ class _Partial:
         if versions is None or len(versions) != len(answer.output_ids):
             versions = [sent_version] * len(answer.output_ids)
         self.versions += versions
+        if answer.routed_experts is not None:
+            self.routes = answer.routed_experts
         return answer.finish
 
     def response(self, req: ModelRequest, stop_reason: str) -> ModelResponse:
@@ -114,6 +130,7 @@ class _Partial:
             latency=time.monotonic() - self.t0,
             ttft=self.ttft,
             rid=req.rid,
+            routed_experts=self.routes,
         )
 
 
@@ -142,6 +159,8 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         wait for it instead of queueing on a paused server during the update. Used on the
         fleet's loop only."""
         self._resumed.set()
+        self._route_shape: tuple[int, int] | None = None
+        """(layers, top_k) of the served model's routes, read when first needed."""
 
     # ----- the protocol ---------------------------------------------------------------------
 
@@ -233,7 +252,8 @@ class RemoteEngine(InferenceEngine, abc.ABC):
             return list(await asyncio.gather(*(self._generate(r, p) for r, p in zip(reqs, parts))))
         out: list[ModelResponse | None] = [None] * len(reqs)
         by_budget: dict[int, list[int]] = {}  # aborted requests by tokens produced so far
-        for i, (req, part, answer) in enumerate(zip(reqs, parts, self._answers(data, len(reqs)))):
+        answers = await self._shape_routes(self._answers(data, len(reqs)), idx)
+        for i, (req, part, answer) in enumerate(zip(reqs, parts, answers)):
             reason = part.absorb(answer, sent_version)
             if reason != "abort":
                 out[i] = part.response(req, reason)
@@ -301,9 +321,38 @@ class RemoteEngine(InferenceEngine, abc.ABC):
                 if failures >= self.config.request_retries:
                     raise RuntimeError(f"request {req.rid} failed {failures} times; last error: {error}") from error
                 continue
-            reason = part.absorb(self._answers(data, 1)[0], sent_version)
+            answer = (await self._shape_routes(self._answers(data, 1), idx))[0]
+            reason = part.absorb(answer, sent_version)
             if reason != "abort":
                 return part.response(req, reason)
+
+    async def _shape_routes(self, answers: list[Answer], idx: int) -> list[Answer]:
+        """``answers`` with their flat routes (if any) shaped ``[tokens, layers, top_k]`` by the
+        served model's config, which server ``idx`` names in ``/model_info``."""
+        if all(a.routed_experts is None for a in answers):
+            return answers
+        if self._route_shape is None:
+            info = await self.fleet.request(idx, "/model_info", None, self.config.request_timeout, method="GET")
+            path = str(info.get("model_path")) if isinstance(info, dict) else ""
+
+            def read_shape() -> tuple[int, int] | None:
+                from transformers import AutoConfig
+
+                return routing_shape(AutoConfig.from_pretrained(path))
+
+            try:
+                shape = await asyncio.get_running_loop().run_in_executor(None, read_shape)
+            except (OSError, ValueError) as e:
+                raise RuntimeError(
+                    f"cannot read the config of the served model {path!r} to shape its routes: {e}"
+                ) from e
+            if shape is None:
+                raise RuntimeError(f"the served model {path!r} has no mixture-of-experts layers, yet returned routes")
+            self._route_shape = shape
+        for a in answers:
+            if a.routed_experts is not None:
+                a.routed_experts = a.routed_experts.view(-1, *self._route_shape)
+        return answers
 
     async def _until_resumed(self) -> None:
         """Wait while this client keeps the servers paused (a no-op when the pause was not ours)."""
@@ -418,11 +467,16 @@ def _sglang_answer(data: object) -> Answer:
     if versions is None:  # SGLang: one version for the answer, when it is an integer
         v = _parse_version(meta.get("weight_version"), -1)
         versions = None if v < 0 else [v] * len(data["output_ids"])
+    routes = meta.get("routed_experts")
     return Answer(
         output_ids=list(data["output_ids"]),
         logprobs=[float(x[0]) for x in meta["output_token_logprobs"]],
         versions=None if versions is None else [int(v) for v in versions],
         finish=meta["finish_reason"]["type"] if meta.get("finish_reason") else "length",
+        # SGLang's encoding: base64 of the int32 ids, row-major.
+        routed_experts=None
+        if routes is None
+        else torch.frombuffer(bytearray(base64.b64decode(routes)), dtype=torch.int32),
     )
 
 
@@ -449,6 +503,8 @@ class RemoteSGLangEngine(RemoteEngine):
             "return_logprob": True,
             "rid": rids if batch else rids[0],
         }
+        if g.return_routed_experts:
+            payload["return_routed_experts"] = True
         if self.adapter_name is not None:
             payload["lora_path"] = [self.adapter_name] * len(prompts) if batch else self.adapter_name
         return "/generate", payload

@@ -88,6 +88,9 @@ class GenerationResult:
     output_top_logprobs: list[list[tuple[int, float]]] | None = None
     """With ``top_logprobs`` > 0: the (token id, log-probability) of the most likely tokens at each
     output position, most likely first."""
+    routed_experts: torch.Tensor | None = None
+    """A mixture-of-experts model's routes: int32 [prompt + output tokens - 1, layers, top_k], the
+    experts each token that went through the model was sent to (-1 on layers without experts)."""
 
 
 @dataclass
@@ -110,7 +113,7 @@ class Sequence:
 
     __slots__ = (
         "abort_message", "deliver", "input_logprobs", "logprobs", "on_token", "out", "params", "prompt", "rid", "rng",
-        "stop_ids", "t0", "top", "ttft", "versions", "want_input_logprobs",
+        "routes", "stop_ids", "t0", "top", "ttft", "versions", "want_input_logprobs",
     )  # fmt: skip
 
     def __init__(
@@ -141,6 +144,8 @@ class Sequence:
         self.t0 = time.monotonic()
         self.ttft = 0.0
         self.abort_message: str | None = None
+        self.routes: torch.Tensor | None = None
+        """Set by the scheduler as the request leaves the batch (mixture-of-experts models)."""
 
     def result(self, finish_reason: dict[str, object]) -> GenerationResult:
         return GenerationResult(
@@ -154,6 +159,8 @@ class Sequence:
             latency=time.monotonic() - self.t0,
             ttft=self.ttft,
             output_top_logprobs=self.top if self.params.top_logprobs else None,
+            # A request admitted only for its prompt's log-probabilities cached its whole prompt.
+            routed_experts=None if self.routes is None else self.routes[: len(self.prompt) + len(self.out) - 1],
         )
 
     def emit(self) -> None:

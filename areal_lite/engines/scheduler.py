@@ -14,6 +14,10 @@ after the step that produced it, before the request's result.
 A LoRA adapter is one more kind of weight load: merged into the weights (`AdapterSlot`), then
 applied like any other update.
 
+Weights arrive named as the model's parameters or as its checkpoint names them (what
+``save_pretrained`` writes and trainers send by disk and broadcast); they differ for
+mixture-of-experts models, whose experts are stacked at runtime (`areal_lite.utils.hf_layout`).
+
 This is the API of our HTTP server (`areal_lite.engines.server`); `LocalInferenceEngine` adapts
 it to the `InferenceEngine` contract.
 """
@@ -40,6 +44,7 @@ from areal_lite.engines.model_runner import ModelRunner, context_length, dtype_o
 from areal_lite.engines.request import GenerationError, GenerationResult, SamplingParams, Sequence, TokenOut
 from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
 from areal_lite.utils.gc_freeze import freeze_startup_objects
+from areal_lite.utils.hf_layout import CheckpointLayout
 from areal_lite.utils.lora import read_adapter
 
 if TYPE_CHECKING:
@@ -100,6 +105,8 @@ class Scheduler:
         self._eos_ids: frozenset[int] = frozenset()
         self.adapter = AdapterSlot()
         """The LoRA adapter merged into the weights, if any (read it from the scheduler thread)."""
+        self._layout: CheckpointLayout | None = None
+        """The model's checkpoint layout, built when a tensor first arrives under a checkpoint name."""
 
     # ----- lifecycle -----------------------------------------------------------------------
 
@@ -143,6 +150,12 @@ class Scheduler:
     def context_len(self) -> int:
         assert self._runner is not None, "call start() first"
         return self._runner.context_len
+
+    @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        """(layers, top_k) of the routes a mixture-of-experts model records; None for a dense model."""
+        assert self._runner is not None, "call start() first"
+        return self._runner.route_shape
 
     @property
     def num_running(self) -> int:
@@ -353,6 +366,7 @@ class Scheduler:
         done = {i for i, s in enumerate(runner.rows) if s.abort_message is not None}
         for i in done:
             s = runner.rows[i]
+            s.routes = runner.routes_of(i)
             s.deliver(s.result({"type": "abort", "message": s.abort_message}))
         runner.remove(done)
 
@@ -364,6 +378,7 @@ class Scheduler:
             reason = self._finish_reason(s)
             if reason is not None:
                 done.add(i)
+                s.routes = runner.routes_of(i)
                 s.deliver(s.result(reason))
         runner.remove(done)
 
@@ -410,26 +425,44 @@ class Scheduler:
 
     def _load_tensors(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None) -> None:
         pairs = list(named)
-        merged_into = self.adapter.targets([name for name, _ in pairs])
+        assert self.model is not None
+        params = self.model.state_dict()
+        merged_into = self.adapter.targets([self._locate(params, name)[0] for name, _ in pairs])
         if merged_into:
             raise ValueError(
                 f"adapter {self.adapter.name!r} is merged into {merged_into[0]!r}: unload it before loading base weights"
             )
         self._copy_weights(pairs, version)
 
+    def _locate(
+        self, params: Mapping[str, torch.Tensor], name: str
+    ) -> tuple[str, torch.Tensor | None, tuple[int, ...]]:
+        """(parameter, flat positions in it or None for all of it, shape) of a tensor named in
+        either layout; ValueError for an unknown name."""
+        if name in params:
+            return name, None, tuple(params[name].shape)
+        if self._layout is None:
+            assert self.model is not None
+            self._layout = CheckpointLayout(self.model.config)
+        return self._layout.locate(name)
+
     def _copy_weights(self, pairs: list[tuple[str, torch.Tensor]], version: int | None) -> None:
         """Copy the tensors into the model (all checked first), recompute the running requests'
         caches (unless ``keep_cache_on_update``), set the version (unless None)."""
         assert self.model is not None and self._runner is not None
         params = self.model.state_dict()
+        targets = []
         for name, t in pairs:
-            if name not in params:
-                raise ValueError(f"unknown parameter {name!r}")
-            if tuple(t.shape) != tuple(params[name].shape):
-                raise ValueError(f"parameter {name!r} has shape {tuple(params[name].shape)}, got {tuple(t.shape)}")
+            param, where, shape = self._locate(params, name)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"parameter {name!r} has shape {shape}, got {tuple(t.shape)}")
+            targets.append((params[param], where, t))
         with torch.no_grad():
-            for name, t in pairs:
-                params[name].copy_(t)
+            for param, where, t in targets:
+                if where is None:
+                    param.copy_(t)
+                else:
+                    param.view(-1)[where] = t.flatten().to(param.dtype)
         if version is not None:
             self.version = version
         if not self.config.keep_cache_on_update:
@@ -516,10 +549,9 @@ class Scheduler:
             return
         params = self.model.state_dict()
         for name, shape in zip(names, shapes):
-            if name not in params:
-                raise ValueError(f"unknown parameter {name!r}")
-            if tuple(shape) != tuple(params[name].shape):
-                raise ValueError(f"parameter {name!r} has shape {tuple(params[name].shape)}, got {tuple(shape)}")
+            expected = self._locate(params, name)[2]
+            if tuple(shape) != expected:
+                raise ValueError(f"parameter {name!r} has shape {expected}, got {tuple(shape)}")
 
     def receive_broadcast(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None

@@ -17,13 +17,16 @@ Deliberate differences from SGLang: weight versions are integers (as strings on 
 start); ``meta_info`` carries one extra key, ``output_token_versions`` (the version of each output
 token, which can change inside one request when weights are updated in place); ``stream`` on
 ``/generate`` and the penalty / min-p sampling options are refused with a 400 rather than
-silently ignored.
+silently ignored. A mixture-of-experts model answers ``return_routed_experts`` as SGLang started
+with ``--enable-return-routed-experts`` does (``meta_info["routed_experts"]``, base64 of int32
+``[prompt + completion tokens - 1, layers, top_k]``); a dense model refuses it with a 400.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import dataclasses
 import logging
 import uuid
@@ -276,13 +279,16 @@ class Server:
                 sample = params if params.seed is None or n == 1 else dataclasses.replace(params, seed=params.seed + k)
                 jobs.append((prompt, sample, rid if n == 1 else f"{rid}-{k}"))
         want_input = return_logprob and start_len >= 0
+        want_routes = bool_field(body, "return_routed_experts", False)
+        if want_routes and self.scheduler.routing_shape is None:
+            raise BadRequest("return_routed_experts: this model has no mixture-of-experts layers")
         try:
             for prompt, _, _ in jobs:
                 self.scheduler.validate_request(prompt, params)
         except ValueError as e:
             raise BadRequest(str(e)) from e
         results = await asyncio.gather(*[self.scheduler.generate(p, sp, rid, want_input) for p, sp, rid in jobs])
-        out = [self._response(r, return_logprob, start_len, skip_special, no_stop_trim) for r in results]
+        out = [self._response(r, return_logprob, start_len, skip_special, no_stop_trim, want_routes) for r in results]
         return web.json_response(out if is_batch or n > 1 else out[0])
 
     def _prompts(self, body: dict[str, object]) -> list[list[int]]:
@@ -304,7 +310,13 @@ class Server:
         return [self.scheduler.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
     def _response(
-        self, r: GenerationResult, return_logprob: bool, start_len: int, skip_special: bool, no_stop_trim: bool
+        self,
+        r: GenerationResult,
+        return_logprob: bool,
+        start_len: int,
+        skip_special: bool,
+        no_stop_trim: bool,
+        return_routes: bool = False,
     ) -> dict[str, object]:
         text = output_text(self.scheduler.tokenizer, r, skip_special, no_stop_trim)
         meta: dict[str, object] = {
@@ -326,6 +338,9 @@ class Server:
                 meta["input_token_logprobs"] = [
                     [lp, t, None] for lp, t in list(zip(r.input_logprobs, r.input_ids))[start:]
                 ]
+        if return_routes and r.routed_experts is not None:
+            # SGLang's encoding: the int32 ids, row-major, base64 (JSON lists of ids are too slow).
+            meta["routed_experts"] = base64.b64encode(r.routed_experts.numpy().tobytes()).decode("ascii")
         return {"text": text, "output_ids": r.output_ids, "meta_info": meta}
 
     async def abort_request(self, request: web.Request) -> web.Response:

@@ -1,7 +1,9 @@
 """`TrainEngineBase`: the half of a train engine that does not depend on the backend, written once
 for `FSDPEngine` and `MegatronEngine` (two copies of it would drift apart).
 
-What lives here: the policy version; the weight-update sender (`areal_lite.utils.weight_sync`);
+What lives here: the policy version; the weight-update sender (`areal_lite.utils.weight_sync`),
+fed in the checkpoint layout for broadcasts (`areal_lite.utils.hf_layout`: a mixture-of-experts
+model's experts one tensor each, as any server reads them);
 the global loss normalisation (each micro-batch loss weighted by ``loss_weight_fn(mb) / total``,
 ``total`` summed over the micro-batches and the data-parallel ranks) with the weighted means of
 the loss and the stats reduced over those ranks; `train_batch` as `forward_backward` then
@@ -31,6 +33,7 @@ from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedBatch, TrainEngine
 from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta, unknown_weight_format
 from areal_lite.utils.distributed import destroy_default_group, init_default_group
+from areal_lite.utils.hf_layout import CheckpointLayout
 from areal_lite.utils.lr_schedule import lr_multiplier
 from areal_lite.utils.weight_sync import WeightSender
 
@@ -59,6 +62,7 @@ class TrainEngineBase(TrainEngine):
         self._owns_group = False
         """Whether this engine created the default process group (and `destroy` ends it)."""
         self._sender = WeightSender()
+        self._checkpoint: CheckpointLayout | None = None
 
     def create_process_group(self) -> None:
         if not dist.is_initialized():
@@ -213,7 +217,20 @@ class TrainEngineBase(TrainEngine):
         self._sender.connect(engine, meta)
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
-        self._sender.send(meta, self._version, self._hf_tensors, self._write_weights)
+        tensors = self._hf_tensors
+        if meta.type == "distributed" and not self._checkpoint_layout().identity:
+            layout = self._checkpoint_layout()
+
+            def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+                return layout.to_checkpoint(self._hf_tensors())
+
+        self._sender.send(meta, self._version, tensors, self._write_weights)
+
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        """The checkpoint layout of the trained model (what disk and broadcast updates carry)."""
+        if self._checkpoint is None:
+            self._checkpoint = CheckpointLayout(self._hf_model_config())
+        return self._checkpoint
 
     def _write_weights(self, path: str) -> None:
         """A disk weight update: the HF directory the inference servers load (collective)."""
@@ -258,6 +275,10 @@ class TrainEngineBase(TrainEngine):
     @abc.abstractmethod
     def _advance_lr_schedule(self) -> None:
         """Move the LR schedule one optimizer step on."""
+
+    @abc.abstractmethod
+    def _hf_model_config(self) -> object:
+        """The HF config of the trained model (a causal LM's)."""
 
     @abc.abstractmethod
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -75,6 +75,8 @@ class RemoteVLLMEngine(RemoteEngine):
     def _generate_call(
         self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int
     ) -> tuple[str, dict[str, object]]:
+        if g.return_routed_experts:
+            raise ValueError("routed experts come from SGLang-protocol servers: use launcher.backend sglang or areal")
         body: dict[str, object] = {
             "prompt": prompts if len(prompts) > 1 else prompts[0],
             "max_tokens": g.max_new_tokens - produced,

@@ -22,10 +22,15 @@ def is_per_token(value: torch.Tensor, batch_size: int, seqlen: int) -> bool:
     return value.ndim >= 2 and value.shape[0] == batch_size and value.shape[1] == seqlen
 
 
+PAD_VALUES: dict[str, int] = {"routed_experts": -1}
+"""Per-token keys padded with something else than 0 (``routed_experts``: -1, no expert)."""
+
+
 def concat_padded(trajs: list[TensorDict], pad_to: int | None = None) -> TensorDict:
     """Right-pad per-token keys of every trajectory batch to a common length and concatenate.
 
-    Padding is 0 (False for bool). Every trajectory must carry the same keys.
+    Padding is 0 (False for bool), or the key's `PAD_VALUES` entry. Every trajectory must carry
+    the same keys.
     """
     if not trajs:
         raise ValueError("concat_padded needs at least one trajectory batch")
@@ -43,7 +48,7 @@ def concat_padded(trajs: list[TensorDict], pad_to: int | None = None) -> TensorD
             v = t[key]
             b, length = t["attention_mask"].shape
             if is_per_token(v, b, length) and length < max_len:
-                pad = torch.zeros((b, max_len - length, *v.shape[2:]), dtype=v.dtype)
+                pad = torch.full((b, max_len - length, *v.shape[2:]), PAD_VALUES.get(key, 0), dtype=v.dtype)
                 v = torch.cat([v, pad], dim=1)
             parts.append(v)
         out[key] = torch.cat(parts, dim=0)

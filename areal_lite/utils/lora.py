@@ -6,7 +6,10 @@ Adapter tensors carry the names a PEFT adapter file gives them
 broadcast. `MergedLoRA` computes ``W + delta`` for each weight an adapter targets with peft's own
 LoRA layers (``get_delta_weight``: ``(alpha / r) * B A``, or peft's variants of the scale) on a
 weightless copy of the model whose adapted layers hold the base weights, so no LoRA arithmetic is
-written here and a merge equals what peft's forward computes.
+written here and a merge equals what peft's forward computes. That covers adapters on parameters
+(peft's ``target_parameters``, its ``ParamWrapper``): the 3-D expert weights of a transformers 5
+mixture-of-experts model (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, one low-rank update per
+expert), which ``all-linear`` adapts too (with the router's weight), as peft decides for such models.
 
 peft is imported where it is used: importing it takes seconds, which runs without LoRA skip.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -28,6 +32,13 @@ if TYPE_CHECKING:
 PEFT_PREFIX = "base_model.model."
 """What a PEFT adapter file puts before a module's name (the `PeftModel` wrapping the model)."""
 ALL_LINEAR = "all-linear"
+_BASE_LAYERS = re.compile(r"(\.base_layer)+\.")
+
+
+def base_name(name: str) -> str:
+    """A parameter's name in the HF model from its name inside peft's wrappers (which keep an adapted
+    layer's own weights under ``<layer>.base_layer``, nested once per adapted parameter)."""
+    return _BASE_LAYERS.sub(".", name)
 
 
 def peft_config(cfg: LoRAConfig) -> LoraConfig:
@@ -40,7 +51,12 @@ def peft_config(cfg: LoRAConfig) -> LoraConfig:
             raise ValueError(f"lora.target_modules: {ALL_LINEAR!r} already takes every linear layer, got {targets}")
         targets = ALL_LINEAR  # peft takes the shorthand only as a string
     return LoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, task_type="CAUSAL_LM"
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        target_parameters=list(cfg.target_parameters) or None,
+        task_type="CAUSAL_LM",
     )
 
 
@@ -60,10 +76,8 @@ def lora_config_of(config: Mapping[str, object]) -> LoraConfig:
         raise ValueError(f"not a PEFT adapter config: {e}") from e
     if not isinstance(parsed, LoraConfig):
         raise ValueError(f"only LoRA adapters are supported, got peft_type {config.get('peft_type')!r}")  # noqa: TRY004 - a bad value, read from a file
-    if parsed.use_dora or parsed.modules_to_save or parsed.bias != "none" or parsed.target_parameters:
-        raise ValueError(
-            "only plain LoRA adapters on linear layers are supported (no DoRA, modules_to_save, bias or target_parameters)"
-        )
+    if parsed.use_dora or parsed.modules_to_save or parsed.bias != "none":
+        raise ValueError("only plain LoRA adapters are supported (no DoRA, modules_to_save or bias)")
     return parsed
 
 
@@ -96,7 +110,7 @@ class MergedLoRA:
         self, model_config: object, adapter_config: Mapping[str, object], base: Mapping[str, torch.Tensor]
     ) -> None:
         from peft import inject_adapter_in_model
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import LoraLayer, ParamWrapper
         from peft.utils import get_peft_model_state_dict
         from transformers import AutoModelForCausalLM
 
@@ -104,11 +118,23 @@ class MergedLoRA:
         with torch.device("meta"):
             shadow = AutoModelForCausalLM.from_config(model_config)
         inject_adapter_in_model(config, shadow, low_cpu_mem_usage=True)
-        self.layers = {f"{name}.weight": m for name, m in shadow.named_modules() if isinstance(m, LoraLayer)}
+        self.layers: dict[str, LoraLayer] = {}
+        """HF weight name -> the peft layer that adapts it."""
+        self._holders: dict[str, tuple[torch.nn.Module, str]] = {}
+        for name, m in shadow.named_modules():
+            if isinstance(m, ParamWrapper):  # a parameter, held by the innermost wrapped module
+                weight = f"{base_name(name + '.')}{m.parameter_name}"
+                self._holders[weight] = (m.get_base_layer(), m.parameter_name)
+            elif isinstance(m, LoraLayer):
+                weight = f"{name}.weight"
+                self._holders[weight] = (m.base_layer, "weight")
+            else:
+                continue
+            self.layers[weight] = m
         if not self.layers:
             raise ValueError(f"the adapter's target_modules {config.target_modules} match no layer of the model")
-        for name, layer in self.layers.items():
-            layer.base_layer.weight = torch.nn.Parameter(base[name].detach().clone(), requires_grad=False)
+        for name, (holder, attr) in self._holders.items():
+            setattr(holder, attr, torch.nn.Parameter(base[name].detach().clone(), requires_grad=False))
         self.config = dict(adapter_config)
         self.shapes = {peft_name(k): tuple(v.shape) for k, v in get_peft_model_state_dict(shadow).items()}
         """The adapter's tensors (PEFT names) and their shapes."""
@@ -117,7 +143,7 @@ class MergedLoRA:
     @property
     def base(self) -> dict[str, torch.Tensor]:
         """The base weights of the targeted layers."""
-        return {name: layer.base_layer.weight.data for name, layer in self.layers.items()}
+        return {name: getattr(holder, attr).data for name, (holder, attr) in self._holders.items()}
 
     def check(self, tensors: Mapping[str, torch.Tensor], complete: bool) -> None:
         """ValueError unless every tensor is one of the adapter's with its shape (and, when
@@ -140,9 +166,10 @@ class MergedLoRA:
         self.check(tensors, complete=True)
         set_peft_model_state_dict(self._shadow, {peft_name(k): v for k, v in tensors.items()}, low_cpu_mem_usage=True)
         out = {}
+        base = self.base
         with torch.no_grad():
             for name, layer in self.layers.items():
-                w = layer.base_layer.weight
+                w = base[name]
                 out[name] = (w.float() + layer.get_delta_weight("default").float()).to(w.dtype)
         return out
 
@@ -155,6 +182,7 @@ __all__ = [
     "ALL_LINEAR",
     "PEFT_PREFIX",
     "MergedLoRA",
+    "base_name",
     "config_dict",
     "lora_config_of",
     "peft_config",

@@ -37,6 +37,9 @@ class SharedPrefixLayout:
     """The tree token whose hidden state predicts this one (the previous of its branch); -1 at a tree's start."""
     token_index: torch.Tensor
     """For each packed token, the tree token it is."""
+    origin: torch.Tensor
+    """For each tree token, the packed token it was copied from (a shared prefix's from the first
+    sequence of its group): per-token inputs of the packed batch, e.g. routes, follow it."""
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -117,4 +120,5 @@ def shared_prefix_layout(
         branches=tensor(branches),
         source=tensor(source),
         token_index=tensor(token_index),
+        origin=tensor(tree_pos_src),
     )

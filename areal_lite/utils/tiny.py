@@ -2,7 +2,8 @@
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained on a small corpus with the
 `tokenizers` library and wrapped as a HF fast tokenizer with a ChatML chat template (tool calls
-in the Hermes format); the model is a randomly initialised Qwen2 or Llama config. Both are saved as
+in the Hermes format); the model is a randomly initialised Qwen2 or Llama config, or a Qwen3-MoE
+config for a mixture-of-experts model. Both are saved as
 one HF model directory that ``AutoModelForCausalLM.from_pretrained`` and
 ``AutoTokenizer.from_pretrained`` load, so every code path that takes a real model directory is
 exercised unchanged.
@@ -99,13 +100,20 @@ def build_tiny_model(
     tie_word_embeddings: bool = False,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int | None = None,
 ) -> str:
     """Build a random-init causal LM and a locally trained tokenizer into ``save_dir``.
 
-    ``arch`` is ``qwen2`` (biases on q/k/v) or ``llama``. The model's vocabulary is the tokenizer's
-    length. Returns ``save_dir``, a HF model directory.
+    ``arch`` is ``qwen2`` (biases on q/k/v), ``llama``, ``qwen3`` (norms on q and k), or
+    ``qwen3_moe``, Qwen3 whose every layer is a
+    mixture of ``num_experts`` experts of width ``moe_intermediate_size`` (default
+    ``intermediate_size / num_experts_per_tok``, so that a token's active MLP width is the dense
+    one's), ``num_experts_per_tok`` routed per token, top-k weights renormalised. The model's
+    vocabulary is the tokenizer's length. Returns ``save_dir``, a HF model directory.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     os.makedirs(save_dir, exist_ok=True)
     tokenizer = build_tokenizer(save_dir, corpus=corpus, vocab_size=vocab_size)
@@ -128,8 +136,23 @@ def build_tiny_model(
         config = Qwen2Config(**common)
     elif arch == "llama":
         config = LlamaConfig(**common, attention_bias=False)
+    elif arch == "qwen3":
+        config = Qwen3Config(**common, head_dim=hidden_size // num_heads)
+    elif arch == "qwen3_moe":
+        if not 0 < num_experts_per_tok <= num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {num_experts_per_tok}"
+            )
+        config = Qwen3MoeConfig(
+            **common,
+            head_dim=hidden_size // num_heads,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size or common["intermediate_size"] // num_experts_per_tok,
+            norm_topk_prob=True,
+        )
     else:
-        raise ValueError(f"arch must be qwen2 or llama, got {arch!r}")
+        raise ValueError(f"arch must be qwen2, llama, qwen3 or qwen3_moe, got {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

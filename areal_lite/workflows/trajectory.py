@@ -1,7 +1,9 @@
 """Building and checking trajectories in the layout of the data contract (`areal_lite.api.engine`).
 
 Workflows assemble token lists (prompt, generated, environment) and turn them into a ``[1, L]``
-TensorDict here, so the dtypes and the mask/version conventions are written once.
+TensorDict here, so the dtypes and the mask/version conventions are written once. Responses that
+carry the experts a mixture-of-experts model routed each token to (``routed_experts``) add them
+to the trajectory, -1 on the positions no route covers.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from tensordict import TensorDict
 
 from areal_lite.api.io import ModelResponse
 from areal_lite.api.workflow import check_trajectory_layout
+from areal_lite.utils.moe import NO_EXPERT
 
 CONTRACT_DTYPES: dict[str, torch.dtype] = {
     "input_ids": torch.int64,
@@ -33,14 +36,21 @@ class TokenTrace:
         self.loss_mask: list[int] = [0] * len(prompt_ids)
         self.logprobs: list[float] = [0.0] * len(prompt_ids)
         self.versions: list[int] = [-1] * len(prompt_ids)
+        self.routes: torch.Tensor | None = None
+        """The latest response's routes (they cover every token before its last)."""
 
     def add_generated(self, resp: ModelResponse) -> None:
-        """Append a model response's output tokens with their logprobs and versions."""
+        """Append a model response's output tokens with their logprobs and versions (and take its
+        routes, when it has them: the response's prompt must then be the trace so far)."""
         if not (len(resp.output_tokens) == len(resp.output_logprobs) == len(resp.output_versions)):
             raise ValueError(
                 f"response {resp.rid!r} has {len(resp.output_tokens)} tokens, {len(resp.output_logprobs)} logprobs "
                 f"and {len(resp.output_versions)} versions"
             )
+        if resp.routed_experts is not None:
+            if list(resp.input_tokens) != self.input_ids:
+                raise ValueError(f"response {resp.rid!r} with routes continues another token sequence than this trace")
+            self.routes = resp.routed_experts
         self.input_ids += resp.output_tokens
         self.loss_mask += [1] * resp.output_len
         self.logprobs += resp.output_logprobs
@@ -64,9 +74,18 @@ class TokenTrace:
             "versions": torch.tensor([self.versions], dtype=torch.int32),
             "rewards": torch.tensor([reward], dtype=torch.float32),
         }
+        if self.routes is not None:
+            out["routed_experts"] = _pad_routes(self.routes, n)[None]
         for key, value in per_sequence.items():
             out[key] = torch.tensor([value], dtype=torch.float32)
         return TensorDict(out, batch_size=[1])
+
+
+def _pad_routes(routes: torch.Tensor, length: int) -> torch.Tensor:
+    """``routes`` [n <= length, layers, top_k] as int32 [length, layers, top_k], -1 after row n."""
+    out = torch.full((length, *routes.shape[1:]), NO_EXPERT, dtype=torch.int32)
+    out[: routes.shape[0]] = routes
+    return out
 
 
 def from_response(resp: ModelResponse, reward: float, **per_sequence: float) -> TensorDict:
@@ -99,6 +118,11 @@ def from_responses(resps: list[ModelResponse], rewards: list[float]) -> TensorDi
         "versions": padded([t.versions for t in traces], torch.int32),
         "rewards": torch.tensor(rewards, dtype=torch.float32),
     }
+    routes = [t.routes for t in traces]
+    if any(r is not None for r in routes):
+        if any(r is None for r in routes):
+            raise ValueError("some responses of the group carry routed_experts and some do not")
+        out["routed_experts"] = torch.stack([_pad_routes(r, width) for r in routes])  # type: ignore[arg-type]
     return TensorDict(out, batch_size=[len(traces)])
 
 
