@@ -25,6 +25,7 @@ one version older than they are (their log-probabilities are right).
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from areal_lite.api.config import InferenceEngineConfig
@@ -120,9 +121,27 @@ class RemoteVLLMEngine(RemoteEngine):
             "names": [s.name for s in meta.param_specs],
             "dtypes": [s.dtype for s in meta.param_specs],
             "shapes": [list(s.shape) for s in meta.param_specs],
+            "last": meta.last_chunk,
         }
-        await self.fleet.fanout("/collective_rpc", rpc(RECEIVE, specs))
-        await self.fleet.fanout("/reset_prefix_cache", {})
+        await self._rpc_failing_fast(rpc(RECEIVE, specs))
+        if meta.last_chunk:
+            await self.fleet.fanout("/reset_prefix_cache", {})
+
+    async def _rpc_failing_fast(self, body: dict[str, object]) -> None:
+        """One RPC to every live server, raising the first server's error as soon as it comes: a
+        broadcast's other receivers may wait for a sender that waits for the failed server, so
+        waiting for every answer (as `ServerFleet.fanout` does) could wait for the group's
+        timeout."""
+        calls = [
+            asyncio.ensure_future(self.fleet.request(i, "/collective_rpc", body, self.config.request_timeout))
+            for i in self.fleet.live()
+        ]
+        try:
+            for call in asyncio.as_completed(calls):
+                await call
+        finally:
+            for call in calls:
+                call.cancel()
 
     async def _version_call(self, version: int) -> None:
         """Nothing to tell: vLLM tags no tokens with versions; this client does."""
