@@ -288,12 +288,8 @@ class WeightUpdateExtension:
         """Put the snapshot's values back after a failed reload; exit the worker (and with it the
         server) when the model cannot be made whole again."""
         try:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            model = self.model_runner.model  # type: ignore[attr-defined]
-            # Layers the failed reload left in checkpoint form get their kernel tensors back.
-            finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
-            current = dict(_tensors(model))
+            self._areal_end_failed_reload()
+            current = dict(_tensors(self.model_runner.model))  # type: ignore[attr-defined]
             if set(current) != set(snapshot):
                 raise RuntimeError("the model's tensors changed names during the failed reload")
             with torch.no_grad():
@@ -302,6 +298,12 @@ class WeightUpdateExtension:
         except Exception:
             logger.exception("could not restore the previous weights after a failed reload: exiting")
             os._exit(1)
+
+    def _areal_end_failed_reload(self) -> None:
+        """Give the layers that a failed reload left in checkpoint form their kernel tensors back."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model_runner.model, self.vllm_config.model_config)  # type: ignore[attr-defined]
 
 
 def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
