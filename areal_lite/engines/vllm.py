@@ -3,7 +3,7 @@
 What each call is on a vLLM server started with our worker extension (docs/protocol.md, "The vLLM
 protocol"; the launcher starts them so with ``launcher.backend=vllm``)::
 
-    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL \\
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL \\
         --worker-extension-cls areal_lite.engines.vllm_worker.WeightUpdateExtension
 
 - generation: ``POST /v1/completions`` with the prompt as token ids, ``return_token_ids`` and
@@ -12,7 +12,10 @@ protocol"; the launcher starts them so with ``launcher.backend=vllm``)::
   with a list of prompts; a generation a pause ended comes back with ``finish_reason: "abort"``;
 - pause and resume: ``POST /pause?mode=abort`` and ``POST /resume`` (vLLM's RL routes);
 - weights: ``POST /collective_rpc`` calling the methods of `WeightUpdateExtension` (join or leave
-  the weight-update group, receive a broadcast, load a directory), then ``/reset_prefix_cache``.
+  the weight-update group, receive a broadcast chunk, load a directory), then
+  ``/reset_prefix_cache``. The servers apply an update whole, at its last chunk, or refuse it and
+  keep their weights; a refusal (HTTP 500 with the worker's error) is raised naming the server, and
+  a broadcast chunk's call fails as soon as one server fails it.
 
 Versions stay in the client: vLLM does not tag tokens with the weights that produced them, so
 each answer's tokens get the version that was current when its call was sent. That is exact for
