@@ -20,11 +20,18 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from areal_lite.api.config import InferenceEngineConfig, LauncherConfig, RecoverConfig
+from areal_lite.api.config import ConfigError, InferenceEngineConfig, LauncherConfig, RecoverConfig
 from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.vllm import RemoteVLLMEngine
 from areal_lite.engines.vllm_worker import WeightUpdateExtension
-from areal_lite.launcher.local import LaunchPlan, checkout_root, server_command, trainer_gpus, vllm_python
+from areal_lite.launcher.local import (
+    LaunchPlan,
+    check_machine,
+    checkout_root,
+    server_command,
+    trainer_gpus,
+    vllm_python,
+)
 from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
 from areal_lite.utils.tiny import build_tiny_model
 from areal_lite.utils.weight_sync import WeightSender
@@ -248,3 +255,13 @@ def test_vllm_python_defaults_to_the_environment_then_the_checkouts_venv(monkeyp
 def test_vllm_client_needs_pause_mode_abort() -> None:
     with pytest.raises(ValueError, match="pause_mode=abort"):
         RemoteVLLMEngine(InferenceEngineConfig(addresses=["127.0.0.1:1"], pause_mode="in_place"))
+
+
+def test_launcher_refuses_a_vllm_python_without_vllm(tmp_path) -> None:
+    """Checked before anything starts: the servers' Python must import vllm (this venv's cannot)."""
+    cfg = LauncherConfig(backend="vllm", vllm_python=sys.executable)
+    plan = LaunchPlan("train.py", None, [], cfg, RecoverConfig(), str(tmp_path), "out")
+    with pytest.raises(
+        ConfigError, match="cannot import vllm: build the checkout's .venv-vllm with `make install-vllm`"
+    ):
+        check_machine(plan)
