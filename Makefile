@@ -58,8 +58,10 @@ test-cluster: $(STAMP)
 # torchaudio and torchcodec that come with it are removed (vLLM's first start fails on them) and
 # so is triton (1 GB, no CPU backend). Our package is not installed there: whoever starts a server
 # puts this checkout on its PYTHONPATH, so the worker extension is always the code under test.
-# Point VLLM_VENV at an existing venv to reuse it (`make test-vllm VLLM_VENV=/path/to/venv`).
+# To reuse a venv built so elsewhere (another checkout's): `make test-vllm VLLM_VENV=/path/to/venv`;
+# any Python with vLLM, used as it is (nothing installed into it): `make test-vllm VLLM_PYTHON=...`.
 VLLM_VENV ?= .venv-vllm
+VLLM_PYTHON ?=
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check
@@ -80,8 +82,8 @@ else
 endif
 	touch $(VLLM_STAMP)
 
-test-vllm: $(STAMP) $(VLLM_STAMP)
-	AREAL_LITE_VLLM_PYTHON=$(abspath $(VLLM_PY)) OMP_NUM_THREADS=1 $(PY) -m pytest -q -m vllm $(PYTEST_ARGS)
+test-vllm: $(STAMP) $(if $(VLLM_PYTHON),,$(VLLM_STAMP))
+	AREAL_LITE_VLLM_PYTHON=$(or $(VLLM_PYTHON),$(abspath $(VLLM_PY))) OMP_NUM_THREADS=1 $(PY) -m pytest -q -m vllm $(PYTEST_ARGS)
 
 # The CUDA paths (tests/gpu): FSDP on NCCL in bf16, the engine on CUDA, NCCL weight updates, the
 # quickstart on CUDA. On a GPU machine, install torch for its CUDA first (not the CPU build above).
