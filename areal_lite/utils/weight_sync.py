@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, wait
 from dataclasses import replace
 
 import torch
@@ -21,6 +22,8 @@ from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custo
 
 logger = logging.getLogger(__name__)
 
+WATCH_INTERVAL_S = 0.05
+"""How often a broadcast in flight checks whether the call that announced it has failed."""
 NamedTensors = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 """Full HF-named tensors, one at a time; collective: every trainer rank iterates to the end."""
 
@@ -121,18 +124,32 @@ class WeightSender:
                 continue
             nbytes = tensor.numel() * tensor.element_size()
             if chunk and size + nbytes > meta.chunk_bytes:
-                self._send_chunk(chunk, meta)
+                self._send_chunk(chunk, meta, last=False)  # a tensor follows: not the last chunk
                 chunk, size = [], 0
             chunk.append((name, tensor.to(send_device)))
             size += nbytes
         if rank == 0 and chunk:
-            self._send_chunk(chunk, meta)
+            self._send_chunk(chunk, meta, last=True)
 
-    def _send_chunk(self, chunk: list[tuple[str, torch.Tensor]], meta: WeightUpdateMeta) -> None:
+    def _send_chunk(self, chunk: list[tuple[str, torch.Tensor]], meta: WeightUpdateMeta, last: bool) -> None:
         """Announce the chunk's specs, broadcast its tensors in that order, wait for the load."""
         assert self.group is not None
         specs = [ParamSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in chunk]
-        fut = self._engine().update_weights(replace(meta, param_specs=specs))
+        fut = self._engine().update_weights(replace(meta, param_specs=specs, last_chunk=last))
         for _, t in chunk:
-            self.group.broadcast(t.contiguous())
+            self._broadcast_watching(t.contiguous(), fut)
         fut.result()
+
+    def _broadcast_watching(self, tensor: torch.Tensor, announced: Future[None]) -> None:
+        """Broadcast ``tensor`` while watching the call that announced it: a server that failed
+        the call (bad specs, a failed load) may never receive, and a plain broadcast would then
+        wait for the group's timeout (minutes) instead of reporting the server's error."""
+        assert self.group is not None
+        work = self.group.broadcast_async(tensor)
+        while not work.is_completed():
+            done, _ = wait([announced], timeout=WATCH_INTERVAL_S)
+            if done and announced.exception() is not None:
+                raise RuntimeError(
+                    f"weight update failed on the inference side during the broadcast: {announced.exception()}"
+                ) from announced.exception()
+        work.wait()  # raises the transport's error, if any

@@ -1,6 +1,6 @@
-"""A 2-rank FSDPEngine trainer (torchrun, gloo) that pushes its weights to rollout servers.
+"""An FSDPEngine trainer (torchrun, gloo) that pushes its weights to rollout servers.
 
-Usage: ``torchrun --nproc-per-node 2 inference_trainer.py MODEL_DIR ADDR[,ADDR...] WORKDIR sglang|vllm``
+Usage: ``torchrun --nproc-per-node N inference_trainer.py MODEL_DIR ADDR[,ADDR...] WORKDIR sglang|vllm``
 
 It trains one step, sends the weights by disk, and checks that the servers' log-probabilities of
 freshly generated tokens equal its own `forward`; then trains again, sends the weights by gloo
@@ -51,7 +51,8 @@ def train_step(engine: FSDPEngine, seed: int) -> None:
         },
         batch_size=[4],
     )
-    engine.train_batch(batch[dist.get_rank() :: 2], nll, lambda mb: float(mb["loss_mask"].sum()))  # type: ignore[union-attr]
+    share = batch[dist.get_rank() :: dist.get_world_size()]
+    engine.train_batch(share, nll, lambda mb: float(mb["loss_mask"].sum()))  # type: ignore[union-attr]
 
 
 def generate(rollout: RemoteEngine | None) -> list[tuple[list[int], list[int], list[float], list[int]]]:

@@ -1,0 +1,87 @@
+"""Start and stop real vLLM servers for the tests marked ``vllm``, with the launcher's own command
+line (`areal_lite.launcher.local.vllm_server_command`: vLLM's venv, our worker extension on its
+PYTHONPATH, vLLM's CPU settings without a GPU), each on a free loopback port with one thread.
+Servers start together (a start-up takes 70-170 s on 2 cores) and are stopped by process group,
+so vLLM's engine-core child goes too."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import time
+
+import aiohttp
+
+from areal_lite.api.config import LauncherConfig, RecoverConfig
+from areal_lite.launcher.local import LaunchPlan, is_healthy, spawn, stop, vllm_python, vllm_server_command
+from areal_lite.utils.distributed import find_free_port
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+def start_vllm_servers(model_path: str, n: int, log_dir: str) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start ``n`` vLLM servers on ``model_path`` and wait until each answers /health (their output
+    goes to ``log_dir/vllm<i>.log``). Returns (processes, host:port list)."""
+    launcher = LauncherConfig(backend="vllm", server_args=["--max-model-len", "512"])
+    python = vllm_python(launcher)
+    probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        raise RuntimeError(
+            f"no vLLM in {python} ({probe.stderr.strip()[-300:]}): run `make test-vllm`, which builds .venv-vllm, "
+            "or set AREAL_LITE_VLLM_PYTHON to a Python with vLLM"
+        )
+    plan = LaunchPlan("-", None, [], launcher, RecoverConfig(), model_path, log_dir)
+    os.makedirs(log_dir, exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    addresses: list[str] = []
+    logs: list[str] = []
+    try:
+        for i in range(n):
+            port = find_free_port()
+            logs.append(os.path.join(log_dir, f"vllm{i}.log"))
+            cmd = vllm_server_command(plan, port, base_gpu_id=i, host="127.0.0.1")
+            procs.append(spawn(cmd, cores=[], env={**os.environ, "OMP_NUM_THREADS": "1"}, log_path=logs[-1]))
+            addresses.append(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        pending = set(range(n))
+        while pending:
+            for i in sorted(pending):
+                if procs[i].poll() is not None:
+                    with open(logs[i], errors="replace") as f:
+                        raise RuntimeError(f"vLLM server {addresses[i]} exited; its log ends:\n{f.read()[-4000:]}")
+                if is_healthy(addresses[i]):
+                    pending.discard(i)
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"vLLM servers {[addresses[i] for i in pending]} not healthy in {STARTUP_TIMEOUT_S} s"
+                )
+            time.sleep(0.5)
+    except BaseException:
+        stop(procs, grace=5.0)
+        raise
+    return procs, addresses
+
+
+def stop_vllm_servers(procs: list[subprocess.Popen]) -> None:
+    stop(procs, grace=10.0)
+
+
+async def metric(address: str, name: str) -> float:
+    """The sum of a vLLM Prometheus metric over its label sets (``vllm:num_requests_running``)."""
+    async with aiohttp.ClientSession() as s, s.get(f"http://{address}/metrics") as r:
+        text = await r.text()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
+async def generating_on(address: str, timeout: float = 120.0) -> None:
+    """Wait until ``address`` runs requests that have produced tokens since the call."""
+    deadline = time.monotonic() + timeout
+    start = await metric(address, "vllm:generation_tokens_total")
+    while time.monotonic() < deadline:
+        running = await metric(address, "vllm:num_requests_running")
+        if running > 0 and await metric(address, "vllm:generation_tokens_total") > start:
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"{address} ran no generation in {timeout} s")
