@@ -276,7 +276,11 @@ def test_the_gpu_recipe_on_a_cpu_machine_names_the_overrides_it_needs(tmp_path) 
         ConfigError, match=r"launcher.server_args \['--mem-fraction-static', '0.8'\] are not flags of our"
     ):
         check_machine(
-            read_plan(recipe[0], recipe[2], [*recipe[3:], *CPU_OVERRIDES.split()[:1], *CPU_OVERRIDES.split()[2:]])
+            read_plan(
+                recipe[0],
+                recipe[2],
+                [*recipe[3:], "launcher.backend=areal", "local_engine.device=cpu", "local_engine.dtype=float32"],
+            )
         )
 
 
