@@ -6,9 +6,9 @@ Usage: ``torchrun --nproc-per-node 2 real_model_worker.py MODEL_DIR BATCH.pt OUT
 One after the other, each forwards the batch of ``BATCH.pt`` (the data contract's padded layout)
 and rank 0 saves the per-token log-probabilities to ``OUT_DIR/<run>.pt``: FSDP (2 data-parallel
 ranks) in float32 and in bfloat16 (what ``actor.dtype=auto`` picks on a CPU with AVX-512 BF16), and
-Megatron with tensor parallelism 2 (the embedding and the tied output layer split over the ranks
-by our HF -> Megatron conversion), whose weights saved back to HF must be the model's own
-(``OUT_DIR/megatron_roundtrip.json``).
+Megatron on 2 data-parallel ranks (its 3 key-value heads rule out tensor parallelism 2), whose
+embedding also serves as the output layer after our HF -> Megatron conversion and whose weights
+saved back to HF must be the model's own (``OUT_DIR/megatron_roundtrip.json``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def forward(name: str, config: TrainEngineConfig) -> None:
     engine.initialize(None)
     batch = torch.load(BATCH, weights_only=False)
     logp = engine.forward(batch)
-    if name == "megatron_tp2":
+    if name == "megatron":
         engine.save(SaveLoadMeta(path=os.path.join(OUT, "megatron_hf"), weight_format="hf"))
     if dist.get_rank() == 0:
         torch.save(logp.float(), os.path.join(OUT, f"{name}.pt"))
@@ -44,7 +44,7 @@ def forward(name: str, config: TrainEngineConfig) -> None:
 def main() -> None:
     forward("fsdp_fp32", TrainEngineConfig(path=MODEL, backend="fsdp", dtype="float32"))
     forward("fsdp_bf16", TrainEngineConfig(path=MODEL, backend="fsdp", dtype="bfloat16"))
-    forward("megatron_tp2", TrainEngineConfig(path=MODEL, backend="megatron", tensor_parallel_size=2))
+    forward("megatron", TrainEngineConfig(path=MODEL, backend="megatron"))
     if int(os.environ["RANK"]) == 0:
         original = load_file(os.path.join(MODEL, "model.safetensors"))
         saved = load_file(os.path.join(OUT, "megatron_hf", "model.safetensors"))
