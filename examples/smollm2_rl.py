@@ -76,9 +76,9 @@ class TaskConfig:
     """Demonstrations per SFT step."""
     sft_max_steps: int = 200
     """At most this many SFT steps."""
-    sft_target_acc: float = 0.2
+    sft_target_acc: float = 0.25
     """Stop SFT once dev greedy accuracy reaches this."""
-    sft_eval_every: int = 8
+    sft_eval_every: int = 2
     """Measure dev accuracy every this many SFT steps."""
     sft_lr: float = 2e-5
     """SFT learning rate (AdamW, constant)."""

@@ -58,6 +58,9 @@ def test_read_plan_takes_the_launcher_and_recover_sections(tmp_path) -> None:
         tmp_path, actor={"path": "${cluster.fileroot}/${experiment_name}/model"}, launcher={"backend": "areal"}
     )
     assert read_plan("train.py", cfg, []).model_path == "outputs/areal-lite/model", "interpolations see the defaults"
+    plan = read_plan("train.py", cfg, ["profile=cpu", "recover.retries=2"])
+    assert plan.launcher.backend == "areal" and plan.engine_args[:4] == ["--dtype", "float32", "--device", "cpu"]
+    assert plan.recover.mode == "auto" and plan.overrides[-1] == "recover.mode=auto", "retries resume"
     assert read_plan("train.py", cfg, ["cluster.fileroot=/r"]).model_path == "/r/areal-lite/model"
 
 
