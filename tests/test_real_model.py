@@ -162,7 +162,8 @@ def test_fsdp_and_megatron_logprobs_match_hf_and_bf16_shows_its_mismatch(
         rows.append((prompt + out, [0] * len(prompt) + [1] * len(out)))
     batch: TensorDict = padded_batch(rows)
     torch.save(batch, tmp_path / "batch.pt")
-    code, output = torchrun(2, SCRIPTS / "real_model_worker.py", model_dir, str(tmp_path / "batch.pt"), str(tmp_path))
+    args = (model_dir, str(tmp_path / "batch.pt"), str(tmp_path))
+    code, output = torchrun(2, SCRIPTS / "real_model_worker.py", *args, timeout=1500)  # three 135M engines, 2 ranks
     assert code == 0, output[-6000:]
     mask = batch["loss_mask"].bool()
     expected = torch.cat([hf_logprobs(hf, p, o) for p, o in greedy])
