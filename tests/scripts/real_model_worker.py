@@ -42,6 +42,8 @@ def forward(name: str, config: TrainEngineConfig) -> None:
 
 
 def main() -> None:
+    # One process group for the three engines: an engine that created the group would destroy it.
+    dist.init_process_group("gloo")
     forward("fsdp_fp32", TrainEngineConfig(path=MODEL, backend="fsdp", dtype="float32"))
     forward("fsdp_bf16", TrainEngineConfig(path=MODEL, backend="fsdp", dtype="bfloat16"))
     forward("megatron", TrainEngineConfig(path=MODEL, backend="megatron"))
