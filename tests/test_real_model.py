@@ -154,6 +154,7 @@ def test_server_logprobs_and_openai_chat_with_the_template(server: str, hf: torc
         assert done.choices[0].message.content == tokenizer.decode(hf_out, skip_special_tokens=True)
 
 
+@pytest.mark.timeout(1800)
 def test_fsdp_and_megatron_logprobs_match_hf_and_bf16_shows_its_mismatch(
     model_dir: str, hf: torch.nn.Module, tokenizer, greedy, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -214,6 +215,7 @@ def test_a_lora_step_reaches_the_engine(model_dir: str) -> None:
     asyncio.run(go())
 
 
+@pytest.mark.timeout(1200)
 def test_one_grpo_step_of_the_gsm8k_example_through_the_launcher_on_cpu(model_dir: str, tmp_path: Path) -> None:
     """configs/gsm8k_grpo.yaml, written for GPUs, with the model, the data and the one switch
     ``profile=cpu`` (plus a short run): our server starts, one GRPO step trains, the run ends."""
