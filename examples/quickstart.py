@@ -40,6 +40,7 @@ from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.core.controller import RolloutController
 from areal_lite.kit import (
     RunKit,
+    job_start_time,
     make_rollout,
     make_train_engine,
     mean_reward,
@@ -185,19 +186,6 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
 
 
 # ---------------------------------------------------------------------------------- RL
-
-
-def job_start_time(output_dir: str) -> float:
-    """When this run began, across the launcher's prepare run, restarts and recoveries."""
-    path = os.path.join(output_dir, "started_at")
-    if not os.path.exists(path):  # every rank may get here: the first rename wins, whole
-        os.makedirs(output_dir, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(repr(time.time()))
-        os.replace(tmp, path)
-    with open(path) as f:
-        return float(f.read())
 
 
 def main(argv: list[str]) -> None:

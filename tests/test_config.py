@@ -128,3 +128,21 @@ def test_bad_arguments() -> None:
         load_config(["--config", "/nonexistent.yaml"], ExpConfig, save=False)
     with pytest.raises(ConfigError, match="unexpected argument"):
         load_config(["--lr", "3"], ExpConfig, save=False)
+
+
+def test_the_cpu_profile_sits_between_the_file_and_the_command_line(tmp_path) -> None:
+    """``profile=cpu`` overrides the file (a GPU recipe's settings), the command line overrides
+    the profile, and keys the config class lacks (``reward_workers``, ``local_engine``) are skipped."""
+    cfg_file = write_yaml(
+        str(tmp_path / "gpu.yaml"),
+        {"actor": {"path": "m", "dtype": "auto", "gradient_checkpointing": True, "group_size": 8},
+         "launcher": {"backend": "sglang", "n_servers": 4, "server_args": ["--mem-fraction-static", "0.8"]}},
+    )  # fmt: skip
+    argv = ["--config", cfg_file, "profile=cpu", "actor.group_size=2", f"cluster.fileroot={tmp_path}"]
+    cfg = load_config(argv, ExpConfig, save=False)
+    assert cfg.profile == "cpu" and cfg.launcher.backend == "areal" and cfg.launcher.server_args == []
+    assert cfg.launcher.n_servers == 1 and cfg.actor.dtype == "float32" and not cfg.actor.gradient_checkpointing
+    assert cfg.actor.group_size == 2, "the command line wins over the profile"
+    assert load_config(["--config", cfg_file], ExpConfig, save=False).launcher.backend == "sglang"
+    with pytest.raises(ConfigError, match="unknown profile 'tpu'; profiles: cpu"):
+        load_config(["--config", cfg_file, "profile=tpu"], ExpConfig, save=False)

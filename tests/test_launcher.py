@@ -58,6 +58,9 @@ def test_read_plan_takes_the_launcher_and_recover_sections(tmp_path) -> None:
         tmp_path, actor={"path": "${cluster.fileroot}/${experiment_name}/model"}, launcher={"backend": "areal"}
     )
     assert read_plan("train.py", cfg, []).model_path == "outputs/areal-lite/model", "interpolations see the defaults"
+    plan = read_plan("train.py", cfg, ["profile=cpu", "recover.retries=2"])
+    assert plan.launcher.backend == "areal" and plan.engine_args[:4] == ["--dtype", "float32", "--device", "cpu"]
+    assert plan.recover.mode == "auto" and plan.overrides[-1] == "recover.mode=auto", "retries resume"
     assert read_plan("train.py", cfg, ["cluster.fileroot=/r"]).model_path == "/r/areal-lite/model"
 
 
@@ -276,7 +279,11 @@ def test_the_gpu_recipe_on_a_cpu_machine_names_the_overrides_it_needs(tmp_path) 
         ConfigError, match=r"launcher.server_args \['--mem-fraction-static', '0.8'\] are not flags of our"
     ):
         check_machine(
-            read_plan(recipe[0], recipe[2], [*recipe[3:], *CPU_OVERRIDES.split()[:1], *CPU_OVERRIDES.split()[2:]])
+            read_plan(
+                recipe[0],
+                recipe[2],
+                [*recipe[3:], "launcher.backend=areal", "local_engine.device=cpu", "local_engine.dtype=float32"],
+            )
         )
 
 

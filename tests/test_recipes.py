@@ -29,12 +29,14 @@ from areal_lite.recipes import (
     JudgeGrader,
     ModelBuilder,
     ModelConfig,
+    Recipe,
     RewardFnGrader,
     StringThread,
     TokenizedThread,
     async_map,
     async_map_batch,
     get_minibatches,
+    repeat_thread,
     shutdown,
 )
 from areal_lite.rewards.format import exact_answer_reward
@@ -414,6 +416,82 @@ def test_bad_input_gets_a_clear_error(model_dir):
             await model.logprobs_per_token(s)
 
     run(go())
+
+
+def test_a_recipe_ported_from_the_reference_interface_runs(model_dir, tmp_path):
+    """The frictions of porting a GRPO recipe written against the reference interface alone: a
+    StringThread passed to generate_tokens through async_map_batch(repeat_thread(...)) is
+    tokenized; serialize_tokenized_thread feeds train_tangents' serialized form, which equals the
+    thread form; save_model_safely never overwrites; a subclass of the exported Recipe gets
+    training_completion_percentage."""
+
+    class PortedGRPO(Recipe):
+        name = "ported-grpo"
+
+        def __init__(self, items: list[StringThread], model, group: int, steps: int) -> None:
+            super().__init__({"model": model}, DataSet(items, allow_looping=True, seed=1), steps, None, None)
+            self.model, self.group, self.progress = model, group, []
+
+        async def gen_data(self, prompt: StringThread) -> list[TokenizedThread]:
+            return await async_map_batch(self.model.generate_tokens, repeat_thread(prompt), batch_size=self.group)
+
+        async def train_step(self, run) -> dict[str, float]:
+            self.progress.append(self.training_completion_percentage)
+            samples = (await async_map_batch(self.gen_data, self.dataset, 2))[0]
+            texts = await async_map(self.model.detokenize_thread, samples)
+            assert all(t.completion() is not None for t in texts)
+            for s in samples:
+                lp = await self.model.logprobs_per_token(s)
+                tokens, patches, weights = await self.model.serialize_tokenized_thread(s)
+                full = [0.0] * (len(tokens) - 1)
+                trained = [i - 1 for i, w in enumerate(weights) if w > 0]
+                for i, x in zip(trained, lp):
+                    full[i] = -0.01 * x
+                await self.model.train_tangents(tokens[:-1], patches, full, tokens[1:])
+            return await self.model.optim_step(1e-3)
+
+    async def go():
+        model = await ModelBuilder(model_dir, sgd_config()).spawn_train("ported")
+        recipe = PortedGRPO([StringThread([("user", "12+30=")]), StringThread([("user", "7+8=")])], model, 3, 2)
+        await recipe.run()
+        assert recipe.progress == [0.0, 0.5] and recipe.training_completion_percentage == 0.5
+        with pytest.raises(TypeError, match="takes a TokenizedThread .or a StringThread, tokenized., got dict"):
+            await model.generate_tokens({"turns": []})  # type: ignore[arg-type]
+
+        first = await model.save_model_safely(str(tmp_path / "saved"))
+        second = await model.save_model_safely(str(tmp_path / "saved"))
+        assert (first, second) == (str(tmp_path / "saved"), str(tmp_path / "saved-1"))
+
+        # The serialized form of train_tangents trains exactly like the thread form.
+        a = await ModelBuilder(model_dir, sgd_config()).spawn_train("serialized")
+        b = await ModelBuilder(model_dir, sgd_config()).spawn_train("threaded")
+        s = random_samples(1, seed=11)[0]
+        tangents = [0.1 * (i + 1) for i in range(s.n_trained)]
+        tokens, patches, weights = await a.serialize_tokenized_thread(s)
+        assert patches == [] and weights == s.weights and tokens == s.tokens
+        full = [0.0] * (len(tokens) - 1)
+        for i, t in zip([i - 1 for i, w in enumerate(weights) if w > 0], tangents):
+            full[i] = t
+        before = params(a.engine)
+        await a.train_tangents(tokens[:-1], patches, full, tokens[1:])
+        await a.optim_step(1e-3)
+        await b.train_tangents(s, tangents)
+        await b.optim_step(1e-3)
+        assert largest_difference(before, a, b) < 1e-7
+        with pytest.raises(ValueError, match=r"tokens\[:-1\] and tokens\[1:\]"):
+            await a.train_tangents(tokens[:-1], patches, full, tokens[:-1])
+        await shutdown(model, a, b)
+
+    run(go())
+
+
+def test_tp_that_the_backend_cannot_honour_raises(model_dir):
+    with pytest.raises(ValueError, match="fsdp backend has no tensor parallelism"):
+        ModelBuilder(model_dir).tp(2)
+    assert ModelBuilder(model_dir).tp(1).config.tensor_parallel_size == 1
+    megatron = ModelBuilder(model_dir, ModelConfig(backend="megatron")).tp(2)
+    with pytest.raises(ValueError, match="fsdp backend has no tensor parallelism"):
+        run(megatron.with_config(backend="fsdp").spawn_train("tp_fsdp"))
 
 
 # ----------------------------------------------------------------------------- two ranks

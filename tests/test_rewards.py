@@ -4,6 +4,7 @@ that raise, hang or return NaN in a batch of good ones."""
 from __future__ import annotations
 
 import asyncio
+import pickle
 import threading
 
 import pytest
@@ -13,11 +14,13 @@ from areal_lite.api.io import ModelRequest, ModelResponse
 from areal_lite.rewards import (
     CombinedGrader,
     LLMJudgeGrader,
+    MathAnswerGrader,
     RewardRunner,
     boxed_format_reward,
     math_answer_reward,
     think_format_reward,
 )
+from areal_lite.rewards.math import boxed_contents
 from areal_lite.utils.tiny import build_tokenizer
 
 
@@ -33,13 +36,62 @@ def score_all(runner: RewardRunner, kinds: list[str]) -> list[float]:
     [
         ("so the answer is \\boxed{1/2}", "0.5", 1.0),
         ("\\boxed{\\frac{3}{6}}", "1/2", 1.0),
-        ("the answer is 42", "42", 1.0),
+        ("7 + 8 = 15, so \\boxed{15}. Check: \\boxed{15}", "15", 1.0),  # the same answer twice
+        ("\\boxed{3 apples}", "3", 1.0),
+        ("\\boxed{\\text{\\{nested\\}}} then \\boxed{x=2}", "2", 0.0),  # two different answers
+        ("the answer is 42", "42", 0.0),  # no declared answer: strict
         ("\\boxed{41}", "42", 0.0),
         ("no idea", "42", 0.0),
     ],
 )
 def test_math_answer_reward(completion: str, answer: str, expected: float) -> None:
     assert math_answer_reward("q", completion, [], [], answer=answer) == expected
+
+
+ADVERSARIAL = [
+    ("1. First add.\n2. Then check.\n3. Done", "3"),  # the lenient grader's last number: 1.0
+    ("The answer is 3", "3"),  # a number, but not in the declared format
+    ("$3$", "3"),
+    ("3", "3"),
+    ("I counted 1, 2, 3, 4, 5, 6, 7, 8, 9 and 10.", "10"),
+    ("\\boxed{}", "3"),
+    ("\\boxed{3", "3"),  # unclosed
+    ("boxed{3}", "3"),  # no backslash
+    ("\\boxed{3}, \\boxed{4}", "4"),  # hedging across boxes
+    ("\\boxed{4} is wrong, so \\boxed{3}", "3"),
+    ("\\boxed{3, 4}", "3"),  # hedging inside one box
+    ("\\boxed{3 \\text{ or } 4}", "4"),
+    ("\\boxed{3 \\lor 4}", "4"),  # math-verify reads a disjunction as its last operand
+    ("\\boxed{3 \\vee 4}", "4"),
+    ("\\boxed{\\pm 3}", "3"),
+    ("\\boxed{3\\ 4}", "7"),  # math-verify reads spaced numbers as their sum
+    ("\\boxed{[1, 5]}", "3"),  # an interval that contains the answer
+    ("\\boxed{1 \\le x \\le 5}", "3"),
+    ("\\boxed{\\{1, 2, 3, 4, 5\\}}", "3"),
+    ("\\boxed{x}", "3"),
+    ("\\boxed{-3}", "3"),
+    ("\\boxed{2.9999}", "3"),
+    ("\\boxed{33}", "3"),
+]
+
+
+@pytest.mark.parametrize("completion,answer", ADVERSARIAL)
+def test_strict_math_grader_scores_adversarial_completions_zero(completion: str, answer: str) -> None:
+    assert math_answer_reward("q", completion, [], [], answer=answer) == 0.0
+
+
+def test_math_grader_declared_pattern_and_the_lenient_fallback() -> None:
+    answer_line = MathAnswerGrader(answer_pattern=r"^Answer:\s*(.+)$")
+    assert answer_line("q", "7 + 8 is 15.\nAnswer: 15", [], [], answer="15") == 1.0
+    assert answer_line("q", "7 + 8 is 15.", [], [], answer="15") == 0.0
+    assert answer_line("q", "Answer: 14\nAnswer: 15", [], [], answer="15") == 0.0
+    lenient = MathAnswerGrader(last_number_fallback=True)
+    # What the fallback is for, and the hole it opens (hence off by default):
+    assert lenient("q", "the answer is 42", [], [], answer="42") == 1.0
+    assert lenient("q", ADVERSARIAL[0][0], [], [], answer="3") == 1.0
+    assert lenient("q", "\\boxed{3, 4}", [], [], answer="3") == 0.0  # a declared answer is still strict
+    assert pickle.loads(pickle.dumps(answer_line)) == answer_line  # runs in worker processes
+    assert boxed_contents("a \\boxed{x^{2}} b \\fbox{3} \\boxed{open") == ["x^{2}", "3"]
 
 
 def test_format_graders() -> None:
@@ -53,7 +105,7 @@ def test_format_graders() -> None:
 def test_combined_grader_weights_and_names_each_part() -> None:
     g = CombinedGrader({"answer": (math_answer_reward, 1.0), "format": (boxed_format_reward, 0.5)})
     assert g("q", "\\boxed{2}", [], [], answer="2") == 1.5
-    assert g.named_scores("q", "2", [], [], answer="2") == {"answer": 1.0, "format": 0.0, "total": 1.0}
+    assert g.named_scores("q", "\\boxed{3}", [], [], answer="2") == {"answer": 0.0, "format": 1.0, "total": 0.5}
     assert not g.safe_in_thread
     assert CombinedGrader({"f": (boxed_format_reward, 1.0)}).safe_in_thread
 
@@ -179,9 +231,9 @@ def test_combined_grader_with_an_llm_judge_awaits_it_and_runs_the_rest_in_worker
 
         async def go() -> list[float]:
             return await asyncio.gather(
-                runner("What is 6*7?", "42", [], [], answer="42"),
-                runner("What is 6*7?", "41", [], [], answer="42"),
-                runner("What is 6*7?", "42", [], []),  # no reference: math_answer_reward raises
+                runner("What is 6*7?", "42 = \\boxed{42}", [], [], answer="42"),
+                runner("What is 6*7?", "41 = \\boxed{41}", [], [], answer="42"),
+                runner("What is 6*7?", "42 = \\boxed{42}", [], []),  # no reference: math_answer_reward raises
             )
 
         assert asyncio.run(go()) == [1.5, 0.0, 0.0]

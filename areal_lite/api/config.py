@@ -28,6 +28,7 @@ from areal_lite.api.io import GenerationConfig, MicroBatchSpec
 
 __all__ = [
     "MISSING",
+    "PROFILES",
     "READS_FILE",
     "READS_MODEL",
     "BaseExperimentConfig",
@@ -56,6 +57,8 @@ __all__ = [
     "input_paths",
     "load_config",
     "one_of",
+    "profile_overrides",
+    "requested_profile",
     "save_config",
 ]
 
@@ -538,6 +541,9 @@ class BaseExperimentConfig:
     """Passes over the training set."""
     total_train_steps: int | None = None
     """Stop after this many steps (None = the epochs decide)."""
+    profile: str = field(default="", metadata=one_of("", "cpu"))
+    """A named set of overrides applied over the config file and under the command line (`PROFILES`):
+    ``cpu`` runs a GPU recipe on a machine without one. Keys a script's config lacks are skipped."""
     tokenizer_path: str = field(default="", metadata=READS_MODEL)
     """Tokenizer directory (defaults to the actor's model path)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -581,6 +587,64 @@ class RLExperimentConfig(BaseExperimentConfig):
 
 class ConfigError(ValueError):
     """A config file or override that does not fit the schema."""
+
+
+PROFILES: dict[str, list[str]] = {
+    "cpu": [
+        # Where the work runs: our server and the trainer on the CPU, one of each, in float32 on
+        # both sides (the same dtype for training and generation), no activation recomputation.
+        "launcher.backend=areal",
+        "launcher.server_args=[]",
+        "launcher.n_servers=1",
+        "launcher.trainer_nproc=1",
+        "launcher.server_tp_size=1",
+        "launcher.gpus_per_node=0",
+        "local_engine.device=cpu",
+        "local_engine.dtype=float32",
+        "actor.dtype=float32",
+        "actor.gradient_checkpointing=false",
+        "weight_update=disk",
+        "reward_workers=2",
+        # Sizes a few cores get through in minutes per step (a GPU recipe's 64 prompts x 8 samples
+        # x 1024 tokens take hours there): raise them on a large CPU machine.
+        "train_dataset.batch_size=4",
+        "actor.group_size=4",
+        "gconfig.max_new_tokens=256",
+        "rollout.max_concurrent_rollouts=16",
+        "actor.mb_spec.max_tokens_per_mb=4096",
+    ],
+}
+"""The overrides of each ``profile``, as dotted ``key=value`` lines. `load_config` applies them
+after the config file and before the command line (so the command line still wins), skipping keys
+the config class lacks; the launchers apply them to their own sections the same way."""
+
+
+def profile_overrides(name: str) -> list[str]:
+    """The overrides of profile ``name`` ("" = none); `ConfigError` for an unknown name."""
+    if not name:
+        return []
+    if name not in PROFILES:
+        raise ConfigError(f"unknown profile {name!r}; profiles: {', '.join(sorted(PROFILES))}")
+    return list(PROFILES[name])
+
+
+def requested_profile(loaded: DictConfig | None, overrides: list[str]) -> str:
+    """The ``profile`` a config file and its command-line overrides ask for (the last one wins)."""
+    name = str(loaded.get("profile", "") or "") if loaded is not None else ""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "profile":
+            name = value.strip()
+    return name
+
+
+def _has_key(schema: DictConfig, dotted: str) -> bool:
+    node: object = schema
+    for part in dotted.split("."):
+        if not isinstance(node, DictConfig) or part not in node.keys():  # noqa: SIM118 (`in` skips MISSING fields)
+            return False
+        node = node._get_node(part)
+    return True
 
 
 class ConfigChecked(BaseException):
@@ -720,6 +784,10 @@ def load_config(argv: list[str] | None, config_cls: type[T], save: bool = True) 
         if not isinstance(loaded, DictConfig):
             raise ConfigError(f"config file {config_file!r} must hold a mapping at the top level")
         layers.append((loaded, config_file))
+    profile = requested_profile(layers[0][0] if layers else None, overrides)
+    if profile and "profile" in schema:
+        known = [o for o in profile_overrides(profile) if _has_key(schema, o.partition("=")[0])]
+        layers.append((OmegaConf.from_dotlist(known), f"profile {profile}"))
     if overrides:
         layers.append((OmegaConf.from_dotlist(overrides), "command line"))
 

@@ -173,6 +173,11 @@ class FSDPEngine(TrainEngineBase):
 
     def initialize(self, ft_spec: FinetuneSpec | None = None) -> None:
         cfg = self.config
+        if cfg.tensor_parallel_size != 1 or cfg.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"FSDP shards data-parallel only: tensor_parallel_size={cfg.tensor_parallel_size} and "
+                f"pipeline_parallel_size={cfg.pipeline_parallel_size} need backend=megatron"
+            )
         if cfg.shared_prefix and cfg.attn_impl != "sdpa":
             raise ValueError(
                 f"shared_prefix needs attn_impl=sdpa (the engine's varlen attention), not {cfg.attn_impl!r}"

@@ -27,8 +27,9 @@ model must exist by then (after the prepare run).
 SIGINT and SIGTERM are forwarded to the trainer; on exit or failure every process the launcher
 started is stopped by process group (SIGTERM, then SIGKILL after a grace period), and children die
 with the launcher even if it is SIGKILLed (``PR_SET_PDEATHSIG``). A failed trainer is restarted up
-to ``recover.retries`` times; with ``recover.mode=auto`` the script resumes from its last recover
-checkpoint (`areal_lite.utils.recover`). Each start sees its attempt number in ``AREAL_LITE_ATTEMPT``.
+to ``recover.retries`` times and resumes from its last recover checkpoint (`areal_lite.utils.recover`):
+with retries, ``recover.mode=disabled`` becomes ``auto`` (the trainer writes the checkpoints that a
+restart resumes from; a restart from scratch would redo every step). Each start sees its attempt number in ``AREAL_LITE_ATTEMPT``.
 A server that dies is reported and the trainer carries on with the others (the remote engine
 retries requests elsewhere); the run fails only when no server is left.
 """
@@ -55,7 +56,15 @@ from types import FrameType
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from areal_lite.api.config import BaseExperimentConfig, ConfigError, LauncherConfig, RecoverConfig, check_choices
+from areal_lite.api.config import (
+    BaseExperimentConfig,
+    ConfigError,
+    LauncherConfig,
+    RecoverConfig,
+    check_choices,
+    profile_overrides,
+    requested_profile,
+)
 from areal_lite.utils.distributed import find_free_port
 
 logger = logging.getLogger("areal_lite.launcher")
@@ -126,12 +135,22 @@ def read_plan(script: str, config_file: str | None, overrides: list[str]) -> Lau
     # Under the defaults every experiment has (as a plain dict: the script's own sections are
     # unknown here), so that interpolations such as ${cluster.fileroot} resolve as in the script.
     defaults = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(BaseExperimentConfig)))
-    raw = OmegaConf.merge(defaults, loaded, OmegaConf.from_dotlist(overrides))
+    profile = OmegaConf.from_dotlist(profile_overrides(requested_profile(loaded, overrides)))
+    raw = OmegaConf.merge(defaults, loaded, profile, OmegaConf.from_dotlist(overrides))
     launcher = _section(raw, "launcher", LauncherConfig)
     recover = _section(raw, "recover", RecoverConfig)
     assert isinstance(launcher, LauncherConfig) and isinstance(recover, RecoverConfig)
     check_choices(launcher, "launcher.")
     check_choices(recover, "recover.")
+    overrides = list(overrides)
+    if recover.retries and recover.mode == "disabled":
+        # A restart that began from scratch would redo every step: with retries the trainer
+        # writes recover checkpoints, and a restart resumes from the last one.
+        logger.warning(
+            "recover.retries=%d: recover.mode=auto (restarts resume from the last checkpoint)", recover.retries
+        )
+        recover.mode = "auto"
+        overrides.append("recover.mode=auto")
     model_path = launcher.server_model_path or str(OmegaConf.select(raw, "actor.path", default="") or "")
     if launcher.backend != "local" and not model_path:
         raise ConfigError("the servers need a model: set launcher.server_model_path or actor.path")
@@ -142,7 +161,7 @@ def read_plan(script: str, config_file: str | None, overrides: list[str]) -> Lau
         if value is not None:
             engine_args += [flag, str(value)]
     return LaunchPlan(
-        script, config_file, list(overrides), launcher, recover, model_path, output_dir, engine_args=engine_args
+        script, config_file, overrides, launcher, recover, model_path, output_dir, engine_args=engine_args
     )
 
 
@@ -204,8 +223,9 @@ def check_config(plan: LaunchPlan, *, paths: bool = True) -> None:
         raise ConfigError(f"the config names paths that do not exist: {', '.join(missing)}")
 
 
-CPU_OVERRIDES = "launcher.backend=areal launcher.server_args=[] local_engine.device=cpu local_engine.dtype=float32"
-"""What a GPU config needs on a machine without one: our server on the CPU instead of SGLang."""
+CPU_OVERRIDES = "profile=cpu"
+"""What a GPU config needs on a machine without one: the ``cpu`` profile (`areal_lite.api.config.PROFILES`):
+our server on the CPU instead of SGLang, one server and one trainer, float32 on both sides, CPU sizes."""
 
 
 def check_machine(plan: LaunchPlan) -> None:
@@ -230,8 +250,8 @@ def check_machine(plan: LaunchPlan) -> None:
     device = flags.get("--device", "cpu")
     if cfg.backend not in GPU_BACKENDS and device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(
-            f"local_engine.device={device} but this machine has no GPU; set local_engine.device=cpu "
-            "local_engine.dtype=float32"
+            f"local_engine.device={device} but this machine has no GPU; set {CPU_OVERRIDES} (or "
+            "local_engine.device=cpu local_engine.dtype=float32)"
         )
     if cfg.backend == "areal":
         from areal_lite.engines.server import argument_parser
@@ -486,8 +506,6 @@ class LocalLauncher:
                 self.check_server_model()
                 self.start_servers()
             retries = self.plan.recover.retries
-            if retries and self.plan.recover.mode == "disabled":
-                logger.warning("recover.retries=%d with recover.mode=disabled: a restart begins from scratch", retries)
             rc = 1
             for attempt in range(retries + 1):
                 rc = self.run_trainer(attempt)

@@ -28,6 +28,7 @@ from areal_lite.recipes.model import (
     shutdown,
 )
 from areal_lite.recipes.ppo import PPO
+from areal_lite.recipes.recipe import BatchRecipe, Recipe
 from areal_lite.recipes.run import RecipeRunConfig
 from areal_lite.recipes.sft import SFT
 from areal_lite.recipes.thread import StringThread, TokenizedThread, TokenizedTurn, repeat_thread
@@ -37,6 +38,7 @@ __all__ = [
     "GRPO",
     "PPO",
     "SFT",
+    "BatchRecipe",
     "CombinedGrader",
     "CosineScheduler",
     "DataSet",
@@ -46,6 +48,7 @@ __all__ = [
     "JudgeGrader",
     "ModelBuilder",
     "ModelConfig",
+    "Recipe",
     "RecipeRunConfig",
     "RewardFnGrader",
     "StringThread",

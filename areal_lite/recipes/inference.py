@@ -91,10 +91,27 @@ class InferenceModel:
     async def detokenize_thread(self, thread: TokenizedThread) -> StringThread:
         return self.threads.detokenize(thread)
 
-    async def logprobs_per_token(self, thread: TokenizedThread) -> list[float]:
+    async def serialize_tokenized_thread(self, thread: TokenizedThread) -> tuple[list[int], list[object], list[float]]:
+        """``(tokens, image_patches, weights)`` of ``thread``: its token ids, its image patches
+        (none: these models read text only) and one weight per token (> 0 on trained tokens; the
+        first token never is). ``tokens[:-1]`` predict ``tokens[1:]``, as `train_tangents` takes them."""
+        thread = await self._tokenized(thread, "serialize_tokenized_thread")
+        return thread.tokens, [], thread.weights
+
+    async def _tokenized(self, thread: TokenizedThread | StringThread, what: str) -> TokenizedThread:
+        """``thread`` as a `TokenizedThread`: tokenized when it is a `StringThread`; any other type
+        is a TypeError now rather than an AttributeError deep inside a batched call."""
+        if isinstance(thread, TokenizedThread):
+            return thread
+        if isinstance(thread, StringThread):
+            return await self.tokenize_thread(thread)
+        raise TypeError(f"{what} takes a TokenizedThread (or a StringThread, tokenized), got {type(thread).__name__}")
+
+    async def logprobs_per_token(self, thread: TokenizedThread | StringThread) -> list[float]:
         """Log-probability of each trained token of ``thread`` under this model's weights (one per
-        token of weight > 0, in order), from the train engine's forward pass."""
-        return await self._score(thread)
+        token of weight > 0, in order), from the train engine's forward pass. A `StringThread` is
+        tokenized first."""
+        return await self._score(await self._tokenized(thread, "logprobs_per_token"))
 
     async def _score(self, thread: TokenizedThread) -> list[float]:
         if thread.n_trained == 0:
@@ -123,10 +140,13 @@ class InferenceModel:
         return await self.detokenize_thread(tokens)
 
     async def generate_tokens(
-        self, thread: TokenizedThread, gconfig: GenerationConfig | None = None
+        self, thread: TokenizedThread | StringThread, gconfig: GenerationConfig | None = None
     ) -> TokenizedThread:
         """``thread`` with a sampled assistant turn appended (weight 1 on every sampled token);
-        the result's ``logprobs`` are the sampling log-probabilities of those tokens."""
+        the result's ``logprobs`` are the sampling log-probabilities of those tokens. A
+        `StringThread` is tokenized first (so ``async_map_batch(model.generate_tokens,
+        repeat_thread(string_thread), n)`` samples a group)."""
+        thread = await self._tokenized(thread, "generate_tokens")
         g = gconfig or self.config.gconfig
         prompt = self.threads.prompt_ids(thread)
         room = self.config.max_seq_len - len(prompt)

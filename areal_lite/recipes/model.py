@@ -58,14 +58,31 @@ class ModelBuilder:
     config: ModelConfig = field(default_factory=ModelConfig)
 
     def tp(self, size: int) -> ModelBuilder:
-        """The same builder with tensor parallelism ``size`` (Megatron)."""
-        return replace(self, config=replace(self.config, tensor_parallel_size=size))
+        """The same builder with tensor parallelism ``size``. Megatron splits each layer over
+        ``size`` ranks; FSDP has no tensor parallelism, so ``size > 1`` raises ValueError there
+        (set ``ModelConfig.backend="megatron"`` first) instead of being ignored."""
+        if size < 1:
+            raise ValueError(f"tensor parallelism must be >= 1, got {size}")
+        changed = replace(self, config=replace(self.config, tensor_parallel_size=size))
+        changed._check_parallelism()
+        return changed
+
+    def _check_parallelism(self) -> None:
+        size = self.config.tensor_parallel_size
+        if size > 1 and self.config.backend != "megatron":
+            raise ValueError(
+                f"tp({size}): the {self.config.backend} backend has no tensor parallelism; use "
+                "ModelConfig(backend='megatron') (ModelBuilder(path, config).tp(n)), or tp(1)"
+            )
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() % size != 0:
+            raise ValueError(f"tp({size}) does not divide the {dist.get_world_size()} ranks of this run")
 
     def with_config(self, **changes: object) -> ModelBuilder:
         """The same builder with some `ModelConfig` fields changed."""
         return replace(self, config=replace(self.config, **changes))  # type: ignore[arg-type]
 
     def _config(self, max_seq_len: int | None) -> ModelConfig:
+        self._check_parallelism()
         return self.config if max_seq_len is None else replace(self.config, max_seq_len=max_seq_len)
 
     async def spawn_train(self, name: str, max_seq_len: int | None = None) -> TrainingModel:

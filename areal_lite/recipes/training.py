@@ -60,6 +60,15 @@ def train_row(thread: TokenizedThread, **values: list[float]) -> TrainRow:
     return row
 
 
+def _free_name(path: str) -> str:
+    """``path``, or ``path-<n>`` with the smallest n that does not exist yet."""
+    candidate, n = path, 0
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}-{n}"
+    return candidate
+
+
 class _Trainable(InferenceModel):
     """The training half shared by `TrainingModel` and `ValueModel`: the calls queued since the
     last step, ``optim_step``, ``save`` and the training state for recovery."""
@@ -133,6 +142,13 @@ class _Trainable(InferenceModel):
         meta = SaveLoadMeta(path=path, weight_format="hf", tokenizer=self.tokenizer)
         await self._call("save", lambda: self.engine.save(meta))
         return path
+
+    async def save_model_safely(self, path: str) -> str:
+        """`save`, but never over an existing directory: when ``path`` exists, the weights go to
+        ``path-1`` (or ``-2``, ...), the first name free on every rank. Returns where they went.
+        Collective."""
+        chosen = gather(_free_name(path))[0]  # rank 0's choice, so that every rank writes one directory
+        return await self.save(chosen)
 
     async def with_engine(self, what: str, fn: Callable[[TrainEngine], T], changes_weights: bool = False) -> T:
         """``fn(engine)`` on the engine thread, in step with the other ranks (every rank calls it
@@ -295,15 +311,45 @@ class TrainingModel(_Trainable):
         ]
         self._queue(DPOLoss(beta=beta), *rows)
 
-    async def train_tangents(self, sample: TokenizedThread, tangents: Sequence[float]) -> None:
+    async def train_tangents(
+        self,
+        sample: TokenizedThread | Sequence[int],
+        tangents: Sequence[float] | Sequence[object],
+        *serialized: Sequence[float] | Sequence[int],
+    ) -> None:
         """Bring your own loss: add ``sum_t tangents[t] * dlog p_t/dtheta`` over the trained tokens,
         ``tangents`` being ``dL/dlog p`` of any loss ``L`` of the log-probabilities (closed form or
         autodiff of the values ``logprobs_per_token`` gave). With one rank the gradients of
-        several calls add up exactly; see `areal_lite.actors.train_on_tangents` for several."""
-        sample = self._trainable(sample, "train_tangents")
+        several calls add up exactly; see `areal_lite.actors.train_on_tangents` for several.
+
+        Also in the serialized form of `serialize_tokenized_thread`: ``train_tangents(input_tokens,
+        image_patches, tangents, target_tokens)`` with ``input_tokens = tokens[:-1]``,
+        ``target_tokens = tokens[1:]`` and one tangent per target (0 where nothing is trained)."""
+        if serialized:
+            self._queue(TangentLoss(), self._serialized_row(sample, tangents, *serialized))  # type: ignore[arg-type]
+            return
+        sample = self._trainable(sample, "train_tangents")  # type: ignore[arg-type]
         if isinstance(tangents, numbers.Real):
             raise TypeError("tangents must hold one value per trained token, not a single number")
-        self._queue(TangentLoss(), train_row(sample, tangents=per_token("tangents", tangents, sample)))
+        self._queue(TangentLoss(), train_row(sample, tangents=per_token("tangents", tangents, sample)))  # type: ignore[arg-type]
+
+    def _serialized_row(
+        self, inputs: Sequence[int], image_patches: Sequence[object], tangents: Sequence[float], targets: Sequence[int]
+    ) -> TrainRow:
+        if image_patches:
+            raise ValueError("these models read text only: image_patches must be empty")
+        inputs, targets = [int(t) for t in inputs], [int(t) for t in targets]
+        if not inputs or len(targets) != len(inputs) or inputs[1:] != targets[:-1]:
+            raise ValueError(
+                "train_tangents(input_tokens, image_patches, tangents, target_tokens) takes tokens[:-1] and tokens[1:]"
+            )
+        if len(tangents) != len(targets):
+            raise ValueError(f"{len(tangents)} tangents for {len(targets)} target tokens (one per target)")
+        tokens = [*inputs, targets[-1]]
+        if len(tokens) > self.config.max_seq_len:
+            raise ValueError(f"a thread of {len(tokens)} tokens is longer than max_seq_len={self.config.max_seq_len}")
+        full = [0.0, *(float(t) for t in tangents)]  # log-probs score each token given the ones before it
+        return TrainRow(tokens, [0] + [1 if t != 0 else 0 for t in full[1:]], {"tangents": full})
 
     # ---------------------------------------------------------------- copies
 

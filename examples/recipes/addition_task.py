@@ -9,6 +9,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+from areal_lite.api.config import READS_MODEL
 from areal_lite.api.io import GenerationConfig
 from areal_lite.kit import print_rank0
 from areal_lite.recipes import (
@@ -49,6 +50,10 @@ class TaskConfig:
     """Depth of the tiny model."""
     seed: int = 0
     """Seed of the model and the data."""
+    model_path: str = field(default="", metadata=READS_MODEL)
+    """A HF model directory to start from instead of the tiny model (e.g. SmolLM2-135M-Instruct:
+    ``python -m areal_lite.utils.pretrained smollm2`` prints its directory; with a chat model, set
+    ``model.use_chat_template=true`` and a longer ``model.max_seq_len``); empty = build the tiny model."""
 
 
 @dataclass
@@ -109,7 +114,10 @@ def splits(task: TaskConfig) -> Split:
 
 
 async def spawn_policy(task: TaskConfig, model: ModelConfig, output_dir: str) -> TrainingModel:
-    """The tiny model (a byte-level tokenizer: one token per character), built on the first run."""
+    """The model at ``task.model_path``, or the tiny model (a byte-level tokenizer: one token per
+    character), built on the first run."""
+    if task.model_path:
+        return await ModelBuilder(task.model_path, model).spawn_train("policy")
     path = os.path.join(output_dir, "base_model")
     if not os.path.exists(os.path.join(path, "config.json")):
         # Every rank builds the same (seeded) model and the first rename wins: no rank reads a
