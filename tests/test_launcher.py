@@ -217,6 +217,9 @@ def test_prepare_run_comes_first_and_must_succeed(tmp_path) -> None:
             ),
         ),
         ("launcher.backend=tgi", "config field 'launcher.backend' is 'tgi'; choose one of local, areal, sglang, vllm"),
+        ("train_dataset.batch_size=-4", "config field 'train_dataset.batch_size' is -4; it must be >= 1"),
+        ("rollout.request_timeout=0", "config field 'rollout.request_timeout' is 0.0; it must be > 0.0"),
+        ("launcher.n_servers=0", "config field 'launcher.n_servers' is 0; it must be >= 1"),
     ],
 )
 def test_a_config_error_is_one_line_and_nothing_starts(tmp_path, override: str, message: str) -> None:
