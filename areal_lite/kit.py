@@ -124,15 +124,23 @@ def rank_dataloader(
     item), ``dataset.batch_size`` items per rank and step. Joins ``engine``'s process group first."""
     engine.create_process_group()
     extra = {} if collate_fn is None else {"collate_fn": collate_fn}
-    return stateful_dataloader(
+    world = engine.data_parallel_world_size
+    loader = stateful_dataloader(
         items,
         batch_size=dataset.batch_size,
         shuffle=dataset.shuffle,
         seed=seed,
         rank=engine.data_parallel_rank,
-        world_size=engine.data_parallel_world_size,
+        world_size=world,
         **extra,  # type: ignore[arg-type]
     )
+    if len(loader) == 0:
+        where = f" ({dataset.path})" if dataset.path else ""
+        raise ValueError(
+            f"the training data{where} has {len(items)} items, fewer than one batch of "
+            f"batch_size={dataset.batch_size} x {world} data-parallel ranks"
+        )
+    return loader
 
 
 def on_rank0_first(engine: TrainEngine, prepare: Callable[[], object]) -> None:
@@ -196,7 +204,8 @@ class RunKit:
     resumed run pushes the recovered weights and version to it and replays the prompts that were
     in flight at the checkpoint, and each step logs the rollout counters and staleness. An RL
     config's ``record_batches`` makes the controller record every batch it hands out, and
-    ``replay_batches`` makes it hand out a recording instead of generating.
+    ``replay_batches`` makes it hand out a recording instead of generating. ``data_stats`` (the
+    rows used and left out, `areal_lite.utils.datasets.Rows.stats`) go into every step's statistics.
     """
 
     def __init__(
@@ -209,6 +218,7 @@ class RunKit:
         rollout: RolloutController | None = None,
         weight_meta: WeightUpdateMeta | None = None,
         others: dict[str, TrainEngine] | None = None,
+        data_stats: dict[str, float] | None = None,
     ) -> None:
         if rollout is not None and weight_meta is None:
             raise ValueError("a RunKit with a rollout controller needs the weight_meta that reaches it")
@@ -231,6 +241,7 @@ class RunKit:
             cfg.stats_logger, cfg.output_dir, total_steps=self.total_steps, run_name=cfg.experiment_name, run_config=cfg
         )
         self.tracker = StatsTracker()
+        self.data_stats = dict(data_stats or {})
         if rollout is not None and isinstance(cfg, RLExperimentConfig):
             _record_or_replay(cfg, rollout)
 
@@ -287,7 +298,9 @@ class RunKit:
         if self.rollout is not None:
             self.tracker.dist("rollout/staleness", self.rollout.last_batch_staleness)
             rollout_stats = self.rollout.stats()
-        self.stats_logger.commit(global_step, stats, rollout_stats, self.tracker.export(), scores or {})
+        self.stats_logger.commit(
+            global_step, stats, rollout_stats, self.tracker.export(), scores or {}, self.data_stats
+        )
 
     def close(self) -> None:
         """Finish the loggers (curves, wandb)."""

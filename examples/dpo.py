@@ -69,9 +69,9 @@ def addition_pairs(n: int, n_digits: int, seed: int, exclude: Collection[str] = 
 def main(argv: list[str]) -> None:
     cfg = load_config(argv, DPOExperimentConfig)
     torch.manual_seed(cfg.seed)
-    from transformers import AutoTokenizer
+    from areal_lite.utils.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
+    tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
     task = cfg.task
     eval_pairs = (
         load_rows(cfg.valid_dataset.path)

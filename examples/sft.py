@@ -86,9 +86,9 @@ def main(argv: list[str]) -> None:
             )
 
     on_rank0_first(sft.engine, build)
-    from transformers import AutoTokenizer
+    from areal_lite.utils.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
+    tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
     train_items = demonstrations(cfg.train_dataset.path, task.n_train, task, task.seed + 2)
     eval_items = demonstrations(cfg.valid_dataset.path, task.n_eval, task, task.seed + 1)[: task.n_eval]
     eval_batch = sft_batch(tokenizer, eval_items, task.use_chat_template)

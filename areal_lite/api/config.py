@@ -295,6 +295,11 @@ class InferenceEngineConfig:
     """Cap on finished-but-unconsumed plus running episodes (None = 16 x consumer batch size)."""
     on_workflow_error: str = field(default="raise", metadata=one_of("raise", "skip"))
     """raise (fail fast, naming the input) or skip (count it and go on)."""
+    max_reward_failures: float = field(default=0.5, metadata=between(0.0, 1.0))
+    """An episode whose rewards are not all finite numbers (its grader raised, timed out or returned
+    NaN or a non-number: `RewardRunner` scores such a sample NaN) is dropped and counted
+    (``rollout/reward_failed``); the run stops, naming the count, when more than this fraction of
+    the last ``consumer_batch_size`` episodes were dropped so (1 = never stop)."""
     addresses: list[str] = field(default_factory=list)
     """Remote engines: host:port of each server (the launcher fills this in)."""
     request_timeout: float = field(default=3600.0, metadata=more_than(0.0))
@@ -361,7 +366,11 @@ class DatasetConfig:
     shuffle: bool = True
     """Shuffle each epoch."""
     max_length: int | None = field(default=None, metadata=at_least(1))
-    """Drop items whose prompt is longer than this many tokens."""
+    """Drop items whose prompt is longer than this many tokens (counted in ``data/left_out/*``)."""
+    on_bad_row: str = field(default="raise", metadata=one_of("raise", "skip"))
+    """A row that lacks a field the run reads, holds one of the wrong type or an empty one, or is
+    not valid JSON: raise (stop, naming its file and line) or skip (leave it out; counted in the
+    statistics as ``data/left_out/bad`` and the first few logged)."""
 
 
 @dataclass

@@ -61,6 +61,19 @@ class WorkflowError(RuntimeError):
         self.cause = cause
 
 
+class RewardFailure(RuntimeError):
+    """Too many episodes of a batch had rewards that are not finite numbers (a failing grader)."""
+
+
+REWARD_KEYS = ("rewards", "baseline_rewards")
+"""Per-trajectory reward keys that must hold finite numbers for an episode to be trained on."""
+
+
+def rewards_failed(traj: TensorDict) -> bool:
+    """Whether any of ``traj``'s rewards (`REWARD_KEYS` it has) is NaN or infinite."""
+    return any(key in traj and not bool(torch.isfinite(traj[key]).all()) for key in REWARD_KEYS)
+
+
 class StalenessManager:
     """Admission accounting of the pipeline (no threads, no I/O), so the bound can be property-tested.
 
@@ -188,6 +201,12 @@ class WorkflowExecutor:
         self.staleness_histogram: Counter[int] = Counter()
         """Trajectories consumed by `wait`, keyed by staleness (current version - oldest token version)."""
         self.last_batch_staleness: list[int] = []
+        self._reward_window: deque[bool] = deque(maxlen=bs)
+        """Whether each of the last ``consumer_batch_size`` finished pipeline episodes had failed rewards."""
+        self._since_batch: Counter[str] = Counter()
+        """Counts since the last batch was handed out (``reward_failed``)."""
+        self.last_batch_counts: dict[str, int] = {}
+        """`_since_batch` as it was when the last batch was handed out: per-step counts."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -369,8 +388,9 @@ class WorkflowExecutor:
         self._wake_loop()
 
     def stats(self) -> dict[str, float]:
-        """Counters for the stats logger: episodes accepted, rejected, failed, in flight, and the
-        staleness of the last consumed batch."""
+        """Counters for the stats logger: episodes accepted, rejected, failed, in flight, dropped for
+        failed rewards (since the previous batch, and in total), and the staleness of the last
+        consumed batch."""
         with self._cond:
             last = self.last_batch_staleness
             return {
@@ -378,6 +398,8 @@ class WorkflowExecutor:
                 "rollout/consumed": float(self.totals["consumed"]),
                 "rollout/rejected": float(self.totals["rejected"]),
                 "rollout/failed": float(self.totals["failed"]),
+                "rollout/reward_failed": float(self.last_batch_counts.get("reward_failed", 0)),
+                "rollout/reward_failed_total": float(self.totals["reward_failed"]),
                 "rollout/running": float(self.staleness.running + self._running_direct),
                 "rollout/queued": float(len(self._pending)),
                 "rollout/ready": float(len(self._ready)),
@@ -429,6 +451,8 @@ class WorkflowExecutor:
             self.totals["consumed"] += len(taken)
             self.staleness_histogram.update(staleness)
             self.last_batch_staleness = staleness
+            self.last_batch_counts = dict(self._since_batch)
+            self._since_batch.clear()
         return batch
 
     def _wake_loop(self) -> None:
@@ -493,10 +517,14 @@ class WorkflowExecutor:
     async def _run(self, task: _Task) -> None:
         traj: TensorDict | None = None
         error: WorkflowError | None = None
+        reward_failed = False
         try:
             traj = await self._run_episode(task.workflow, task.data)
             if traj is not None:
                 check_trajectory_layout(traj, type(task.workflow).__name__)
+                reward_failed = rewards_failed(traj)
+                if reward_failed:
+                    traj = None  # never trained on: its advantages would be NaN or made up
             if traj is not None and task.should_accept is not None and not task.should_accept(traj):
                 traj = None
         except asyncio.CancelledError:
@@ -511,6 +539,10 @@ class WorkflowExecutor:
             else:
                 self._running_direct -= 1
                 task.ticket.remaining -= 1
+            if reward_failed:
+                self._count_reward_failure(task)
+            elif task.ticket is None and error is None:
+                self._reward_window.append(False)
             if error is not None:
                 self.totals["failed"] += 1
                 if self.config.on_workflow_error == "raise":
@@ -519,7 +551,8 @@ class WorkflowExecutor:
                     else:
                         task.ticket.error = task.ticket.error or error
             elif traj is None:
-                self.totals["rejected"] += 1
+                if not reward_failed:
+                    self.totals["rejected"] += 1
             elif task.ticket is None:
                 self.totals["accepted"] += 1
                 self._ready.append((task.seq, traj))
@@ -530,3 +563,21 @@ class WorkflowExecutor:
             self._cond.notify_all()
         assert self._wake is not None
         self._wake.set()
+
+    def _count_reward_failure(self, task: _Task) -> None:
+        """Count an episode dropped for failed rewards (under the lock); stop the pipeline when more
+        than ``max_reward_failures`` of the last ``consumer_batch_size`` episodes were."""
+        self.totals["reward_failed"] += 1
+        if task.ticket is not None:
+            return  # an evaluation: counted, not held against the run
+        self._since_batch["reward_failed"] += 1
+        self._reward_window.append(True)
+        failed, window = sum(self._reward_window), self.config.consumer_batch_size
+        limit = self.config.max_reward_failures
+        if failed > limit * window and limit < 1.0 and self._error is None:
+            self._error = RewardFailure(
+                f"the rewards of {failed} of the last {len(self._reward_window)} episodes failed (NaN, an error, a "
+                f"timeout or a non-number: the reward function's warnings above name them), more than "
+                f"rollout.max_reward_failures={limit} of a batch of {window}; stopping"
+            )
+            logger.error("%s", self._error)

@@ -93,6 +93,8 @@ class LaunchPlan:
     python: str = field(default=sys.executable)
     engine_args: list[str] = field(default_factory=list)
     """Our server's flags for the config's ``local_engine`` settings (before ``server_args``)."""
+    tokenizer: tuple[str, str] | None = None
+    """(field, path) of the tokenizer the run loads, as the check run found it."""
 
     @property
     def log_dir(self) -> str:
@@ -196,6 +198,8 @@ def check_config(plan: LaunchPlan, *, paths: bool = True) -> None:
     if "unchecked" in answer:
         logger.warning("config not checked before the start: %s", answer["unchecked"])
         return
+    if answer.get("tokenizer"):
+        plan.tokenizer = (answer["tokenizer"][0], answer["tokenizer"][1])
     missing = missing_inputs({k: (v[0], v[1]) for k, v in answer["inputs"].items()}, plan.output_dir)
     if paths and missing:
         raise ConfigError(f"the config names paths that do not exist: {', '.join(missing)}")
@@ -231,6 +235,20 @@ def check_machine(plan: LaunchPlan) -> None:
                 f"launcher.server_args {unknown} are not flags of our server (launcher.backend=areal): "
                 "set launcher.server_args=[] or see python -m areal_lite.engines.server --help"
             )
+
+
+def check_tokenizer(plan: LaunchPlan) -> None:
+    """`ConfigError` when the tokenizer the run loads is a local directory without one (checked
+    once the prepare run may have written it, before any server starts)."""
+    if plan.tokenizer is None or not os.path.isdir(plan.tokenizer[1]):
+        return
+    from areal_lite.utils.tokenizer import TokenizerMissing, load_tokenizer
+
+    name, path = plan.tokenizer
+    try:
+        load_tokenizer(path, name)
+    except TokenizerMissing as e:
+        raise ConfigError(str(e)) from None
 
 
 def run_reporting_config_errors(launch: Callable[[], int]) -> int:
@@ -426,6 +444,7 @@ class LocalLauncher:
                 if rc != 0 or self.received_signal is not None:
                     logger.error("the prepare run exited with %d", rc)
                     return 128 + self.received_signal if self.received_signal is not None else rc
+            check_tokenizer(self.plan)
             if self.plan.launcher.backend != "local":
                 self.check_server_model()
                 self.start_servers()
