@@ -44,7 +44,7 @@ from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.core.controller import RolloutController
 from areal_lite.utils.dataloader import stateful_dataloader
 from areal_lite.utils.evaluator import Evaluator
-from areal_lite.utils.recover import RecoverHandler
+from areal_lite.utils.recover import ATTEMPT_ENV, RecoverHandler
 from areal_lite.utils.saver import Saver
 from areal_lite.utils.stats import StatsTracker
 from areal_lite.utils.stats_logger import StatsLogger
@@ -259,11 +259,21 @@ class RunKit:
         """Load the last recover checkpoint, if recovery is on and one exists: engines, data
         position, logger state; the rollout side gets the recovered weights and version and
         replays the prompts that were in flight. Sets `start_step`; returns the ``extra`` that
-        `end_step` saved, or None for a fresh run."""
+        `end_step` saved, or None for a fresh run. A fresh start that is a launcher's restart
+        (``AREAL_LITE_ATTEMPT`` > 0) pushes the initial weights and version to the rollout side,
+        which may hold the failed attempt's."""
         info = self.recover.load(self.engine, dataloader=self.dataloader, stats_logger=self.stats_logger)
         for other, handler in self.others.values():
             handler.load(other)
         if info is None:
+            if self.rollout is not None and int(os.environ.get(ATTEMPT_ENV, "0")) > 0:
+                # A restart before the first recover checkpoint: the servers may hold the weights
+                # and version that the failed attempt pushed to them. Start them over too.
+                assert self.weight_meta is not None
+                print_rank0(
+                    "[areal-lite] restarted before the first checkpoint: the rollout side gets the initial weights"
+                )
+                sync_weights(self.rollout, self.engine, self.weight_meta, self.engine.get_version())
             return None
         if self.rollout is not None:
             assert self.weight_meta is not None

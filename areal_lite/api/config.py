@@ -306,6 +306,12 @@ class InferenceEngineConfig:
     """Seconds before one HTTP generation request is given up (and retried elsewhere)."""
     request_retries: int = field(default=3, metadata=at_least(1))
     """Attempts per request across servers before it fails."""
+    control_timeout: float = field(default=30.0, metadata=more_than(0.0))
+    """Seconds a server may leave ``GET /health`` unanswered (it is asked every few seconds)
+    before it is set aside as unresponsive (a hung or stopped process): its running requests go to
+    the other servers, and it gets no requests, pauses or weight updates until it answers again,
+    when it rejoins with the current weights and version. A server that refuses connections is set
+    aside at once."""
     setup_timeout: float = field(default=120.0, metadata=more_than(0.0))
     """Seconds to wait for servers to become healthy."""
     api_key: str | None = None

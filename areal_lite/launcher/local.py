@@ -56,6 +56,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from areal_lite.api.config import BaseExperimentConfig, ConfigError, LauncherConfig, RecoverConfig, check_choices
 from areal_lite.utils.distributed import find_free_port
+from areal_lite.utils.recover import ATTEMPT_ENV
 
 logger = logging.getLogger("areal_lite.launcher")
 
@@ -69,7 +70,6 @@ ENGINE_FLAGS = (
 )
 """``local_engine`` keys and the flags of `areal_lite.engines.server` that take them."""
 TEARDOWN_GRACE_S = 10.0
-ATTEMPT_ENV = "AREAL_LITE_ATTEMPT"
 VLLM_WORKER_EXTENSION = "areal_lite.engines.vllm_worker.WeightUpdateExtension"
 """What ``vllm serve --worker-extension-cls`` loads: the weight-update calls `RemoteVLLMEngine` makes."""
 GPU_BACKENDS = ("sglang", "vllm")

@@ -30,6 +30,8 @@ from areal_lite.utils.saver import resolve_atomic, write_atomically
 from areal_lite.utils.step import StepInfo, is_due
 
 MODES = ("disabled", "auto", "resume")
+ATTEMPT_ENV = "AREAL_LITE_ATTEMPT"
+"""The launchers number each start of the trainer in this environment variable (0 = the first)."""
 
 
 class Stateful(Protocol):

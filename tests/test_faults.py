@@ -1,0 +1,148 @@
+"""Faults on the rollout side, with our real servers on 127.0.0.1: a server that hangs (SIGSTOP) is
+set aside from generations, pauses and weight updates after a bounded time, reported in one line,
+and rejoins with the current weights and version when it answers again (SIGCONT); while no server
+is left, generations wait for one and say so."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from areal_lite.api.config import InferenceEngineConfig
+from areal_lite.api.io import GenerationConfig, ModelRequest, WeightUpdateMeta
+from areal_lite.engines.remote import RemoteSGLangEngine
+from areal_lite.utils.tiny import build_tiny_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+from inference_servers import perturbed_copy, start_servers, stop_servers
+
+CONTROL_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("faults") / "m"), hidden_size=32, num_layers=2, vocab_size=260)
+
+
+def get(address: str, path: str) -> dict:
+    import json
+
+    with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def first_weights(address: str) -> list[float]:
+    import json
+
+    body = json.dumps({"name": "lm_head.weight", "truncate_size": 4}).encode()
+    req = urllib.request.Request(
+        f"http://{address}/get_weights_by_name", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def generate(engine: RemoteSGLangEngine, n: int, tokens: int = 8) -> list:
+    g = GenerationConfig(max_new_tokens=tokens, temperature=1.0, ignore_eos=True)
+
+    async def go() -> list:
+        return await asyncio.gather(
+            *(engine.agenerate(ModelRequest(input_ids=[1, 2, 3 + i], gconfig=g)) for i in range(n))
+        )
+
+    return asyncio.run(go())
+
+
+def wait_until(condition, timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not condition():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def test_a_hung_server_is_set_aside_then_rejoins_with_the_current_weights(model_path: str, tmp_path, caplog) -> None:
+    procs, addresses = start_servers(model_path, 2)
+    config = InferenceEngineConfig(addresses=addresses, setup_timeout=60, control_timeout=CONTROL_TIMEOUT)
+    engine = RemoteSGLangEngine(config)
+    caplog.set_level(logging.WARNING, logger="areal_lite.engines")
+    try:
+        engine.initialize()
+        assert len(generate(engine, 4)) == 4
+        new_dir = str(tmp_path / "v1")
+        perturbed_copy(model_path, new_dir)
+        before = first_weights(addresses[1])
+
+        procs[1].send_signal(signal.SIGSTOP)
+        # Generations in flight on the hung server go elsewhere once it is set aside.
+        results: list = []
+        worker = threading.Thread(target=lambda: results.extend(generate(engine, 8, tokens=16)))
+        worker.start()
+        t0 = time.monotonic()
+        engine.pause()  # its pause waits on the hung server until the monitor sets it aside
+        engine.update_weights(WeightUpdateMeta(type="disk", path=new_dir, version=1)).result()
+        engine.set_version(1)
+        engine.resume()
+        took = time.monotonic() - t0
+        assert took < 4 * CONTROL_TIMEOUT + 5, f"the weight update waited {took:.1f}s on the hung server"
+        worker.join(timeout=60)
+        assert len(results) == 8 and all(len(r.output_tokens) == 16 for r in results)
+        assert engine.fleet.live() == [0]
+        set_aside = [
+            r.getMessage() for r in caplog.records if "gets no requests, pauses or weight updates" in r.getMessage()
+        ]
+        assert len(set_aside) == 1 and addresses[1] in set_aside[0] and "unresponsive" in set_aside[0]
+        assert first_weights(addresses[0]) != before
+
+        procs[1].send_signal(signal.SIGCONT)
+        wait_until(lambda: engine.fleet.live() == [0, 1], 30, "the server rejoining")
+        assert get(addresses[1], "/model_info")["weight_version"] == "1"
+        assert first_weights(addresses[1]) == first_weights(addresses[0]), "it rejoined with the current weights"
+        assert any("is back after" in r.getMessage() for r in caplog.records)
+        assert len(generate(engine, 4)) == 4
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+        engine.destroy()
+        stop_servers(procs)
+
+
+def test_generations_wait_for_the_only_server_and_say_so(model_path: str, caplog, monkeypatch) -> None:
+    """The only server hangs for a while: the generations in flight wait for it (a line is said
+    while waiting), then finish on it once it answers again."""
+    from areal_lite.engines import server_fleet
+
+    monkeypatch.setattr(server_fleet, "WAITING_LINE_SECONDS", 1.0)
+    procs, addresses = start_servers(model_path, 1)
+    config = InferenceEngineConfig(addresses=addresses, setup_timeout=60, control_timeout=CONTROL_TIMEOUT)
+    engine = RemoteSGLangEngine(config)
+    caplog.set_level(logging.WARNING, logger="areal_lite.engines")
+    try:
+        engine.initialize()
+        results: list = []
+        procs[0].send_signal(signal.SIGSTOP)
+        worker = threading.Thread(target=lambda: results.extend(generate(engine, 4, tokens=8)))
+        worker.start()
+        wait_until(lambda: engine.fleet.live() == [], 4 * CONTROL_TIMEOUT + 5, "the hung server set aside")
+        wait_until(
+            lambda: any("no rollout server is available" in r.getMessage() for r in caplog.records), 10, "a line"
+        )
+        procs[0].send_signal(signal.SIGCONT)
+        worker.join(timeout=60)
+        assert len(results) == 4 and engine.fleet.live() == [0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+        engine.destroy()
+        stop_servers(procs)
