@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
@@ -294,7 +295,8 @@ class RunKit:
     ) -> None:
         """After step ``global_step``: save, dump a recover checkpoint (with ``extra``, which
         `resume` returns), evaluate when due (``evaluate()`` returns named scores) and log.
-        Collective over the trainer's ranks."""
+        Collective over the trainer's ranks. After a SIGTERM the recover checkpoint is written
+        whatever its frequency, the evaluation skipped, and the process exits with 143."""
         step = StepInfo.at(global_step, self.steps_per_epoch)
         self.saver.save(self.engine, step, tokenizer=self.tokenizer, last=global_step + 1 == self.total_steps)
         state = dict(extra or {})
@@ -303,7 +305,8 @@ class RunKit:
         self.recover.dump(self.engine, step, dataloader=self.dataloader, stats_logger=self.stats_logger, extra=state)
         for other, handler in self.others.values():
             handler.dump(other, step)
-        scores = self.evaluator.evaluate(evaluate, step) if evaluate is not None else None
+        stopping = self.recover.stop_requested
+        scores = self.evaluator.evaluate(evaluate, step) if evaluate is not None and not stopping else None
         rollout_stats: dict[str, float] = {}
         if self.rollout is not None:
             self.tracker.dist("rollout/staleness", self.rollout.last_batch_staleness)
@@ -311,6 +314,9 @@ class RunKit:
         self.stats_logger.commit(
             global_step, stats, rollout_stats, self.tracker.export(), scores or {}, self.data_stats
         )
+        if stopping:
+            self.close()
+            raise SystemExit(128 + signal.SIGTERM)
 
     def close(self) -> None:
         """Finish the loggers (curves, wandb)."""
