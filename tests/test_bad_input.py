@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import time
 
 import pytest
 
@@ -123,3 +124,104 @@ def test_a_model_directory_without_a_tokenizer_is_named(tmp_path) -> None:
         check_tokenizer(plan)
     plan.tokenizer = ("tokenizer_path", model)
     check_tokenizer(plan)
+
+
+# ---------------------------------------------------------------------------------- rewards
+
+
+class RewardsWorkflow:
+    """Episodes of two samples whose rewards come from ``rewards(data)`` (NaN: a failed grader)."""
+
+    def __init__(self, rewards) -> None:
+        self.rewards = rewards
+
+    async def arun_episode(self, engine: object, data: dict) -> object:
+        from areal_lite.api.io import ModelResponse
+        from areal_lite.workflows.trajectory import from_responses
+
+        resp = ModelResponse(input_tokens=[1, 2], output_tokens=[3], output_logprobs=[-0.5], output_versions=[0])
+        return from_responses([resp, resp], self.rewards(data))
+
+
+def executor(**config: object):
+    from areal_lite.api.config import InferenceEngineConfig
+    from areal_lite.core import WorkflowExecutor
+
+    cfg = InferenceEngineConfig(consumer_batch_size=4, max_head_offpolicyness=100, **config)  # type: ignore[arg-type]
+
+    async def run_episode(workflow, data):
+        return await workflow.arun_episode(None, data)
+
+    ex = WorkflowExecutor(cfg, run_episode)
+    ex.initialize()
+    return ex
+
+
+def test_episodes_with_failed_rewards_are_dropped_and_counted_per_step() -> None:
+    """One episode in four has a NaN reward: it is never trained on; the step's statistics count it."""
+    import math
+
+    ex = executor()
+    try:
+        wf = RewardsWorkflow(lambda d: [1.0, math.nan] if d["i"] % 4 == 3 else [1.0, 0.0])
+        loader = [[{"i": i} for i in range(4 * k, 4 * k + 4)] for k in range(8)]
+        batch = ex.prepare_batch(loader, wf)  # type: ignore[arg-type]
+        assert batch["rewards"].isfinite().all() and len(batch["rewards"]) == 8
+        s = ex.stats()
+        assert s["rollout/reward_failed"] >= 1 and s["rollout/reward_failed_total"] >= s["rollout/reward_failed"]
+        assert s["rollout/rejected"] == 0, "a failed reward is not a rejection"
+    finally:
+        ex.destroy()
+
+
+def test_the_run_stops_when_rewards_fail_on_most_of_a_batch() -> None:
+    """A workflow (or grader) whose every reward is NaN: the run stops with a line that says so,
+    instead of skipping every update and exiting 0."""
+    import math
+
+    from areal_lite.core.executor import RewardFailure
+
+    ex = executor(max_reward_failures=0.5)
+    try:
+        wf = RewardsWorkflow(lambda d: [math.nan, math.nan])
+        loader = [[{"i": i} for i in range(4 * k, 4 * k + 4)] for k in range(8)]
+        with pytest.raises(RewardFailure, match=r"rollout.max_reward_failures=0.5 of a batch of 4; stopping"):
+            ex.prepare_batch(loader, wf)  # type: ignore[arg-type]
+    finally:
+        ex.destroy()
+
+
+def sleeping_grader(prompt, completion, prompt_ids, completion_ids, **item) -> float:
+    time.sleep(3600)  # blocked in C: nothing interrupts it on the loop's own thread
+    return 1.0
+
+
+def test_a_grader_hanging_inline_stops_the_run_naming_it(monkeypatch, caplog) -> None:
+    """The quickstart's mode (inline): the rollout loop blocked in the grader is found within
+    rollout.loop_stall_timeout and the run stops with a line naming the grader; meanwhile the wait
+    says what it waits for."""
+    import areal_lite.core.executor as executor_module
+    from areal_lite.core.executor import LoopStalled
+    from areal_lite.rewards.runner import RewardRunner
+
+    monkeypatch.setattr(executor_module, "WAIT_LINE_SECONDS", 1.0)
+    runner = RewardRunner(sleeping_grader, mode="inline")
+
+    class Graded(RewardsWorkflow):
+        async def arun_episode(self, engine: object, data: dict) -> object:
+            await runner("p", "c", [1], [2])
+            return await super().arun_episode(engine, data)
+
+    ex = executor(loop_stall_timeout=3.0)
+    try:
+        t0 = time.monotonic()
+        stalled = r"blocked for \d+s in sleeping_grader \(.*test_bad_input.py:\d+\)"
+        with (
+            caplog.at_level(logging.WARNING, logger="areal_lite.core.executor"),
+            pytest.raises(LoopStalled, match=stalled),
+        ):
+            ex.prepare_batch([[{"i": 0}] * 4], Graded(lambda d: [1.0, 1.0]))  # type: ignore[arg-type]
+        assert time.monotonic() - t0 < 15
+        assert "waiting for 4 trajectories" in caplog.text
+    finally:
+        ex._thread = None  # its loop is stuck in the grader: leave that daemon thread behind

@@ -26,6 +26,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from areal_lite.api.bounds import at_least, between, more_than, out_of_bounds
+from areal_lite.api.errors import RecurringError
 from areal_lite.api.io import GenerationConfig, MicroBatchSpec
 
 __all__ = [
@@ -295,6 +296,9 @@ class InferenceEngineConfig:
     """Cap on finished-but-unconsumed plus running episodes (None = 16 x consumer batch size)."""
     on_workflow_error: str = field(default="raise", metadata=one_of("raise", "skip"))
     """raise (fail fast, naming the input) or skip (count it and go on)."""
+    loop_stall_timeout: float = field(default=60.0, metadata=more_than(0.0))
+    """Seconds the rollout event loop may be blocked by code that does not await (a grader run
+    inline, blocking I/O in a workflow) before the run stops, naming the function it is blocked in."""
     max_reward_failures: float = field(default=0.5, metadata=between(0.0, 1.0))
     """An episode whose rewards are not all finite numbers (its grader raised, timed out or returned
     NaN or a non-number: `RewardRunner` scores such a sample NaN) is dropped and counted
@@ -578,7 +582,7 @@ class RLExperimentConfig(BaseExperimentConfig):
     the recorded run's parameters bit for bit. Use ``launcher.backend=local`` (no servers)."""
 
 
-class ConfigError(ValueError):
+class ConfigError(RecurringError, ValueError):
     """A config file or override that does not fit the schema."""
 
 

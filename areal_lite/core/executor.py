@@ -28,8 +28,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import threading
 import time
+import traceback
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ from tensordict import TensorDict
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import AcceptFn
+from areal_lite.api.errors import RecurringError
 from areal_lite.api.workflow import RolloutWorkflow, check_trajectory_layout
 from areal_lite.utils.cpu import check_cores, pin_this_thread
 from areal_lite.utils.data import concat_padded
@@ -61,7 +64,15 @@ class WorkflowError(RuntimeError):
         self.cause = cause
 
 
-class RewardFailure(RuntimeError):
+WAIT_LINE_SECONDS = 30.0
+"""While the trainer waits for trajectories and none finishes, a line is said this often."""
+
+
+class LoopStalled(RecurringError, RuntimeError):
+    """The rollout event loop did not run for ``rollout.loop_stall_timeout`` seconds."""
+
+
+class RewardFailure(RecurringError, RuntimeError):
     """Too many episodes of a batch had rewards that are not finite numbers (a failing grader)."""
 
 
@@ -207,6 +218,12 @@ class WorkflowExecutor:
         """Counts since the last batch was handed out (``reward_failed``)."""
         self.last_batch_counts: dict[str, int] = {}
         """`_since_batch` as it was when the last batch was handed out: per-step counts."""
+        self._last_finish = 0.0
+        """`time.monotonic` when an episode last finished (for the waiting lines)."""
+        self._waiting_since: float | None = None
+        self._lines_said = 0
+        self._ping_sent: float | None = None
+        """When the waiting thread asked the loop for a sign of life that has not come yet."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -302,7 +319,7 @@ class WorkflowExecutor:
                         f"wait({count}) timed out after {timeout}s: {len(self._ready)} ready, "
                         f"{self.staleness.running} running, {len(self._pending)} queued, paused={self._paused}"
                     )
-                self._cond.wait(left)
+                self._wait_locked(f"{count} trajectories", left)
             taken = self._ready[:count]
             del self._ready[:count]
             for seq, _ in taken:
@@ -326,7 +343,7 @@ class WorkflowExecutor:
         with self._cond:
             while ticket.remaining > 0 and ticket.error is None:
                 self._raise_if_broken(pipeline=False)
-                self._cond.wait()
+                self._wait_locked(f"{len(data)} episodes outside the pipeline (e.g. an evaluation)", None)
             if ticket.error is not None:
                 raise ticket.error
         if not ticket.results:
@@ -365,7 +382,7 @@ class WorkflowExecutor:
                             f"{self.staleness.accepted} trajectories accepted: call set_version(step + 1) after "
                             "each training step (or raise max_head_offpolicyness)"
                         )
-                    self._cond.wait()  # woken by completions, set_version and resume
+                    self._wait_locked(f"{bs} trajectories", None)  # woken by completions, set_version, resume
                     continue
             # Pull outside the lock: a dataloader may be slow (worker processes, disk).
             while need > 0:
@@ -421,6 +438,59 @@ class WorkflowExecutor:
             raise RuntimeError("the rollout executor was destroyed")
         if self._loop_error is not None:
             raise RuntimeError("the rollout executor's event loop died") from self._loop_error
+
+    def _wait_locked(self, what: str, timeout: float | None) -> None:
+        """One wait on the condition (its lock held), of at most a second. While nothing finishes,
+        a line is said every `WAIT_LINE_SECONDS`; a loop that leaves a ping unanswered for
+        ``loop_stall_timeout`` seconds is blocked in code that does not await, and the run stops
+        with `LoopStalled` naming the function it is blocked in."""
+        now = time.monotonic()
+        loop = self._loop
+        if self._ping_sent is None and loop is not None and not loop.is_closed():
+            self._ping_sent = now
+            try:
+                loop.call_soon_threadsafe(self._pong)
+            except RuntimeError:  # closed meanwhile
+                self._ping_sent = None
+        elif self._ping_sent is not None and now - self._ping_sent > self.config.loop_stall_timeout:
+            raise LoopStalled(self._stalled_message(now - self._ping_sent))
+        quiet = now - max(self._last_finish, self._wait_started(now))
+        if quiet >= WAIT_LINE_SECONDS * (self._lines_said + 1):
+            self._lines_said += 1
+            logger.warning(
+                "waiting for %s for %.0fs: %d ready, %d running, %d queued%s; no episode finished since",
+                what,
+                quiet,
+                len(self._ready),
+                self.staleness.running + self._running_direct,
+                len(self._pending) + len(self._direct_pending),
+                ", admission paused" if self._paused else "",
+            )
+        self._cond.wait(1.0 if timeout is None else min(timeout, 1.0))
+
+    def _wait_started(self, now: float) -> float:
+        if self._waiting_since is None:
+            self._waiting_since = now
+        return self._waiting_since
+
+    def _pong(self) -> None:
+        with self._cond:
+            self._ping_sent = None
+
+    def _stalled_message(self, seconds: float) -> str:
+        """Where the loop's thread is: the innermost frame of code not asyncio's nor this module's."""
+        where = "an unknown place"
+        frame = sys._current_frames().get(self._thread.ident) if self._thread is not None else None
+        if frame is not None:
+            stack = traceback.extract_stack(frame)
+            ours = [f for f in stack if "asyncio" not in f.filename and f.filename != __file__] or stack
+            f = ours[-1]
+            where = f"{f.name} ({f.filename}:{f.lineno})"
+        return (
+            f"the rollout event loop has been blocked for {seconds:.0f}s in {where}: code on the loop that does not "
+            "await (a grader in RewardRunner mode 'inline', blocking I/O in a workflow) stops every rollout; "
+            f"rollout.loop_stall_timeout={self.config.loop_stall_timeout:g}"
+        )
 
     def _capacity_locked(self) -> int:
         if self._paused:
@@ -560,6 +630,8 @@ class WorkflowExecutor:
                 task.ticket.results.append((task.seq, traj))
             if traj is None and (error is None or self.config.on_workflow_error == "skip"):
                 self._drawn.pop(task.seq, None)  # used up (rejected or skipped): never replayed
+            self._last_finish = time.monotonic()
+            self._waiting_since, self._lines_said = None, 0
             self._cond.notify_all()
         assert self._wake is not None
         self._wake.set()

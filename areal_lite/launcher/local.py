@@ -28,6 +28,9 @@ started is stopped by process group (SIGTERM, then SIGKILL after a grace period)
 with the launcher even if it is SIGKILLed (``PR_SET_PDEATHSIG``). A failed trainer is restarted up
 to ``recover.retries`` times; with ``recover.mode=auto`` the script resumes from its last recover
 checkpoint (`areal_lite.utils.recover`). Each start sees its attempt number in ``AREAL_LITE_ATTEMPT``.
+A trainer that fails on an error a restart would meet again (a bad data row, a broken grader, no
+intact checkpoint, a full disk: `areal_lite.api.errors.RecurringError`) is not restarted: the
+launcher ends with that error's line.
 A server that dies is reported and the trainer carries on with the others (the remote engine
 retries requests elsewhere); the run fails only when no server is left.
 """
@@ -55,6 +58,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from areal_lite.api.config import BaseExperimentConfig, ConfigError, LauncherConfig, RecoverConfig, check_choices
+from areal_lite.api.errors import STOP_FILE_ENV
 from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.recover import ATTEMPT_ENV
 
@@ -442,7 +446,8 @@ class LocalLauncher:
             if self.plan.launcher.prepare_overrides:
                 rc = self.run_trainer(0, prepare=True)
                 if rc != 0 or self.received_signal is not None:
-                    logger.error("the prepare run exited with %d", rc)
+                    recurring = self.recurring_error()
+                    logger.error("the prepare run exited with %d%s", rc, f": {recurring}" if recurring else "")
                     return 128 + self.received_signal if self.received_signal is not None else rc
             check_tokenizer(self.plan)
             if self.plan.launcher.backend != "local":
@@ -456,6 +461,10 @@ class LocalLauncher:
                 rc = self.run_trainer(attempt)
                 if rc == 0 or self.received_signal is not None or not self._servers_left():
                     break
+                recurring = self.recurring_error()
+                if recurring is not None:
+                    print(f"[launcher] the trainer stopped on: {recurring} (a restart would meet it again)", flush=True)
+                    break
                 if attempt < retries:
                     logger.warning(
                         "trainer exited with %d; restart %d of %d from the last checkpoint", rc, attempt + 1, retries
@@ -468,8 +477,21 @@ class LocalLauncher:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
+    @property
+    def stop_file(self) -> str:
+        """Where the trainer writes an error that a restart would meet again."""
+        return os.path.join(self.plan.log_dir, "recurring_error")
+
     def _env(self, attempt: int) -> dict[str, str]:
-        return {**os.environ, ATTEMPT_ENV: str(attempt)}
+        return {**os.environ, ATTEMPT_ENV: str(attempt), STOP_FILE_ENV: self.stop_file}
+
+    def recurring_error(self) -> str | None:
+        """The line of the error that ended the last attempt, if a restart would meet it again."""
+        try:
+            with open(self.stop_file) as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
 
     def check_server_model(self) -> None:
         """The servers load ``model_path``: it must exist by now (or be a hub id)."""
@@ -527,6 +549,9 @@ class LocalLauncher:
 
     def run_trainer(self, attempt: int, prepare: bool = False) -> int:
         cfg = self.plan.launcher
+        os.makedirs(self.plan.log_dir, exist_ok=True)
+        if os.path.exists(self.stop_file):
+            os.remove(self.stop_file)
         cmd = trainer_command(self.plan, self.addresses, find_free_port(), prepare=prepare)
         logger.info("%s: %s", "prepare" if prepare else f"attempt {attempt}", " ".join(cmd))
         env = self._env(attempt)

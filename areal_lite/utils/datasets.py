@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import TensorDict
 
+from areal_lite.api.errors import RecurringError
+
 logger = logging.getLogger(__name__)
 
 GSM8K_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -37,7 +39,7 @@ GSM8K_FIELDS: RowFields = {"question": str, "answer": str}
 ON_BAD_ROW = ("raise", "skip")
 
 
-class BadRow(ValueError):
+class BadRow(RecurringError, ValueError):
     """A row that lacks a field the run reads, holds a value of the wrong type, or cannot be
     parsed; the message names its file and line (or parquet row)."""
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from areal_lite.api.config import SaverConfig
 from areal_lite.api.engine import TrainEngine
+from areal_lite.api.errors import RecurringError
 from areal_lite.api.io import SaveLoadMeta
 from areal_lite.utils.step import StepInfo, is_due
 
@@ -36,12 +37,12 @@ LOW_SPACE_BYTES = 64 << 20
 real cause of e.g. torch.save's ``unexpected pos`` error, which carries no errno)."""
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(RecurringError, OSError):
     """A checkpoint could not be written; the message names the cause (a full disk, a read-only
     file system, a permission). The previous checkpoint is intact."""
 
 
-class CheckpointDamaged(RuntimeError):
+class CheckpointDamaged(RecurringError, RuntimeError):
     """No copy of a checkpoint matches its checksums."""
 
 

@@ -12,8 +12,10 @@ import os
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from areal_lite.api.errors import RecurringError
 
-class TokenizerMissing(FileNotFoundError):
+
+class TokenizerMissing(RecurringError, FileNotFoundError):
     """A model directory (or hub id) holds no usable tokenizer."""
 
 
