@@ -146,3 +146,56 @@ def test_generations_wait_for_the_only_server_and_say_so(model_path: str, caplog
                 p.send_signal(signal.SIGCONT)
         engine.destroy()
         stop_servers(procs)
+
+
+def test_a_restart_before_the_first_checkpoint_gives_the_servers_the_initial_weights(tmp_path, monkeypatch) -> None:
+    """The servers outlive a failed trainer and keep the weights and version it pushed to them; a
+    restart that finds no recover checkpoint pushes its initial ones (version 0) before it trains."""
+    from areal_lite.api.config import RLExperimentConfig
+    from areal_lite.kit import RunKit
+    from areal_lite.utils.recover import ATTEMPT_ENV
+
+    calls: list[tuple[str, object]] = []
+
+    class Engine:
+        def get_version(self) -> int:
+            return 0
+
+        def set_version(self, v: int) -> None:
+            calls.append(("engine.set_version", v))
+
+        def update_weights(self, meta: WeightUpdateMeta) -> None:
+            calls.append(("engine.update_weights", meta.type))
+
+    class Rollout:
+        def pause(self) -> None:
+            calls.append(("rollout.pause", None))
+
+        def set_version(self, v: int) -> None:
+            calls.append(("rollout.set_version", v))
+
+        def resume(self) -> None:
+            calls.append(("rollout.resume", None))
+
+    cfg = RLExperimentConfig()
+    cfg.cluster.fileroot = str(tmp_path)
+    cfg.recover.mode = "auto"
+    cfg.stats_logger.wandb_mode = "disabled"
+    cfg.total_train_steps = 3
+
+    def start(attempt: str) -> list[tuple[str, object]]:
+        calls.clear()
+        monkeypatch.setenv(ATTEMPT_ENV, attempt)
+        meta = WeightUpdateMeta(type="disk", path=str(tmp_path / "w"))
+        run = RunKit(cfg, Engine(), [[{}]], rollout=Rollout(), weight_meta=meta)  # type: ignore[arg-type]
+        assert run.resume() is None and run.start_step == 0
+        return list(calls)
+
+    assert start("0") == [], "a first start leaves the servers as the launcher started them"
+    assert start("1") == [
+        ("rollout.pause", None),
+        ("engine.set_version", 0),
+        ("engine.update_weights", "disk"),
+        ("rollout.set_version", 0),
+        ("rollout.resume", None),
+    ]

@@ -95,6 +95,8 @@ class ServerFleet:
         self._aside: dict[int, asyncio.Event] = {}
         """Per server, set while it is set aside (calls waiting on it end); on the fleet's loop."""
         self._live_again: asyncio.Event | None = None
+        self._none_live_since: float | None = None
+        self._waiting_line_at = 0.0
         self._probing: set[int] = set()
         self._handing_back: set[int] = set()
         self._monitor: asyncio.Task[None] | None = None
@@ -360,25 +362,31 @@ class ServerFleet:
 
     async def until_any_live(self, timeout: float) -> None:
         """Return once a server is live; raise when none is or may be again, or after ``timeout``
-        seconds, naming the servers. A line is said every `WAITING_LINE_SECONDS` while waiting."""
+        seconds, naming the servers. While none is, one line (for all the waiting calls) is said
+        every `WAITING_LINE_SECONDS`."""
         t0 = time.monotonic()
         while not self.live():
             if not self.may_return():
                 raise RuntimeError("every rollout server is unreachable")
-            waited = time.monotonic() - t0
+            now = time.monotonic()
+            if self._none_live_since is None:
+                self._none_live_since = now
             with self._lock:
                 why = "; ".join(
                     f"{self.addresses[i]} {self._out.get(i, 'is returning')}"
                     for i in sorted(set(self._out) | self._returning)
                 )
-            if waited >= timeout:
+            if now - t0 >= timeout:
                 raise RuntimeError(f"no rollout server came back within {timeout:.0f}s ({why})")
-            if waited > 0:
-                logger.warning("no rollout server is available for %.0fs; waiting for one to answer (%s)", waited, why)
+            since = now - self._none_live_since
+            if since >= WAITING_LINE_SECONDS and now - self._waiting_line_at >= WAITING_LINE_SECONDS:
+                self._waiting_line_at = now
+                logger.warning("no rollout server is available for %.0fs; waiting for one to answer (%s)", since, why)
             self._live_again = self._live_again or asyncio.Event()
             self._live_again.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._live_again.wait(), min(WAITING_LINE_SECONDS, timeout - waited) + 1e-3)
+                await asyncio.wait_for(self._live_again.wait(), min(1.0, timeout - (now - t0)) + 1e-3)
+        self._none_live_since = None
 
     # ----- the monitor ---------------------------------------------------------------------
 
