@@ -145,6 +145,7 @@ class _Ticket:
     remaining: int
     results: list[tuple[int, TensorDict]] = field(default_factory=list)
     error: WorkflowError | None = None
+    reward_failed: int = 0
 
 
 @dataclass
@@ -346,6 +347,12 @@ class WorkflowExecutor:
                 self._wait_locked(f"{len(data)} episodes outside the pipeline (e.g. an evaluation)", None)
             if ticket.error is not None:
                 raise ticket.error
+        if not ticket.results and ticket.reward_failed:
+            raise RewardFailure(
+                f"the rewards of {ticket.reward_failed} of the {len(data)} episodes of a batch outside the pipeline "
+                "(e.g. an evaluation) failed (NaN, an error, a timeout or a non-number: the reward function's "
+                "warnings above name them), and the others were rejected"
+            )
         if not ticket.results:
             raise RuntimeError(f"rollout_batch: all {len(data)} trajectories were rejected or failed")
         return concat_padded([t for _, t in sorted(ticket.results, key=lambda r: r[0])])
@@ -641,7 +648,8 @@ class WorkflowExecutor:
         than ``max_reward_failures`` of the last ``consumer_batch_size`` episodes were."""
         self.totals["reward_failed"] += 1
         if task.ticket is not None:
-            return  # an evaluation: counted, not held against the run
+            task.ticket.reward_failed += 1  # an evaluation: counted; the run stops only if all fail
+            return
         self._since_batch["reward_failed"] += 1
         self._reward_window.append(True)
         failed, window = sum(self._reward_window), self.config.consumer_batch_size
