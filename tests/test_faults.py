@@ -32,6 +32,18 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("faults") / "m"), hidden_size=32, num_layers=2, vocab_size=260)
 
 
+@pytest.fixture(scope="module")
+def servers(model_path: str):
+    """Two of our servers, shared by the tests (each start costs seconds); a test that stops one
+    lets it go on before it ends."""
+    procs, addresses = start_servers(model_path, 2)
+    yield procs, addresses
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+    stop_servers(procs)
+
+
 def get(address: str, path: str) -> dict:
     import json
 
@@ -70,8 +82,10 @@ def wait_until(condition, timeout: float, what: str) -> float:
     return time.monotonic() - t0
 
 
-def test_a_hung_server_is_set_aside_then_rejoins_with_the_current_weights(model_path: str, tmp_path, caplog) -> None:
-    procs, addresses = start_servers(model_path, 2)
+def test_a_hung_server_is_set_aside_then_rejoins_with_the_current_weights(
+    servers, model_path: str, tmp_path, caplog
+) -> None:
+    procs, addresses = servers
     config = InferenceEngineConfig(addresses=addresses, setup_timeout=60, control_timeout=CONTROL_TIMEOUT)
     engine = RemoteSGLangEngine(config)
     caplog.set_level(logging.WARNING, logger="areal_lite.engines")
@@ -111,19 +125,17 @@ def test_a_hung_server_is_set_aside_then_rejoins_with_the_current_weights(model_
         assert len(generate(engine, 4)) == 4
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
+            p.send_signal(signal.SIGCONT)
         engine.destroy()
-        stop_servers(procs)
 
 
-def test_generations_wait_for_the_only_server_and_say_so(model_path: str, caplog, monkeypatch) -> None:
+def test_generations_wait_for_the_only_server_and_say_so(servers, caplog, monkeypatch) -> None:
     """The only server hangs for a while: the generations in flight wait for it (a line is said
     while waiting), then finish on it once it answers again."""
     from areal_lite.engines import server_fleet
 
     monkeypatch.setattr(server_fleet, "WAITING_LINE_SECONDS", 1.0)
-    procs, addresses = start_servers(model_path, 1)
+    procs, addresses = servers[0][:1], servers[1][:1]
     config = InferenceEngineConfig(addresses=addresses, setup_timeout=60, control_timeout=CONTROL_TIMEOUT)
     engine = RemoteSGLangEngine(config)
     caplog.set_level(logging.WARNING, logger="areal_lite.engines")
@@ -142,10 +154,8 @@ def test_generations_wait_for_the_only_server_and_say_so(model_path: str, caplog
         assert len(results) == 4 and engine.fleet.live() == [0]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
+            p.send_signal(signal.SIGCONT)
         engine.destroy()
-        stop_servers(procs)
 
 
 def test_a_restart_before_the_first_checkpoint_gives_the_servers_the_initial_weights(tmp_path, monkeypatch) -> None:
@@ -199,3 +209,64 @@ def test_a_restart_before_the_first_checkpoint_gives_the_servers_the_initial_wei
         ("rollout.set_version", 0),
         ("rollout.resume", None),
     ]
+
+
+def test_a_hung_server_rejoins_distributed_updates_with_the_next_group(
+    servers, model_path: str, tmp_path, caplog
+) -> None:
+    """With broadcast updates a returning server cannot load the last update from disk: it waits,
+    saying so, and the next update forms a group with it again, so that it gets those weights."""
+    from dataclasses import replace
+
+    from areal_lite.api.io import ParamSpec
+    from areal_lite.utils.distributed import find_free_port, init_custom_process_group
+
+    procs, addresses = servers
+    config = InferenceEngineConfig(addresses=addresses, setup_timeout=60, control_timeout=CONTROL_TIMEOUT)
+    engine = RemoteSGLangEngine(config)
+    caplog.set_level(logging.WARNING, logger="areal_lite.engines")
+    meta = WeightUpdateMeta(type="distributed", backend="gloo")
+
+    def form_group():
+        meta.master_port = find_free_port()
+        joined = engine.init_weights_update_group(meta)
+        group = init_custom_process_group(
+            "gloo", meta.master_address, meta.master_port, 0, meta.world_size, meta.group_name, timeout=60
+        )
+        joined.result(timeout=60)
+        return group
+
+    def broadcast(group, version: int) -> None:
+        new = perturbed_copy(model_path, str(tmp_path / f"v{version}"))
+        state = {n: p.detach().clone() for n, p in new.named_parameters()}
+        specs = [ParamSpec(n, tuple(t.shape), "float32") for n, t in state.items()]
+        engine.pause()
+        loaded = engine.update_weights(replace(meta, param_specs=specs, version=version))
+        for t in state.values():
+            group.broadcast(t)
+        loaded.result(timeout=60)
+        engine.set_version(version)
+        engine.resume()
+
+    try:
+        engine.initialize()
+        form_group()
+        assert meta.world_size == 3
+        procs[1].send_signal(signal.SIGSTOP)
+        wait_until(lambda: engine.fleet.live() == [0], 4 * CONTROL_TIMEOUT + 5, "the hung server set aside")
+        assert not engine.weight_update_group_intact()
+        broadcast(form_group(), 1)
+        assert meta.world_size == 2
+
+        procs[1].send_signal(signal.SIGCONT)
+        wait_until(lambda: any("rejoins with the next weight update" in r.getMessage() for r in caplog.records), 30, "")
+        assert engine.fleet.live() == [0] and engine.fleet.returning() == [1], "not with version 0's weights"
+        assert not engine.weight_update_group_intact()
+        broadcast(form_group(), 2)
+        assert meta.world_size == 3 and engine.fleet.live() == [0, 1]
+        assert [get(a, "/model_info")["weight_version"] for a in addresses] == ["2", "2"]
+        assert first_weights(addresses[1]) == first_weights(addresses[0])
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+        engine.destroy()
