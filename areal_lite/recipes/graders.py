@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import math
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Mapping
 
 from areal_lite.api.io import GenerationConfig
