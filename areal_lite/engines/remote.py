@@ -218,7 +218,10 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         waits to join the next one's group) and version, resumed or paused as the others, then
         readmits it. Any other client readmits it once it reports the current version."""
         if not self.control_servers:
-            info = await self.fleet.request(i, "/model_info", None, 10.0, method="GET")
+            try:
+                info = await self.fleet.request(i, "/model_info", None, 10.0, method="GET")
+            except ServerError:  # no such route (vLLM): its tokens get this client's version anyway
+                info = None
             version = info.get("weight_version") if isinstance(info, dict) else None
             if version is None or _parse_version(version, -1) == self._version:
                 self.fleet.readmit(i)
