@@ -24,7 +24,7 @@ from areal_lite.utils.tiny import build_tiny_model
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 from inference_servers import perturbed_copy, start_servers, stop_servers
 
-CONTROL_TIMEOUT = 2.0
+CONTROL_TIMEOUT = 5.0  # not less: a busy server on a loaded 2-core machine must still pass its checks
 
 
 @pytest.fixture(scope="module")

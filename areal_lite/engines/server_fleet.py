@@ -99,6 +99,7 @@ class ServerFleet:
         self._waiting_line_at = 0.0
         self._probing: set[int] = set()
         self._handing_back: set[int] = set()
+        self._hand_back_failed: set[int] = set()
         self._monitor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         """The monitor's probes and hand-backs in progress."""
@@ -484,9 +485,13 @@ class ServerFleet:
         try:
             await self.on_return(i)
         except (aiohttp.ClientError, asyncio.TimeoutError, ServerError, RuntimeError) as e:
-            logger.warning(
-                "bringing server %s back failed (%s: %s); trying again", self.addresses[i], type(e).__name__, e
-            )
+            if i not in self._hand_back_failed:  # said once; tried again after each probe
+                self._hand_back_failed.add(i)
+                logger.warning(
+                    "bringing server %s back failed (%s: %s); trying again", self.addresses[i], type(e).__name__, e
+                )
+        else:
+            self._hand_back_failed.discard(i)
         finally:
             self._handing_back.discard(i)
 
