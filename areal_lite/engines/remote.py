@@ -13,8 +13,11 @@ and version; while this client keeps the servers paused it waits, so that hundre
 resubmissions do not queue up on the paused servers and delay the weight update. When a server
 fails (connection error, timeout, 5xx) the request is resent from its last known state to another
 server, so a server dying loses no request and returns none twice. A server that refuses
-connections is dead: it gets no more generation or control calls, and the rest of the fleet
-carries on (a distributed weight update cannot: its process group counted the dead server).
+connections or stops answering is set aside by the fleet: it gets no generation or control calls
+and the rest of the fleet carries on. When it answers again, this client brings it up to date
+before it is readmitted: the last disk update is loaded again (after a broadcast it waits for the
+next update, whose group takes it in), the current version is set and it is paused or resumed like
+the others.
 
 A stop string that straddles two parts of a resumed generation is not seen (each part is checked
 on its own), as with SGLang-based AReaL. While this client keeps the servers paused, new
@@ -451,7 +454,8 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         if pause_here:
             await self._pause_servers()
         try:
-            await self._rejoin_returning()
+            if meta.type == "disk":  # a broadcast's group is formed before its chunks (`init_weights_update_group`)
+                await self._rejoin_returning()
             if meta.type == "disk":
                 await self._load_from_disk_call(meta)
             else:
