@@ -454,9 +454,9 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         if pause_here:
             await self._pause_servers()
         try:
-            if meta.type == "disk":  # a broadcast's group is formed before its chunks (`init_weights_update_group`)
-                await self._rejoin_returning()
             if meta.type == "disk":
+                # (A broadcast's group takes returning servers in when it is formed, not between chunks.)
+                await self._rejoin_returning()
                 await self._load_from_disk_call(meta)
             else:
                 await self._receive_broadcast_call(meta)
