@@ -179,6 +179,15 @@ class FileEngine:
 
 def test_sigterm_writes_a_checkpoint_after_the_step_and_asks_to_stop(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(recover_module, "_stop_signal", None)
+    monkeypatch.setattr(recover_module, "_catching", False)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        stop_after_a_step(tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # pytest's own again
+
+
+def stop_after_a_step(tmp_path) -> None:
     handler = RecoverHandler(RecoverConfig(mode="auto", freq_steps=100), str(tmp_path))
     engine = FileEngine()
     step = StepInfo.first(10)
