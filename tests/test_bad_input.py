@@ -54,6 +54,27 @@ def test_skipped_rows_are_left_out_counted_and_logged(tmp_path, caplog) -> None:
     assert f"left out {len(BAD_LINES)} bad rows of {len(lines)}" in logged[-1]
 
 
+def test_demonstrations_and_preference_pairs_are_checked_too(tmp_path) -> None:
+    from areal_lite.utils.datasets import PREFERENCE_FIELDS, demonstration_row
+
+    sft = tmp_path / "sft.jsonl"
+    rows = [
+        {"prompt": "1+1=", "completion": "2"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"prompt": "2+2="},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+    ]
+    sft.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(BadRow, match=rf"at {sft}:3: field 'completion' is missing"):
+        read_rows(str(sft), convert=demonstration_row)
+    kept = read_rows(str(sft), on_bad_row="skip", convert=demonstration_row)
+    assert len(kept) == 2 and kept.stats()["data/left_out/bad"] == 2
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "1+1=", "chosen": "2", "rejected": 3}) + "\n")
+    with pytest.raises(BadRow, match="field 'rejected' is int 3, expected str"):
+        read_rows(str(pairs), PREFERENCE_FIELDS)
+
+
 def test_prompts_over_max_length_are_dropped_and_counted(tmp_path) -> None:
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({"question": "x" * n, "answer": "#### 1"}) + "\n" for n in (5, 10, 500, 20)))

@@ -36,6 +36,7 @@ RowFields = dict[str, type | tuple[type, ...]]
 """The fields a run reads from each row and the type each must have (present, not None, and not
 empty when a string or a list)."""
 GSM8K_FIELDS: RowFields = {"question": str, "answer": str}
+PREFERENCE_FIELDS: RowFields = {"prompt": str, "chosen": str, "rejected": str}
 ON_BAD_ROW = ("raise", "skip")
 
 
@@ -159,7 +160,9 @@ def read_rows(
             if problem is None and convert is not None:
                 try:
                     row = convert(row)  # type: ignore[arg-type]
-                except (ValueError, KeyError, TypeError) as e:
+                except ValueError as e:  # the conversion refuses the row, saying why
+                    problem = str(e)
+                except (KeyError, TypeError) as e:
                     problem = f"{type(e).__name__}: {e}"
             if problem is not None:
                 if on_bad_row == "raise":
@@ -195,6 +198,26 @@ def gsm8k_item(row: dict[str, object], instruction: str = GSM8K_INSTRUCTION) -> 
     if not final:
         raise ValueError("the answer's '####' is followed by nothing")
     return {"messages": [{"role": "user", "content": f"{row['question']}\n{instruction}"}], "answer": final}
+
+
+def demonstration_row(row: dict[str, object]) -> dict[str, object]:
+    """``row`` when `demonstration_ids` can read it: a non-empty ``messages`` list of
+    ``{"role", "content"}`` turns (strings) ending in the answer, or non-empty ``prompt`` and
+    ``completion`` strings; ValueError saying what is wrong otherwise (`read_rows` ``convert``)."""
+    messages = row.get("messages")
+    if messages:
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ValueError("'messages' must be a list of {'role': str, 'content': str} turns")
+        if not str(messages[-1]["content"]).strip():
+            raise ValueError("the last turn of 'messages' (the answer trained on) is empty")
+        return row
+    problem = row_problem(row, {"prompt": str, "completion": str})
+    if problem is not None:
+        raise ValueError(f"{problem} (a demonstration holds 'messages', or 'prompt' and 'completion')")
+    return row
 
 
 def addition_problems(n: int, n_digits: int, seed: int, exclude: Collection[str] = ()) -> list[dict[str, object]]:
