@@ -190,6 +190,7 @@ def test_episodes_with_failed_rewards_are_dropped_and_counted_per_step() -> None
         assert batch["rewards"].isfinite().all() and len(batch["rewards"]) == 8
         s = ex.stats()
         assert s["rollout/reward_failed"] >= 1 and s["rollout/reward_failed_total"] >= s["rollout/reward_failed"]
+        assert s["rollout/reward_failed_samples"] == s["rollout/reward_failed"], "one NaN sample in each"
         assert s["rollout/rejected"] == 0, "a failed reward is not a rejection"
     finally:
         ex.destroy()

@@ -413,8 +413,8 @@ class WorkflowExecutor:
 
     def stats(self) -> dict[str, float]:
         """Counters for the stats logger: episodes accepted, rejected, failed, in flight, dropped for
-        failed rewards (since the previous batch, and in total), and the staleness of the last
-        consumed batch."""
+        failed rewards (since the previous batch, with their failed samples, and in total), and the
+        staleness of the last consumed batch."""
         with self._cond:
             last = self.last_batch_staleness
             return {
@@ -423,6 +423,7 @@ class WorkflowExecutor:
                 "rollout/rejected": float(self.totals["rejected"]),
                 "rollout/failed": float(self.totals["failed"]),
                 "rollout/reward_failed": float(self.last_batch_counts.get("reward_failed", 0)),
+                "rollout/reward_failed_samples": float(self.last_batch_counts.get("reward_failed_samples", 0)),
                 "rollout/reward_failed_total": float(self.totals["reward_failed"]),
                 "rollout/running": float(self.staleness.running + self._running_direct),
                 "rollout/queued": float(len(self._pending)),
@@ -595,12 +596,14 @@ class WorkflowExecutor:
         traj: TensorDict | None = None
         error: WorkflowError | None = None
         reward_failed = False
+        failed_samples = 0
         try:
             traj = await self._run_episode(task.workflow, task.data)
             if traj is not None:
                 check_trajectory_layout(traj, type(task.workflow).__name__)
                 reward_failed = rewards_failed(traj)
                 if reward_failed:
+                    failed_samples = int((~torch.isfinite(traj["rewards"])).sum())
                     traj = None  # never trained on: its advantages would be NaN or made up
             if traj is not None and task.should_accept is not None and not task.should_accept(traj):
                 traj = None
@@ -617,7 +620,7 @@ class WorkflowExecutor:
                 self._running_direct -= 1
                 task.ticket.remaining -= 1
             if reward_failed:
-                self._count_reward_failure(task)
+                self._count_reward_failure(task, failed_samples)
             elif task.ticket is None and error is None:
                 self._reward_window.append(False)
             if error is not None:
@@ -643,14 +646,16 @@ class WorkflowExecutor:
         assert self._wake is not None
         self._wake.set()
 
-    def _count_reward_failure(self, task: _Task) -> None:
-        """Count an episode dropped for failed rewards (under the lock); stop the pipeline when more
-        than ``max_reward_failures`` of the last ``consumer_batch_size`` episodes were."""
+    def _count_reward_failure(self, task: _Task, samples: int) -> None:
+        """Count an episode dropped for failed rewards, and its ``samples`` that failed (under the
+        lock); stop the pipeline when more than ``max_reward_failures`` of the last
+        ``consumer_batch_size`` episodes were dropped so."""
         self.totals["reward_failed"] += 1
         if task.ticket is not None:
             task.ticket.reward_failed += 1  # an evaluation: counted; the run stops only if all fail
             return
         self._since_batch["reward_failed"] += 1
+        self._since_batch["reward_failed_samples"] += samples
         self._reward_window.append(True)
         failed, window = sum(self._reward_window), self.config.consumer_batch_size
         limit = self.config.max_reward_failures
