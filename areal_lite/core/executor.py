@@ -348,10 +348,11 @@ class WorkflowExecutor:
             if ticket.error is not None:
                 raise ticket.error
         if not ticket.results and ticket.reward_failed:
+            others = "" if ticket.reward_failed == len(data) else ", and the others were rejected"
             raise RewardFailure(
                 f"the rewards of {ticket.reward_failed} of the {len(data)} episodes of a batch outside the pipeline "
                 "(e.g. an evaluation) failed (NaN, an error, a timeout or a non-number: the reward function's "
-                "warnings above name them), and the others were rejected"
+                f"warnings above name them){others}"
             )
         if not ticket.results:
             raise RuntimeError(f"rollout_batch: all {len(data)} trajectories were rejected or failed")
