@@ -335,7 +335,7 @@ class ServerFleet:
             self._loop.call_soon_threadsafe(lambda: self._aside_event(idx).set())
 
     def readmit(self, idx: int) -> None:
-        """Take a returning (or set-aside) server back: it gets calls again."""
+        """Take a returning (or set-aside) server back: it gets calls again. On the fleet's loop."""
         with self._lock:
             was = self._out.pop(idx, None)
             self._dead.discard(idx)
