@@ -61,7 +61,7 @@ def test_concat_pack_unpack_round_trip(groups: list[list[int]], seed: int) -> No
     assert torch.equal(packed["rewards"], batch["rewards"])
 
     restored = unpack_batch(packed, batch["attention_mask"].shape[1], PER_TOKEN)
-    for key in batch:
+    for key in batch.keys():  # noqa: SIM118 - iterating a TensorDict yields rows, not keys
         assert torch.equal(restored[key], batch[key]), key
 
 

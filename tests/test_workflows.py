@@ -380,6 +380,6 @@ def test_from_responses_equals_concatenated_single_responses() -> None:
     expected = concat_padded([from_response(r, w) for r, w in zip(resps, rewards)])
     check_trajectory(group)
     assert set(group.keys()) == set(expected.keys())
-    for key in expected:
+    for key in expected.keys():  # noqa: SIM118 - iterating a TensorDict yields rows, not keys
         assert group[key].dtype == expected[key].dtype, key
         assert torch.equal(group[key], expected[key]), key

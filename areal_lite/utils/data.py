@@ -37,7 +37,7 @@ def concat_padded(trajs: list[TensorDict], pad_to: int | None = None) -> TensorD
     if pad_to is not None:
         max_len = max(max_len, pad_to)
     out: dict[str, torch.Tensor] = {}
-    for key in trajs[0]:
+    for key in trajs[0].keys():  # noqa: SIM118 - iterating a TensorDict yields rows, not keys
         parts = []
         for t in trajs:
             v = t[key]
