@@ -634,7 +634,7 @@ def _check_keys(schema: DictConfig, given: DictConfig, source: str, parent: str 
     is_structured = is_dataclass(schema._metadata.object_type)
     for key in given:
         full = f"{parent}.{key}" if parent else str(key)
-        sub_schema = schema._get_node(key, throw_on_missing_key=False) if key in schema else None
+        sub_schema = schema._get_node(key, throw_on_missing_key=False) if key in schema.keys() else None  # noqa: SIM118 - `in` on a DictConfig is False for a MISSING value
         if is_structured and sub_schema is None:
             raise _unknown_key_error(schema, full, source)
         sub_given = given._get_node(key)
