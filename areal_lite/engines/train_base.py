@@ -30,11 +30,15 @@ from tensordict import TensorDict
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedBatch, TrainEngine
 from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta, unknown_weight_format
+from areal_lite.utils.data import unpack_sequences
 from areal_lite.utils.distributed import destroy_default_group, init_default_group
 from areal_lite.utils.lr_schedule import lr_multiplier
 from areal_lite.utils.weight_sync import WeightSender
 
 logger = logging.getLogger(__name__)
+
+_ROW = "batch_row"
+"""The per-sequence key `forward_backward_logprobs` adds: each sequence's row in the batch."""
 
 
 class Optimizer(Protocol):
@@ -118,17 +122,57 @@ class TrainEngineBase(TrainEngine):
         self._require_optimizer("forward_backward")
         return self._weighted_loss(batch, loss_fn, loss_weight_fn, train=True)
 
+    def forward_backward_logprobs(
+        self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn
+    ) -> tuple[dict[str, float], torch.Tensor]:
+        # Each sequence carries its row so that the log-probabilities the loss sees, micro-batch
+        # by micro-batch in whatever order the split made, go back to their rows.
+        data = batch.clone(recurse=False)
+        data[_ROW] = torch.arange(batch.batch_size[0], dtype=torch.int64)
+        seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+        def recording_loss(
+            out: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            rows, cu = mb[_ROW], mb["cu_seqlens"]
+            assert isinstance(rows, torch.Tensor) and isinstance(cu, torch.Tensor)
+            seen.append((rows.cpu(), cu.cpu(), out.detach().float().cpu()))
+            return loss_fn(out, entropy, mb)
+
+        stats = self.forward_backward(data, recording_loss, loss_weight_fn)
+        width = batch["attention_mask"].shape[1]
+        logprobs = torch.zeros(batch["attention_mask"].shape, dtype=torch.float32)
+        for rows, cu, out in self._from_last_stage(seen):  # type: ignore[union-attr]
+            logprobs[rows] = unpack_sequences(out, cu, width)
+        return stats, logprobs
+
+    def _from_last_stage(self, obj: object) -> object:
+        """``obj`` as the stage that runs the losses has it, on every stage (pipeline-parallel
+        backends override this; without pipeline stages every rank runs the losses)."""
+        return obj
+
     def optim_step(
-        self, lr: float | None = None, weight_decay: float | None = None, max_grad_norm: float | None = None
+        self,
+        lr: float | None = None,
+        weight_decay: float | None = None,
+        max_grad_norm: float | None = None,
+        *,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
     ) -> dict[str, float]:
         groups = self._require_optimizer("optim_step").param_groups
-        configured = [(group["lr"], group["weight_decay"]) for group in groups]
+        adam = {"betas": betas, "eps": eps}
+        for key, value in adam.items():
+            if value is not None and any(key not in group for group in groups):
+                raise ValueError(f"{type(self).__name__}'s optimizer takes no per-step {key}")
+        configured = [{k: group[k] for k in ("lr", "weight_decay", *adam) if k in group} for group in groups]
         for group in groups:
             if lr is not None:
                 group["lr"] = lr
             if weight_decay is not None:
                 # wd_mult: 0 for the parameters never decayed (biases, norm weights), as megatron marks them
                 group["weight_decay"] = weight_decay * float(group.get("wd_mult", 1.0))  # type: ignore[arg-type]
+            group.update({k: v for k, v in adam.items() if v is not None})
         step_lr = float(groups[0]["lr"])  # type: ignore[arg-type]
         clip = self.config.optimizer.gradient_clipping if max_grad_norm is None else max_grad_norm
         grad_norm = self._clip_gradients(clip)
@@ -139,8 +183,8 @@ class TrainEngineBase(TrainEngine):
         else:
             logger.warning("non-finite gradient norm %s at step %d: skipping the update", grad_norm, self._global_step)
         self._zero_grad()
-        for group, (group_lr, group_wd) in zip(groups, configured):
-            group["lr"], group["weight_decay"] = group_lr, group_wd
+        for group, saved in zip(groups, configured):
+            group.update(saved)
         return {"grad_norm": grad_norm, "lr": step_lr, "update_successful": float(ok)}
 
     @torch.no_grad()
