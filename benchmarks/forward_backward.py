@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -102,8 +101,7 @@ def service_rows(args: argparse.Namespace, path: str, batch: TensorDict) -> dict
     import tinker
     from tinker import types
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "scripts"))
-    from tinker_service import tinker_service
+    from areal_lite.service.launch import local_service
 
     data = []
     for ids, attn in zip(batch["input_ids"], batch["attention_mask"]):
@@ -115,7 +113,7 @@ def service_rows(args: argparse.Namespace, path: str, batch: TensorDict) -> dict
             )
         )
     times: dict[str, list[float]] = {"tinker forward_backward": [], "tinker forward, then forward_backward": []}
-    with tempfile.TemporaryDirectory() as workdir, tinker_service([path], workdir) as url:
+    with tempfile.TemporaryDirectory() as workdir, local_service([path], workdir) as url:
         client = tinker.ServiceClient(base_url=url, api_key="tml-bench")
         tc = client.create_lora_training_client(base_model=path, rank=16).result()
         zero = types.AdamParams(learning_rate=0.0)

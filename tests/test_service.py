@@ -11,22 +11,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
-
-tinker = pytest.importorskip("tinker", reason="the tinker extra: pip install -e '.[tinker]'")
+import tinker
 from tinker import types
 
+from areal_lite.service.launch import local_service
 from areal_lite.utils.tiny import build_tiny_model
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-from tinker_service import tinker_service
 
 KEY = "tml-test-key"
 SENTENCES = [
@@ -44,7 +39,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def url(model: str, tmp_path_factory: pytest.TempPathFactory):
     workdir = str(tmp_path_factory.mktemp("tinker_workdir"))
-    with tinker_service([model], workdir, "--api-key", KEY, "--poll-timeout", "2") as base_url:
+    with local_service([model], workdir, "--api-key", KEY, "--poll-timeout", "2") as base_url:
         yield base_url
 
 

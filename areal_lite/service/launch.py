@@ -1,5 +1,7 @@
-"""Start and stop the Tinker-compatible service (``python -m areal_lite.service``) for tests and
-benchmarks: on a free loopback port, one thread, its log kept in a file, stopped afterwards."""
+"""Run the service as a child process for a script, a test or a benchmark: `local_service` starts
+``python -m areal_lite.service`` on a free loopback port, waits until it answers, and stops it
+(killing it if it hangs) when the ``with`` block ends. Its log goes to a file, copied to stderr
+at the end when ``TINKER_SERVICE_LOG`` is set."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from areal_lite.utils.distributed import find_free_port
 
 
 @contextmanager
-def tinker_service(models: list[str], workdir: str, *extra: str, timeout: float = 180.0) -> Iterator[str]:
+def local_service(models: list[str], workdir: str, *extra: str, timeout: float = 180.0) -> Iterator[str]:
     """The service on ``models`` (``PATH`` or ``NAME=PATH``) with checkpoints in ``workdir``;
     yields its base URL and stops it (killing it if it hangs) on the way out."""
     port = find_free_port()
@@ -25,7 +27,8 @@ def tinker_service(models: list[str], workdir: str, *extra: str, timeout: float 
     for m in models:
         cmd += ["--model", m]
     log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the service
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
