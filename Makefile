@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install lint test test-all test-cluster test-gpu demo clean
+.PHONY: install lint test test-all test-cluster test-gpu test-tinker-cookbook demo clean
 
 install: $(STAMP)
 
@@ -20,7 +20,7 @@ $(PY):
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[dev,megatron]"
+	$(PIP) install -q -c constraints.txt -e ".[dev,megatron,tinker]"
 	touch $(STAMP)
 
 # ruff's checks and its formatter over the whole tree (the rules are in pyproject.toml).
@@ -55,6 +55,15 @@ test-cluster: $(STAMP)
 # quickstart on CUDA. On a GPU machine, install torch for its CUDA first (not the CPU build above).
 test-gpu: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
+
+# The tinker-cookbook's sl_loop and rl_loop, unmodified, against the Tinker-compatible service on a
+# local tiny model and local data (examples/tinker/cookbook_loops.py, docs/service.md). The cookbook
+# goes in with --no-deps (its tml-renderers dependency is not on the package index), then the few
+# packages its two loops import.
+test-tinker-cookbook: $(STAMP)
+	$(PIP) install -q -c constraints.txt --no-deps "tinker-cookbook==0.6.1"
+	$(PIP) install -q -c constraints.txt chz termcolor blobfile pylatexenc sympy
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m cookbook tests/test_tinker_cookbook.py $(PYTEST_ARGS)
 
 # A fresh run each time (recover.mode=auto would otherwise resume the previous demo). One thread
 # per process: the trainer and the rollout server share the cores.

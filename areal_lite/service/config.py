@@ -34,7 +34,7 @@ class ServiceConfig:
     session_timeout: float = 600.0
     """Seconds without a heartbeat or request after which a session ends and its models and
     samplers are released (the SDK heartbeats every 10 s)."""
-    poll_timeout: float = 20.0
+    poll_timeout: float = 40.0
     """Longest a ``retrieve_future`` call waits for its result before answering ``try_again``."""
     result_ttl: float = 900.0
     """Seconds a finished request's result is kept for ``retrieve_future``."""
