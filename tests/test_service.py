@@ -511,3 +511,38 @@ def test_raw_protocol_order_try_again_bodies_and_heartbeats(url: str, model: str
         assert (
             json.loads(http.get("/api/v1/get_server_capabilities").text)["supported_models"][0]["model_name"] == model
         )
+
+
+def test_an_idle_session_ends_and_releases_its_runs(model: str, tmp_path) -> None:
+    """No heartbeat for --session-timeout seconds: the session ends (heartbeats get 410) and its
+    run is released (a request for it is refused); its checkpoint stays on disk."""
+    with (
+        local_service([model], str(tmp_path), "--session-timeout", "3") as base,
+        httpx.Client(base_url=base, timeout=30) as http,
+    ):
+        session = http.post("/api/v1/create_session", json={}).json()["session_id"]
+        created = http.post(
+            "/api/v1/create_model",
+            json={"session_id": session, "model_seq_id": 0, "base_model": model, "lora_config": {"rank": 2}},
+        ).json()
+        while (
+            http.post("/api/v1/retrieve_future", json={"request_id": created["request_id"]}).json().get("type")
+            == "try_again"
+        ):
+            pass
+        saved = http.post(
+            "/api/v1/save_weights", json={"model_id": created["model_id"], "seq_id": 1, "path": "kept"}
+        ).json()
+        assert (
+            http.post("/api/v1/retrieve_future", json={"request_id": saved["request_id"]})
+            .json()["path"]
+            .endswith("/weights/kept")
+        )
+        time.sleep(8)  # 3 s without a request, and the reaper's next round (every 0.75 s)
+        assert http.post("/api/v1/session_heartbeat", json={"session_id": session}).status_code == 410
+        refused = http.post(
+            "/api/v1/optim_step", json={"model_id": created["model_id"], "seq_id": 2, "adam_params": {}}
+        )
+        assert refused.status_code == 400 and "no training run" in refused.json()["error"]
+        checkpoints = http.get(f"/api/v1/training_runs/{created['model_id']}/checkpoints").json()["checkpoints"]
+        assert [c["checkpoint_id"] for c in checkpoints] == ["weights/kept"]

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import time
 import traceback
 from collections import OrderedDict
@@ -45,6 +47,7 @@ from areal_lite.service.runs import (
 )
 from areal_lite.service.sampler import Generator, SamplingParams
 from areal_lite.service.wire import BadRequest
+from areal_lite.utils.distributed import destroy_default_group, init_default_group
 
 logger = logging.getLogger(__name__)
 
@@ -175,10 +178,14 @@ class Service:
             return _error(str(e.args[0]) if e.args else "not found", 404)
 
     async def _start(self, app: web.Application) -> None:
+        # The process group every engine joins, owned by the service: an engine that created it
+        # would end it when released (a run's session ending) under the engines still in use.
+        await asyncio.get_running_loop().run_in_executor(self.pool, init_default_group)
         self._reaper = asyncio.create_task(self._reap())
 
     async def _stop(self, app: web.Application) -> None:
         self._reaper.cancel()
+        await asyncio.get_running_loop().run_in_executor(self.pool, destroy_default_group)
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     def _new_id(self, prefix: str) -> str:
@@ -600,6 +607,9 @@ class Service:
         pending = self.futures.get(request_id)
         if pending is None:
             raise KeyError(f"no request {request_id!r} (unknown, or its result expired)")
+        owner = self.sessions.get((pending.model_id or "").split(":train:")[0])
+        if owner is not None and not owner.finished:
+            owner.last_seen = time.monotonic()  # waiting on a run's result is activity too
         try:
             result = await asyncio.wait_for(asyncio.shield(pending.future), self.cfg.poll_timeout)
         except asyncio.TimeoutError:
@@ -653,8 +663,6 @@ class Service:
     async def delete_checkpoint(self, request: web.Request) -> web.Response:
         model_id, checkpoint_id = request.match_info["model_id"], request.match_info["checkpoint_id"]
         _, _, directory = self.storage.resolve(f"tinker://{model_id}/{checkpoint_id}")
-        import shutil
-
         await asyncio.get_running_loop().run_in_executor(self.pool, shutil.rmtree, directory)
         return _json({})
 
@@ -672,9 +680,6 @@ class Service:
 
 
 def _fresh(directory: str, path: str, overwrite: bool) -> None:
-    import os
-    import shutil
-
     if os.path.exists(directory):
         if not overwrite:
             raise BadRequest(f"a checkpoint {path} exists already (pass overwrite=True to replace it)")
@@ -682,8 +687,6 @@ def _fresh(directory: str, path: str, overwrite: bool) -> None:
 
 
 def _size(directory: str) -> int:
-    import os
-
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
 
 
