@@ -19,7 +19,7 @@ gsm8k's ``#### 3``). sl_loop (20 steps) teaches the answer format and the answer
 a model this small does not yet tell the questions apart in that budget (about 1 right answer in 5
 at temperature 1, the chance of answering by the distribution). rl_loop (its default loss,
 ``stable_reinforce``, on the sampler's recorded log-probabilities) then raises the reward by making
-the format reliable and concentrating on the likelier answers (about 1 in 3). Learning to add
+the format reliable and concentrating on the likelier answers (toward 1 in 3). Learning to add
 takes a bigger model or many more steps; docs/service.md gives the measured run.
 
 Usage: python examples/tinker/cookbook_loops.py --workdir DIR [--sl-steps 20] [--rl-steps 20]
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--sl-steps", type=int, default=20)
     parser.add_argument("--rl-steps", type=int, default=20)
     parser.add_argument("--sl-lr", type=float, default=5e-3)
-    parser.add_argument("--rl-lr", type=float, default=5e-3)
+    parser.add_argument("--rl-lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     root = os.path.abspath(args.workdir)
