@@ -5,7 +5,9 @@ What lives here: the policy version; the weight-update sender (`areal_lite.utils
 the global loss normalisation (each micro-batch loss weighted by ``loss_weight_fn(mb) / total``,
 ``total`` summed over the micro-batches and the data-parallel ranks) with the weighted means of
 the loss and the stats reduced over those ranks; `train_batch` as `forward_backward` then
-`optim_step`, and the optimizer step itself (one-step hyperparameters, the skip on a non-finite
+`optim_step`; `forward_backward_logprobs`, which keeps the log-probabilities its own forward pass
+computed (each sequence's row travels with it through the micro-batch split); the optimizer step
+itself (one-step hyperparameters, Adam's betas and eps among them, the skip on a non-finite
 gradient norm); `save` / `load` dispatch by `SaveLoadMeta.weight_format`; teardown. LoRA is the
 FSDP engine's alone (it overrides the adapter methods).
 
