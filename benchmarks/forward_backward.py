@@ -113,7 +113,10 @@ def service_rows(args: argparse.Namespace, path: str, batch: TensorDict) -> dict
             )
         )
     times: dict[str, list[float]] = {"tinker forward_backward": [], "tinker forward, then forward_backward": []}
-    with tempfile.TemporaryDirectory() as workdir, local_service([path], workdir) as url:
+    with (
+        tempfile.TemporaryDirectory() as workdir,
+        local_service([path], workdir, "--max-tokens-per-mb", str(args.mb_tokens)) as url,
+    ):
         client = tinker.ServiceClient(base_url=url, api_key="tml-bench")
         tc = client.create_lora_training_client(base_model=path, rank=16).result()
         zero = types.AdamParams(learning_rate=0.0)
