@@ -11,6 +11,8 @@ from the hosted service.
   or `FSDPEngine` (full fine-tuning), and their checkpoints;
 - `areal_lite.service.losses`: the built-in losses, from `areal_lite.algorithms.functional`;
 - `areal_lite.service.sampler`: sampling, one base model with the snapshots' LoRA adapters;
+- `areal_lite.service.samplers`: the sampling sessions and the generators that serve them;
 - `areal_lite.service.wire`: the SDK's protobuf and JSON bodies;
-- `areal_lite.service.futures`: request futures and each client's request order.
+- `areal_lite.service.futures`: request futures and each client's request order;
+- `areal_lite.service.launch`: the service as a child process, for scripts and tests.
 """

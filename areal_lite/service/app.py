@@ -21,7 +21,6 @@ import os
 import shutil
 import time
 import traceback
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,23 +28,13 @@ from datetime import datetime, timezone
 from typing import Literal
 
 from aiohttp import web
-from safetensors.torch import load_file
 
 from areal_lite.service import wire
 from areal_lite.service.config import ServiceConfig
 from areal_lite.service.futures import Failed, Futures, Pending, Sequencer
-from areal_lite.service.runs import (
-    BaseModel,
-    Recorded,
-    Run,
-    RunInfo,
-    Snapshot,
-    Storage,
-    dtype_of,
-    remove_scratch,
-    snapshot_from_checkpoint,
-)
-from areal_lite.service.sampler import Generator, SamplingParams
+from areal_lite.service.runs import BaseModel, Recorded, Run, RunInfo, Snapshot, Storage, snapshot_from_checkpoint
+from areal_lite.service.sampler import SamplingParams
+from areal_lite.service.samplers import Samplers, SamplerSession
 from areal_lite.service.wire import BadRequest
 from areal_lite.utils.distributed import destroy_default_group, init_default_group
 
@@ -54,19 +43,6 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 RECORD_TTL = 24 * 3600.0
 """How long a sampled sequence's recorded stability information stays (the Tinker docs' day)."""
-
-
-@dataclass
-class SamplerSession:
-    """A sampling session: what it samples from, and under which adapter name."""
-
-    sampling_session_id: str
-    session_id: str
-    snapshot: Snapshot
-    key: str
-    """Its adapter's name in the base model's generator (or its full generator's key)."""
-    model_path: str | None = None
-    clients: int = 1
 
 
 @dataclass
@@ -113,13 +89,10 @@ class Service:
         self.bases = {name: BaseModel(name, path, cfg) for name, path in cfg.models.items()}
         self.sessions: dict[str, Session] = {}
         self.runs: dict[str, Run] = {}
-        self.samplers: dict[str, SamplerSession] = {}
+        self.samplers = Samplers(cfg, self.bases, self.storage)
         self.futures = Futures()
         self.sequencers: dict[str, Sequencer] = {}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-engine")
-        self.full_generators: OrderedDict[str, Generator] = OrderedDict()
-        self.unnamed: dict[str, list[str]] = {}
-        """Per run, its unnamed snapshots' sampling sessions, oldest first."""
         self._ids = 0
 
     # ---------------------------------------------------------------- plumbing
@@ -255,7 +228,7 @@ class Service:
                 if run is not None:
                     run.close()
             for sid in session.samplers:
-                self._drop_sampler(sid)
+                self.samplers.drop(sid)
             session.recorded.clear()
 
         await asyncio.get_running_loop().run_in_executor(self.pool, release)
@@ -482,53 +455,11 @@ class Service:
     # ---------------------------------------------------------------- sampling
 
     def _add_sampler(self, sampler: SamplerSession, unnamed_of: str | None = None) -> None:
-        """Register ``sampler`` (engine thread); an unnamed snapshot of a run pushes out the run's
-        oldest but the last few."""
-        self.samplers[sampler.sampling_session_id] = sampler
+        """Register ``sampler`` with its session (engine thread)."""
+        self.samplers.add(sampler, unnamed_of)
         session = self.sessions.get(sampler.session_id)
         if session is not None:
             session.samplers.append(sampler.sampling_session_id)
-        if unnamed_of is not None:
-            kept = self.unnamed.setdefault(unnamed_of, [])
-            kept.append(sampler.sampling_session_id)
-            while len(kept) > self.cfg.unnamed_snapshots_per_run:
-                self._drop_sampler(kept.pop(0))
-
-    def _drop_sampler(self, sid: str) -> None:
-        sampler = self.samplers.pop(sid, None)
-        if sampler is None:
-            return
-        if not any(s.key == sampler.key for s in self.samplers.values()):
-            if sampler.snapshot.kind == "lora":
-                self.bases[sampler.snapshot.base].generator.drop_adapter(sampler.key)
-            gen = self.full_generators.pop(sampler.key, None)
-            del gen
-            remove_scratch(sampler.snapshot, self.storage)
-
-    def _generator(self, sampler: SamplerSession) -> tuple[Generator, str | None]:
-        """The generator and adapter a sampler samples with, loading them when needed (engine thread)."""
-        snap = sampler.snapshot
-        if snap.kind == "base":
-            return self.bases[snap.base].generator, None
-        if snap.kind == "lora":
-            gen = self.bases[snap.base].generator
-            if not gen.has_adapter(sampler.key):
-                tensors = snap.tensors
-                if tensors is None:
-                    assert snap.directory is not None
-                    tensors = load_file(f"{snap.directory}/adapter_model.safetensors")
-                assert snap.adapter_config is not None
-                gen.add_adapter(sampler.key, snap.adapter_config, tensors)
-            return gen, sampler.key
-        gen = self.full_generators.get(sampler.key)
-        if gen is None:
-            while len(self.full_generators) >= self.cfg.max_full_samplers:
-                self.full_generators.popitem(last=False)
-            assert snap.directory is not None
-            gen = Generator(snap.directory, dtype_of(self.cfg), seed=self.cfg.seed)
-            self.full_generators[sampler.key] = gen
-        self.full_generators.move_to_end(sampler.key)
-        return gen, None
 
     async def create_sampling_session(self, request: web.Request) -> web.Response:
         body = wire.json_object(await request.read())
@@ -565,12 +496,13 @@ class Service:
     async def asample(self, request: web.Request) -> web.Response:
         body = wire.json_object(await request.read())
         sid = body.get("sampling_session_id")
-        if not isinstance(sid, str) or sid not in self.samplers:
+        if not isinstance(sid, str) or self.samplers.get(sid) is None:
             raise BadRequest(
                 f"no sampling session {sid!r}: create one with create_sampling_client (or it was released: "
                 f"unnamed snapshots are kept for a run's last few saves only)"
             )
-        sampler = self.samplers[sid]
+        sampler = self.samplers.get(sid)
+        assert sampler is not None
         session = self._session(sampler.session_id)
         prompt = wire.model_input_tokens(body.get("prompt"))
         raw = body.get("sampling_params") or {}
@@ -584,9 +516,9 @@ class Service:
         pending.sample_sequence_ids = [f"{sid}:{seq}:{i}" for i in range(n)]
 
         def sample() -> wire.Samples:
-            if sid not in self.samplers:
+            if self.samplers.get(sid) is None:
                 raise BadRequest(f"sampling session {sid} was released")
-            gen, adapter = self._generator(sampler)
+            gen, adapter = self.samplers.generator(sampler)
             samples = gen.sample(prompt, n, params, adapter)
             if record:
                 for seq_id, s in zip(pending.sample_sequence_ids or [], samples.sequences):
