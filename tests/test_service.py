@@ -267,6 +267,29 @@ def test_sums_scale_the_gradient_with_data_and_weights(service, model: str, toke
     assert grad_norm([sft_datum(tokenizer, SENTENCES[1], weight=3.0)]) == pytest.approx(3 * g, rel=1e-5)
 
 
+def test_forward_backward_custom_runs_on_the_client_with_the_gradient_of_its_loss(
+    service, model: str, tokenizer
+) -> None:
+    """The SDK runs a custom loss itself (``forward``, then a ``cross_entropy`` pass weighted by
+    ``-dC/dlogp``): with C the weighted NLL, the gradient is cross_entropy's."""
+    import torch
+
+    tc = service.create_lora_training_client(base_model=model, rank=4, seed=10).result()
+    data = [sft_datum(tokenizer, s, weight=w) for s, w in zip(SENTENCES, (1.0, 0.5, 2.0))]
+
+    def nll(batch: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(batch, logprobs))
+        return loss, {"custom_nll": float(loss.detach())}
+
+    custom = tc.forward_backward_custom(data, nll).result()
+    g_custom = tc.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics["grad_norm"]
+    builtin = tc.forward_backward(data, "cross_entropy").result()
+    g_builtin = tc.optim_step(types.AdamParams(learning_rate=0.0)).result().metrics["grad_norm"]
+    assert custom.metrics["loss:sum"] == pytest.approx(builtin.metrics["loss:sum"], rel=1e-5)
+    assert custom.metrics["custom_nll"] == pytest.approx(builtin.metrics["loss:sum"], rel=1e-5)
+    assert g_custom == pytest.approx(g_builtin, rel=1e-5)
+
+
 def test_sampling_snapshots_stay_fixed_and_match_the_trainer(service, model: str, tokenizer) -> None:
     tc = service.create_lora_training_client(base_model=model, rank=8, seed=5).result()
     data = [sft_datum(tokenizer, s) for s in SENTENCES]
