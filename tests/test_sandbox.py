@@ -70,7 +70,8 @@ def hostile_programs(outside: str, port: int) -> dict[str, tuple[str, str]]:
             "error",
         ),
         "100 MB of output": ("import sys\nsys.stdout.write('x' * 100_000_000)\n", "output_limit"),
-        "100 MB file": ("open('big', 'w').write('x' * 100_000_000)\n", "file_size_limit"),
+        # in 1 MB writes: one 100 MB string timed out (3 s) before the 16 MB limit on a loaded machine
+        "endless file": ("f = open('big', 'w')\nwhile True:\n    f.write('x' * 1_000_000)\n", "file_size_limit"),
         "infinite loop": ("while True:\n    pass\n", "timeout"),
         "fork bomb": (
             "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
