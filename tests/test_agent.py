@@ -183,6 +183,44 @@ def test_streaming_models_and_bad_requests_through_the_sdk(tok) -> None:
     assert len(proxy.calls) == 2 and proxy.exhausted is not None
 
 
+def test_text_completions_through_the_sdk_extend_one_trajectory(tok) -> None:
+    """``client.completions.create`` (a completion-mode harness): the prompt is continued as it
+    is, no template; a second prompt that starts with the first and its answer extends the same
+    trajectory; plain and streamed, with the sampled tokens' log-probabilities."""
+    engine = ScriptedEngine(tok, ["4 + 1 =", " 5" + EOS, "x" + EOS])
+    proxy = RecordingProxy(engine, tok, GEN)
+
+    async def harness(client: openai.AsyncOpenAI) -> tuple[str, str]:
+        first = await client.completions.create(model="m", prompt="Q: 2 + 3?\nA:", logprobs=0, max_tokens=50)
+        [choice] = first.choices
+        assert choice.finish_reason == "length" and first.object == "text_completion"  # no eos: the budget
+        assert choice.logprobs.token_logprobs == [-0.25] * len(choice.logprobs.tokens)
+        assert "".join(choice.logprobs.tokens) == "4 + 1 ="
+        assert choice.logprobs.text_offset[0] == len("Q: 2 + 3?\nA:")
+        stream = await client.completions.create(
+            model="m", prompt="Q: 2 + 3?\nA:" + choice.text + " then", stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = [c async for c in stream]
+        second = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens > 0
+        with pytest.raises(openai.BadRequestError, match="logprobs must be 0"):
+            await client.completions.create(model="m", prompt="hi", logprobs=2)
+        with pytest.raises(openai.BadRequestError, match="prompt must be one string"):
+            await client.completions.create(model="m", prompt=["a", "b"])
+        with pytest.raises(openai.BadRequestError, match="echo"):
+            await client.completions.create(model="m", prompt="hi", echo=True)
+        return choice.text, second
+
+    first, second = asyncio.run(with_client(proxy, harness))
+    assert (first, second) == ("4 + 1 =", " 5")  # the eos is a special token, not in the text
+    [trace] = proxy.traces
+    assert [c.extended for c in proxy.calls] == [False, True]
+    assert tok.decode(trace.input_ids) == "Q: 2 + 3?\nA:4 + 1 = then 5" + EOS
+    assert [v for v, _, _ in segments(trace.loss_mask)] == [0, 1, 0, 1]
+    check_trajectory(trace.to_tensordict(1.0))
+
+
 def test_responses_api_through_the_proxy_is_recorded_like_chat(tok, monkeypatch) -> None:
     """openai-agents' default model (the Responses API) through the proxy, plain and streamed: the
     tool runs, and the episode is one trajectory trained on the model's replies only."""

@@ -25,9 +25,10 @@ the episodes of a group must sample independently, whatever seed their harness s
 is refused (an episode's samples are separate episodes), as are ``top_logprobs`` (the engines
 report the sampled token's log-probability only) and the options no areal-lite engine honours.
 
-Routes: ``/v1/chat/completions`` and ``/v1/responses`` (OpenAI's Responses API, read as the chat
-request it stands for by `areal_lite.utils.openai_responses`, what the ``openai-agents`` SDK's
-default model calls), plain or streamed, and ``/v1/models``; errors are OpenAI's error object. The
+Routes: ``/v1/chat/completions``, ``/v1/completions`` (a text prompt continued as it is, no chat
+template) and ``/v1/responses`` (OpenAI's Responses API, read as the chat request it stands for by
+`areal_lite.utils.openai_responses`, what the ``openai-agents`` SDK's default model calls), plain
+or streamed, and ``/v1/models``; errors are OpenAI's error object. The
 proxy answers in process (`client`), or over HTTP for programs in other processes
 (`areal_lite.workflows.proxy_server`).
 """
@@ -160,6 +161,55 @@ class RecordingProxy:
             raise self._exhaust(f"this episode's {self.max_calls} model calls are used up")
         tools = chat_tools(body)
         text = render_chat(self.tokenizer, body, tools, **self.template_kwargs)
+        resp, gconfig = await self._generate_recorded(body, text)
+        return self._completion(body, resp, gconfig.stop, tools is not None)
+
+    async def text_completion(self, body: dict[str, object]) -> dict[str, object]:
+        """Answer one (legacy) completions request body, ``/v1/completions``: the prompt is text
+        the policy continues as it is (no chat template), recorded like a chat call; ``logprobs``
+        0 reports the sampled tokens' log-probabilities (more alternatives are not recorded)."""
+        refuse_unsupported(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise BadRequest("prompt must be one string: the samples of a prompt are separate episodes", param="prompt")
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs != 0):
+            raise BadRequest(
+                "logprobs must be 0 or absent: the proxy reports the sampled token's log-probability only",
+                param="logprobs",
+            )
+        if int_field(body, "n", 1) != 1:
+            raise BadRequest("n must be 1: the samples of a prompt are separate episodes")
+        bool_field(body, "stream", False)
+        if len(self.calls) >= self.max_calls:
+            raise self._exhaust(f"this episode's {self.max_calls} model calls are used up")
+        resp, gconfig = await self._generate_recorded(body, prompt)
+        text = self._cut_at_stop(self._decode(resp.output_tokens, skip_special=True), resp, gconfig.stop)
+        choice: dict[str, object] = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": {"stop": "stop", "length": "length"}.get(resp.stop_reason, "abort"),
+        }
+        if logprobs is not None:
+            tokens = [self._decode([t], skip_special=False) for t in resp.output_tokens]
+            offsets = [len(prompt) + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(resp.output_logprobs),
+                                  "top_logprobs": None, "text_offset": offsets}  # fmt: skip
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model") or MODEL_NAME,
+            "choices": [choice],
+            "usage": _usage(resp),
+        }
+
+    async def _generate_recorded(self, body: dict[str, object], text: str) -> tuple[ModelResponse, GenerationConfig]:
+        """Generate a continuation of the prompt ``text`` (a trajectory's text, extended, or a new
+        one) and record it: the tokens, log-probabilities and versions the call produced."""
         extended = self._extended_by(text)
         context = self._encode(text[len(extended.text) :] if extended else text)
         prompt = (list(extended.trace.input_ids) if extended else []) + context
@@ -179,7 +229,7 @@ class RecordingProxy:
         traj.text = text + self._decode(resp.output_tokens, skip_special=False)
         index = next(i for i, t in enumerate(self._trajectories) if t is traj)
         self.calls.append(RecordedCall(prompt, resp, index, extended is not None))
-        return self._completion(body, resp, gconfig.stop, tools is not None)
+        return resp, gconfig
 
     def client(self) -> openai.AsyncOpenAI:
         """An ``openai.AsyncOpenAI`` whose requests this proxy answers in process (no socket)."""
@@ -244,10 +294,7 @@ class RecordingProxy:
     def _completion(
         self, body: dict[str, object], resp: ModelResponse, stop: list[str], with_tools: bool
     ) -> dict[str, object]:
-        text = self._decode(resp.output_tokens, skip_special=True)
-        if resp.stop_reason == "stop":  # cut a matched stop string, as servers do
-            cuts = [text.index(s) for s in stop if s in text]
-            text = text[: min(cuts)] if cuts else text
+        text = self._cut_at_stop(self._decode(resp.output_tokens, skip_special=True), resp, stop)
         content, calls = parse_tool_calls(text) if with_tools else (text, [])
         reason = {"stop": "stop", "length": "length"}.get(resp.stop_reason, "abort")
         choice: dict[str, object] = {
@@ -268,16 +315,20 @@ class RecordingProxy:
             "created": int(time.time()),
             "model": body.get("model") or MODEL_NAME,
             "choices": [choice],
-            "usage": {
-                "prompt_tokens": resp.input_len,
-                "completion_tokens": resp.output_len,
-                "total_tokens": resp.input_len + resp.output_len,
-            },
+            "usage": _usage(resp),
         }
         if bool_field(body, "return_token_ids", False):
             out["prompt_token_ids"] = resp.input_tokens
             choice["token_ids"] = resp.output_tokens
         return out
+
+    @staticmethod
+    def _cut_at_stop(text: str, resp: ModelResponse, stop: list[str]) -> str:
+        """``text`` up to the first stop string it matched, as servers return it."""
+        if resp.stop_reason != "stop":
+            return text
+        cuts = [text.index(s) for s in stop if s in text]
+        return text[: min(cuts)] if cuts else text
 
     async def responses(self, body: dict[str, object]) -> dict[str, object]:
         """Answer one Responses API request body (``/v1/responses``) with OpenAI's response
@@ -298,8 +349,9 @@ class RecordingProxy:
 
     async def handle(self, method: str, path: str, content: bytes) -> tuple[int, str, bytes]:
         """One HTTP request to the proxy: (status, content type, body). Routes: ``GET
-        /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions`` and ``POST
-        /v1/responses`` (plain or ``stream: true``); every error is OpenAI's error object."""
+        /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``, ``POST
+        /v1/completions`` and ``POST /v1/responses`` (plain or ``stream: true``); every error is
+        OpenAI's error object."""
         json_type = "application/json"
 
         def error(
@@ -313,7 +365,11 @@ class RecordingProxy:
             return 200, json_type, json.dumps({"object": "list", "data": [model]}).encode()
         if method == "GET" and route.startswith("/models/"):
             return 200, json_type, json.dumps({**model, "id": route.removeprefix("/models/")}).encode()
-        handlers = {"/chat/completions": self.chat_completion, "/responses": self.responses}
+        handlers = {
+            "/chat/completions": self.chat_completion,
+            "/completions": self.text_completion,
+            "/responses": self.responses,
+        }
         if route not in handlers:
             return error(f"{method} {path} is not a route of the recording proxy", 404, code="unknown_url")
         if method != "POST":
@@ -336,6 +392,8 @@ class RecordingProxy:
             return 200, "text/event-stream", _response_events(body, out)
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        if route == "/completions":
+            return 200, "text/event-stream", _completion_sse(out, include_usage)
         return 200, "text/event-stream", _sse(out, include_usage)
 
     async def _handle(self, request: httpx.Request) -> httpx.Response:
@@ -371,6 +429,27 @@ def _sse(out: dict[str, object], include_usage: bool) -> bytes:
         calls = [{"index": j, **c} for j, c in enumerate(message["tool_calls"])]
         chunks.append({"index": 0, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None})
     chunks.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]})
+    events = [{**head, "choices": [c]} for c in chunks]
+    if include_usage:
+        events.append({**head, "choices": [], "usage": out["usage"]})
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+
+
+def _usage(resp: ModelResponse) -> dict[str, int]:
+    return {
+        "prompt_tokens": resp.input_len,
+        "completion_tokens": resp.output_len,
+        "total_tokens": resp.input_len + resp.output_len,
+    }
+
+
+def _completion_sse(out: dict[str, object], include_usage: bool) -> bytes:
+    """A text completion as server-sent chunks: the text, then the finish reason, the usage when
+    asked for (the ``text_completion`` chunks OpenAI's completions stream)."""
+    head = {"id": out["id"], "object": "text_completion", "created": out["created"], "model": out["model"]}
+    [choice] = out["choices"]  # type: ignore[misc]
+    chunks = [{**choice, "finish_reason": None}, {"index": 0, "text": "", "logprobs": None,
+              "finish_reason": choice["finish_reason"]}]  # fmt: skip
     events = [{**head, "choices": [c]} for c in chunks]
     if include_usage:
         events.append({**head, "choices": [], "usage": out["usage"]})
