@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -113,6 +114,9 @@ def main() -> None:
             if attempt == 0 and step.global_step == cfg.pause_at_step:
                 with open(os.path.join(cfg.output_dir, f"paused_rank{rank}"), "w") as f:
                     f.write(str(os.getpid()))
+                # Paused only to be killed: torchrun's SIGTERM after a peer's death ends it at once
+                # (the checkpoint a SIGTERM asks for needs that peer; torchrun would wait 30 s).
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 while True:
                     time.sleep(0.1)
             last = step.global_step == total_steps - 1
