@@ -75,15 +75,18 @@ class Limits:
 
 
 _A, _B = torch.randn(1024, 1024), torch.randn(1024, 1024)
+_HALF = {torch.bfloat16: (_A.bfloat16(), _B.bfloat16())}
 _SRC, _DST = torch.randn(64 * 1024 * 1024), torch.empty(64 * 1024 * 1024)
 
 
-def measure_limits() -> Limits:
-    """The best of three 1024^3 matmuls and of three 256 MiB copies."""
+def measure_limits(dtype: torch.dtype = torch.float32) -> Limits:
+    """The best of three 1024^3 matmuls in ``dtype`` (float32 or bfloat16) and of three 256 MiB
+    copies."""
+    a, b = (_A, _B) if dtype == torch.float32 else _HALF[dtype]
     mm, cp = [], []
     for _ in range(3):
         t0 = time.perf_counter()
-        torch.mm(_A, _B)
+        torch.mm(a, b)
         mm.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         _DST.copy_(_SRC)
@@ -104,17 +107,17 @@ class Shape:
     @classmethod
     def of(cls, model: torch.nn.Module) -> Shape:
         cfg = model.config
-        embed = model.get_input_embeddings().weight.numel()
-        total = sum(p.numel() for p in model.parameters())
+        # Every linear layer's weight, the LM head's too when it is tied to the embedding.
+        matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls(total - embed, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
+        return cls(matmul, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
 
     def token_flops(self, attended: int) -> float:
         """Forward FLOPs of one token that attends over ``attended`` positions."""
         return 2 * self.matmul_params + 4 * self.layers * self.heads * self.head_dim * attended
 
-    def kv_bytes(self, positions: int) -> float:
-        return 2 * self.layers * self.kv_heads * self.head_dim * positions * 4
+    def kv_bytes(self, positions: int, itemsize: int = 4) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * positions * itemsize
 
 
 @dataclass
