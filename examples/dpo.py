@@ -29,7 +29,7 @@ from areal_lite.actors.dpo import DPOActor
 from areal_lite.api.config import BaseExperimentConfig, DPOConfig, TrainEngineConfig, load_config
 from areal_lite.kit import RunKit, make_train_engine, print_rank0, rank_dataloader
 from areal_lite.utils.dataloader import endless
-from areal_lite.utils.datasets import addition_problems, load_rows, preference_batch
+from areal_lite.utils.datasets import PREFERENCE_FIELDS, addition_problems, preference_batch, read_rows
 
 
 @dataclass
@@ -69,18 +69,28 @@ def addition_pairs(n: int, n_digits: int, seed: int, exclude: Collection[str] = 
 def main(argv: list[str]) -> None:
     cfg = load_config(argv, DPOExperimentConfig)
     torch.manual_seed(cfg.seed)
-    from transformers import AutoTokenizer
+    from areal_lite.utils.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
+    tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
     task = cfg.task
     eval_pairs = (
-        load_rows(cfg.valid_dataset.path)
+        read_rows(
+            cfg.valid_dataset.path,
+            PREFERENCE_FIELDS,
+            on_bad_row=cfg.valid_dataset.on_bad_row,
+            setting="valid_dataset.on_bad_row",
+        ).items
         if cfg.valid_dataset.path
         else addition_pairs(task.n_eval, task.n_digits, task.seed + 1)
     )
     # Generated training pairs never repeat a held-out prompt (2-digit sums have only 10^4).
     train_pairs = (
-        load_rows(cfg.train_dataset.path)
+        read_rows(
+            cfg.train_dataset.path,
+            PREFERENCE_FIELDS,
+            on_bad_row=cfg.train_dataset.on_bad_row,
+            setting="train_dataset.on_bad_row",
+        ).items
         if cfg.train_dataset.path
         else addition_pairs(
             task.n_train_pairs, task.n_digits, task.seed + 2, exclude={str(p["prompt"]) for p in eval_pairs}

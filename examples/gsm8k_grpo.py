@@ -9,7 +9,8 @@ worker processes with a timeout). Rollouts come from SGLang servers that the lau
 or a NCCL broadcast (``weight_update``). Decoupled PPO loss with group-normalised advantages.
 
 The data are local files (``train_dataset.path``, ``valid_dataset.path``: parquet or jsonl with
-GSM8K's ``question`` and ``answer`` fields); nothing is downloaded here.
+GSM8K's ``question`` and ``answer`` fields); nothing is downloaded here. A row without them stops the
+run naming its file and line, or is left out and counted (``train_dataset.on_bad_row=skip``).
 
     python -m areal_lite.launcher.local examples/gsm8k_grpo.py --config configs/gsm8k_grpo.yaml \\
         actor.path=Qwen/Qwen2.5-1.5B-Instruct train_dataset.path=data/gsm8k/train.parquet \\
@@ -24,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.api.config import RLExperimentConfig, load_config
+from areal_lite.api.config import DatasetConfig, RLExperimentConfig, load_config
 from areal_lite.kit import (
     RunKit,
     make_rollout,
@@ -35,7 +36,7 @@ from areal_lite.kit import (
     sync_weights,
 )
 from areal_lite.rewards import RewardRunner, math_answer_reward
-from areal_lite.utils.datasets import gsm8k_item, load_rows
+from areal_lite.utils.datasets import GSM8K_FIELDS, Rows, gsm8k_item, read_rows
 from areal_lite.workflows.rlvr import RLVRWorkflow
 from areal_lite.workflows.trajectory import encode_chat
 
@@ -50,25 +51,35 @@ class GSM8KConfig(RLExperimentConfig):
     """Held-out questions evaluated (greedy accuracy); 0 = all of ``valid_dataset``."""
 
 
-def load_gsm8k(path: str, tokenizer: object, max_length: int | None, enable_thinking: bool) -> list[dict[str, object]]:
-    """GSM8K items from a local file, without those whose prompt exceeds ``max_length`` tokens."""
-    items = [gsm8k_item(row) for row in load_rows(path)]
-    if max_length is None:
-        return items
-    return [
-        it for it in items if len(encode_chat(tokenizer, it["messages"], enable_thinking=enable_thinking)) <= max_length
-    ]  # type: ignore[arg-type]
+def load_gsm8k(tokenizer: object, dataset: DatasetConfig, name: str, enable_thinking: bool) -> Rows:
+    """GSM8K items from the local file of ``dataset`` (the config section ``name``): rows without a
+    question or an answer ending in ``#### N`` stop the run or are left out (``on_bad_row``), and
+    prompts over ``max_length`` tokens are left out; both are counted (`Rows.stats`)."""
+    rows = read_rows(
+        dataset.path, GSM8K_FIELDS, on_bad_row=dataset.on_bad_row, convert=gsm8k_item, setting=f"{name}.on_bad_row"
+    )
+    if dataset.max_length is not None:
+        limit = dataset.max_length
+
+        def too_long(item: dict[str, object]) -> bool:
+            return len(encode_chat(tokenizer, item["messages"], enable_thinking=enable_thinking)) > limit  # type: ignore[arg-type]
+
+        rows.drop_if(too_long, f"prompt_over_{limit}_tokens")
+    return rows
 
 
 def main(argv: list[str]) -> None:
     cfg = load_config(argv, GSM8KConfig)
     torch.manual_seed(cfg.seed)
-    from transformers import AutoTokenizer
+    from areal_lite.utils.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
-    train_items = load_gsm8k(cfg.train_dataset.path, tokenizer, cfg.train_dataset.max_length, cfg.enable_thinking)
+    tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
+    train_rows = load_gsm8k(tokenizer, cfg.train_dataset, "train_dataset", cfg.enable_thinking)
+    train_items = train_rows.items
     eval_items = (
-        load_gsm8k(cfg.valid_dataset.path, tokenizer, None, cfg.enable_thinking) if cfg.valid_dataset.path else []
+        load_gsm8k(tokenizer, cfg.valid_dataset, "valid_dataset", cfg.enable_thinking).items
+        if cfg.valid_dataset.path
+        else []
     )
     eval_items = eval_items[: cfg.n_eval] if cfg.n_eval else eval_items
 
@@ -87,7 +98,15 @@ def main(argv: list[str]) -> None:
         ref = make_train_engine(cfg.actor)
         ref.initialize()
     actor = PPOActor(cfg.actor, actor_engine, ref_engine=ref)
-    run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
+    run = RunKit(
+        cfg,
+        actor.engine,
+        dataloader,
+        tokenizer=tokenizer,
+        rollout=rollout,
+        weight_meta=weight_meta,
+        data_stats=train_rows.stats(),
+    )
     actor.engine.initialize(run.finetune_spec)
     actor.engine.connect_engine(rollout.engine, weight_meta)
     run.resume()

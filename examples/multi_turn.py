@@ -63,9 +63,11 @@ class MultiTurnConfig(RLExperimentConfig):
 def main(argv: list[str]) -> None:
     cfg = load_config(argv, MultiTurnConfig)
     torch.manual_seed(cfg.seed)
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
+    from areal_lite.utils.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
     train_problems, eval_problems = addition_splits(cfg.task)
 
     # One grader serves every episode.

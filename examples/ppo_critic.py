@@ -45,9 +45,9 @@ class PPOCriticExperimentConfig(RLExperimentConfig):
 def main(argv: list[str]) -> None:
     cfg = load_config(argv, PPOCriticExperimentConfig)
     torch.manual_seed(cfg.seed)
-    from transformers import AutoTokenizer
+    from areal_lite.utils.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
+    tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
     train_problems, eval_problems = addition_splits(cfg.task)
 
     gconfig = replace(cfg.gconfig, n_samples=cfg.actor.group_size, stop_token_ids=[tokenizer.eos_token_id])

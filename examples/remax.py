@@ -44,9 +44,9 @@ class ReMaxConfig(RLExperimentConfig):
 def main(argv: list[str]) -> None:
     cfg = load_config(argv, ReMaxConfig)
     torch.manual_seed(cfg.seed)
-    from transformers import AutoTokenizer
+    from areal_lite.utils.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
+    tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
     train_problems, eval_problems = addition_splits(cfg.task)
 
     # n_samples sampled answers per prompt, each scored against the prompt's greedy answer.

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from areal_lite.actors.sft import SFTActor
-from areal_lite.api.config import BaseExperimentConfig, TrainEngineConfig, load_config
+from areal_lite.api.config import BaseExperimentConfig, DatasetConfig, TrainEngineConfig, load_config
 from areal_lite.kit import RunKit, make_train_engine, on_rank0_first, print_rank0, rank_dataloader
 from areal_lite.utils.dataloader import endless
-from areal_lite.utils.datasets import addition_problems, load_rows, sft_batch
+from areal_lite.utils.datasets import Rows, addition_problems, demonstration_row, read_rows, sft_batch
 from areal_lite.utils.tiny import build_tiny_model
 
 
@@ -59,11 +59,16 @@ class SFTConfig(BaseExperimentConfig):
     actor: TrainEngineConfig = field(default_factory=TrainEngineConfig)
 
 
-def demonstrations(path: str, n: int, task: TaskConfig, seed: int) -> list[dict[str, object]]:
-    """The file's items, or ``n`` generated additions as prompt/completion pairs."""
-    if path:
-        return load_rows(path)
-    return [{"prompt": p["prompt"], "completion": p["answer"]} for p in addition_problems(n, task.n_digits, seed)]
+def demonstrations(dataset: DatasetConfig, name: str, n: int, task: TaskConfig, seed: int) -> Rows:
+    """The items of ``dataset``'s file (the config section ``name``; rows that are not
+    demonstrations stop the run or are left out and counted, ``on_bad_row``), or ``n`` generated
+    additions as prompt/completion pairs."""
+    if dataset.path:
+        return read_rows(
+            dataset.path, on_bad_row=dataset.on_bad_row, convert=demonstration_row, setting=f"{name}.on_bad_row"
+        )
+    items = [{"prompt": p["prompt"], "completion": p["answer"]} for p in addition_problems(n, task.n_digits, seed)]
+    return Rows(items=items, where=["generated"] * len(items))
 
 
 def main(argv: list[str]) -> None:
@@ -86,15 +91,18 @@ def main(argv: list[str]) -> None:
             )
 
     on_rank0_first(sft.engine, build)
-    from transformers import AutoTokenizer
+    from areal_lite.utils.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
-    train_items = demonstrations(cfg.train_dataset.path, task.n_train, task, task.seed + 2)
-    eval_items = demonstrations(cfg.valid_dataset.path, task.n_eval, task, task.seed + 1)[: task.n_eval]
+    tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
+    train_rows = demonstrations(cfg.train_dataset, "train_dataset", task.n_train, task, task.seed + 2)
+    train_items = train_rows.items
+    eval_items = demonstrations(cfg.valid_dataset, "valid_dataset", task.n_eval, task, task.seed + 1).items[
+        : task.n_eval
+    ]
     eval_batch = sft_batch(tokenizer, eval_items, task.use_chat_template)
     collate = functools.partial(sft_batch, tokenizer, use_chat_template=task.use_chat_template)
     dataloader = rank_dataloader(train_items, cfg.train_dataset, sft.engine, seed=cfg.seed, collate_fn=collate)
-    run = RunKit(cfg, sft.engine, dataloader, tokenizer=tokenizer)
+    run = RunKit(cfg, sft.engine, dataloader, tokenizer=tokenizer, data_stats=train_rows.stats())
     sft.engine.initialize(run.finetune_spec)
     resumed = run.resume()
     before = resumed["before"] if resumed else sft.evaluate_lm(eval_batch)

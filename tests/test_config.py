@@ -146,3 +146,34 @@ def test_the_cpu_profile_sits_between_the_file_and_the_command_line(tmp_path) ->
     assert load_config(["--config", cfg_file], ExpConfig, save=False).launcher.backend == "sglang"
     with pytest.raises(ConfigError, match="unknown profile 'tpu'; profiles: cpu"):
         load_config(["--config", cfg_file, "profile=tpu"], ExpConfig, save=False)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train_dataset.batch_size=-4", "config field 'train_dataset.batch_size' is -4; it must be >= 1"),
+        ("gconfig.max_new_tokens=0", "config field 'gconfig.max_new_tokens' is 0; it must be >= 1"),
+        ("actor.group_size=0", "config field 'actor.group_size' is 0; it must be >= 1"),
+        ("actor.mb_spec.n_mbs=0", "config field 'actor.mb_spec.n_mbs' is 0; it must be >= 1"),
+        ("gconfig.top_p=0", "config field 'gconfig.top_p' is 0.0; it must be > 0.0"),
+        ("actor.optimizer.warmup_steps_proportion=1.5", "it must be <= 1.0"),
+        ("rollout.consumer_batch_size=0", "config field 'rollout.consumer_batch_size' is 0; it must be >= 1"),
+    ],
+)
+def test_values_outside_a_fields_bounds_name_the_field(override: str, message: str) -> None:
+    """Bounds are declared in the schema (`areal_lite.api.bounds`) and checked before the config is
+    built, so a dataclass's own check (MicroBatchSpec) does not hide the dotted name."""
+    from areal_lite.api.config import RLExperimentConfig
+
+    with pytest.raises(ConfigError) as e:
+        load_config(["actor.path=m", "local_engine.path=m", override], RLExperimentConfig, save=False)
+    assert message in str(e.value)
+    cfg = load_config(["actor.path=m", "local_engine.path=m", "total_train_steps=null"], RLExperimentConfig, save=False)
+    assert cfg.total_train_steps is None, "an unset optional field has no bound to check"
+
+
+def test_bounds_hold_for_dataclasses_built_in_code() -> None:
+    from areal_lite.api.io import MicroBatchSpec
+
+    with pytest.raises(ValueError, match="MicroBatchSpec.granularity is 0; it must be >= 1"):
+        MicroBatchSpec(granularity=0)

@@ -112,7 +112,9 @@ def test_gsm8k_grpo_with_a_rollout_server(tmp_path: Path, tiny: str) -> None:
         {"question": f"Tom has {i} apples and buys 3 more. How many?", "answer": f"{i} + 3 = {i + 3}\n#### {i + 3}"}
         for i in range(32)
     ]
-    data = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
+    # Rows the run cannot use: left out (train_dataset.on_bad_row=skip) and counted in the statistics.
+    bad = [{"question": "No answer here"}, {"question": 7, "answer": "#### 7"}, {"question": "Q?", "answer": "7"}]
+    data = write_jsonl(tmp_path / "gsm8k.jsonl", rows[:5] + bad + rows[5:])
     out = run_two_ranks(
         "gsm8k_grpo.py",
         "gsm8k_grpo.yaml",
@@ -136,8 +138,12 @@ def test_gsm8k_grpo_with_a_rollout_server(tmp_path: Path, tiny: str) -> None:
         "launcher.n_servers=1",
         "launcher.server_args=[]",
         *QUIET,
+        "train_dataset.on_bad_row=skip",
+        "valid_dataset.on_bad_row=skip",
+        "stats_logger.console=true",
     )
     assert re.search(r"RESULT steps=2 eval_accuracy=[\d.]+", out)
+    assert re.search(r"data/left_out/bad +3\b", out), "the left-out rows are in the last step's statistics"
     assert final_checkpoint(tmp_path / "gsm8k-grpo" / "trial0", 2).exists()
     assert_disjoint_shares(tmp_path / "prompts", at_least=2 * 2)
 

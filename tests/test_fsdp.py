@@ -59,13 +59,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def single(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("fsdp_w1")
-    return run_worker(1, "logprobs,invariance,sft,critic,shared_prefix,accumulation", model_dir, out), out
+    return run_worker(1, "logprobs,invariance,sft,critic,shared_prefix,accumulation,one_pass", model_dir, out), out
 
 
 @pytest.fixture(scope="module")
 def pair(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("fsdp_w2")
-    return run_worker(2, "logprobs,invariance,checkpoint,accumulation,lora", model_dir, out), out
+    return run_worker(2, "logprobs,invariance,checkpoint,accumulation,one_pass,lora", model_dir, out), out
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +165,26 @@ def test_forward_backward_calls_then_optim_step_equal_one_train_batch(
         assert res["accum_loss"][0] == pytest.approx(res["accum_loss"][1], rel=1e-6)
         assert res["accum_grad_norm"][0] == pytest.approx(res["accum_grad_norm"][1], abs=1e-6)
     assert max_diff(params(single[1], "accum", 1), params(pair[1], "accum", 2)) < 1e-6
+
+
+def test_forward_backward_logprobs_is_one_pass_with_forwards_logprobs(
+    single: tuple[dict, Path], pair: tuple[dict, Path]
+) -> None:
+    """One forward (as many model calls as `forward` makes: one per micro-batch) returns the
+    log-probabilities `forward` gives, in the batch's order, and the gradient `forward_backward`
+    gives, on 1 and 2 ranks (uneven shares)."""
+    for res, _ in (single, pair):
+        assert res["one_pass_calls"] == res["forward_calls"] >= 3
+        assert res["one_pass_logprob_err"] < 1e-6
+        assert res["one_pass_loss"][0] == pytest.approx(res["one_pass_loss"][1], rel=1e-6)
+        assert res["one_pass_param_err"] < 1e-7
+        assert res["target_ids_err"] < 1e-5
+
+
+def test_optim_step_takes_adams_betas_and_eps_for_one_step(single: tuple[dict, Path], pair: tuple[dict, Path]) -> None:
+    for res, _ in (single, pair):
+        assert res["adam_override_err"] < 1e-7
+        assert res["adam_after"] == [[0.9, 0.999], 1e-8]  # the configured ones are back
 
 
 def test_optim_step_uses_explicit_lr_weight_decay_and_max_grad_norm(

@@ -776,3 +776,91 @@ def test_position_baseline(case):
         for j in at_k:
             ref[j] = float(b["adv"][j]) - mean
     torch.testing.assert_close(ours, torch.tensor(ref, dtype=D), rtol=1e-10, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- sum-reduced losses of the Tinker API
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_importance_sampling_policy_loss(case):
+    """``-sum exp(logp - q) * A`` over the tokens (its gradient is ratio * A * dlogp)."""
+    b = make_packed(LENS, seed=31, **case)
+
+    def ours(logp):
+        per_tok, _ = F.importance_sampling_policy_loss(logp, b["behav"], b["behav"], b["adv"], b["mask"], b["cu"])
+        return per_tok.sum()
+
+    def ref(logp):
+        return sum(
+            -torch.exp(logp[j] - b["behav"][j]) * b["adv"][j] for j in range(logp.numel()) if b["mask"][j]
+        ) + torch.zeros((), dtype=D)
+
+    assert_value_and_grad(ours, ref, b["logp"])
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.05, 1.0])
+def test_dro_policy_loss(beta):
+    """``-sum (logp * A - beta / 2 * (logp - q)^2)``."""
+    b = make_packed(LENS, seed=32)
+
+    def ours(logp):
+        per_tok, _ = F.dro_policy_loss(logp, b["behav"], b["behav"], b["adv"], b["mask"], b["cu"], beta=beta)
+        return per_tok.sum()
+
+    def ref(logp):
+        return sum(
+            -(logp[j] * b["adv"][j] - 0.5 * beta * (logp[j] - b["behav"][j]) ** 2)
+            for j in range(logp.numel())
+            if b["mask"][j]
+        )
+
+    assert_value_and_grad(ours, ref, b["logp"])
+
+
+@pytest.mark.parametrize("eps", [(0.2, 0.2), (3e-4, 4e-4), (0.05, None)])
+def test_gspo_token_policy_loss(eps):
+    """GSPO-token: each token's ratio has its sequence's value (the geometric mean over the ratio
+    mask) and its own log-probability's gradient; PPO's clipped surrogate per token, summed."""
+    b = make_packed(LENS, seed=33)
+    ratio_mask = b["mask"].clone()
+    ratio_mask[int(b["cu"][2])] = False  # a masked token left out of the ratio still trains
+    eps_lo, eps_hi = eps
+    hi = eps_lo if eps_hi is None else eps_hi
+
+    def ours(logp):
+        per_tok, _ = F.gspo_token_policy_loss(
+            logp, b["behav"], b["behav"], b["adv"], b["mask"], b["cu"],
+            ratio_mask=ratio_mask, eps_clip=eps_lo, eps_clip_higher=eps_hi,
+        )  # fmt: skip
+        return per_tok.sum()
+
+    def ref(logp):
+        total = torch.zeros((), dtype=D)
+        for s, e in spans(b["cu"]):
+            inside = [j for j in range(s, e) if ratio_mask[j]]
+            log_s = sum(float(logp[j].detach() - b["behav"][j]) for j in inside) / max(len(inside), 1)
+            for j in range(s, e):
+                if not b["mask"][j]:
+                    continue
+                ratio = math.exp(log_s) * torch.exp(logp[j] - logp[j].detach())
+                a = b["adv"][j]
+                total = total - torch.minimum(ratio * a, ratio.clamp(1 - eps_lo, 1 + hi) * a)
+        return total
+
+    assert_value_and_grad(ours, ref, b["logp"])
+
+
+def test_gspo_token_with_one_advantage_per_sequence_has_gspos_gradient():
+    b = make_packed(LENS, seed=34)
+    adv = F.to_tokens(torch.randn(len(LENS), dtype=D, generator=torch.Generator().manual_seed(3)), b["cu"])
+    x, y = b["logp"].clone().requires_grad_(True), b["logp"].clone().requires_grad_(True)
+    token = F.seq_mean_token_mean(
+        F.gspo_token_policy_loss(x, b["behav"], b["behav"], adv, b["mask"], b["cu"], eps_clip=0.2)[0],
+        b["mask"],
+        b["cu"],
+    )
+    seq = F.seq_mean_token_mean(
+        F.gspo_policy_loss(y, b["behav"], b["behav"], adv, b["mask"], b["cu"], eps_clip=0.2)[0], b["mask"], b["cu"]
+    )
+    torch.testing.assert_close(token, seq)
+    torch.testing.assert_close(torch.autograd.grad(token, x)[0], torch.autograd.grad(seq, y)[0])

@@ -193,6 +193,21 @@ def test_retries_restart_a_failed_trainer(tmp_path) -> None:
     assert [r["attempt"] for r in records] == [0, 1]
 
 
+def test_an_error_a_restart_would_meet_again_is_not_retried(tmp_path) -> None:
+    """A `RecurringError` (bad data, a broken grader, a full disk) in a trainer rank under torchrun:
+    one attempt, and the launcher ends with the error's line."""
+    rc, records, _ = _launch_with_output(
+        tmp_path,
+        "probe.recurring_error=true",
+        "recover.retries=3",
+        "recover.mode=auto",
+        "launcher.trainer_nproc=2",
+    )
+    assert rc == 1 and sorted({r["attempt"] for r in records}) == [0], "not restarted"
+    line = (tmp_path / "areal-lite" / "trial0" / "logs" / "recurring_error").read_text().strip()
+    assert line == "RecurringError: bad data row at data.jsonl:3: field 'question' is missing"
+
+
 def test_prepare_run_comes_first_and_must_succeed(tmp_path) -> None:
     rc, records = _launch(tmp_path, "launcher.prepare_overrides=[probe.tag=prepare]")
     assert rc == 0
@@ -220,6 +235,7 @@ def test_prepare_run_comes_first_and_must_succeed(tmp_path) -> None:
             ),
         ),
         ("launcher.backend=tgi", "config field 'launcher.backend' is 'tgi'; choose one of local, areal, sglang, vllm"),
+        ("train_dataset.batch_size=-4", "config field 'train_dataset.batch_size' is -4; it must be >= 1"),
     ],
 )
 def test_a_config_error_is_one_line_and_nothing_starts(tmp_path, override: str, message: str) -> None:

@@ -4,7 +4,7 @@ import each other in a circle.
 
 Layers, bottom to top (a package may import its own modules and those of lower layers):
 
-    api  <  algorithms, utils  <  rewards, engines  <  core  <  workflows, actors  <  kit, launcher  <  recipes
+    api  <  algorithms, utils  <  rewards, engines  <  core  <  workflows, actors  <  kit, launcher  <  recipes  <  service
 
 Examples, tests and benchmarks sit above all of them.
 """
@@ -29,6 +29,7 @@ LAYERS = {
     "kit": 5,
     "launcher": 5,
     "recipes": 6,
+    "service": 7,
 }
 
 

@@ -161,6 +161,13 @@ def test_forward_backward_calls_then_optim_step_equal_one_train_batch(out: Path,
     assert res["grad_norm"][0] == pytest.approx(res["grad_norm"][1], rel=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_forward_backward_logprobs_returns_forwards_logprobs(out: Path, layout: str) -> None:
+    res = json.loads((out / "checks.json").read_text())[f"one_pass_{layout}"]
+    assert res["logprob_err"] < 1e-5
+    assert res["loss"][0] == pytest.approx(res["loss"][1], rel=1e-6)
+
+
 def test_optim_step_uses_explicit_lr_weight_decay_and_max_grad_norm(out: Path) -> None:
     res = json.loads((out / "checks.json").read_text())["override"]
     stats = res["stats"]

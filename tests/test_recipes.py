@@ -240,6 +240,53 @@ def test_train_tangents_from_autodiff_of_the_grpo_loss_equals_train_grpo(model_d
     run(go())
 
 
+def test_forward_backward_is_one_pass_and_equals_logprobs_then_tangents(model_dir):
+    """``forward_backward(samples, loss)``: one forward pass (counted) returns the log-probabilities
+    ``logprobs_per_token`` gives, and its step equals ``train_tangents`` with the loss's autodiff
+    tangents then ``optim_step`` (the two-pass path), SGD-like, to float noise."""
+    clip, beta = 0.2, 0.1
+
+    async def go():
+        a = await ModelBuilder(model_dir, sgd_config()).spawn_train("fb_a")
+        b = await ModelBuilder(model_dir, sgd_config()).spawn_train("fb_b")
+        samples, _, old, ref, adv = await grpo_inputs(a, 6, seed=5)
+
+        def loss(logp: torch.Tensor, i: int) -> torch.Tensor:
+            n = logp.numel()
+            prox, r = torch.tensor(old[i], dtype=logp.dtype), torch.tensor(ref[i], dtype=logp.dtype)
+            cu = torch.tensor([0, n], dtype=torch.int32)
+            per_token, _ = F.ppo_policy_loss(
+                logp, prox, prox, torch.full((n,), adv[i]), torch.ones(n, dtype=torch.bool), cu, eps_clip=clip
+            )
+            return (per_token + beta * F.kl_k3(logp, r)).sum()
+
+        forwards = []
+        hook = a.engine.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        before = params(a.engine)
+        one_pass = await a.forward_backward(samples, loss)
+        hook.remove()
+        assert len(forwards) == 1
+        await a.optim_step()
+
+        two_pass = await async_map(b.logprobs_per_token, samples)
+        for x, y in zip(one_pass, two_pass):
+            torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-6)
+        for i, (s, lp) in enumerate(zip(samples, two_pass)):
+            logp = torch.tensor(lp, requires_grad=True)
+            loss(logp, i).backward()
+            await b.train_tangents(s, logp.grad.tolist())
+        await b.optim_step()
+        # The two-pass gradient goes through the tangents as float32 numbers (autodiff of the loss
+        # on the first pass's values), the one-pass gradient straight through the loss: float noise.
+        worst = largest_difference(before, a, b)
+        assert worst < 5e-6, worst
+        with pytest.raises(RuntimeError, match="no gradient accumulated"):
+            await a.optim_step()  # the one-pass gradient was applied once
+        await shutdown(a, b)
+
+    run(go())
+
+
 def test_concurrent_calls_are_packed(model_dir):
     """16 concurrent log-prob requests make one forward pass; 16 train calls, awaited together or
     one by one, one forward-backward pass at the step."""

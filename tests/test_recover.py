@@ -15,7 +15,7 @@ import trainer_kill
 from areal_lite.api.config import RecoverConfig
 from areal_lite.utils.dataloader import stateful_dataloader
 from areal_lite.utils.recover import RecoverHandler, rng_state, set_rng_state
-from areal_lite.utils.saver import resolve_atomic, write_atomically
+from areal_lite.utils.saver import CheckpointWriteError, resolve_atomic, write_atomically
 from areal_lite.utils.step import StepInfo, is_due
 
 
@@ -69,7 +69,7 @@ def test_atomic_write_keeps_the_old_copy_when_a_write_fails(tmp_path) -> None:
         open_write(os.path.join(d, "v"), "half")
         raise RuntimeError("killed mid-write")
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(CheckpointWriteError, match="killed mid-write"):
         write_atomically(path, crash)
     assert resolve_atomic(path) == path
     assert read(os.path.join(path, "v")) == "1"

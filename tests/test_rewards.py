@@ -4,8 +4,10 @@ that raise, hang or return NaN in a batch of good ones."""
 from __future__ import annotations
 
 import asyncio
+import math
 import pickle
 import threading
+import time
 
 import pytest
 from misbehaving_graders import misbehaving_grader
@@ -25,10 +27,12 @@ from areal_lite.utils.tiny import build_tokenizer
 
 
 def score_all(runner: RewardRunner, kinds: list[str]) -> list[float]:
+    """The scores of samples of ``kinds``, a failed one as None (the runner gives NaN)."""
+
     async def go() -> list[float]:
         return await asyncio.gather(*(runner("q", "c", [1], [2], kind=k) for k in kinds))
 
-    return asyncio.run(go())
+    return [None if math.isnan(x) else x for x in asyncio.run(go())]  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(
@@ -119,12 +123,13 @@ def test_runner_modes_picked_automatically() -> None:
 
 
 def test_process_runner_survives_raise_hang_nan_and_a_dead_worker() -> None:
-    """Good samples score 1; the bad ones score 0, are counted by kind, and the batch completes."""
+    """Good samples score 1; the bad ones have no score (NaN), are counted by kind, and the batch
+    completes."""
     runner = RewardRunner(misbehaving_grader, mode="process", timeout=2.0, num_workers=2)
     try:
         kinds = ["ok"] * 4 + ["raise", "hang", "nan", "exit"] + ["ok"] * 4
         rewards = score_all(runner, kinds)
-        assert rewards == [1.0] * 4 + [0.0] * 4 + [1.0] * 4
+        assert rewards == [1.0] * 4 + [None] * 4 + [1.0] * 4
         s = runner.stats()
         assert (s["reward/errors"], s["reward/timeouts"], s["reward/nonfinite"], s["reward/crashes"]) == (1, 1, 1, 1)
         assert s["reward/samples"] == 12 and s["reward/total"] == 1.0
@@ -143,7 +148,7 @@ def test_thread_runner_counts_failures_and_abandons_a_hung_call() -> None:
 
     runner = RewardRunner(grader, mode="thread", timeout=1.0, num_workers=4)
     try:
-        assert score_all(runner, ["ok", "raise", "hang", "nan", "ok"]) == [1.0, 0.0, 0.0, 0.0, 1.0]
+        assert score_all(runner, ["ok", "raise", "hang", "nan", "ok"]) == [1.0, None, None, None, 1.0]
         s = runner.stats(reset=True)
         assert (s["reward/errors"], s["reward/timeouts"], s["reward/nonfinite"]) == (1, 1, 1)
         assert runner.stats()["reward/samples"] == 0
@@ -158,12 +163,73 @@ def test_inline_runner_grades_on_the_loop_and_counts_failures() -> None:
     grader = runner.fn
     runner.fn = lambda *a, **k: calls.append(threading.get_ident()) or grader(*a, **k)
 
-    assert score_all(runner, ["ok", "raise", "nan", "ok"]) == [1.0, 0.0, 0.0, 1.0]
+    assert score_all(runner, ["ok", "raise", "nan", "ok"]) == [1.0, None, None, 1.0]
     s = runner.stats()
     assert (s["reward/samples"], s["reward/errors"], s["reward/nonfinite"]) == (4, 1, 1)
     assert len(set(calls)) == 1 and calls[0] == threading.get_ident()  # asyncio.run's loop: this thread
     with pytest.raises(ValueError, match="does not fit"):
         RewardRunner(LLMJudgeGrader(engine=None, tokenizer=None), mode="inline")
+
+
+def returns(value: object):
+    def grader(prompt, completion, prompt_ids, completion_ids, **item) -> object:
+        return value
+
+    return grader
+
+
+@pytest.mark.parametrize("value", ["good", "1.0", None, b"1", [1.0]])
+def test_a_grader_returning_a_non_number_fails_the_sample(value: object) -> None:
+    runner = RewardRunner(returns(value), mode="inline")
+    try:
+        assert score_all(runner, ["x"]) == [None]
+        assert runner.stats()["reward/errors"] == 1
+    finally:
+        runner.close()
+    assert score_all(RewardRunner(returns(True), mode="inline"), ["x"]) == [1.0], "a bool is a number"
+
+
+def sleeps(prompt, completion, prompt_ids, completion_ids, **item) -> float:
+    time.sleep(3600)  # blocked in C: no exception can reach it there
+    return 1.0
+
+
+def spins(prompt, completion, prompt_ids, completion_ids, **item) -> float:
+    while True:
+        pass
+
+
+@pytest.mark.parametrize("grader", [sleeps, spins])
+def test_a_grader_hanging_in_threads_is_failed_at_once_after_a_few_timeouts(grader) -> None:
+    """A grader that hangs (in C or in Python) costs two timeouts per thread, then the runner takes
+    it for hung and fails calls without waiting; the hung threads do not keep the process alive."""
+    runner = RewardRunner(grader, mode="thread", timeout=0.5, num_workers=2)
+    try:
+        t0 = time.monotonic()
+        assert score_all(runner, ["x"] * 64) == [None] * 64
+        assert time.monotonic() - t0 < 5
+        s = runner.stats(reset=True)
+        assert s["reward/timeouts"] >= 4 and s["reward/timeouts"] + s["reward/skipped"] == 64
+        time.sleep(0.6)  # the hang is taken to be over: calls are tried again
+        assert score_all(runner, ["x"]) == [None] and runner.stats()["reward/timeouts"] == 1
+        assert all(t.daemon for t in threading.enumerate() if t.name.startswith("reward-thread"))
+    finally:
+        runner.close()
+
+
+def test_a_grader_hanging_in_worker_processes_fails_a_batch_promptly() -> None:
+    """Process mode (auto for a plain function), 2 workers, a 1 s timeout, 96 samples that all hang:
+    without the hung-grader rule they would take 48 timeouts in turn."""
+    runner = RewardRunner(misbehaving_grader, mode="process", timeout=1.0, num_workers=2)
+    try:
+        assert score_all(runner, ["ok"]) == [1.0]  # the workers' start is not the grader's time
+        t0 = time.monotonic()
+        assert score_all(runner, ["hang"] * 96) == [None] * 96
+        assert time.monotonic() - t0 < 15
+        s = runner.stats()
+        assert s["reward/timeouts"] + s["reward/skipped"] == 96 and s["reward/skipped"] > 80
+    finally:
+        runner.close()
 
 
 def test_combined_grader_in_worker_processes_reports_each_component() -> None:
@@ -236,7 +302,7 @@ def test_combined_grader_with_an_llm_judge_awaits_it_and_runs_the_rest_in_worker
                 runner("What is 6*7?", "42 = \\boxed{42}", [], []),  # no reference: math_answer_reward raises
             )
 
-        assert asyncio.run(go()) == [1.5, 0.0, 0.0]
+        assert [x if math.isfinite(x) else None for x in asyncio.run(go())] == [1.5, 0.0, None]
         s = runner.stats()
         assert (s["reward/judge"], s["reward/answer"], s["reward/total"]) == (0.5, 0.5, 0.75)
         assert s["reward/errors"] == 1.0 and s["reward/samples"] == 3.0

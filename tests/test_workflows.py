@@ -153,14 +153,17 @@ def test_rlvr_default_runner_grades_math_in_worker_processes(engine, rollout) ->
 
 
 def test_rlvr_batch_completes_despite_bad_graders(engine, rollout) -> None:
-    """Graders that raise, hang and return NaN score 0 inside an RLVR batch; the batch completes."""
+    """Graders that raise, hang and return NaN have no score inside an RLVR batch: their groups are
+    dropped and counted, never trained on; the batch completes with the others."""
     runner = RewardRunner(misbehaving_grader, mode="process", timeout=2.0, num_workers=2)
     wf = RLVRWorkflow(runner, GenerationConfig(n_samples=2, max_new_tokens=3), engine.tokenizer)
     try:
         items = [{"prompt": f"q{k}", "kind": k} for k in ("ok", "raise", "hang", "nan", "ok")]
+        failed_before = rollout.stats()["rollout/reward_failed_total"]
         batch = rollout.rollout_batch(items, wf)
         check_trajectory(batch)
-        assert batch["rewards"].tolist() == [1.0, 1.0] + [0.0] * 6 + [1.0, 1.0]
+        assert batch["rewards"].tolist() == [1.0] * 4
+        assert rollout.stats()["rollout/reward_failed_total"] == failed_before + 3
         s = runner.stats()
         assert (s["reward/errors"], s["reward/timeouts"], s["reward/nonfinite"]) == (2, 2, 2)
     finally:

@@ -571,6 +571,85 @@ def cispo_policy_loss(
     return -weight * advantages * logp * w, stats
 
 
+def importance_sampling_policy_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    behav_imp_weight_cap: float | None = None,
+    importance_weight: ImportanceWeightFn | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The importance-sampled policy-gradient surrogate: ``-w * A * pi / pi_prox`` per token, the
+    surrogate that TRPO maximises (Schulman et al. 2015, eq. 14) without its trust region, with
+    the ratio keeping its gradient (``d ratio = ratio * d log pi``). Its gradient is the policy
+    gradient of samples drawn from ``pi_prox``, unbiased for any ratio; nothing bounds it (PPO,
+    CISPO and GSPO do). ``w`` is the capped behaviour weight or ``importance_weight``."""
+    ratio = torch.exp(logp - prox_logp)
+    w = _behaviour_weight(prox_logp, behav_logp, mask, cu_seqlens, behav_imp_weight_cap, importance_weight)
+    return -advantages * ratio * w, {"clip_frac": torch.zeros_like(logp), "ratio": ratio.detach()}
+
+
+def dro_policy_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    beta: float = 0.05,
+    behav_imp_weight_cap: float | None = None,
+    importance_weight: ImportanceWeightFn | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Direct reward optimisation's policy loss per token (Richemond et al. 2024, "Offline
+    Regularised Reinforcement Learning for Large Language Models Alignment", the DRO objective;
+    as Kimi k1.5 uses it, Kimi Team 2025, sec. 2.3.2): ``-w * (A * log pi - beta / 2 *
+    (log pi - log pi_prox)^2)``. The quadratic term pulls the policy back towards the one that
+    sampled (``beta * k2``, `kl_k2`), so the objective stays well posed off-policy, even offline.
+    ``A`` is DRO's soft advantage, computed by the caller. ``w`` is the capped behaviour weight or
+    ``importance_weight``."""
+    w = _behaviour_weight(prox_logp, behav_logp, mask, cu_seqlens, behav_imp_weight_cap, importance_weight)
+    ratio = torch.exp(logp.detach() - prox_logp)
+    loss = -(advantages * logp - beta * kl_k2(logp, prox_logp))
+    return loss * w, {"clip_frac": torch.zeros_like(logp), "ratio": ratio}
+
+
+def gspo_token_policy_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    ratio_mask: torch.Tensor | None = None,
+    eps_clip: float = 3e-4,
+    eps_clip_higher: float | None = 4e-4,
+    behav_imp_weight_cap: float | None = None,
+    importance_weight: ImportanceWeightFn | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO-token (Zheng et al. 2025, sec. 4.3, the GSPO-token objective): every token carries
+    its sequence's ratio ``s_i = exp(mean_t (log pi - log pi_prox))`` as its value, but the
+    gradient of its own log-probability, ``s_t = sg(s_i) * pi_t / sg(pi_t)``; the loss is PPO's
+    ``max(-A_t s_t, -A_t clip(s_t, 1 - eps, 1 + eps_high))`` with per-token advantages ``A_t``.
+    With one advantage per sequence it has GSPO's gradient (`gspo_policy_loss`, whose loss is
+    per sequence). The mean runs over ``ratio_mask`` (the sampled tokens; ``mask`` when None).
+    ``w`` is the capped behaviour weight or ``importance_weight``."""
+    m = (mask if ratio_mask is None else ratio_mask).to(logp.dtype)
+    n = seq_sum(m, cu_seqlens).clamp(min=1)
+    log_s = seq_sum((logp.detach() - prox_logp) * m, cu_seqlens) / n
+    s = torch.exp(to_tokens(log_s, cu_seqlens) + logp - logp.detach())
+    high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    surr = -advantages * s
+    surr_clipped = -advantages * s.clamp(1.0 - eps_clip, 1.0 + high)
+    loss = torch.maximum(surr, surr_clipped)
+    w = _behaviour_weight(prox_logp, behav_logp, mask, cu_seqlens, behav_imp_weight_cap, importance_weight)
+    return loss * w, {"clip_frac": (surr_clipped > surr).float(), "ratio": s.detach()}
+
+
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``fn(logp, prox_logp, behav_logp, advantages, mask, cu_seqlens) -> (per-token loss [T], stats)``,
 hyper-parameters bound with `functools.partial`."""

@@ -6,8 +6,9 @@ wrong type, or a string outside a field's choices is an error that says what was
 can be derived (total steps, output directories) are properties, not fields.
 
 Field metadata says what a string field holds, for checks made before a run starts:
-``metadata=one_of("a", "b")`` lists its valid values (`load_config` checks them, in a script's own
-sections too), and `READS_MODEL` / `READS_FILE` mark paths the run reads (the launcher checks that
+``metadata=one_of("a", "b")`` lists its valid values and ``metadata=at_least(1)`` (`more_than`,
+`between`: `areal_lite.api.bounds`) its numeric bounds (`load_config` checks both, in a script's
+own sections too, before it builds the config), and `READS_MODEL` / `READS_FILE` mark paths the run reads (the launcher checks that
 they exist before it starts anything).
 """
 
@@ -24,6 +25,8 @@ from typing import TypeVar
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+from areal_lite.api.bounds import at_least, between, more_than, out_of_bounds
+from areal_lite.api.errors import RecurringError
 from areal_lite.api.io import GenerationConfig, MicroBatchSpec
 
 __all__ = [
@@ -52,10 +55,13 @@ __all__ = [
     "SlurmConfig",
     "StatsLoggerConfig",
     "TrainEngineConfig",
+    "at_least",
+    "between",
     "check_choices",
     "checking_only",
     "input_paths",
     "load_config",
+    "more_than",
     "one_of",
     "profile_overrides",
     "requested_profile",
@@ -79,23 +85,23 @@ READS_FILE = {"reads": "file"}
 class OptimizerConfig:
     """AdamW and its learning-rate schedule."""
 
-    lr: float = 1e-5
+    lr: float = field(default=1e-5, metadata=at_least(0.0))
     """Peak learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata=at_least(0.0))
     """Decoupled weight decay (AdamW)."""
-    beta1: float = 0.9
+    beta1: float = field(default=0.9, metadata=between(0.0, 1.0))
     """Adam beta1."""
-    beta2: float = 0.999
+    beta2: float = field(default=0.999, metadata=between(0.0, 1.0))
     """Adam beta2."""
-    eps: float = 1e-8
+    eps: float = field(default=1e-8, metadata=at_least(0.0))
     """Adam epsilon."""
     lr_scheduler_type: str = field(default="constant", metadata=one_of("constant", "linear", "cosine"))
     """constant, linear or cosine (after warm-up)."""
-    warmup_steps_proportion: float = 0.0
+    warmup_steps_proportion: float = field(default=0.0, metadata=between(0.0, 1.0))
     """Fraction of the total training steps spent warming up linearly from 0."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = field(default=0.0, metadata=between(0.0, 1.0))
     """Final LR as a fraction of ``lr`` for linear and cosine schedules."""
-    gradient_clipping: float = 1.0
+    gradient_clipping: float = field(default=1.0, metadata=at_least(0.0))
     """Clip the global gradient norm to this value (0 = no clipping)."""
 
 
@@ -106,12 +112,12 @@ class LoRAConfig:
     only ``A`` [rank, in] and ``B`` [out, rank] trained (B starts at 0, so training starts from the
     base model). Weight updates then ship the adapter alone. FSDP only."""
 
-    rank: int = 0
+    rank: int = field(default=0, metadata=at_least(0))
     """Rank r of every adapter; 0 = off (full-parameter training)."""
     alpha: float = 16.0
     """Scale numerator: the adapter's output is multiplied by alpha / rank. Changing the rank with
     alpha fixed changes the effective learning rate."""
-    dropout: float = 0.0
+    dropout: float = field(default=0.0, metadata=between(0.0, 1.0))
     """Dropout on the adapter's input while training (peft's ``lora_dropout``)."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Which linear layers get adapters, as peft matches them: module names such as ``q_proj`` or
@@ -150,7 +156,7 @@ class TrainEngineConfig:
     """Optimizer; ignored for frozen models (reference policies)."""
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     """How `train_batch` and `forward` cut batches into micro-batches."""
-    logits_chunk_size: int = 1024
+    logits_chunk_size: int = field(default=1024, metadata=at_least(1))
     """Tokens whose full-vocabulary logits are materialised at once in log-prob computation."""
     attn_impl: str = "sdpa"
     """Attention implementation passed to transformers (sdpa, eager, flash_attention_2)."""
@@ -160,9 +166,9 @@ class TrainEngineConfig:
     (`areal_lite.utils.shared_prefix`); the results are those of the ordinary forward. With
     several micro-batches, set ``mb_spec.granularity`` to the group size so none is cut apart
     (benchmarks/shared_prefix.py)."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = field(default=1, metadata=at_least(1))
     """Megatron only: tensor-parallel degree (data-parallel degree is world size / this)."""
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: int = field(default=1, metadata=at_least(1))
     """Megatron only: pipeline-parallel degree."""
     expert_parallel_size: int = 1
     """Megatron only, mixture-of-experts models: expert-parallel degree (each rank of an
@@ -185,11 +191,11 @@ class PPOActorConfig(TrainEngineConfig):
     the train engine plus the algorithm's knobs. Each knob picks or parameterises one function of
     `areal_lite.algorithms.functional`."""
 
-    group_size: int = 1
+    group_size: int = field(default=1, metadata=at_least(1))
     """Samples per prompt (GRPO group): consecutive rows of a batch; groups stay in one minibatch."""
-    ppo_n_minibatches: int = 1
+    ppo_n_minibatches: int = field(default=1, metadata=at_least(1))
     """Optimizer steps per training batch (the batch is cut into this many minibatches)."""
-    eps_clip: float = 0.2
+    eps_clip: float = field(default=0.2, metadata=at_least(0.0))
     """PPO ratio clip epsilon (lower side, and upper when ``eps_clip_higher`` is None). GSPO
     clips a sequence-level ratio and wants much smaller values (3e-4)."""
     eps_clip_higher: float | None = None
@@ -223,7 +229,7 @@ class PPOActorConfig(TrainEngineConfig):
         default="token-mean", metadata=one_of("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
     )
     """token-mean, seq-mean-token-mean or seq-mean-token-sum (Dr. GRPO)."""
-    kl_ctl: float = 0.0
+    kl_ctl: float = field(default=0.0, metadata=at_least(0.0))
     """Coefficient of the KL penalty to the reference policy (0 = no reference model)."""
     kl_estimator: str = field(default="k1", metadata=one_of("k1", "k2", "k3"))
     """k1, k2 or k3 (Schulman 2020)."""
@@ -241,7 +247,7 @@ class PPOActorConfig(TrainEngineConfig):
     """Added to every reward before scaling."""
     reward_scaling: float = 1.0
     """Multiplies every reward."""
-    reward_clip: float = 20.0
+    reward_clip: float = field(default=20.0, metadata=more_than(0.0))
     """Rewards are clipped to [-reward_clip, reward_clip]."""
     mask_truncated: bool = False
     """Give zero reward to sequences cut off by the length limit: a per-sequence bool
@@ -254,15 +260,15 @@ class PPOActorConfig(TrainEngineConfig):
     ``values`` [B,L] from a `PPOCritic`)."""
     adv_norm_level: str = field(default="group", metadata=one_of("group", "batch", "none"))
     """grpo: mean and std over the group, over the batch, or none (advantage = reward)."""
-    discount: float = 1.0
+    discount: float = field(default=1.0, metadata=between(0.0, 1.0))
     """Discount gamma of GAE and REINFORCE++ returns."""
-    gae_lambda: float = 1.0
+    gae_lambda: float = field(default=1.0, metadata=between(0.0, 1.0))
     """GAE lambda."""
-    overlong_penalty_len: int = 0
+    overlong_penalty_len: int = field(default=0, metadata=at_least(0))
     """DAPO soft overlong penalty: length window before ``max_new_tokens`` (0 = off)."""
     overlong_penalty_factor: float = 1.0
     """DAPO soft overlong penalty: the penalty at the limit."""
-    max_new_tokens: int = 0
+    max_new_tokens: int = field(default=0, metadata=at_least(0))
     """Generation length limit, for the overlong penalty and ``mask_truncated`` (0 = unknown)."""
 
 
@@ -270,9 +276,9 @@ class PPOActorConfig(TrainEngineConfig):
 class PPOCriticConfig(TrainEngineConfig):
     """A value model trained with PPO's clipped value loss (``is_critic`` is forced on)."""
 
-    group_size: int = 1
+    group_size: int = field(default=1, metadata=at_least(1))
     """Samples per prompt; groups stay in one minibatch (as the actor's)."""
-    ppo_n_minibatches: int = 1
+    ppo_n_minibatches: int = field(default=1, metadata=at_least(1))
     """Optimizer steps per training batch."""
     value_eps_clip: float | None = 0.2
     """Clip of the new value around the old one in the value loss; None = unclipped."""
@@ -297,24 +303,38 @@ class DPOConfig(TrainEngineConfig):
 class InferenceEngineConfig:
     """The rollout side: the executor's staleness control and, for remote engines, the servers."""
 
-    max_concurrent_rollouts: int | None = None
+    max_concurrent_rollouts: int | None = field(default=None, metadata=at_least(1))
     """Cap on episodes running at once (None = the consumer batch size)."""
-    consumer_batch_size: int = 1
+    consumer_batch_size: int = field(default=1, metadata=at_least(1))
     """Accepted episodes (e.g. GRPO groups) per training batch: the ``batch_size`` of the staleness bound."""
-    max_head_offpolicyness: int = 0
+    max_head_offpolicyness: int = field(default=0, metadata=at_least(0))
     """Staleness bound eta: a batch consumed at step t holds only tokens of versions >= t - eta
     (0 = synchronous RL)."""
-    queue_size: int | None = None
+    queue_size: int | None = field(default=None, metadata=at_least(1))
     """Cap on finished-but-unconsumed plus running episodes (None = 16 x consumer batch size)."""
     on_workflow_error: str = field(default="raise", metadata=one_of("raise", "skip"))
     """raise (fail fast, naming the input) or skip (count it and go on)."""
+    loop_stall_timeout: float = field(default=60.0, metadata=more_than(0.0))
+    """Seconds the rollout event loop may be blocked by code that does not await (a grader run
+    inline, blocking I/O in a workflow) before the run stops, naming the function it is blocked in."""
+    max_reward_failures: float = field(default=0.5, metadata=between(0.0, 1.0))
+    """An episode whose rewards are not all finite numbers (its grader raised, timed out or returned
+    NaN or a non-number: `RewardRunner` scores such a sample NaN) is dropped and counted
+    (``rollout/reward_failed``); the run stops, naming the count, when more than this fraction of
+    the last ``consumer_batch_size`` episodes were dropped so (1 = never stop)."""
     addresses: list[str] = field(default_factory=list)
     """Remote engines: host:port of each server (the launcher fills this in)."""
-    request_timeout: float = 3600.0
+    request_timeout: float = field(default=3600.0, metadata=more_than(0.0))
     """Seconds before one HTTP generation request is given up (and retried elsewhere)."""
-    request_retries: int = 3
+    request_retries: int = field(default=3, metadata=at_least(1))
     """Attempts per request across servers before it fails."""
-    setup_timeout: float = 120.0
+    control_timeout: float = field(default=30.0, metadata=more_than(0.0))
+    """Seconds a server may leave ``GET /health`` unanswered (it is asked every few seconds)
+    before it is set aside as unresponsive (a hung or stopped process): its running requests go to
+    the other servers, and it gets no requests, pauses or weight updates until it answers again,
+    when it rejoins with the current weights and version. A server that refuses connections is set
+    aside at once."""
+    setup_timeout: float = field(default=120.0, metadata=more_than(0.0))
     """Seconds to wait for servers to become healthy."""
     api_key: str | None = None
     """Bearer token for servers started with --api-key."""
@@ -344,11 +364,11 @@ class LocalEngineConfig:
     """float32, bfloat16 or float16."""
     device: str = "cpu"
     """cpu or cuda."""
-    max_running_requests: int = 128
+    max_running_requests: int = field(default=128, metadata=at_least(1))
     """Requests decoded together in one continuous batch (KV-cache rows; the cache grows with the
     longest running request). On a 2-core CPU, 256 requests of 10-30 tokens on a 4-layer,
     hidden-128 model ran 1.5x faster with 128 rows than with 64, and no faster with 256."""
-    max_total_tokens: int = 0
+    max_total_tokens: int = field(default=0, metadata=at_least(0))
     """Context limit per request (0 = the model's max_position_embeddings)."""
     seed: int = 0
     """Sampling seed."""
@@ -369,21 +389,25 @@ class DatasetConfig:
     """Local file or directory; empty for synthetic tasks."""
     type: str = field(default="rl", metadata=one_of("rl", "sft"))
     """rl or sft."""
-    batch_size: int = 8
+    batch_size: int = field(default=8, metadata=at_least(1))
     """Items (prompts) per training batch."""
     shuffle: bool = True
     """Shuffle each epoch."""
-    max_length: int | None = None
-    """Drop items whose prompt is longer than this many tokens."""
+    max_length: int | None = field(default=None, metadata=at_least(1))
+    """Drop items whose prompt is longer than this many tokens (counted in ``data/left_out/*``)."""
+    on_bad_row: str = field(default="raise", metadata=one_of("raise", "skip"))
+    """A row that lacks a field the run reads, holds one of the wrong type or an empty one, or is
+    not valid JSON: raise (stop, naming its file and line) or skip (leave it out; counted in the
+    statistics as ``data/left_out/bad`` and the first few logged)."""
 
 
 @dataclass
 class SaverConfig:
     """Periodic HF checkpoints."""
 
-    freq_steps: int | None = None
+    freq_steps: int | None = field(default=None, metadata=at_least(1))
     """Save every this many steps (None = never)."""
-    freq_epochs: int | None = None
+    freq_epochs: int | None = field(default=None, metadata=at_least(1))
     """Save every this many epochs."""
 
 
@@ -391,7 +415,7 @@ class SaverConfig:
 class EvaluatorConfig:
     """Periodic evaluation."""
 
-    freq_steps: int | None = None
+    freq_steps: int | None = field(default=None, metadata=at_least(1))
     """Evaluate every this many steps (None = only where the script asks)."""
 
 
@@ -401,9 +425,9 @@ class RecoverConfig:
 
     mode: str = field(default="disabled", metadata=one_of("disabled", "auto", "resume"))
     """disabled, auto (resume when a recover checkpoint exists) or resume (require one)."""
-    freq_steps: int = 1
+    freq_steps: int = field(default=1, metadata=at_least(1))
     """Write the recover checkpoint every this many steps."""
-    retries: int = 0
+    retries: int = field(default=0, metadata=at_least(0))
     """Launcher restarts after a failure."""
 
 
@@ -436,12 +460,12 @@ class StatsLoggerConfig:
     """The statistics of the per-step console line, in order, each ``label=key`` or just ``key``;
     a key missing from a step's statistics is left out of that step's line. ``timing/`` keys are
     shown in seconds."""
-    full_stats_every: int = 50
+    full_stats_every: int = field(default=50, metadata=at_least(0))
     """Print the table of every statistic every this many steps and at the last step (0 = never;
     wandb and tensorboard always get every statistic)."""
     reward_std_key: str = "reward_std"
     """The statistic watched for a collapsing reward spread (all samples of a group scoring alike)."""
-    collapse_steps: int = 5
+    collapse_steps: int = field(default=5, metadata=at_least(0))
     """Warn once the reward std has been 0 for this many consecutive steps (0 = never)."""
     kl_key: str = "approx_kl"
     """The statistic watched for an exploding KL divergence (from one update to the next)."""
@@ -472,7 +496,7 @@ class SlurmConfig:
     """Account (``--account``); empty = none."""
     time: str = "24:00:00"
     """Wall-clock limit (``--time``)."""
-    cpus_per_task: int = 8
+    cpus_per_task: int = field(default=8, metadata=at_least(1))
     """CPUs for each server and each trainer node."""
     extra_sbatch: list[str] = field(default_factory=list)
     """More ``#SBATCH`` options, e.g. ``--qos=high``."""
@@ -489,9 +513,9 @@ class LauncherConfig:
     backend: str = field(default="local", metadata=one_of("local", "areal", "sglang", "vllm"))
     """Rollout backend: local (embedded in the trainer), areal (our server), sglang or vllm
     (vLLM's OpenAI server with our weight-update worker extension; on CPU too)."""
-    n_servers: int = 1
+    n_servers: int = field(default=1, metadata=at_least(1))
     """Rollout servers to start (areal, sglang, vllm)."""
-    trainer_nproc: int = 1
+    trainer_nproc: int = field(default=1, metadata=at_least(1))
     """Trainer processes per node (torchrun --nproc-per-node)."""
     server_args: list[str] = field(default_factory=list)
     """Extra command-line arguments for each server. Our server (``areal``) also gets the config's
@@ -505,20 +529,20 @@ class LauncherConfig:
     """HF model directory the servers load; empty = the config's ``actor.path``."""
     server_host: str = "127.0.0.1"
     """Address the servers bind to and the trainer connects to."""
-    server_tp_size: int = 1
+    server_tp_size: int = field(default=1, metadata=at_least(1))
     """GPUs per server (SGLang ``--tp-size``, vLLM ``--tensor-parallel-size``); servers take
     consecutive GPUs from 0."""
-    server_startup_timeout: float = 300.0
+    server_startup_timeout: float = field(default=300.0, metadata=more_than(0.0))
     """Seconds to wait for every server to answer ``GET /health`` with 200."""
     vllm_python: str = ""
     """The Python that runs the vLLM servers (vLLM pins its own torch: it lives in a venv of its
     own). Empty: ``$AREAL_LITE_VLLM_PYTHON``, else the checkout's ``.venv-vllm`` that ``make
     install-vllm`` builds, when present, else the launcher's own Python."""
-    vllm_cpu_kvcache_gib: int = 1
+    vllm_cpu_kvcache_gib: int = field(default=1, metadata=at_least(1))
     """GiB of KV cache per vLLM server on a machine without GPUs (``VLLM_CPU_KVCACHE_SPACE``)."""
-    trainer_nnodes: int = 1
+    trainer_nnodes: int = field(default=1, metadata=at_least(1))
     """Trainer nodes (ray, slurm); each runs ``trainer_nproc`` processes."""
-    gpus_per_node: int = 0
+    gpus_per_node: int = field(default=0, metadata=at_least(0))
     """GPUs per trainer node (ray, slurm; 0 on CPU)."""
     prepare_overrides: list[str] = field(default_factory=list)
     """When set, the script first runs once with these overrides appended (e.g. a flag that makes it
@@ -537,9 +561,9 @@ class BaseExperimentConfig:
     """Name of this trial (a directory under the experiment)."""
     seed: int = 1
     """Global seed."""
-    total_train_epochs: int = 1
+    total_train_epochs: int = field(default=1, metadata=at_least(1))
     """Passes over the training set."""
-    total_train_steps: int | None = None
+    total_train_steps: int | None = field(default=None, metadata=at_least(1))
     """Stop after this many steps (None = the epochs decide)."""
     profile: str = field(default="", metadata=one_of("", "cpu"))
     """A named set of overrides applied over the config file and under the command line (`PROFILES`):
@@ -585,7 +609,7 @@ class RLExperimentConfig(BaseExperimentConfig):
     the recorded run's parameters bit for bit. Use ``launcher.backend=local`` (no servers)."""
 
 
-class ConfigError(ValueError):
+class ConfigError(RecurringError, ValueError):
     """A config file or override that does not fit the schema."""
 
 
@@ -682,13 +706,42 @@ def _walk(cfg: object, prefix: str) -> Iterator[tuple[str, dict[str, object], ob
             yield from _walk(value, f"{prefix}{f.name}.")
 
 
+def _field_problem(meta: dict[str, object], value: object) -> str | None:
+    """What is wrong with a field's ``value`` under its metadata (choices, bounds), or None."""
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:  # type: ignore[operator]
+        return f"choose one of {', '.join(choices)}"  # type: ignore[arg-type]
+    problem = out_of_bounds(meta, value)
+    return None if problem is None else f"it {problem}"
+
+
 def check_choices(cfg: object, prefix: str = "") -> None:
     """Raise `ConfigError` for the first field of the config dataclass ``cfg`` (nested ones
-    included; their names start with ``prefix``) whose value is not one of its `one_of` choices."""
+    included; their names start with ``prefix``) whose value is not one of its `one_of` choices
+    or lies outside its bounds."""
     for name, meta, value in _walk(cfg, prefix):
-        choices = meta.get("choices")
-        if choices is not None and value not in choices:  # type: ignore[operator]
-            raise ConfigError(f"config field {name!r} is {value!r}; choose one of {', '.join(choices)}")  # type: ignore[arg-type]
+        problem = _field_problem(meta, value)
+        if problem is not None:
+            raise ConfigError(f"config field {name!r} is {value!r}; {problem}")
+
+
+def _check_values(node: DictConfig, prefix: str = "") -> None:
+    """`check_choices` on the merged config before it becomes dataclasses, so that a value a
+    dataclass's own ``__post_init__`` would reject is still reported under its dotted name."""
+    cls = node._metadata.object_type
+    if not is_dataclass(cls):
+        return
+    for f in fields(cls):
+        if f.name not in node.keys() or OmegaConf.is_missing(node, f.name):  # noqa: SIM118 (see _check_keys)
+            continue
+        child = node._get_node(f.name)
+        if isinstance(child, DictConfig):
+            _check_values(child, f"{prefix}{f.name}.")
+            continue
+        value = node[f.name]
+        problem = _field_problem(dict(f.metadata), value)
+        if problem is not None:
+            raise ConfigError(f"config field {prefix + f.name!r} is {value!r}; {problem}")
 
 
 def input_paths(cfg: object, prefix: str = "") -> dict[str, tuple[str, str]]:
@@ -751,7 +804,7 @@ def load_config(argv: list[str] | None, config_cls: type[T], save: bool = True) 
     The YAML file and then the overrides are merged, in that order, over the dataclass defaults.
     Unknown keys raise `ConfigError` naming the closest valid keys; values of the wrong type raise
     `ConfigError` naming the field and its expected type, and values outside a field's `one_of`
-    choices naming the field, the value and the choices. When ``save`` is true and the config has
+    choices or bounds (`areal_lite.api.bounds`) naming the field, the value and what it must be. When ``save`` is true and the config has
     an ``output_dir``, the resolved config is written to ``output_dir/config.yaml``. Inside
     `checking_only` it raises `ConfigChecked` instead of saving and returning.
     """
@@ -807,6 +860,7 @@ def load_config(argv: list[str] | None, config_cls: type[T], save: bool = True) 
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
         raise ConfigError(f"config fields without a value: {', '.join(missing)}")
+    _check_values(merged)
     try:
         cfg = OmegaConf.to_object(merged)
     except ValueError as e:

@@ -34,7 +34,9 @@ Optional keys with a meaning of their own:
 
 Alignment is to the token: ``logprobs[i]`` scores ``input_ids[i]`` given ``input_ids[:i]``; the
 train engine does the shift when it computes logits; nothing else shifts. Position 0 of every
-sequence has log-probability 0.
+sequence has log-probability 0. An optional int64 ``[B, L]`` key ``target_ids`` changes what is
+scored: ``logprobs[i]`` is then the log-probability of ``target_ids[i]`` given ``input_ids[:i]``
+(targets that are not the next input token, e.g. a Tinker datum's ``target_tokens``).
 
 Packed micro-batch (what a ``loss_fn`` receives): every per-token key above (and any per-token
 key the caller added, e.g. ``advantages`` or ``prox_logp``) concatenated over real tokens into 1-D
@@ -147,16 +149,31 @@ class TrainEngine(abc.ABC):
         Returns ``loss`` and the stats ``loss_fn`` returned, weighted means over this call."""
 
     @abc.abstractmethod
+    def forward_backward_logprobs(
+        self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn
+    ) -> tuple[dict[str, float], torch.Tensor]:
+        """`forward_backward`, also returning the per-token log-probabilities ``[B, L]`` (float32,
+        detached, laid out as `forward` returns them) that its own forward pass computed: one
+        forward and one backward, where `forward` then `forward_backward` cost two forwards."""
+
+    @abc.abstractmethod
     def optim_step(
-        self, lr: float | None = None, weight_decay: float | None = None, max_grad_norm: float | None = None
+        self,
+        lr: float | None = None,
+        weight_decay: float | None = None,
+        max_grad_norm: float | None = None,
+        *,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
     ) -> dict[str, float]:
         """Clip the accumulated gradients, step the optimizer and zero the gradients.
 
         The arguments apply to this step only; None takes the configured value: the LR schedule's
         current LR, ``optimizer.weight_decay`` (never applied to biases and norm weights),
-        ``optimizer.gradient_clipping`` (0 = no clipping). A non-finite gradient norm skips the
-        step (the gradients are still zeroed) and logs a warning. Returns ``grad_norm`` (before
-        clipping), ``lr`` (of this step) and ``update_successful`` (1.0/0.0)."""
+        ``optimizer.gradient_clipping`` (0 = no clipping), Adam's ``betas`` and ``eps``. A
+        non-finite gradient norm skips the step (the gradients are still zeroed) and logs a
+        warning. Returns ``grad_norm`` (before clipping), ``lr`` (of this step) and
+        ``update_successful`` (1.0/0.0)."""
 
     @abc.abstractmethod
     def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:

@@ -10,6 +10,8 @@ import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
+from areal_lite.api.bounds import at_least, between, check_bounds, more_than
+
 if TYPE_CHECKING:
     import torch
 
@@ -55,17 +57,17 @@ def unknown_weight_format(name: str) -> ValueError:
 class GenerationConfig:
     """Sampling parameters for one request (a subset of SGLang's ``sampling_params``)."""
 
-    n_samples: int = 1
+    n_samples: int = field(default=1, metadata=at_least(1))
     """Samples per prompt. Workflows send ``n_samples`` separate requests, each with its own rid."""
-    max_new_tokens: int = 64
+    max_new_tokens: int = field(default=64, metadata=at_least(1))
     """Upper bound on generated tokens."""
-    min_new_tokens: int = 0
+    min_new_tokens: int = field(default=0, metadata=at_least(0))
     """End-of-sequence and stop tokens are suppressed until this many tokens were generated."""
-    temperature: float = 1.0
+    temperature: float = field(default=1.0, metadata=at_least(0.0))
     """Softmax temperature; ignored when ``greedy``."""
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata={**more_than(0.0), **between(0.0, 1.0)})
     """Nucleus sampling mass (1.0 = off)."""
-    top_k: int = -1
+    top_k: int = field(default=-1, metadata=at_least(-1))
     """Keep the k most likely tokens (-1 = all)."""
     greedy: bool = False
     """Argmax decoding; log-probabilities are still those of the untempered distribution."""
@@ -242,14 +244,9 @@ class MicroBatchSpec:
     no budget); groups of ``granularity`` consecutive sequences (a GRPO group) never split.
     """
 
-    n_mbs: int = 1
-    max_tokens_per_mb: int | None = None
-    granularity: int = 1
+    n_mbs: int = field(default=1, metadata=at_least(1))
+    max_tokens_per_mb: int | None = field(default=None, metadata=at_least(1))
+    granularity: int = field(default=1, metadata=at_least(1))
 
     def __post_init__(self) -> None:
-        if self.n_mbs < 1:
-            raise ValueError(f"MicroBatchSpec.n_mbs must be >= 1, got {self.n_mbs}")
-        if self.granularity < 1:
-            raise ValueError(f"MicroBatchSpec.granularity must be >= 1, got {self.granularity}")
-        if self.max_tokens_per_mb is not None and self.max_tokens_per_mb < 1:
-            raise ValueError(f"MicroBatchSpec.max_tokens_per_mb must be >= 1, got {self.max_tokens_per_mb}")
+        check_bounds(self)

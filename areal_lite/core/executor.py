@@ -28,8 +28,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import threading
 import time
+import traceback
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ from tensordict import TensorDict
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import AcceptFn
+from areal_lite.api.errors import RecurringError
 from areal_lite.api.workflow import RolloutWorkflow, check_trajectory_layout
 from areal_lite.utils.cpu import check_cores, pin_this_thread
 from areal_lite.utils.data import concat_padded
@@ -59,6 +62,27 @@ class WorkflowError(RuntimeError):
         super().__init__(f"rollout workflow failed on input {shown}: {type(cause).__name__}: {cause}")
         self.data = data
         self.cause = cause
+
+
+WAIT_LINE_SECONDS = 30.0
+"""While the trainer waits for trajectories and none finishes, a line is said this often."""
+
+
+class LoopStalled(RecurringError, RuntimeError):
+    """The rollout event loop did not run for ``rollout.loop_stall_timeout`` seconds."""
+
+
+class RewardFailure(RecurringError, RuntimeError):
+    """Too many episodes of a batch had rewards that are not finite numbers (a failing grader)."""
+
+
+REWARD_KEYS = ("rewards", "baseline_rewards")
+"""Per-trajectory reward keys that must hold finite numbers for an episode to be trained on."""
+
+
+def rewards_failed(traj: TensorDict) -> bool:
+    """Whether any of ``traj``'s rewards (`REWARD_KEYS` it has) is NaN or infinite."""
+    return any(key in traj and not bool(torch.isfinite(traj[key]).all()) for key in REWARD_KEYS)
 
 
 class StalenessManager:
@@ -121,6 +145,7 @@ class _Ticket:
     remaining: int
     results: list[tuple[int, TensorDict]] = field(default_factory=list)
     error: WorkflowError | None = None
+    reward_failed: int = 0
 
 
 @dataclass
@@ -188,6 +213,18 @@ class WorkflowExecutor:
         self.staleness_histogram: Counter[int] = Counter()
         """Trajectories consumed by `wait`, keyed by staleness (current version - oldest token version)."""
         self.last_batch_staleness: list[int] = []
+        self._reward_window: deque[bool] = deque(maxlen=bs)
+        """Whether each of the last ``consumer_batch_size`` finished pipeline episodes had failed rewards."""
+        self._since_batch: Counter[str] = Counter()
+        """Counts since the last batch was handed out (``reward_failed``)."""
+        self.last_batch_counts: dict[str, int] = {}
+        """`_since_batch` as it was when the last batch was handed out: per-step counts."""
+        self._last_finish = 0.0
+        """`time.monotonic` when an episode last finished (for the waiting lines)."""
+        self._waiting_since: float | None = None
+        self._lines_said = 0
+        self._ping_sent: float | None = None
+        """When the waiting thread asked the loop for a sign of life that has not come yet."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -283,7 +320,7 @@ class WorkflowExecutor:
                         f"wait({count}) timed out after {timeout}s: {len(self._ready)} ready, "
                         f"{self.staleness.running} running, {len(self._pending)} queued, paused={self._paused}"
                     )
-                self._cond.wait(left)
+                self._wait_locked(f"{count} trajectories", left)
             taken = self._ready[:count]
             del self._ready[:count]
             for seq, _ in taken:
@@ -307,9 +344,16 @@ class WorkflowExecutor:
         with self._cond:
             while ticket.remaining > 0 and ticket.error is None:
                 self._raise_if_broken(pipeline=False)
-                self._cond.wait()
+                self._wait_locked(f"{len(data)} episodes outside the pipeline (e.g. an evaluation)", None)
             if ticket.error is not None:
                 raise ticket.error
+        if not ticket.results and ticket.reward_failed:
+            others = "" if ticket.reward_failed == len(data) else ", and the others were rejected"
+            raise RewardFailure(
+                f"the rewards of {ticket.reward_failed} of the {len(data)} episodes of a batch outside the pipeline "
+                "(e.g. an evaluation) failed (NaN, an error, a timeout or a non-number: the reward function's "
+                f"warnings above name them){others}"
+            )
         if not ticket.results:
             raise RuntimeError(f"rollout_batch: all {len(data)} trajectories were rejected or failed")
         return concat_padded([t for _, t in sorted(ticket.results, key=lambda r: r[0])])
@@ -346,7 +390,7 @@ class WorkflowExecutor:
                             f"{self.staleness.accepted} trajectories accepted: call set_version(step + 1) after "
                             "each training step (or raise max_head_offpolicyness)"
                         )
-                    self._cond.wait()  # woken by completions, set_version and resume
+                    self._wait_locked(f"{bs} trajectories", None)  # woken by completions, set_version, resume
                     continue
             # Pull outside the lock: a dataloader may be slow (worker processes, disk).
             while need > 0:
@@ -369,7 +413,8 @@ class WorkflowExecutor:
         self._wake_loop()
 
     def stats(self) -> dict[str, float]:
-        """Counters for the stats logger: episodes accepted, rejected, failed, in flight, and the
+        """Counters for the stats logger: episodes accepted, rejected, failed, in flight, dropped for
+        failed rewards (since the previous batch, with their failed samples, and in total), and the
         staleness of the last consumed batch."""
         with self._cond:
             last = self.last_batch_staleness
@@ -378,6 +423,9 @@ class WorkflowExecutor:
                 "rollout/consumed": float(self.totals["consumed"]),
                 "rollout/rejected": float(self.totals["rejected"]),
                 "rollout/failed": float(self.totals["failed"]),
+                "rollout/reward_failed": float(self.last_batch_counts.get("reward_failed", 0)),
+                "rollout/reward_failed_samples": float(self.last_batch_counts.get("reward_failed_samples", 0)),
+                "rollout/reward_failed_total": float(self.totals["reward_failed"]),
                 "rollout/running": float(self.staleness.running + self._running_direct),
                 "rollout/queued": float(len(self._pending)),
                 "rollout/ready": float(len(self._ready)),
@@ -399,6 +447,59 @@ class WorkflowExecutor:
             raise RuntimeError("the rollout executor was destroyed")
         if self._loop_error is not None:
             raise RuntimeError("the rollout executor's event loop died") from self._loop_error
+
+    def _wait_locked(self, what: str, timeout: float | None) -> None:
+        """One wait on the condition (its lock held), of at most a second. While nothing finishes,
+        a line is said every `WAIT_LINE_SECONDS`; a loop that leaves a ping unanswered for
+        ``loop_stall_timeout`` seconds is blocked in code that does not await, and the run stops
+        with `LoopStalled` naming the function it is blocked in."""
+        now = time.monotonic()
+        loop = self._loop
+        if self._ping_sent is None and loop is not None and not loop.is_closed():
+            self._ping_sent = now
+            try:
+                loop.call_soon_threadsafe(self._pong)
+            except RuntimeError:  # closed meanwhile
+                self._ping_sent = None
+        elif self._ping_sent is not None and now - self._ping_sent > self.config.loop_stall_timeout:
+            raise LoopStalled(self._stalled_message(now - self._ping_sent))
+        quiet = now - max(self._last_finish, self._wait_started(now))
+        if quiet >= WAIT_LINE_SECONDS * (self._lines_said + 1):
+            self._lines_said += 1
+            logger.warning(
+                "waiting for %s for %.0fs: %d ready, %d running, %d queued%s; no episode finished since",
+                what,
+                quiet,
+                len(self._ready),
+                self.staleness.running + self._running_direct,
+                len(self._pending) + len(self._direct_pending),
+                ", admission paused" if self._paused else "",
+            )
+        self._cond.wait(1.0 if timeout is None else min(timeout, 1.0))
+
+    def _wait_started(self, now: float) -> float:
+        if self._waiting_since is None:
+            self._waiting_since = now
+        return self._waiting_since
+
+    def _pong(self) -> None:
+        with self._cond:
+            self._ping_sent = None
+
+    def _stalled_message(self, seconds: float) -> str:
+        """Where the loop's thread is: the innermost frame of code not asyncio's nor this module's."""
+        where = "an unknown place"
+        frame = sys._current_frames().get(self._thread.ident) if self._thread is not None else None
+        if frame is not None:
+            stack = traceback.extract_stack(frame)
+            ours = [f for f in stack if "asyncio" not in f.filename and f.filename != __file__] or stack
+            f = ours[-1]
+            where = f"{f.name} ({f.filename}:{f.lineno})"
+        return (
+            f"the rollout event loop has been blocked for {seconds:.0f}s in {where}: code on the loop that does not "
+            "await (a grader in RewardRunner mode 'inline', blocking I/O in a workflow) stops every rollout; "
+            f"rollout.loop_stall_timeout={self.config.loop_stall_timeout:g}"
+        )
 
     def _capacity_locked(self) -> int:
         if self._paused:
@@ -429,6 +530,8 @@ class WorkflowExecutor:
             self.totals["consumed"] += len(taken)
             self.staleness_histogram.update(staleness)
             self.last_batch_staleness = staleness
+            self.last_batch_counts = dict(self._since_batch)
+            self._since_batch.clear()
         return batch
 
     def _wake_loop(self) -> None:
@@ -493,10 +596,16 @@ class WorkflowExecutor:
     async def _run(self, task: _Task) -> None:
         traj: TensorDict | None = None
         error: WorkflowError | None = None
+        reward_failed = False
+        failed_samples = 0
         try:
             traj = await self._run_episode(task.workflow, task.data)
             if traj is not None:
                 check_trajectory_layout(traj, type(task.workflow).__name__)
+                reward_failed = rewards_failed(traj)
+                if reward_failed:
+                    failed_samples = int((~torch.isfinite(traj["rewards"])).sum())
+                    traj = None  # never trained on: its advantages would be NaN or made up
             if traj is not None and task.should_accept is not None and not task.should_accept(traj):
                 traj = None
         except asyncio.CancelledError:
@@ -511,6 +620,10 @@ class WorkflowExecutor:
             else:
                 self._running_direct -= 1
                 task.ticket.remaining -= 1
+            if reward_failed:
+                self._count_reward_failure(task, failed_samples)
+            elif task.ticket is None and error is None:
+                self._reward_window.append(False)
             if error is not None:
                 self.totals["failed"] += 1
                 if self.config.on_workflow_error == "raise":
@@ -519,7 +632,8 @@ class WorkflowExecutor:
                     else:
                         task.ticket.error = task.ticket.error or error
             elif traj is None:
-                self.totals["rejected"] += 1
+                if not reward_failed:
+                    self.totals["rejected"] += 1
             elif task.ticket is None:
                 self.totals["accepted"] += 1
                 self._ready.append((task.seq, traj))
@@ -527,6 +641,29 @@ class WorkflowExecutor:
                 task.ticket.results.append((task.seq, traj))
             if traj is None and (error is None or self.config.on_workflow_error == "skip"):
                 self._drawn.pop(task.seq, None)  # used up (rejected or skipped): never replayed
+            self._last_finish = time.monotonic()
+            self._waiting_since, self._lines_said = None, 0
             self._cond.notify_all()
         assert self._wake is not None
         self._wake.set()
+
+    def _count_reward_failure(self, task: _Task, samples: int) -> None:
+        """Count an episode dropped for failed rewards, and its ``samples`` that failed (under the
+        lock); stop the pipeline when more than ``max_reward_failures`` of the last
+        ``consumer_batch_size`` episodes were dropped so."""
+        self.totals["reward_failed"] += 1
+        if task.ticket is not None:
+            task.ticket.reward_failed += 1  # an evaluation: counted; the run stops only if all fail
+            return
+        self._since_batch["reward_failed"] += 1
+        self._since_batch["reward_failed_samples"] += samples
+        self._reward_window.append(True)
+        failed, window = sum(self._reward_window), self.config.consumer_batch_size
+        limit = self.config.max_reward_failures
+        if failed > limit * window and limit < 1.0 and self._error is None:
+            self._error = RewardFailure(
+                f"the rewards of {failed} of the last {len(self._reward_window)} episodes failed (NaN, an error, a "
+                f"timeout or a non-number: the reward function's warnings above name them), more than "
+                f"rollout.max_reward_failures={limit} of a batch of {window}; stopping"
+            )
+            logger.error("%s", self._error)

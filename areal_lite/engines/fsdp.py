@@ -93,6 +93,7 @@ class _PackedModel(nn.Module):
         cu_seqlens: torch.Tensor,
         with_entropy: bool,
         tree: SharedPrefixLayout | None = None,
+        target_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if tree is not None:
             return self._tree_forward(tree, with_entropy)
@@ -102,13 +103,31 @@ class _PackedModel(nn.Module):
             # t + 1 is generated, so values are aligned to the token like log-probabilities.
             values = align_to_tokens(self.hf.score(hidden).squeeze(-1).float(), cu_seqlens)
             return values, torch.zeros_like(values)
-        weight = self.hf.get_output_embeddings().weight
+        hidden, weight = self._head(hidden)
+        labels = next_token_labels(input_ids if target_ids is None else target_ids)
         logp, entropy = logprobs_from_hidden(
-            hidden, weight, next_token_labels(input_ids), chunk_size=self.chunk_size, with_entropy=with_entropy
+            hidden, weight, labels, chunk_size=self.chunk_size, with_entropy=with_entropy
         )
         logp = align_to_tokens(logp, cu_seqlens)
         entropy = align_to_tokens(entropy, cu_seqlens) if entropy is not None else torch.zeros_like(logp)
         return logp, entropy
+
+    def _head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states and output weight whose product is the logits. A LoRA adapter on the
+        output layer (peft's, unmerged) joins them as extra columns, ``[h, s * A h]`` times
+        ``[W, B]``, which is ``W h + s * B A h``: the logits keep being computed chunk by chunk by
+        `logprobs_from_hidden` instead of through the adapted layer's own forward."""
+        head = self.hf.get_output_embeddings()
+        weight = head.weight
+        if not hasattr(head, "lora_A") or head.merged or head.disable_adapters:
+            return hidden, weight
+        parts, columns = [hidden], [weight]
+        for name in head.active_adapters:
+            if name in head.lora_A:
+                down = head.lora_A[name](head.lora_dropout[name](hidden))
+                parts.append(down * head.scaling[name])
+                columns.append(head.lora_B[name].weight)
+        return torch.cat(parts, dim=-1), torch.cat(columns, dim=-1)
 
     def _hidden(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, **extra: object
@@ -140,9 +159,9 @@ class _PackedModel(nn.Module):
         if self.is_critic:
             values = on_tree(self.hf.score(hidden[sources]).squeeze(-1).float())
             return values, torch.zeros_like(values)
-        weight = self.hf.get_output_embeddings().weight
+        head_in, weight = self._head(hidden[sources])
         logp, entropy = logprobs_from_hidden(
-            hidden[sources], weight, tree.input_ids[predicted], chunk_size=self.chunk_size, with_entropy=with_entropy
+            head_in, weight, tree.input_ids[predicted], chunk_size=self.chunk_size, with_entropy=with_entropy
         )
         logp = on_tree(logp)
         return logp, on_tree(entropy) if entropy is not None else torch.zeros_like(logp)
@@ -309,13 +328,17 @@ class FSDPEngine(TrainEngineBase):
     def _run(self, mb: PackedBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ids, pos, cu = mb["input_ids"], mb["position_ids"], mb["cu_seqlens"]
         assert isinstance(ids, torch.Tensor) and isinstance(pos, torch.Tensor) and isinstance(cu, torch.Tensor)
+        targets = mb.get("target_ids")
+        assert targets is None or isinstance(targets, torch.Tensor)
+        if targets is not None and self.config.shared_prefix:
+            raise ValueError("target_ids with shared_prefix is not supported: the tree scores the input tokens")
         tree = shared_prefix_layout(ids, pos, cu) if self.config.shared_prefix else None
         if self._routing is not None:
             routes = mb.get("routed_experts")
             if routes is not None and tree is not None:
                 routes = routes[tree.origin]  # type: ignore[index]
             self._routing.begin(routes, self.config.routing_replay)  # type: ignore[arg-type]
-        return self._module()(ids, pos, cu, with_entropy, tree)
+        return self._module()(ids, pos, cu, with_entropy, tree, targets)
 
     @torch.no_grad()
     def forward(

@@ -537,10 +537,12 @@ class MegatronEngine(TrainEngineBase):
             # t + 1 is generated, so values are aligned to the token like log-probabilities
             values = align_to_tokens(self._gpt().value_head(hidden).squeeze(-1).float(), cu)
             return values, torch.zeros_like(values)
+        targets = packed.get("target_ids", ids)
+        assert isinstance(targets, torch.Tensor)
         logp, entropy = logprobs_from_hidden(
             hidden,
             self._output_weight(),
-            next_token_labels(ids.to(self.device)),
+            next_token_labels(targets.to(self.device)),
             chunk_size=self.config.logits_chunk_size,
             with_entropy=with_entropy,
         )

@@ -59,14 +59,16 @@ def dtype_of(name: str) -> torch.dtype:
 def load_model(path: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, PreTrainedTokenizerBase | None]:
     """The HF causal LM of a model directory, frozen for inference, and its tokenizer (None when
     the directory has none)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.utils.tokenizer import TokenizerMissing, load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
     tokenizer: PreTrainedTokenizerBase | None = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError):
+        tokenizer = load_tokenizer(path)
+    except TokenizerMissing:
         logger.warning("no tokenizer in %s: stop strings and text prompts are unavailable", path)
     return model, tokenizer
 

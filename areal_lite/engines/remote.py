@@ -13,8 +13,11 @@ and version; while this client keeps the servers paused it waits, so that hundre
 resubmissions do not queue up on the paused servers and delay the weight update. When a server
 fails (connection error, timeout, 5xx) the request is resent from its last known state to another
 server, so a server dying loses no request and returns none twice. A server that refuses
-connections is dead: it gets no more generation or control calls, and the rest of the fleet
-carries on (a distributed weight update cannot: its process group counted the dead server).
+connections or stops answering is set aside by the fleet: it gets no generation or control calls
+and the rest of the fleet carries on. When it answers again, this client brings it up to date
+before it is readmitted: the last disk update is loaded again (after a broadcast it waits for the
+next update, whose group takes it in), the current version is set and it is paused or resumed like
+the others.
 
 A stop string that straddles two parts of a resumed generation is not seen (each part is checked
 on its own), as with SGLang-based AReaL. While this client keeps the servers paused, new
@@ -61,7 +64,7 @@ import torch
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdateMeta
-from areal_lite.engines.server_fleet import ServerError, ServerFleet
+from areal_lite.engines.server_fleet import ServerError, ServerFleet, ServerUnavailable
 from areal_lite.utils.cpu import check_cores
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.moe import routing_shape
@@ -154,6 +157,14 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         self._paused = False
         self._group_members: list[int] = []
         """The servers in the weight-update group (distributed updates), as ranks 1, 2, ..."""
+        self._held: dict[int, int] = {}
+        """The version of the weights each server holds (servers absent: the initial ones, 0)."""
+        self._last_update: WeightUpdateMeta | None = None
+        """The last weight update that reached the servers (a returning server loads it from disk)."""
+        self._control = asyncio.Lock()
+        """Held while the servers are paused, and while a returning server is brought up to date,
+        so that neither happens during the other (a disk update rewrites the files it would load)."""
+        self._told_waiting: set[int] = set()
         self._resumed = asyncio.Event()
         """Clear while this client is paused: generations aborted by the pause, and new ones,
         wait for it instead of queueing on a paused server during the update. Used on the
@@ -206,15 +217,71 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     # ----- lifecycle -----------------------------------------------------------------------
 
     def initialize(self) -> None:
-        """Start the client loop and wait until every server is healthy."""
+        """Start the client loop, wait until every server is healthy, then watch them (a server
+        that stops answering is set aside, and brought up to date when it answers again:
+        `ServerFleet`)."""
         self.fleet.start()
         self.fleet.call(self.fleet.wait_healthy()).result()
+        self.fleet.on_return = self._on_return
+        self.fleet.start_monitor()
         freeze_startup_objects()
 
     def destroy(self) -> None:
         self.fleet.stop()
         self._resumed = asyncio.Event()  # a new loop would not take one bound to the old
         self._resumed.set()
+        self._control = asyncio.Lock()
+
+    # ----- servers that come back ------------------------------------------------------------
+
+    async def _on_return(self, i: int) -> None:
+        """A server set aside answers again. A client that controls the servers brings it up to
+        the current weights (the last disk update, loaded again; after a distributed update it
+        waits to join the next one's group) and version, resumed or paused as the others, then
+        readmits it. Any other client readmits it once it reports the current version."""
+        if not self.control_servers:
+            try:
+                info = await self.fleet.request(i, "/model_info", None, 10.0, method="GET")
+            except ServerError:  # no such route (vLLM): its tokens get this client's version anyway
+                info = None
+            version = info.get("weight_version") if isinstance(info, dict) else None
+            if version is None or _parse_version(version, -1) == self._version:
+                self.fleet.readmit(i)
+            return
+        if self._control.locked() or not self._resumed.is_set():
+            return  # the servers are paused: the update under way takes it in (`_rejoin_returning`)
+        async with self._control:
+            held, current = self._held.get(i, 0), self._version
+            meta = self._last_update
+            if held != current and (meta is None or meta.type != "disk"):
+                if i not in self._told_waiting:
+                    self._told_waiting.add(i)
+                    logger.warning(
+                        "server %s holds the weights of version %d; it rejoins with the next weight update",
+                        self.fleet.addresses[i],
+                        held,
+                    )
+                return
+            with self.fleet.only(i):
+                if held != current:
+                    assert meta is not None
+                    await self._load_from_disk_call(meta)
+                await self._version_call(current)
+                await self._resume_call()  # it may have taken a pause before it stopped answering
+            if i in self.fleet.returning():  # not set aside again meanwhile
+                self._held[i] = current
+                self._told_waiting.discard(i)
+                self.fleet.readmit(i)
+
+    async def _rejoin_returning(self) -> None:
+        """While the servers are paused for a weight update: returning servers take the pause too
+        and become live, so that the update, the version and the resume reach them."""
+        for i in self.fleet.returning():
+            with self.fleet.only(i):
+                await self._pause_call()
+            if i in self.fleet.returning():
+                self._told_waiting.discard(i)
+                self.fleet.readmit(i)
 
     # ----- generation ----------------------------------------------------------------------
 
@@ -244,6 +311,7 @@ class RemoteEngine(InferenceEngine, abc.ABC):
             return [await self._generate(reqs[0], parts[0])]
         parts = parts or [_Partial() for _ in reqs]
         await self._until_resumed()
+        await self.fleet.until_any_live(self.config.request_timeout)
         sent_version = self._version
         path, payload = self._call_for(reqs, parts)
         idx = self.fleet.choose(reqs[0].rid, set(), also=tuple(r.rid for r in reqs[1:]))
@@ -288,7 +356,7 @@ class RemoteEngine(InferenceEngine, abc.ABC):
             error = e
         finally:  # also when cancelled
             self.fleet.release(idx, failed=error is not None, count=count)
-        if error is not None:
+        if error is not None and not isinstance(error, ServerUnavailable):  # that one was reported once
             if isinstance(error, aiohttp.ClientConnectorError):
                 self.fleet.mark_dead(idx, error)
             logger.warning(
@@ -310,9 +378,12 @@ class RemoteEngine(InferenceEngine, abc.ABC):
                 return part.response(req, "length")
             # Also after an abort by our pause: resume as prompt + generated once it ends.
             await self._until_resumed()
+            await self.fleet.until_any_live(self.config.request_timeout)
             sent_version = self._version
             idx = self.fleet.choose(req.rid, failed_on)
             data, error = await self._post_generate(idx, *self._call_for([req], [part]))
+            if isinstance(error, ServerUnavailable):
+                continue  # set aside while it ran: not this request's failure
             if error is not None:
                 failures += 1
                 failed_on.add(idx)
@@ -359,14 +430,16 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         await self._resumed.wait()
 
     async def _pause_servers(self) -> None:
-        self._resumed.clear()  # before the aborted generations come back
         if not self.control_servers:
+            self._resumed.clear()  # before the aborted generations come back
             return
-        try:
-            await self._pause_call()
-        except BaseException:
-            self._resumed.set()
-            raise
+        async with self._control:  # not while a returning server loads the last update
+            self._resumed.clear()
+            try:
+                await self._pause_call()
+            except BaseException:
+                self._resumed.set()
+                raise
 
     async def _resume_servers(self) -> None:
         try:
@@ -381,6 +454,7 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         """Every live server joins ``meta``'s group: the i-th as rank 1 + i of 1 + their number
         (``meta.world_size`` is set here). Called again after a member died, it first asks the
         live servers to leave the old group."""
+        self.fleet.call(self._rejoin_returning()).result()
         live = self.fleet.live()
         if not live:
             raise RuntimeError("no rollout server is reachable to form a weight-update group with")
@@ -406,10 +480,11 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         return self.fleet.call(join())
 
     def weight_update_group_intact(self) -> bool:
-        """Whether every server of the weight-update group still takes TCP connections (one that
-        refuses is marked dead). A connection, not an HTTP call: a paused or busy server answers
-        it at once."""
-        return bool(self.fleet.call(self.fleet.all_accept_connections(self._group_members)).result())
+        """Whether every server of the weight-update group is live and still takes TCP connections
+        (one that refuses is marked dead), and no server waits to join it (a returning one). A
+        connection, not an HTTP call: a paused or busy server answers it at once."""
+        intact = self.fleet.call(self.fleet.all_accept_connections(self._group_members)).result()
+        return bool(intact) and not self.fleet.returning()
 
     def destroy_weights_update_group(self, meta: WeightUpdateMeta) -> None:
         self.fleet.call(self._leave_group_call(meta.group_name)).result()
@@ -429,21 +504,28 @@ class RemoteEngine(InferenceEngine, abc.ABC):
             await self._pause_servers()
         try:
             if meta.type == "disk":
+                # (A broadcast's group takes returning servers in when it is formed, not between chunks.)
+                await self._rejoin_returning()
                 await self._load_from_disk_call(meta)
             else:
                 await self._receive_broadcast_call(meta)
             if meta.version is not None:
                 self._version = meta.version
+            self._last_update = meta
         finally:
             if pause_here:
                 await self._resume_servers()
 
     def set_version(self, version: int) -> None:
         """Tag tokens generated from now on with ``version`` (on every server too, when this
-        client controls them and the protocol tells servers versions)."""
+        client controls them and the protocol tells servers versions). Called once the weights
+        of ``version`` are whole on the servers (after the last chunk of a broadcast): the live
+        servers are then known to hold them."""
         self._version = version
         if self.control_servers:
             self.fleet.call(self._version_call(version)).result()
+            for i in self.fleet.live():
+                self._held[i] = version
 
     def get_version(self) -> int:
         return self._version

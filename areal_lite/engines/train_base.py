@@ -7,7 +7,9 @@ model's experts one tensor each, as any server reads them);
 the global loss normalisation (each micro-batch loss weighted by ``loss_weight_fn(mb) / total``,
 ``total`` summed over the micro-batches and the data-parallel ranks) with the weighted means of
 the loss and the stats reduced over those ranks; `train_batch` as `forward_backward` then
-`optim_step`, and the optimizer step itself (one-step hyperparameters, the skip on a non-finite
+`optim_step`; `forward_backward_logprobs`, which keeps the log-probabilities its own forward pass
+computed (each sequence's row travels with it through the micro-batch split); the optimizer step
+itself (one-step hyperparameters, Adam's betas and eps among them, the skip on a non-finite
 gradient norm); `save` / `load` dispatch by `SaveLoadMeta.weight_format`; teardown. LoRA is the
 FSDP engine's alone (it overrides the adapter methods).
 
@@ -32,12 +34,16 @@ from tensordict import TensorDict
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedBatch, TrainEngine
 from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta, unknown_weight_format
+from areal_lite.utils.data import unpack_sequences
 from areal_lite.utils.distributed import destroy_default_group, init_default_group
 from areal_lite.utils.hf_layout import CheckpointLayout
 from areal_lite.utils.lr_schedule import lr_multiplier
 from areal_lite.utils.weight_sync import WeightSender
 
 logger = logging.getLogger(__name__)
+
+_ROW = "batch_row"
+"""The per-sequence key `forward_backward_logprobs` adds: each sequence's row in the batch."""
 
 
 class Optimizer(Protocol):
@@ -122,17 +128,57 @@ class TrainEngineBase(TrainEngine):
         self._require_optimizer("forward_backward")
         return self._weighted_loss(batch, loss_fn, loss_weight_fn, train=True)
 
+    def forward_backward_logprobs(
+        self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn
+    ) -> tuple[dict[str, float], torch.Tensor]:
+        # Each sequence carries its row so that the log-probabilities the loss sees, micro-batch
+        # by micro-batch in whatever order the split made, go back to their rows.
+        data = batch.clone(recurse=False)
+        data[_ROW] = torch.arange(batch.batch_size[0], dtype=torch.int64)
+        seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+        def recording_loss(
+            out: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            rows, cu = mb[_ROW], mb["cu_seqlens"]
+            assert isinstance(rows, torch.Tensor) and isinstance(cu, torch.Tensor)
+            seen.append((rows.cpu(), cu.cpu(), out.detach().float().cpu()))
+            return loss_fn(out, entropy, mb)
+
+        stats = self.forward_backward(data, recording_loss, loss_weight_fn)
+        width = batch["attention_mask"].shape[1]
+        logprobs = torch.zeros(batch["attention_mask"].shape, dtype=torch.float32)
+        for rows, cu, out in self._from_last_stage(seen):  # type: ignore[union-attr]
+            logprobs[rows] = unpack_sequences(out, cu, width)
+        return stats, logprobs
+
+    def _from_last_stage(self, obj: object) -> object:
+        """``obj`` as the stage that runs the losses has it, on every stage (pipeline-parallel
+        backends override this; without pipeline stages every rank runs the losses)."""
+        return obj
+
     def optim_step(
-        self, lr: float | None = None, weight_decay: float | None = None, max_grad_norm: float | None = None
+        self,
+        lr: float | None = None,
+        weight_decay: float | None = None,
+        max_grad_norm: float | None = None,
+        *,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
     ) -> dict[str, float]:
         groups = self._require_optimizer("optim_step").param_groups
-        configured = [(group["lr"], group["weight_decay"]) for group in groups]
+        adam = {"betas": betas, "eps": eps}
+        for key, value in adam.items():
+            if value is not None and any(key not in group for group in groups):
+                raise ValueError(f"{type(self).__name__}'s optimizer takes no per-step {key}")
+        configured = [{k: group[k] for k in ("lr", "weight_decay", *adam) if k in group} for group in groups]
         for group in groups:
             if lr is not None:
                 group["lr"] = lr
             if weight_decay is not None:
                 # wd_mult: 0 for the parameters never decayed (biases, norm weights), as megatron marks them
                 group["weight_decay"] = weight_decay * float(group.get("wd_mult", 1.0))  # type: ignore[arg-type]
+            group.update({k: v for k, v in adam.items() if v is not None})
         step_lr = float(groups[0]["lr"])  # type: ignore[arg-type]
         clip = self.config.optimizer.gradient_clipping if max_grad_norm is None else max_grad_norm
         grad_norm = self._clip_gradients(clip)
@@ -143,8 +189,8 @@ class TrainEngineBase(TrainEngine):
         else:
             logger.warning("non-finite gradient norm %s at step %d: skipping the update", grad_norm, self._global_step)
         self._zero_grad()
-        for group, (group_lr, group_wd) in zip(groups, configured):
-            group["lr"], group["weight_decay"] = group_lr, group_wd
+        for group, saved in zip(groups, configured):
+            group.update(saved)
         return {"grad_norm": grad_norm, "lr": step_lr, "update_successful": float(ok)}
 
     @torch.no_grad()

@@ -10,7 +10,8 @@ config at import time stops right there with `ConfigChecked`. Otherwise its conf
 `BaseExperimentConfig` subclass in its namespace that no other subclasses. ``argv``, and ``argv``
 followed by each ``extra`` list (the prepare run's overrides), are then loaded with that class. The
 answer, as JSON in ``out``: ``{"error": one line}`` (and ``"logged": true`` when a traceback went
-to stderr), ``{"inputs": {field: [kind, path]}}`` or ``{"unchecked": why}``. This relies on scripts
+to stderr), ``{"inputs": {field: [kind, path]}, "tokenizer": [field, path] or null}`` (the
+tokenizer the run loads) or ``{"unchecked": why}``. This relies on scripts
 loading their config with `load_config` before they do any work, as every script here does.
 """
 
@@ -71,13 +72,23 @@ def config_class(script: str, argv: list[str]) -> type:
     return leaves[0]
 
 
+def tokenizer_source(cfg: object) -> tuple[str, str] | None:
+    """(field, path) of the tokenizer the run loads: ``tokenizer_path``, else the actor's model
+    (``actor.path``) when the config has one."""
+    if getattr(cfg, "tokenizer_path", ""):
+        return "tokenizer_path", cfg.tokenizer_path  # type: ignore[attr-defined]
+    path = getattr(getattr(cfg, "actor", None), "path", None)
+    return ("actor.path", path) if isinstance(path, str) and path else None
+
+
 def check(script: str, argv: list[str], extra: dict[str, list[str]]) -> dict[str, object]:
     """The answer for one request (see the module docstring)."""
     if not os.path.isfile(script):
         return {"error": f"the training script {script!r} does not exist"}
     try:
         cls = config_class(script, argv)
-        inputs: dict[str, tuple[str, str]] = input_paths(load_config(argv, cls, save=False))
+        cfg = load_config(argv, cls, save=False)
+        inputs: dict[str, tuple[str, str]] = input_paths(cfg)
         for label, overrides in extra.items():
             try:
                 inputs.update(input_paths(load_config(argv + overrides, cls, save=False)))
@@ -95,7 +106,7 @@ def check(script: str, argv: list[str], extra: dict[str, list[str]]) -> dict[str
         traceback.print_exc()
         first = str(e).splitlines()[0] if str(e) else ""
         return {"error": f"{script} failed before loading its config: {type(e).__name__}: {first}", "logged": True}
-    return {"inputs": inputs}
+    return {"inputs": inputs, "tokenizer": tokenizer_source(cfg)}
 
 
 def main() -> None:

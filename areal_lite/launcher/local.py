@@ -30,6 +30,9 @@ with the launcher even if it is SIGKILLed (``PR_SET_PDEATHSIG``). A failed train
 to ``recover.retries`` times and resumes from its last recover checkpoint (`areal_lite.utils.recover`):
 with retries, ``recover.mode=disabled`` becomes ``auto`` (the trainer writes the checkpoints that a
 restart resumes from; a restart from scratch would redo every step). Each start sees its attempt number in ``AREAL_LITE_ATTEMPT``.
+A trainer that fails on an error a restart would meet again (a bad data row, a broken grader, no
+intact checkpoint, a full disk: `areal_lite.api.errors.RecurringError`) is not restarted: the
+launcher ends with that error's line.
 A server that dies is reported and the trainer carries on with the others (the remote engine
 retries requests elsewhere); the run fails only when no server is left.
 """
@@ -65,7 +68,9 @@ from areal_lite.api.config import (
     profile_overrides,
     requested_profile,
 )
+from areal_lite.api.errors import STOP_FILE_ENV
 from areal_lite.utils.distributed import find_free_port
+from areal_lite.utils.recover import ATTEMPT_ENV
 
 logger = logging.getLogger("areal_lite.launcher")
 
@@ -79,7 +84,6 @@ ENGINE_FLAGS = (
 )
 """``local_engine`` keys and the flags of `areal_lite.engines.server` that take them."""
 TEARDOWN_GRACE_S = 10.0
-ATTEMPT_ENV = "AREAL_LITE_ATTEMPT"
 VLLM_WORKER_EXTENSION = "areal_lite.engines.vllm_worker.WeightUpdateExtension"
 """What vLLM's ``--worker-extension-cls`` loads: the weight-update calls `RemoteVLLMEngine` makes."""
 VLLM_PYTHON_ENV = "AREAL_LITE_VLLM_PYTHON"
@@ -105,6 +109,8 @@ class LaunchPlan:
     python: str = field(default=sys.executable)
     engine_args: list[str] = field(default_factory=list)
     """Our server's flags for the config's ``local_engine`` settings (before ``server_args``)."""
+    tokenizer: tuple[str, str] | None = None
+    """(field, path) of the tokenizer the run loads, as the check run found it."""
 
     @property
     def log_dir(self) -> str:
@@ -218,6 +224,8 @@ def check_config(plan: LaunchPlan, *, paths: bool = True) -> None:
     if "unchecked" in answer:
         logger.warning("config not checked before the start: %s", answer["unchecked"])
         return
+    if answer.get("tokenizer"):
+        plan.tokenizer = (answer["tokenizer"][0], answer["tokenizer"][1])
     missing = missing_inputs({k: (v[0], v[1]) for k, v in answer["inputs"].items()}, plan.output_dir)
     if paths and missing:
         raise ConfigError(f"the config names paths that do not exist: {', '.join(missing)}")
@@ -262,6 +270,20 @@ def check_machine(plan: LaunchPlan) -> None:
                 f"launcher.server_args {unknown} are not flags of our server (launcher.backend=areal): "
                 "set launcher.server_args=[] or see python -m areal_lite.engines.server --help"
             )
+
+
+def check_tokenizer(plan: LaunchPlan) -> None:
+    """`ConfigError` when the tokenizer the run loads is a local directory without one (checked
+    once the prepare run may have written it, before any server starts)."""
+    if plan.tokenizer is None or not os.path.isdir(plan.tokenizer[1]):
+        return
+    from areal_lite.utils.tokenizer import TokenizerMissing, load_tokenizer
+
+    name, path = plan.tokenizer
+    try:
+        load_tokenizer(path, name)
+    except TokenizerMissing as e:
+        raise ConfigError(str(e)) from None
 
 
 def run_reporting_config_errors(launch: Callable[[], int]) -> int:
@@ -500,8 +522,10 @@ class LocalLauncher:
             if self.plan.launcher.prepare_overrides:
                 rc = self.run_trainer(0, prepare=True)
                 if rc != 0 or self.received_signal is not None:
-                    logger.error("the prepare run exited with %d", rc)
+                    recurring = self.recurring_error()
+                    logger.error("the prepare run exited with %d%s", rc, f": {recurring}" if recurring else "")
                     return 128 + self.received_signal if self.received_signal is not None else rc
+            check_tokenizer(self.plan)
             if self.plan.launcher.backend != "local":
                 self.check_server_model()
                 self.start_servers()
@@ -510,6 +534,10 @@ class LocalLauncher:
             for attempt in range(retries + 1):
                 rc = self.run_trainer(attempt)
                 if rc == 0 or self.received_signal is not None or not self._servers_left():
+                    break
+                recurring = self.recurring_error()
+                if recurring is not None:
+                    print(f"[launcher] the trainer stopped on: {recurring} (a restart would meet it again)", flush=True)
                     break
                 if attempt < retries:
                     logger.warning(
@@ -523,8 +551,21 @@ class LocalLauncher:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
+    @property
+    def stop_file(self) -> str:
+        """Where the trainer writes an error that a restart would meet again."""
+        return os.path.join(self.plan.log_dir, "recurring_error")
+
     def _env(self, attempt: int) -> dict[str, str]:
-        return {**os.environ, ATTEMPT_ENV: str(attempt)}
+        return {**os.environ, ATTEMPT_ENV: str(attempt), STOP_FILE_ENV: self.stop_file}
+
+    def recurring_error(self) -> str | None:
+        """The line of the error that ended the last attempt, if a restart would meet it again."""
+        try:
+            with open(self.stop_file) as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
 
     def check_server_model(self) -> None:
         """The servers load ``model_path``: it must exist by now (or be a hub id)."""
@@ -582,6 +623,9 @@ class LocalLauncher:
 
     def run_trainer(self, attempt: int, prepare: bool = False) -> int:
         cfg = self.plan.launcher
+        os.makedirs(self.plan.log_dir, exist_ok=True)
+        if os.path.exists(self.stop_file):
+            os.remove(self.stop_file)
         cmd = trainer_command(self.plan, self.addresses, find_free_port(), prepare=prepare)
         logger.info("%s: %s", "prepare" if prepare else f"attempt {attempt}", " ".join(cmd))
         env = self._env(attempt)

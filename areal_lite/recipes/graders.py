@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Mapping
 
 from areal_lite.api.io import GenerationConfig
@@ -61,7 +62,9 @@ class RewardFnGrader(Grader):
     """A reward function of `areal_lite.rewards` on the last assistant turn: ``prompt`` is the
     content of the turns before it (joined by newlines), ``completion`` its content, and the
     thread's metadata its keyword arguments (e.g. ``answer``). Token ids are not known here and are
-    passed empty. ``mode`` and ``timeout`` are `RewardRunner`'s."""
+    passed empty. ``mode`` and ``timeout`` are `RewardRunner`'s. A sample the runner could not
+    score (its grader raised, timed out or returned a non-number: NaN) scores 0 here, as the
+    recipes' group-normalised advantages need a number for every sample; `stats` counts them."""
 
     def __init__(self, fn: RewardFn, mode: RunnerMode = "auto", timeout: float = 30.0, name: str | None = None) -> None:
         self.runner = RewardRunner(fn, mode=mode, timeout=timeout)
@@ -70,7 +73,8 @@ class RewardFnGrader(Grader):
     async def score_float_value(self, thread: StringThread) -> float:
         prompt = thread.prompt()
         text = "\n".join(content for _, content in prompt.turns)
-        return await self.runner(text, thread.completion(), [], [], **thread.metadata)
+        score = await self.runner(text, thread.completion(), [], [], **thread.metadata)
+        return score if math.isfinite(score) else 0.0
 
     def stats(self) -> dict[str, float]:
         """The runner's counts and means (``reward/...``)."""

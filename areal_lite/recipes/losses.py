@@ -184,6 +184,38 @@ class DPOLoss(Loss):
             engine.config.mb_spec = configured  # type: ignore[attr-defined]
 
 
+SAMPLE = "sample_index"
+"""The per-sequence key `per_sample_loss` reads: which sample of the call a row is (-1: none)."""
+
+SampleLoss = Callable[[torch.Tensor, int], torch.Tensor]
+"""``loss(logp, i) -> scalar``: sample ``i``'s loss given the log-probabilities of its trained
+tokens (``[n_i]``, with gradient), for `TrainingModel.forward_backward`."""
+
+
+def per_sample_loss(loss: SampleLoss, n_tokens: float) -> tuple[LossFn, LossWeightFn]:
+    """The engine's ``(loss_fn, loss_weight_fn)`` whose gradient is that of ``sum_i loss(logp_i, i)``
+    over the rows of a batch of ``n_tokens`` tokens (the batch carries `SAMPLE`). The engine
+    scales micro-batch ``m`` by ``tokens_m / total``; the loss undoes that factor, as
+    `areal_lite.actors.train_on_tangents` does, so with one rank the sum is the plain sum."""
+
+    def loss_fn(
+        logp: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cu, rows, mask = mb["cu_seqlens"], mb[SAMPLE], mb["loss_mask"]
+        assert isinstance(cu, torch.Tensor) and isinstance(rows, torch.Tensor) and isinstance(mask, torch.Tensor)
+        total = logp.sum() * 0.0
+        for j, i in enumerate(rows.tolist()):
+            start, end = int(cu[j]), int(cu[j + 1])
+            if i >= 0:
+                total = total + loss(logp[start:end][mask[start:end].bool()], i)
+        return total * (n_tokens / logp.numel()), {}
+
+    def weight_fn(mb: PackedBatch) -> float:
+        return float(mb["input_ids"].numel())  # type: ignore[union-attr]
+
+    return loss_fn, _zero_without_trained_tokens(weight_fn)
+
+
 class _AccumulateOnly:
     """A train engine whose ``train_batch`` only accumulates gradients (``forward_backward``),
     for `train_on_tangents`, which is written against ``train_batch``."""

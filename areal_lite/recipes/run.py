@@ -9,6 +9,7 @@ collective piece of work runs on the engine thread through `_Trainable.with_engi
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
@@ -131,11 +132,15 @@ class RecipeRun:
         step_stats = await main.with_engine("end-step", checkpoint)
         for name, model in models[1:]:
             await model.with_engine("recover-dump", lambda e, h=self.recover[name]: h.dump(e, info))
+        stopping = self.recover[models[0][0]].stop_requested  # a SIGTERM: checkpointed, now exit
         scores: dict[str, float] = {}
-        if self.evaluate is not None and (last or is_due(info, self.config.evaluator.freq_steps)):
+        if self.evaluate is not None and not stopping and (last or is_due(info, self.config.evaluator.freq_steps)):
             scores = await self.evaluate()
         logged = {**stats, **step_stats.scalars, **scores, "elapsed_min": (time.perf_counter() - self._t0) / 60}
         self.stats_logger.commit(step, logged, StepStats(histograms=step_stats.histograms))
+        if stopping:
+            self.close()
+            raise SystemExit(128 + signal.SIGTERM)
         return logged
 
     def close(self) -> None:

@@ -11,18 +11,23 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import torch
+
 from areal_lite.api.engine import TrainEngine
 from areal_lite.api.io import GenerationConfig, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.recipes.inference import InferenceModel
 from areal_lite.recipes.losses import (
+    SAMPLE,
     DPOLoss,
     Loss,
     PolicyLoss,
+    SampleLoss,
     SFTLoss,
     TangentLoss,
     TrainRow,
     ValueLoss,
     batch_order,
+    per_sample_loss,
     placeholder_row,
     rows_to_batch,
 )
@@ -76,6 +81,8 @@ class _Trainable(InferenceModel):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._queued: list[tuple[Loss, list[TrainRow]]] = []
+        self._accumulated = False
+        """Whether `forward_backward` added to the gradients since the last step."""
         self.version = 0
         """Optimizer steps taken: the policy version its generations are tagged with."""
 
@@ -101,17 +108,23 @@ class _Trainable(InferenceModel):
         ``grad_norm``, ``lr``, ``update_successful``, ``n_samples`` and ``n_tokens`` (all ranks).
         Collective."""
         queued, self._queued = self._queued, []
-        stats = await self._call("optim_step", lambda: self._step(queued, lr, wd, max_grad_norm))
+        accumulated, self._accumulated = self._accumulated, False
+        stats = await self._call("optim_step", lambda: self._step(queued, lr, wd, max_grad_norm, accumulated))
         self.version += 1
         self._weights_changed()
         return stats
 
     def _step(
-        self, queued: list[tuple[Loss, list[TrainRow]]], lr: float | None, wd: float | None, clip: float | None
+        self,
+        queued: list[tuple[Loss, list[TrainRow]]],
+        lr: float | None,
+        wd: float | None,
+        clip: float | None,
+        accumulated: bool = False,
     ) -> dict[str, float]:
         losses = sorted({loss for loss, _ in queued}, key=repr)
         everyone = sorted({loss for mine in gather(losses) for loss in mine}, key=repr)
-        if not everyone:
+        if not everyone and not accumulated:
             raise RuntimeError(f"optim_step on {self.name!r} with no gradient accumulated: call a train_* method first")
         stats: dict[str, float] = {}
         n_samples = n_tokens = 0
@@ -350,6 +363,30 @@ class TrainingModel(_Trainable):
             raise ValueError(f"a thread of {len(tokens)} tokens is longer than max_seq_len={self.config.max_seq_len}")
         full = [0.0, *(float(t) for t in tangents)]  # log-probs score each token given the ones before it
         return TrainRow(tokens, [0] + [1 if t != 0 else 0 for t in full[1:]], {"tangents": full})
+
+    async def forward_backward(self, samples: Sequence[TokenizedThread], loss: SampleLoss) -> list[list[float]]:
+        """Bring your own loss, in one pass: add now the gradient of ``sum_i loss(logp_i, i)``
+        over ``samples`` and return each sample's per-trained-token log-probabilities from the
+        same forward pass. ``loss(logp, i)`` gets sample ``i``'s log-probabilities (a tensor with
+        gradient, one per token of weight > 0) and returns its loss, any function torch can
+        differentiate. One forward and one backward pass, where ``logprobs_per_token`` then
+        ``train_tangents`` cost two forwards; ``optim_step`` then applies it (with whatever
+        ``train_*`` calls queued). Collective: every rank calls it, each with its own samples (the
+        update then is the token-weighted mean of the ranks' sums, as for ``train_tangents``)."""
+        checked = [self._trainable(s, "forward_backward") for s in samples]
+
+        def run() -> list[list[float]]:
+            rows = [train_row(s) for s in checked] or [placeholder_row(())]
+            batch = rows_to_batch(rows)
+            batch[SAMPLE] = torch.tensor(list(range(len(checked))) or [-1], dtype=torch.int64)
+            loss_fn, weight_fn = per_sample_loss(loss, float(batch["attention_mask"].sum()))
+            _, logprobs = self.engine.forward_backward_logprobs(batch, loss_fn, weight_fn)
+            mask = batch["loss_mask"].bool()
+            return [logprobs[i][mask[i]].tolist() for i in range(len(checked))]
+
+        out = await self._call("forward_backward", run)
+        self._accumulated = True
+        return out
 
     # ---------------------------------------------------------------- copies
 

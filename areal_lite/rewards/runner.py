@@ -10,14 +10,25 @@ judge). `RewardRunner` awaits it in one of four ways:
 - ``thread``: a thread pool; no start-up or pickling cost, but a timed-out call can only be
   abandoned (its thread runs on). For graders marked ``safe_in_thread`` (regular expressions).
 - ``async``: coroutine graders, awaited on the caller's event loop under ``asyncio.wait_for``.
-- ``inline``: plain graders called directly on the caller's event loop, with no timeout. For
-  graders that take microseconds (an exact string comparison), where handing each sample to a
-  thread costs more than the grading and adds to the rollout client's share of the GIL.
+- ``inline``: plain graders called directly on the caller's event loop. For graders that take
+  microseconds (an exact string comparison), where handing each sample to a thread costs more than
+  the grading (the hand-offs compete with training for the interpreter lock). Nothing can interrupt a call on the
+  loop's own thread (a grader blocked in C code ignores even an asynchronous exception), so
+  ``timeout`` does not apply; the rollout executor bounds it instead: a loop blocked for longer than
+  ``rollout.loop_stall_timeout`` stops the run, naming the function it is blocked in.
 
 ``auto`` (the default) picks ``async`` for coroutine graders, ``thread`` for graders marked
-``safe_in_thread`` and ``process`` for everything else. Whatever the mode, a grader that raises,
-times out, kills its worker or returns NaN/inf gives reward 0 for that sample, is counted in
-`stats`, and the batch goes on.
+``safe_in_thread`` and ``process`` for everything else. Whatever the mode, a sample whose grader
+raises, times out, kills its worker, or returns NaN, an infinity or something that is not a number
+(a string, None) has no score: the runner returns NaN for it, counts it in `stats` by kind and
+logs the first few of each kind with their error. The rollout executor drops an episode with a NaN
+reward (never trained on) and stops the run when too many do (``rollout.max_reward_failures``).
+
+A grader that times out (or kills its worker) on ``2 * num_workers`` calls in a row, with no
+call that ended between them, is taken for hung: calls then fail at once without running
+(``skipped``), but for one call every ``timeout`` seconds, which is run to see whether the grader
+works again (it does once a call ends). A grader that hangs on every sample then fails a batch
+in seconds, not in (samples / workers) timeouts, and the run stops promptly instead of stalling.
 """
 
 from __future__ import annotations
@@ -31,9 +42,10 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from functools import partial
 from typing import Literal
 
@@ -42,18 +54,27 @@ logger = logging.getLogger(__name__)
 RunnerMode = Literal["auto", "process", "thread", "async", "inline"]
 _Outcome = tuple[str, object]
 """``(status, value)``: status ``ok`` (value: float or dict of named floats), ``error`` (value: a
-message), ``timeout`` or ``crash``."""
+message), ``timeout``, ``crash`` or ``skipped`` (not run: the grader was taken for hung)."""
+_KINDS = {"error": "errors", "timeout": "timeouts", "crash": "crashes", "skipped": "skipped"}
 
 _MAX_LOGGED_PER_KIND = 5
 _STARTUP_TIMEOUT_S = 300.0
 """A worker's start (imports, unpickling the grader) is not the grader's time: it gets this long."""
 
 
+def as_score(value: object) -> float:
+    """A grader's return value as a float; TypeError for what is not a number (a string, None)
+    rather than ``float("0.5")`` guessing."""
+    if isinstance(value, (str, bytes)) or value is None:
+        raise TypeError(f"a grader returns a number, got {type(value).__name__} {value!r:.40}")
+    return float(value)  # type: ignore[arg-type]
+
+
 def _invoke(fn: Callable[..., object], kwargs: dict[str, object]) -> float | dict[str, float]:
     named = getattr(fn, "named_scores", None)
     if named is not None:
-        return {k: float(v) for k, v in named(**kwargs).items()}
-    return float(fn(**kwargs))  # type: ignore[arg-type]
+        return {k: as_score(v) for k, v in named(**kwargs).items()}
+    return as_score(fn(**kwargs))
 
 
 def _worker_main(conn: multiprocessing.connection.Connection, fn: Callable[..., object]) -> None:
@@ -107,6 +128,45 @@ class _Worker:
         self.conn.close()
 
 
+class DaemonThreads(Executor):
+    """A pool of daemon threads. `ThreadPoolExecutor` joins its threads when the interpreter exits,
+    so a thread left running a grader that hangs would keep a finished (or failed) run from ever
+    exiting."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future, Callable[[], object]] | None] = queue.SimpleQueue()
+        self._n = n
+        for i in range(n):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[..., object], /, *args: object, **kwargs: object) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, partial(fn, *args, **kwargs)))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, call = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                future.set_exception(e)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if cancel_futures:
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
+        for _ in range(self._n):
+            self._jobs.put(None)
+
+
 def is_coroutine_grader(fn: object) -> bool:
     """A coroutine function, or an object whose ``__call__`` is one (`LLMJudgeGrader`)."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
@@ -119,7 +179,7 @@ class RewardRunner:
         fn: the grader (picklable for ``process`` mode: a module-level function or a
             `CombinedGrader` of them).
         mode: ``auto``, ``process``, ``thread``, ``async`` or ``inline`` (see the module docstring).
-        timeout: seconds one sample may take before it scores 0.
+        timeout: seconds one sample may take before it is given up (no score: NaN).
         num_workers: worker processes (``process``) or threads (``thread``); default
             ``min(4, cpu count)``.
     """
@@ -152,6 +212,11 @@ class RewardRunner:
         self._counts: Counter[str] = Counter()
         self._sums: defaultdict[str, float] = defaultdict(float)
         self._ns: Counter[str] = Counter()
+        self._stuck_in_a_row = 0
+        """Calls that timed out or crashed since the last one that ended (ok or error)."""
+        self._next_probe = 0.0
+        """While the grader seems hung: when (`time.monotonic`) one call may run again."""
+        self._probing = False
 
     def __getstate__(self) -> dict[str, object]:
         """A copy (in another process: ``rollout.episode_process``) gets the grader and settings,
@@ -172,7 +237,9 @@ class RewardRunner:
         """One sample's ``(status, value)``, not recorded in `stats`: status ``ok`` (value: the
         score, or a `CombinedGrader`'s named scores), ``error``, ``timeout`` or ``crash``."""
         kwargs = dict(data, prompt=prompt, completion=completion, prompt_ids=prompt_ids, completion_ids=completion_ids)
-        if self.mode == "async":
+        if self.mode != "process" and not self._may_run():
+            outcome = self._skipped()
+        elif self.mode == "async":
             outcome = await self._call_async(kwargs)
         elif self.mode == "inline":
             try:
@@ -193,15 +260,18 @@ class RewardRunner:
                     outcome = ("timeout", None)
                 except Exception as e:  # noqa: BLE001
                     outcome = ("error", f"{type(e).__name__}: {e}")
+        if self.mode != "process":  # a worker's call is noted by its thread, before the restart
+            self._note(outcome)
         return outcome
 
     def stats(self, reset: bool = False) -> dict[str, float]:
         """``reward/<name>`` means (``total`` and each `CombinedGrader` component) over the samples
-        scored, and counts: ``reward/samples``, ``reward/errors``, ``reward/timeouts``,
-        ``reward/crashes``, ``reward/nonfinite``. ``reset`` starts a new window."""
+        scored, and counts: ``reward/samples``, ``reward/errors`` (raised, or returned a
+        non-number), ``reward/timeouts``, ``reward/crashes``, ``reward/nonfinite``,
+        ``reward/skipped`` (not run: the grader was taken for hung). ``reset`` starts a new window."""
         with self._lock:
             out = {f"reward/{k}": self._sums[k] / n for k, n in self._ns.items() if n}
-            for kind in ("samples", "errors", "timeouts", "crashes", "nonfinite"):
+            for kind in ("samples", "errors", "timeouts", "crashes", "nonfinite", "skipped"):
                 out[f"reward/{kind}"] = float(self._counts[kind])
             if reset:
                 self._counts.clear()
@@ -226,17 +296,29 @@ class RewardRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _pool(self) -> ThreadPoolExecutor:
+    def _pool(self) -> Executor:
         with self._lock:
             if self._threads is None:
-                self._threads = ThreadPoolExecutor(self.num_workers, thread_name_prefix=f"reward-{self.mode}")
+                # process mode: threads that each wait on a worker (they never hang); thread mode:
+                # daemon threads, so that one left running a hung grader cannot hold the exit up.
+                if self.mode == "process":
+                    self._threads = ThreadPoolExecutor(self.num_workers, thread_name_prefix="reward-process")
+                else:
+                    self._threads = DaemonThreads(self.num_workers, "reward-thread")
             return self._threads
 
     def _call_in_worker(self, kwargs: dict[str, object]) -> _Outcome:
         """Runs in one of ``num_workers`` threads, each holding at most one of as many workers."""
+        if not self._may_run():  # before waiting for a worker: skipped calls never queue
+            return self._skipped()
         with self._lock:
             if not self._workers_started:
                 ctx = multiprocessing.get_context("forkserver")
+                # The fork server imports these once, so that a worker replacing a killed one
+                # starts in milliseconds, not in the seconds its imports take (no effect if the
+                # fork server of this process is running already).
+                module = getattr(self.fn, "__module__", None) or type(self.fn).__module__
+                ctx.set_forkserver_preload([__name__] + ([module] if module != "__main__" else []))
                 workers = [_Worker(ctx, self.fn) for _ in range(self.num_workers)]
                 for w in workers:  # they start in parallel; each waits for its imports
                     w.wait_ready()
@@ -244,12 +326,52 @@ class RewardRunner:
                 self._workers_started = True
         worker = self._idle.get()
         outcome = worker.call(kwargs, self.timeout)
+        self._note(outcome)
         if outcome[0] in ("timeout", "crash"):
             worker.kill()
             worker = _Worker(multiprocessing.get_context("forkserver"), self.fn)
             worker.wait_ready()
         self._idle.put(worker)
         return outcome
+
+    def _limit(self) -> int:
+        return 2 * self.num_workers
+
+    def _may_run(self) -> bool:
+        """Whether a call may run now: always, unless the grader seems hung (then one call every
+        ``timeout`` seconds)."""
+        with self._lock:
+            if self._stuck_in_a_row < self._limit():
+                return True
+            if self._probing or time.monotonic() < self._next_probe:
+                return False
+            self._probing = True
+            return True
+
+    def _skipped(self) -> _Outcome:
+        return ("skipped", f"not run: the grader timed out or crashed on {self._stuck_in_a_row} calls in a row")
+
+    def _note(self, outcome: _Outcome) -> None:
+        """Count calls that timed out or crashed in a row (see the module docstring)."""
+        status = outcome[0]
+        if status == "skipped":
+            return
+        with self._lock:
+            probe, self._probing = self._probing, False
+            if status not in ("timeout", "crash"):
+                self._stuck_in_a_row = 0
+                return
+            self._stuck_in_a_row += 1
+            if self._stuck_in_a_row >= self._limit():
+                self._next_probe = time.monotonic() + self.timeout
+            if self._stuck_in_a_row == self._limit() and not probe:
+                logger.warning(
+                    "reward grader %r timed out or crashed on %d calls in a row: it seems hung; calls fail at once "
+                    "(trying one every %gs)",
+                    self.fn,
+                    self._stuck_in_a_row,
+                    self.timeout,
+                )
 
     async def _call_async(self, kwargs: dict[str, object]) -> _Outcome:
         try:
@@ -265,7 +387,7 @@ class RewardRunner:
 
     def _record(self, outcome: _Outcome) -> float:
         status, value = outcome
-        kind = {"error": "errors", "timeout": "timeouts", "crash": "crashes"}.get(status)
+        kind = _KINDS.get(status)
         scores: dict[str, float] = {}
         if status == "ok":
             scores = dict(value) if isinstance(value, dict) else {"total": float(value)}  # type: ignore[arg-type]
@@ -276,9 +398,9 @@ class RewardRunner:
             if kind is not None:
                 self._counts[kind] += 1
                 if self._counts[kind] <= _MAX_LOGGED_PER_KIND:
-                    logger.warning("reward grader %r: %s (%s); the sample scores 0", self.fn, kind, value)
+                    logger.warning("reward grader %r: %s (%s); the sample has no score (NaN)", self.fn, kind, value)
             for name, v in scores.items():
                 if math.isfinite(v):
                     self._sums[name] += v
                     self._ns[name] += 1
-        return scores.get("total", 0.0)
+        return scores.get("total", math.nan)

@@ -1,44 +1,223 @@
-"""Local datasets for training scripts: rows of jsonl or parquet files, GSM8K items, the synthetic
-addition task of the examples, and tokenized SFT and preference batches.
+"""Local datasets for training scripts: rows of jsonl or parquet files, checked against what the run
+reads, GSM8K items, the synthetic addition task of the examples, and tokenized SFT and preference
+batches.
 
-Nothing is downloaded: files are read with ``datasets.load_dataset("json" | "parquet",
-data_files=...)``. Batches follow the data contract (`areal_lite.api.engine`): right-padded
-``input_ids``, ``attention_mask`` and ``loss_mask`` (1 on the completion tokens trained on).
+Nothing is downloaded. `read_rows` reads JSON lines itself (``json`` per line) and parquet with
+pyarrow, rather than through ``datasets.load_dataset``, to keep where each row came from (file and
+line, or file and row) and to tell a missing field from a null one (``datasets`` fills a missing
+field with None and may cast a number to a string to fit a column's type). Each row is checked
+against the fields the run reads (`RowFields`): a bad row stops the run with an error naming its
+file and line, or, with ``on_bad_row="skip"``, is left out, counted and logged (`Rows.stats`).
+Batches follow the data contract (`areal_lite.api.engine`): right-padded ``input_ids``,
+``attention_mask`` and ``loss_mask`` (1 on the completion tokens trained on).
 """
 
 from __future__ import annotations
 
 import glob
+import json
+import logging
 import os
 import random
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
 
+from areal_lite.api.errors import RecurringError
+
+logger = logging.getLogger(__name__)
+
 GSM8K_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
+RowFields = dict[str, type | tuple[type, ...]]
+"""The fields a run reads from each row and the type each must have (present, not None, and not
+empty when a string or a list)."""
+GSM8K_FIELDS: RowFields = {"question": str, "answer": str}
+PREFERENCE_FIELDS: RowFields = {"prompt": str, "chosen": str, "rejected": str}
+ON_BAD_ROW = ("raise", "skip")
 
-def load_rows(path: str) -> list[dict[str, object]]:
-    """The rows of a local ``.jsonl``/``.json`` or ``.parquet`` file, or of every such file in a
-    directory, as a list of dicts."""
-    from datasets import load_dataset
 
+class BadRow(RecurringError, ValueError):
+    """A row that lacks a field the run reads, holds a value of the wrong type, or cannot be
+    parsed; the message names its file and line (or parquet row)."""
+
+
+@dataclass
+class Rows:
+    """The usable rows of a dataset, where each came from, and what was left out and why."""
+
+    items: list[dict[str, object]]
+    where: list[str]
+    """``file:line`` (JSON lines) or ``file:row N`` (parquet) of each item."""
+    left_out: Counter[str] = field(default_factory=Counter)
+    """Rows left out, by reason (``bad`` for rows that failed the check, or a filter's reason)."""
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def drop_if(self, reject: Callable[[dict[str, object]], bool], reason: str) -> int:
+        """Leave out the items for which ``reject`` is true (e.g. prompts over ``max_length``),
+        counted under ``reason`` and logged; returns how many."""
+        kept = [(it, w) for it, w in zip(self.items, self.where) if not reject(it)]
+        dropped = len(self.items) - len(kept)
+        if dropped:
+            self.items, self.where = [it for it, _ in kept], [w for _, w in kept]
+            self.left_out[reason] += dropped
+            logger.warning("%d of %d rows left out: %s", dropped, dropped + len(kept), reason)
+        return dropped
+
+    def stats(self, name: str = "data") -> dict[str, float]:
+        """``<name>/rows`` (used) and ``<name>/left_out/<reason>`` for each reason, for the stats logger."""
+        out = {f"{name}/rows": float(len(self.items))}
+        out.update({f"{name}/left_out/{reason}": float(n) for reason, n in self.left_out.items()})
+        return out
+
+
+def _data_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, "*"))) if os.path.isdir(path) else [path]
     parquet = [f for f in files if f.endswith(".parquet")]
     json_files = [f for f in files if f.endswith((".jsonl", ".json"))]
     if not parquet and not json_files:
         raise FileNotFoundError(f"no .jsonl, .json or .parquet data at {path!r}")
-    builder, data_files = ("parquet", parquet) if parquet else ("json", json_files)
-    return list(load_dataset(builder, data_files=data_files, split="train"))
+    return parquet or json_files
+
+
+def _raw_rows(file: str) -> list[tuple[str, object]]:
+    """(``file:line``, the parsed row or the `BadRow` that parsing it raised) of each row of one file."""
+    if file.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return [(f"{file}:row {i + 1}", row) for i, row in enumerate(pq.read_table(file).to_pylist())]
+    with open(file, encoding="utf-8") as f:
+        text = f.read()
+    if file.endswith(".json") and text.lstrip().startswith("["):  # one JSON array, not JSON lines
+        try:
+            return [(f"{file}:item {i + 1}", row) for i, row in enumerate(json.loads(text))]
+        except json.JSONDecodeError as e:
+            return [(f"{file}:{e.lineno}", BadRow(f"{file}:{e.lineno}: not valid JSON ({e.msg})"))]
+    out: list[tuple[str, object]] = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{file}:{n}"
+        try:
+            out.append((where, json.loads(line)))
+        except json.JSONDecodeError as e:
+            out.append((where, BadRow(f"{where}: not valid JSON ({e.msg})")))
+    return out
+
+
+def row_problem(row: object, fields: RowFields) -> str | None:
+    """What is wrong with ``row`` for a run that reads ``fields``, or None."""
+    if not isinstance(row, dict):
+        return f"a row is a JSON object, got {type(row).__name__}"
+    for name, kind in fields.items():
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        value = row.get(name)
+        if value is None:
+            return f"field {name!r} is {'null' if name in row else 'missing'}"
+        # A JSON true is not a number, though Python's bool is an int.
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            expected = " or ".join(k.__name__ for k in kinds)
+            return f"field {name!r} is {type(value).__name__} {value!r:.60}, expected {expected}"
+        if isinstance(value, str) and not value.strip() or isinstance(value, (list, dict)) and not value:
+            return f"field {name!r} is empty"
+    return None
+
+
+def read_rows(
+    path: str,
+    fields: RowFields | None = None,
+    *,
+    on_bad_row: str = "raise",
+    convert: Callable[[dict[str, object]], dict[str, object]] | None = None,
+    setting: str = "on_bad_row",
+) -> Rows:
+    """The rows of a local ``.jsonl``/``.json`` or ``.parquet`` file, or of every such file in a
+    directory, checked against ``fields`` and passed through ``convert`` (which may raise
+    ValueError for a row it cannot use).
+
+    A row that fails the check or the conversion raises `BadRow` naming its file and line
+    (``on_bad_row="raise"``), or is left out, counted and its first occurrences logged
+    (``"skip"``); ``setting`` is the config key of the policy, for the message. A file without
+    rows, or whose rows were all left out, is a ValueError.
+    """
+    if on_bad_row not in ON_BAD_ROW:
+        raise ValueError(f"on_bad_row must be raise or skip, got {on_bad_row!r}")
+    files = _data_files(path)
+    rows = Rows(items=[], where=[])
+    seen = 0
+    for file in files:
+        for where, row in _raw_rows(file):
+            seen += 1
+            if isinstance(row, BadRow):
+                problem = str(row).removeprefix(f"{where}: ")
+            else:
+                problem = row_problem(row, fields or {})
+            if problem is None and convert is not None:
+                try:
+                    row = convert(row)  # type: ignore[arg-type]
+                except ValueError as e:  # the conversion refuses the row, saying why
+                    problem = str(e)
+                except (KeyError, TypeError) as e:
+                    problem = f"{type(e).__name__}: {e}"
+            if problem is not None:
+                if on_bad_row == "raise":
+                    raise BadRow(f"bad data row at {where}: {problem} ({setting}=skip leaves such rows out)")
+                rows.left_out["bad"] += 1
+                if rows.left_out["bad"] <= 5:
+                    logger.warning("left out the data row at %s: %s", where, problem)
+                continue
+            rows.items.append(row)  # type: ignore[arg-type]
+            rows.where.append(where)
+    if seen == 0:
+        raise ValueError(f"the data at {path!r} holds no rows ({', '.join(files)})")
+    if rows.left_out["bad"]:
+        logger.warning("left out %d bad rows of %d at %s", rows.left_out["bad"], seen, path)
+    if not rows.items:
+        raise ValueError(f"every one of the {seen} rows at {path!r} was left out as bad")
+    return rows
+
+
+def load_rows(path: str) -> list[dict[str, object]]:
+    """The rows of a local ``.jsonl``/``.json`` or ``.parquet`` file, or of every such file in a
+    directory, as a list of dicts (`read_rows` without a check of their fields)."""
+    return read_rows(path).items
 
 
 def gsm8k_item(row: dict[str, object], instruction: str = GSM8K_INSTRUCTION) -> dict[str, object]:
     """A GSM8K row (``question``, and ``answer`` ending in ``#### N``) as a chat prompt with the
-    final number as the gold ``answer``."""
-    final = str(row["answer"]).split("####")[-1].strip().replace(",", "")
+    final number as the gold ``answer``; ValueError for an answer without ``#### N``."""
+    text = str(row["answer"])
+    if "####" not in text:
+        raise ValueError(f"the answer has no final '#### N': {text[-60:]!r}")
+    final = text.split("####")[-1].strip().replace(",", "")
+    if not final:
+        raise ValueError("the answer's '####' is followed by nothing")
     return {"messages": [{"role": "user", "content": f"{row['question']}\n{instruction}"}], "answer": final}
+
+
+def demonstration_row(row: dict[str, object]) -> dict[str, object]:
+    """``row`` when `demonstration_ids` can read it: a non-empty ``messages`` list of
+    ``{"role", "content"}`` turns (strings) ending in the answer, or non-empty ``prompt`` and
+    ``completion`` strings; ValueError saying what is wrong otherwise (`read_rows` ``convert``)."""
+    messages = row.get("messages")
+    if messages:
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ValueError("'messages' must be a list of {'role': str, 'content': str} turns")
+        if not str(messages[-1]["content"]).strip():
+            raise ValueError("the last turn of 'messages' (the answer trained on) is empty")
+        return row
+    problem = row_problem(row, {"prompt": str, "completion": str})
+    if problem is not None:
+        raise ValueError(f"{problem} (a demonstration holds 'messages', or 'prompt' and 'completion')")
+    return row
 
 
 def addition_problems(n: int, n_digits: int, seed: int, exclude: Collection[str] = ()) -> list[dict[str, object]]:

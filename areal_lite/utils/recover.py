@@ -10,13 +10,27 @@ is consumed exactly once per epoch and the number of steps equals the uninterrup
 
 Modes (``recover.mode``): ``disabled`` writes and reads nothing; ``auto`` writes checkpoints and
 resumes when one exists; ``resume`` writes and requires one to exist.
+
+Nothing is lost on a fault. The checkpoint is checksummed and the previous one kept beside it
+(``checkpoint.prev``): a damaged latest one (truncated, corrupted, a few weights overwritten) is
+reported and the run resumes from the previous one (`areal_lite.utils.saver.intact_checkpoint`). A
+write that fails names its cause (a full disk, a read-only directory) and leaves the previous
+checkpoint as it was. On SIGTERM (the launchers forward it; Slurm sends it before a time limit or
+a preemption) the step under way finishes, a checkpoint is written whatever ``freq_steps`` says,
+and `stop_requested` tells the loop to exit (`areal_lite.kit.RunKit` does, with exit code 143); a
+second SIGTERM ends the process at once.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import signal
+import threading
+import time
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Protocol
 
 import numpy as np
@@ -26,10 +40,14 @@ import torch.distributed as dist
 from areal_lite.api.config import RecoverConfig
 from areal_lite.api.engine import TrainEngine
 from areal_lite.api.io import SaveLoadMeta
-from areal_lite.utils.saver import resolve_atomic, write_atomically
+from areal_lite.utils.saver import intact_checkpoint, resolve_atomic, write_atomically
 from areal_lite.utils.step import StepInfo, is_due
 
+logger = logging.getLogger(__name__)
+
 MODES = ("disabled", "auto", "resume")
+ATTEMPT_ENV = "AREAL_LITE_ATTEMPT"
+"""The launchers number each start of the trainer in this environment variable (0 = the first)."""
 
 
 class Stateful(Protocol):
@@ -76,6 +94,36 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+_stop_signal: int | None = None
+"""The stop signal this process received (every `RecoverHandler` of the process sees it)."""
+_stop_signal_at = 0.0
+_catching = False
+REPEAT_SECONDS = 5.0
+"""A second SIGTERM this soon after the first is the same request (the launcher signals torchrun's
+process group, and torchrun then signals its workers again); a later one ends the process at once."""
+
+
+def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
+    global _stop_signal, _stop_signal_at
+    if _stop_signal is not None:
+        if time.monotonic() - _stop_signal_at < REPEAT_SECONDS:
+            return
+        signal.signal(signum, signal.SIG_DFL)  # asked again: stop now
+        os.kill(os.getpid(), signum)
+        return
+    _stop_signal, _stop_signal_at = signum, time.monotonic()
+    print(f"[areal-lite] {signal.Signals(signum).name}: a checkpoint follows the step under way", flush=True)
+
+
+def _catch_stop_signal() -> None:
+    """Handle SIGTERM as a request to checkpoint and stop (once per process; from the main thread,
+    the only one that may set signal handlers)."""
+    global _catching
+    if not _catching and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_stop_signal)
+        _catching = True
+
+
 class RecoverHandler:
     """Dumps the full training state every ``recover.freq_steps`` steps and loads it on restart."""
 
@@ -84,6 +132,18 @@ class RecoverHandler:
             raise ValueError(f"recover.mode must be one of {', '.join(MODES)}, got {config.mode!r}")
         self.config = config
         self.path = os.path.join(output_dir, "recover", "checkpoint")
+        self.stop_requested = False
+        """Set by `dump` once every rank knows of a stop signal and the checkpoint is written."""
+        if self.enabled:
+            _catch_stop_signal()
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank received a stop signal (collective, each step: all ranks then write the
+        checkpoint of the same step)."""
+        flag = torch.tensor([_stop_signal or 0], dtype=torch.int64)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     @property
     def enabled(self) -> bool:
@@ -102,9 +162,13 @@ class RecoverHandler:
         extra: dict[str, object] | None = None,
         last: bool = False,
     ) -> bool:
-        """Write the state after the finished ``step`` if a dump is due (collective over the
-        trainer's ranks). Returns whether it wrote one."""
-        if not self.enabled or not is_due(step, self.config.freq_steps, last=last):
+        """Write the state after the finished ``step`` if a dump is due, or a stop signal came
+        (then `stop_requested` is set after it); collective over the trainer's ranks. Returns
+        whether it wrote one."""
+        if not self.enabled:
+            return False
+        stopping = self._stop_agreed()
+        if not stopping and not is_due(step, self.config.freq_steps, last=last):
             return False
         state = {
             "step": step.to_dict(),
@@ -119,7 +183,13 @@ class RecoverHandler:
             engine.save(SaveLoadMeta(path=os.path.join(tmp, "engine"), weight_format="train_state"))
             torch.save(state, os.path.join(tmp, f"state_rank{_rank()}.pt"))
 
-        write_atomically(self.path, write)
+        write_atomically(self.path, write, keep_previous=True)
+        if stopping:
+            self.stop_requested = True
+            if _rank() == 0:
+                print(
+                    f"[areal-lite] stopping: recover checkpoint written after step {step.global_step + 1}", flush=True
+                )
         return True
 
     def load(
@@ -134,7 +204,7 @@ class RecoverHandler:
         (`areal_lite.kit.RunKit.resume` does)."""
         if not self.enabled:
             return None
-        path = resolve_atomic(self.path)
+        path = self._intact()
         if path is None:
             if self.config.mode == "resume":
                 raise FileNotFoundError(f"recover.mode=resume but there is no recover checkpoint at {self.path}")
@@ -149,3 +219,18 @@ class RecoverHandler:
             stats_logger.load_state_dict(state["stats_logger"])
         set_rng_state(state["rng"])
         return RecoverInfo(last_step=StepInfo(**state["step"]), version=version, extra=state["extra"])
+
+    def _intact(self) -> str | None:
+        """The newest intact copy of the checkpoint, chosen on rank 0 (which reads the files to
+        check them) for every rank; its errors are raised on every rank."""
+        answer: list[object] = [None]
+        if _rank() == 0:
+            try:
+                answer[0] = intact_checkpoint(self.path)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                answer[0] = e
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(answer, src=0)
+        if isinstance(answer[0], Exception):
+            raise answer[0]
+        return answer[0]  # type: ignore[return-value]

@@ -19,6 +19,8 @@ comma-separated list of the checks below. Rank 0 writes ``OUT_DIR/<CHECKS>_w<wor
   prompt computed once equal those of the ordinary packed forward.
 - ``accumulation``: forward_backward on three batches, then one optim_step, against one
   train_batch on their union (SGD); optim_step's one-step lr, weight_decay and max_grad_norm.
+- ``one_pass``: forward_backward_logprobs against forward then forward_backward; ``target_ids``;
+  Adam's betas and eps for one step.
 - ``lora``: LoRA adapters (tests/scripts/lora_checks.py).
 """
 
@@ -343,6 +345,66 @@ def check_accumulation(res: dict[str, object]) -> None:
     e.destroy()
 
 
+def check_one_pass(res: dict[str, object]) -> None:
+    """forward_backward_logprobs: the log-probabilities of forward (each rank its uneven share, cut
+    into 3 micro-batches), from as many model calls as forward alone makes, and the gradient of
+    forward_backward (SGD: equal parameters). Scoring given target ids instead of the next input
+    token (``target_ids``) against HF's logits. Adam's betas and eps for one step."""
+    rank0 = dist.get_rank() == 0
+    batch = uneven_shard(make_batch(30, n=8))
+    e = with_sgd(engine(n_mbs=3))
+    calls: list[int] = []
+    hook = e.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    lp_ref = e.forward(batch)
+    res["forward_calls"] = len(calls)
+    calls.clear()
+    stats, lp = e.forward_backward_logprobs(batch, nll, n_tokens)
+    res["one_pass_calls"] = len(calls)
+    hook.remove()
+    res["one_pass_logprob_err"] = max_over_ranks(float((lp - lp_ref).abs().max()))
+    e.optim_step()
+    one_pass = e._full_state_dict()
+    e.destroy()
+    e = with_sgd(engine(n_mbs=3))
+    res["one_pass_loss"] = [stats["loss"], e.forward_backward(batch, nll, n_tokens)["loss"]]
+    e.optim_step()
+    two_pass = e._full_state_dict()  # collective: every rank gathers
+    if rank0:
+        res["one_pass_param_err"] = max_diff(one_pass, two_pass)
+
+    targeted = make_batch(31, n=4)
+    g = torch.Generator().manual_seed(3)
+    targeted["target_ids"] = (
+        torch.randint(1, 250, targeted["input_ids"].shape, generator=g) * targeted["attention_mask"]
+    )
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(MODEL)(
+            input_ids=targeted["input_ids"], attention_mask=targeted["attention_mask"].long()
+        ).logits.float()
+    ref = torch.log_softmax(logits, -1)[:, :-1].gather(-1, targeted["target_ids"][:, 1:, None]).squeeze(-1)
+    ref = torch.cat([torch.zeros(4, 1), ref], 1) * targeted["attention_mask"]
+    e.destroy()
+    e = engine(ft=None)  # the directory's weights, as HF loads them
+    res["target_ids_err"] = float((e.forward(targeted) - ref).abs().max())
+    e.destroy()
+
+    # betas and eps for one step: the step of an engine configured with them; then back.
+    configured = OptimizerConfig(lr=1e-2, beta1=0.5, beta2=0.6, eps=1e-3, gradient_clipping=0.0)
+    stepped = []
+    for opt, override in ((OptimizerConfig(lr=1e-2, gradient_clipping=0.0), True), (configured, False)):
+        e = FSDPEngine(TrainEngineConfig(path=MODEL, optimizer=opt))
+        e.initialize(FT)
+        for _ in range(2):
+            e.forward_backward(shard(make_batch(32)), nll, n_tokens)
+            e.optim_step(betas=(0.5, 0.6), eps=1e-3) if override else e.optim_step()
+        stepped.append(e._full_state_dict())
+        if override:
+            res["adam_after"] = [list(e.optimizer.param_groups[0]["betas"]), e.optimizer.param_groups[0]["eps"]]
+        e.destroy()
+    if rank0:
+        res["adam_override_err"] = max_diff(*stepped)
+
+
 def resume(res: dict[str, object]) -> None:
     e = engine(lr=1e-2)
     e.load(SaveLoadMeta(path=os.path.join(OUT, "train_state"), weight_format="train_state"))
@@ -367,6 +429,7 @@ def main() -> None:
         "critic": check_critic,
         "shared_prefix": check_shared_prefix,
         "accumulation": check_accumulation,
+        "one_pass": check_one_pass,
         "lora": lambda res: check_lora(res, MODEL, OUT),
     }
     res: dict[str, object] = {}

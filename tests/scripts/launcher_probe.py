@@ -20,6 +20,8 @@ class ProbeConfig:
     out: str = ""
     fail_attempts: int = 0
     """Exit with 3 on attempts below this."""
+    recurring_error: bool = False
+    """Fail with an error that a restart would meet again (`RecurringError`)."""
     wait_for_signal: bool = False
     tag: str = "main"
     """Recorded, to tell the prepare run from the main one."""
@@ -48,6 +50,10 @@ record = {
 }
 with open(cfg.probe.out, "a") as f:
     f.write(json.dumps(record) + "\n")
+if cfg.probe.recurring_error:
+    from areal_lite.api.errors import RecurringError
+
+    raise RecurringError(f"bad data row at data.jsonl:{attempt + 3}: field 'question' is missing")
 if attempt < cfg.probe.fail_attempts:
     sys.exit(3)
 if cfg.probe.wait_for_signal:

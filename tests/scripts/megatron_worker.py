@@ -13,7 +13,8 @@ also sends weights of all three kinds to a receiver, skips a non-finite step, an
 ``OUT_DIR/checks.json``). Critics (value heads) run through FSDP, TP=2 and PP=2
 (``OUT_DIR/critic_<run>.pt`` and ``_hf``). At DP=2, TP=2 and PP=2 (plain SGD), forward_backward
 on three batches then one optim_step equals one train_batch on their union, and optim_step's
-explicit lr, weight_decay and max_grad_norm are the ones used (``OUT_DIR/checks.json``).
+explicit lr, weight_decay and max_grad_norm are the ones used, and forward_backward_logprobs
+returns forward's log-probabilities (``OUT_DIR/checks.json``).
 """
 
 from __future__ import annotations
@@ -244,6 +245,17 @@ def accumulation(checks: dict[str, object]) -> None:
             e.optim_step(lr=0.1, weight_decay=0.5)
             decayed = {k: v * (1 - 0.1 * 0.5) if v.ndim >= 2 else v for k, v in after.items()}
             checks["override"]["wd_err"] = max_diff(decayed, full_params(e))  # type: ignore[index]
+        # forward_backward_logprobs: forward's log-probabilities (at PP=2 from the last stage, on
+        # every stage) and forward_backward's loss, from the one pass.
+        share = my_share(parts[1], e)
+        reference = e.forward(share)
+        one_pass, logprobs = e.forward_backward_logprobs(share, nll, n_tokens)
+        two_pass = e.forward_backward(share, nll, n_tokens)
+        e.optim_step(lr=0.0)
+        checks[f"one_pass_{tag}"] = {
+            "logprob_err": float((logprobs - reference).abs().max()),
+            "loss": [one_pass["loss"], two_pass["loss"]],
+        }
         e.destroy()
 
 

@@ -4,7 +4,8 @@ resumable data loader, the recover handler, the saver and the stats logger.
 Every rank appends one JSON line per trained step to ``output_dir/consumed_rank<R>.jsonl``: the
 attempt (``AREAL_LITE_ATTEMPT``), the global step, the sample ids it trained on and the loss. With
 ``pause_at_step=K`` the first attempt stops after training step K, before its recover checkpoint,
-writes its pid to ``paused_rank<R>`` and waits there to be killed.
+writes its pid to ``paused_rank<R>`` and waits there to be killed. After a SIGTERM it exits with
+143 once the recover checkpoint of the step under way is written.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class Config(BaseExperimentConfig):
     dataset_size: int = 24
     vocab_size: int = 256
     pause_at_step: int = -1
+    step_seconds: float = 0.0
+    """Sleep this long after each step (to send a signal while the run goes on)."""
 
 
 def make_item(i: int, vocab: int) -> dict[str, object]:
@@ -116,6 +119,9 @@ def main() -> None:
             saver.save(engine, step, last=last)
             stats_logger.commit(step.global_step, stats, tracker.export())
             recover.dump(engine, step, dataloader=dataloader, stats_logger=stats_logger, last=last)
+            if recover.stop_requested:  # a SIGTERM: the checkpoint of this step is written
+                sys.exit(143)
+            time.sleep(cfg.step_seconds)
             step = step.next()
     stats_logger.close()
     engine.destroy()
