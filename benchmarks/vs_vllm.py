@@ -24,7 +24,8 @@ decode FLOPs, and its weights read once per decode step, could take at the limit
 before the pass, in the pass's dtype; 1.0 = at the limit); time to first token: the median over
 the pass's requests, and the first wave's fraction (its ``C`` prompts' prefill at the limit over
 the time the last of them got its first token). A side's figure is its best pass (``--repeats``),
-its fraction that pass's. The limits are `roofline.measure_limits` (a 1024^3 matmul in the dtype,
+its fraction that pass's. The sides run at the same time and take turns pass by pass, so that a
+load change on a shared machine falls on all of them alike. The limits are `roofline.measure_limits` (a 1024^3 matmul in the dtype,
 a 256 MiB copy).
 
 Models: ``20m`` (the roofline's 20M Qwen2: hidden 384, 10 layers, 6 heads of 64, 512 tokens of
@@ -37,7 +38,7 @@ the CPU computes bf16 natively, else fp32 only).
 
 ``--quick`` (about 10 minutes on 2 cores, most of it vLLM's start-up): SmolLM2 only, in the one
 dtype the engine picks by default on this CPU (``auto``: bf16 where native, else fp32), one pass
-per side of 2 waves; any option given beside it wins.
+per side of one wave; any option given beside it wins.
 
 The last line is ``RESULT <model>_<dtype>_c<C>_<side>_over_vllm=<tokens/s ratio> ...``.
 """
@@ -54,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -241,61 +243,74 @@ def served_name(address: str) -> str:
         return json.load(r)["data"][0]["id"]
 
 
-def run_side(
-    side: str,
+@dataclass
+class Side:
+    """One side, started: ``run(requests, concurrency)`` measures a pass, ``close()`` stops it."""
+
+    name: str
+    run: Callable[[list[Request], int], Pass]
+    close: Callable[[], None]
+
+
+def open_side(side: str, path: str, dtype: str, log_dir: str, args: argparse.Namespace) -> Side:
+    """The embedded engine, or a server started with the launcher's command line, warmed up."""
+    if side == "engine":
+        scheduler = Scheduler(LocalEngineConfig(path=path, dtype=dtype, max_total_tokens=CONTEXT))
+        scheduler.start()
+        opened = Side(side, lambda reqs, c: engine_pass(scheduler, reqs, c), scheduler.stop)
+    else:
+        backend = "areal" if side == "server" else "vllm"
+        proc, address = start_server(backend, path, dtype, args.threads, log_dir, args)
+        name = served_name(address)
+        opened = Side(side, lambda reqs, c: server_pass(address, name, reqs, c), lambda: stop([proc], grace=15.0))
+    try:
+        # First-request costs (lazy set-up, compilation) stay out of the figures.
+        opened.run(make_passes(1, 4, args.vocab, seed=99)[0], 4)
+    except BaseException:
+        opened.close()
+        raise
+    return opened
+
+
+def run_sides(
+    sides: list[str],
     path: str,
     dtype: str,
     passes: dict[int, list[list[Request]]],
     shape: Shape,
-    vocab: int,
     args: argparse.Namespace,
-) -> dict[int, Figure]:
-    """Every pass of every concurrency on one side (one server start)."""
+) -> dict[str, dict[int, Figure]]:
+    """Every pass of every concurrency on every side, the sides started together and taking turns
+    pass by pass (the order rotating), so that a load change on a shared machine falls on all of
+    them alike; each pass right after a sample of the limits."""
     torch_dtype = DTYPES[dtype]
     itemsize = torch.finfo(torch_dtype).bits // 8
-    figures = {c: Figure(side) for c in passes}
-    warm = make_passes(1, 4, vocab, seed=99)[0]
+    figures = {side: {c: Figure(side) for c in passes} for side in sides}
+    opened: list[Side] = []
     with tempfile.TemporaryDirectory() as log_dir:
-        if side == "engine":
-            torch.set_num_threads(args.threads)
-            cfg = LocalEngineConfig(path=path, dtype=dtype, max_total_tokens=CONTEXT)
-            scheduler = Scheduler(cfg)
-            scheduler.start()
-
-            def run(reqs: list[Request], c: int) -> Pass:
-                return engine_pass(scheduler, reqs, c)
-
-            def close() -> None:
-                scheduler.stop()
-        else:
-            proc, address = start_server(
-                "areal" if side == "server" else "vllm", path, dtype, args.threads, log_dir, args
-            )
-            name = served_name(address)
-
-            def run(reqs: list[Request], c: int) -> Pass:
-                return server_pass(address, name, reqs, c)
-
-            def close() -> None:
-                stop([proc], grace=15.0)
-
         try:
-            run(warm, 4)  # first-request costs (lazy set-up, compilation) stay out of the figures
+            for side in sides:
+                opened.append(open_side(side, path, dtype, log_dir, args))
+            turn = 0
             for c, reqs_list in passes.items():
                 for reqs in reqs_list:
-                    limits = measure_limits(torch_dtype)
-                    p = run(reqs, c)
-                    whole, wave = bounds(shape, reqs, c, limits, itemsize)
-                    p.fraction, p.ttft_fraction = whole / p.seconds, wave / p.wave_ttft
-                    figures[c].passes.append(p)
-                    print(
-                        f"  {side:<7} C={c:<3} {p.tokens / p.seconds:8.1f} tok/s  of roofline {p.fraction:.3f}  "
-                        f"ttft p50 {statistics.median(p.ttfts):.2f} s  wave {p.wave_ttft:.2f} s "
-                        f"({p.ttft_fraction:.3f})  [{limits.gflops:.0f} GFLOP/s, load {os.getloadavg()[0]:.1f}]",
-                        flush=True,
-                    )
+                    for k in range(len(opened)):
+                        one = opened[(turn + k) % len(opened)]
+                        limits = measure_limits(torch_dtype)
+                        p = one.run(reqs, c)
+                        whole, wave = bounds(shape, reqs, c, limits, itemsize)
+                        p.fraction, p.ttft_fraction = whole / p.seconds, wave / p.wave_ttft
+                        figures[one.name][c].passes.append(p)
+                        print(
+                            f"  {one.name:<7} C={c:<3} {p.tokens / p.seconds:8.1f} tok/s  of roofline {p.fraction:.3f}  "
+                            f"ttft p50 {statistics.median(p.ttfts):.2f} s  wave {p.wave_ttft:.2f} s "
+                            f"({p.ttft_fraction:.3f})  [{limits.gflops:.0f} GFLOP/s, load {os.getloadavg()[0]:.1f}]",
+                            flush=True,
+                        )
+                    turn += 1
         finally:
-            close()
+            for one in opened:
+                one.close()
     return figures
 
 
@@ -323,7 +338,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=None, help="passes per side and concurrency (2; --quick: 1)")
     parser.add_argument("--quick", action="store_true", help="SmolLM2, one dtype, one pass per side (~10 min)")
-    parser.add_argument("--waves", type=int, default=2, help="requests per pass = waves x concurrency")
+    parser.add_argument(
+        "--waves", type=int, default=None, help="requests per pass = waves x concurrency (2; --quick: 1)"
+    )
     parser.add_argument("--sides", default="engine,server,vllm")
     parser.add_argument("--vllm-compile", action="store_true", help="let vLLM compile its graph (no --enforce-eager)")
     parser.add_argument("--vllm-preload", action="store_true", help="LD_PRELOAD vLLM's Intel OpenMP library")
@@ -334,6 +351,8 @@ def main() -> None:
         args.models = "smollm2" if args.quick else "20m,smollm2"
     if args.repeats is None:
         args.repeats = 1 if args.quick else 2
+    if args.waves is None:
+        args.waves = 1 if args.quick else 2
     if args.dtypes is None:
         both = ["float32", "bfloat16"] if native else ["float32"]
         args.dtypes = both[-1] if args.quick else ",".join(both)
@@ -367,7 +386,8 @@ def main() -> None:
                 passes = {
                     c: make_passes(args.repeats, args.waves * c, config.vocab_size, seed=1000 * c) for c in concurrency
                 }
-                figures = {side: run_side(side, path, dtype, passes, shape, config.vocab_size, args) for side in sides}
+                args.vocab = config.vocab_size
+                figures = run_sides(sides, path, dtype, passes, shape, args)
                 for c in concurrency:
                     peer = figures["vllm"][c].best if "vllm" in figures else None
                     for side in sides:
