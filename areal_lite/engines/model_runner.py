@@ -90,6 +90,48 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
+class PackedLinears:
+    """``F.linear`` with each weight reordered once into oneDNN's blocked layout (CPU, fp32 or bf16).
+
+    On the AVX-512 BF16 Zen 4 CPU this ran a SmolLM2 decode step's matmuls 1.1-1.8x faster in bf16
+    and 1.4-2.3x in fp32 than ``F.linear``, which lays the weight out again at every call; the LM
+    head (49152 x 576) gained the most. A reordered copy goes stale when its weight changes, so
+    each is keyed by the weight tensor and its in-place version counters (which every copy into
+    the tensor bumps; for a fused weight, also those of the parameters that are views of it, whose
+    counters are their own): a weight changed in any way is reordered again before its next use. Costs one more copy of the weights in memory. Elsewhere (CUDA, float16, a torch
+    without oneDNN) it is plain ``F.linear``."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.enabled = (
+            device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        )
+        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        views: tuple[torch.Tensor, ...] = (),
+    ) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``; ``views``: parameters whose data are parts of ``weight``."""
+        if not self.enabled:
+            return F.linear(x, weight, bias)
+        version = weight._version + sum(v._version for v in views)
+        entry = self._packed.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1] != version:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH)
+            entry = self._packed[id(weight)] = (weight, version, packed)
+        return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
+
+
+PACK_BATCH = 16
+"""The batch size oneDNN lays a weight out for (any batch works; decode batches are 16-64)."""
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -123,6 +165,7 @@ class ModelRunner:
         self.has_qk_norm = hasattr(attn, "q_norm")
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.linear = PackedLinears(self.device, self.dtype)
         self.max_rows = max_rows
         self.context_len = context_len
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -148,6 +191,15 @@ class ModelRunner:
                     router.register_forward_hook(lambda _m, _inp, out, i=i: self._captured.__setitem__(i, out[2]))
         self._ensure_capacity(min(256, context_len))
         self.fused = [self._fuse(layer) for layer in self.layers]
+        self.fused_views = [self._fused_views(layer) for layer in self.layers]
+        """Per layer, the parameters that are views of its fused q/k/v and gate/up weights."""
+
+    @staticmethod
+    def _fused_views(layer: torch.nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = tuple(m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+        gate_up = tuple(m.weight for m in (mlp.gate_proj, mlp.up_proj)) if hasattr(mlp, "gate_proj") else ()
+        return qkv, gate_up
 
     @staticmethod
     def _fuse(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
@@ -175,6 +227,12 @@ class ModelRunner:
             return fuse(qkv, "weight"), fuse(qkv, "bias"), None, None  # type: ignore[return-value]
         gate_up = [mlp.gate_proj, mlp.up_proj]
         return fuse(qkv, "weight"), fuse(qkv, "bias"), fuse(gate_up, "weight"), fuse(gate_up, "bias")  # type: ignore[return-value]
+
+    def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        head = self.model.lm_head
+        if type(head) is torch.nn.Linear:
+            return self.linear(h, head.weight, head.bias)
+        return head(h)  # a wrapped head (an adapter's): as the model runs it
 
     def _ensure_capacity(self, needed: int) -> None:
         """Grow the cache (doubling, capped at the context length) to hold ``needed`` positions."""
@@ -218,20 +276,21 @@ class ModelRunner:
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             w_qkv, b_qkv, w_gate_up, b_gate_up = self.fused[i]
+            qkv_views, gate_up_views = self.fused_views[i]
             x = _rms_norm(layer.input_layernorm, h)
-            qk, v = F.linear(x, w_qkv, b_qkv).view(n, nh + 2 * nkv, hd).split([nh + nkv, nkv], dim=1)
+            qk, v = self.linear(x, w_qkv, b_qkv, qkv_views).view(n, nh + 2 * nkv, hd).split([nh + nkv, nkv], dim=1)
             if self.has_qk_norm:
                 qk = torch.cat([attn.q_norm(qk[:, :nh]), attn.k_norm(qk[:, nh:])], dim=1)
             # Rotary embedding on queries and keys in one go.
             q, k = self._rope(qk, cos, sin).split([nh, nkv], dim=1)
             o = attend(i, q, k, v)
-            h = h + F.linear(o.reshape(n, nh * hd), attn.o_proj.weight, attn.o_proj.bias)
+            h = h + self.linear(o.reshape(n, nh * hd), attn.o_proj.weight, attn.o_proj.bias)
             x = _rms_norm(layer.post_attention_layernorm, h)
             if w_gate_up is None:
                 h = h + mlp(x[None])[0]
                 continue
-            gate, up = F.linear(x, w_gate_up, b_gate_up).chunk(2, dim=-1)
-            h = h + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+            gate, up = self.linear(x, w_gate_up, b_gate_up, gate_up_views).chunk(2, dim=-1)
+            h = h + self.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         return _rms_norm(self.base.norm, h)
 
     def _pass_routes(self, n: int) -> torch.Tensor:
@@ -379,13 +438,13 @@ class ModelRunner:
                 self.last[start + j] = s.out[-1]
             if s.want_input_logprobs and s.input_logprobs is None:
                 a, e = offsets[inverse[j]], offsets[inverse[j] + 1]
-                logp = torch.log_softmax(self.model.lm_head(h[a : e - 1]).float(), dim=-1)
+                logp = torch.log_softmax(self._lm_head(h[a : e - 1]).float(), dim=-1)
                 s.input_logprobs = [None] + logp.gather(1, ids[a + 1 : e, None])[:, 0].tolist()
         if d or fresh:
             # The decode rows' hidden states and each fresh sequence's last prompt position.
             at = list(range(d)) + [offsets[inverse[j] + 1] - 1 for j in fresh]
             rows = torch.cat([ar, torch.tensor([start + j for j in fresh], dtype=torch.long, device=dev)])
-            logits = self.model.lm_head(h if at == list(range(h.shape[0])) else h[at]).float()
+            logits = self._lm_head(h if at == list(range(h.shape[0])) else h[at]).float()
             self._sample_and_append(logits, decoding + [seqs[j] for j in fresh], rows)
         return [seqs[j] for j in fresh]
 
