@@ -40,7 +40,8 @@ the CPU computes bf16 natively, else fp32 only).
 dtype the engine picks by default on this CPU (``auto``: bf16 where native, else fp32), one pass
 per side of one wave; any option given beside it wins.
 
-The last line is ``RESULT <model>_<dtype>_c<C>_<side>_over_vllm=<tokens/s ratio> ...``.
+The last line is ``RESULT bf16=native|emulated threads=<n> <model>_<dtype>_c<C>_<side>_over_vllm=<tokens/s
+ratio> ...`` (the CPU's name and kind are printed above the table).
 """
 
 from __future__ import annotations
@@ -371,7 +372,7 @@ def main() -> None:
         if probe.returncode != 0:
             sys.exit(f"no vLLM in {vllm_python(launcher)}: make install-vllm, or set AREAL_LITE_VLLM_PYTHON")
         print(f"vLLM {probe.stdout.strip()} ({vllm_python(launcher)}), {'compiled' if args.vllm_compile else 'eager'}")
-    result: list[str] = []
+    result = [f"bf16={'native' if native else 'emulated'}", f"threads={args.threads}"]
     rows: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
