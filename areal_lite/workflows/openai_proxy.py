@@ -154,11 +154,6 @@ class RecordingProxy:
                 "top_logprobs is not recorded: the proxy reports the sampled token's log-probability only",
                 param="top_logprobs",
             )
-        if int_field(body, "n", 1) != 1:
-            raise BadRequest("n must be 1: the samples of a prompt are separate episodes")
-        bool_field(body, "stream", False)
-        if len(self.calls) >= self.max_calls:
-            raise self._exhaust(f"this episode's {self.max_calls} model calls are used up")
         tools = chat_tools(body)
         text = render_chat(self.tokenizer, body, tools, **self.template_kwargs)
         resp, gconfig = await self._generate_recorded(body, text)
@@ -180,11 +175,6 @@ class RecordingProxy:
                 "logprobs must be 0 or absent: the proxy reports the sampled token's log-probability only",
                 param="logprobs",
             )
-        if int_field(body, "n", 1) != 1:
-            raise BadRequest("n must be 1: the samples of a prompt are separate episodes")
-        bool_field(body, "stream", False)
-        if len(self.calls) >= self.max_calls:
-            raise self._exhaust(f"this episode's {self.max_calls} model calls are used up")
         resp, gconfig = await self._generate_recorded(body, prompt)
         text = self._cut_at_stop(self._decode(resp.output_tokens, skip_special=True), resp, gconfig.stop)
         choice: dict[str, object] = {
@@ -210,6 +200,11 @@ class RecordingProxy:
     async def _generate_recorded(self, body: dict[str, object], text: str) -> tuple[ModelResponse, GenerationConfig]:
         """Generate a continuation of the prompt ``text`` (a trajectory's text, extended, or a new
         one) and record it: the tokens, log-probabilities and versions the call produced."""
+        if int_field(body, "n", 1) != 1:
+            raise BadRequest("n must be 1: the samples of a prompt are separate episodes")
+        bool_field(body, "stream", False)
+        if len(self.calls) >= self.max_calls:
+            raise self._exhaust(f"this episode's {self.max_calls} model calls are used up")
         extended = self._extended_by(text)
         context = self._encode(text[len(extended.text) :] if extended else text)
         prompt = (list(extended.trace.input_ids) if extended else []) + context
