@@ -3,11 +3,10 @@
 Requests from any thread or event loop join a queue; between two steps the scheduler admits
 waiting requests, and each step is one forward pass that prefills the admitted requests and
 decodes one token of every running one, so a short request leaves as soon as it is done and never
-waits for the longest one. Aborts, pauses (in place, abort, retract) and weight loads (from
-tensors, from disk, or received by broadcast in a weight-update group) are applied between two
-steps; after a weight load, running requests get their KV cache recomputed under the new weights
-and continue, so every later token is produced by (and tagged with the version of) the new
-weights.
+waits for the longest one. Aborts, pauses (in place, abort, retract) and weight loads (from tensors, from disk, or
+received by broadcast in a weight-update group) are applied between two steps; after a weight
+load, running requests get their KV cache recomputed under the new weights and continue, so
+every later token is produced by (and tagged with the version of) the new weights.
 
 A streamed request (`stream`) gets each token as it is sampled: the scheduler hands it over right
 after the step that produced it, before the request's result.
