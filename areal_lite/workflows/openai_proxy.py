@@ -35,6 +35,7 @@ proxy answers in process (`client`), or over HTTP for programs in other processe
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -185,7 +186,7 @@ class RecordingProxy:
         }
         if logprobs is not None:
             tokens = [self._decode([t], skip_special=False) for t in resp.output_tokens]
-            offsets = [len(prompt) + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+            offsets = list(itertools.accumulate((len(t) for t in tokens), initial=len(prompt)))[:-1]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(resp.output_logprobs),
                                   "top_logprobs": None, "text_offset": offsets}  # fmt: skip
         return {
