@@ -97,11 +97,14 @@ def test_rl_loop_raises_reward(service, model: str, tokenizer) -> None:
     digits = {tokenizer.convert_tokens_to_ids(c) for c in "0123456789"}
     prompts = [tokenizer.encode(p) for p in ["What is", "Solve:", "The answer", "Count"]]
     rewards = []
-    for _ in range(12):
+    for step in range(12):
         sampler = tc.save_weights_and_get_sampling_client().result()
+        # A seed per request: the draws do not depend on which request the service reaches first.
         futures = [
-            sampler.sample(types.ModelInput.from_ints(p), 8, types.SamplingParams(max_tokens=8, stop=[]))
-            for p in prompts
+            sampler.sample(
+                types.ModelInput.from_ints(p), 8, types.SamplingParams(max_tokens=8, stop=[], seed=step * 8 + i)
+            )
+            for i, p in enumerate(prompts)
         ]
         data, step_rewards = [], []
         for p, f in zip(prompts, futures):

@@ -207,7 +207,7 @@ def test_async_training_loop_with_weight_updates_keeps_the_bound(engine) -> None
             controller.resume()
         ex.pause()
         with ex._cond:  # let the rollouts in flight finish before the loop they wait on closes
-            ex._cond.wait_for(lambda: ex.staleness.running == 0)
+            assert ex._cond.wait_for(lambda: ex.staleness.running == 0, timeout=120), ex.staleness.running
     finally:
         controller.destroy()
         engine.set_version(0)
