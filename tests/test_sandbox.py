@@ -27,7 +27,9 @@ BACKENDS = [
     ),
     pytest.param("bwrap", marks=pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap")),
 ]
-LIMITS = SandboxLimits(timeout=3.0, cpu_seconds=5, memory_mb=256, processes=16, output_bytes=1 << 16)
+# 6 s of wall time: at 3 s, on a machine loaded far beyond its 2 cores, an attack that is stopped by its
+# own limit (a 16 MB file, a refused connection) was sometimes stopped by the clock first.
+LIMITS = SandboxLimits(timeout=6.0, cpu_seconds=10, memory_mb=256, processes=16, output_bytes=1 << 16)
 TESTS = "assert add(2, 3) == 5 and add(-1, 1) == 0"
 SOLUTION = "def add(a, b):\n    return a + b\n"
 SECRET = "areal-secret-4b1d"
