@@ -7,7 +7,8 @@ Each launcher: the quickstart, shortened, completes with its rollout server and 
 the cluster manager; a rollout server killed through the cluster manager (a Ray actor, a Slurm job
 step) mid-run leaves the training to complete on the other; a SIGKILLed trainer rank is restarted
 by the launcher and resumes from its last checkpoint with each sample consumed once
-(`trainer_kill`)."""
+(`trainer_kill`); a trainer that fails on an error a restart would meet again runs once, and the
+launcher ends with its line."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import pytest
 import trainer_kill
+
+from areal_lite.launcher.local import stopped_on
 
 pytestmark = pytest.mark.cluster
 
@@ -43,6 +46,7 @@ SHORT_QUICKSTART = [
 ]
 """The quickstart cut to a minute of work: SFT to 10% dev accuracy, 12 RL steps."""
 REMOTE_TRAIN = os.path.join(ROOT, "tests", "scripts", "remote_train.py")
+PROBE = os.path.join(ROOT, "tests", "scripts", "launcher_probe.py")
 
 
 def _remote_train_args(model: str, fileroot: Path, total_steps: int, pause_after_step: int) -> list[str]:
@@ -104,6 +108,25 @@ def _run_trainer_kill(
     assert launch.proc.returncode == 0, log[-3000:]
     trainer_kill.check_resumed(out_dir, resumed_attempt)
     return log
+
+
+def _recurring_error_args(tmp_path: Path) -> list[str]:
+    """The launcher probe failing on a `RecurringError`, with two retries it must not use."""
+    out = tmp_path / "probe.jsonl"
+    return [
+        PROBE,
+        f"probe.out={out}",
+        f"cluster.fileroot={tmp_path}",
+        "probe.recurring_error=true",
+        "recover.retries=2",
+    ]
+
+
+def _check_stopped_once(tmp_path: Path, rc: int, log: str) -> None:
+    assert rc == 1, log[-3000:]
+    attempts = [json.loads(line)["attempt"] for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
+    assert attempts == [0], "not restarted"
+    assert stopped_on("RecurringError: bad data row at data.jsonl:3: field 'question' is missing") in log
 
 
 # ---------------------------------------------------------------------------------------------- Ray
@@ -198,6 +221,14 @@ def test_ray_killed_trainer_resumes_with_each_sample_once(ray_address: str, tmp_
 
     log = _run_trainer_kill(tmp_path, start, lambda launch, pids: os.kill(pids[1], signal.SIGKILL))
     assert "restart 1 of 1 from the last checkpoint" in log
+
+
+def test_ray_error_a_restart_would_meet_again_is_not_retried(ray_address: str, tmp_path: Path) -> None:
+    """The trainer node returns the line to the driver (its stop file is the node's, not in logs/)."""
+    launch = RayLaunch(_recurring_error_args(tmp_path), tmp_path / "launcher.log", ray_address)
+    log = launch.finish(timeout=300)
+    _check_stopped_once(tmp_path, launch.proc.returncode, log)
+    assert not (tmp_path / "areal-lite" / "trial0" / "logs" / "recurring_error").exists()
 
 
 # -------------------------------------------------------------------------------------------- Slurm
@@ -303,3 +334,9 @@ def test_slurm_requeued_job_resumes_with_each_sample_once(slurm: None, tmp_path:
 
     log = _run_trainer_kill(tmp_path, start, requeue, resumed_attempt=2)
     assert "(restart 1)" in log
+
+
+def test_slurm_error_a_restart_would_meet_again_is_not_retried(slurm: None, tmp_path: Path) -> None:
+    job = SlurmJob(_recurring_error_args(tmp_path), tmp_path / "areal-lite" / "trial0" / "logs")
+    log = job.finish(timeout=300)
+    _check_stopped_once(tmp_path, job.proc.returncode, log)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from areal_lite.launcher.local import (
     missing_inputs,
     read_plan,
     server_command,
+    stopped_on,
     trainer_command,
     trainer_gpus,
 )
@@ -388,6 +390,25 @@ def _shim(bin_dir, name: str, body: str) -> None:
     path.chmod(0o755)
 
 
+def _run_job_script(tmp_path, script: str, n_nodes: int, srun: str) -> subprocess.CompletedProcess:
+    """The job script run by bash on nodes n0..n<n_nodes - 1>, with shims for scontrol, curl (every
+    server healthy) and srun (``srun``, its body)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _shim(bin_dir, "scontrol", "printf '" + "".join(f"n{i}\\n" for i in range(n_nodes)) + "'")
+    _shim(bin_dir, "curl", "exit 0")
+    _shim(bin_dir, "srun", srun)
+    job = tmp_path / "job.sh"
+    job.write_text(script)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": f"n[0-{n_nodes - 1}]",
+        "SLURM_JOB_ID": "7",
+    }
+    return subprocess.run(["bash", str(job)], check=False, env=env, capture_output=True, text=True)
+
+
 def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -> None:
     """The generated job script, run by bash with shims for scontrol, srun and curl: servers are
     placed per node by GPU count, the trainer gets their addresses as one override and is retried."""
@@ -413,33 +434,14 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
     )
     script = sbatch_script(plan)
     assert "#SBATCH --nodes=4" in script, "3 servers of 4 GPUs on 8-GPU nodes take 2 nodes, plus 2 trainer nodes"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     calls = tmp_path / "calls.tsv"
-    _shim(bin_dir, "scontrol", "printf 'n0\\nn1\\nn2\\nn3\\n'")
-    _shim(bin_dir, "curl", "exit 0")
     # The servers' sruns run in the background (Slurm stops them when the job ends), so their
     # records may land after the script has exited: bash builtins write them, and we wait for them.
-    _shim(
-        bin_dir,
-        "srun",
+    srun = (
         f"(IFS=$'\\t'; echo \"${{AREAL_LITE_ATTEMPT}}\"$'\\t'\"$*\") >> {calls}\n"
-        '[[ "$*" == *torch.distributed.run*rollout.addresses* && "$AREAL_LITE_ATTEMPT" == 0 ]] && exit 5; exit 0',
+        '[[ "$*" == *torch.distributed.run*rollout.addresses* && "$AREAL_LITE_ATTEMPT" == 0 ]] && exit 5; exit 0'
     )
-    job = tmp_path / "job.sh"
-    job.write_text(script)
-    proc = subprocess.run(
-        ["bash", str(job)],
-        check=False,
-        env={
-            **os.environ,
-            "PATH": f"{bin_dir}:{os.environ['PATH']}",
-            "SLURM_JOB_NODELIST": "n[0-3]",
-            "SLURM_JOB_ID": "7",
-        },
-        capture_output=True,
-        text=True,
-    )
+    proc = _run_job_script(tmp_path, script, 4, srun)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     deadline = time.monotonic() + 30
     while True:
@@ -464,6 +466,42 @@ def test_slurm_job_script_runs_servers_then_the_trainer_with_retries(tmp_path) -
     t = trainers[1]
     assert "--nodelist=n2,n3" in t and "n2:29500" in t
     assert t[-4:] == ["--config", "cfg.yaml", "a.b=1", 'rollout.addresses=["n0:30000","n0:30001","n1:30000"]']
+
+
+def test_slurm_job_script_stops_retrying_on_an_error_a_restart_would_meet_again(tmp_path) -> None:
+    """The trainer's line in ``AREAL_LITE_STOP_FILE`` after a failed attempt ends the job with it; the
+    line a previous attempt or job left is removed before each attempt."""
+    from areal_lite.launcher.slurm import sbatch_script
+
+    plan = _plan(backend="local")
+    plan.recover, plan.output_dir = RecoverConfig(mode="auto", retries=3), str(tmp_path / "out")
+    os.makedirs(plan.log_dir)
+    with open(plan.stop_file, "w") as f:
+        f.write("RecurringError: left by a previous job\n")
+    attempts = tmp_path / "attempts"
+    srun = (
+        f'echo "$AREAL_LITE_ATTEMPT" >> {attempts}\n'
+        '[ "$AREAL_LITE_ATTEMPT" = 1 ] && echo "BadRow: bad data row at d.jsonl:3" > "$AREAL_LITE_STOP_FILE"; exit 4'
+    )
+    proc = _run_job_script(tmp_path, sbatch_script(plan), 1, srun)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert attempts.read_text().split() == ["0", "1"], "the stale line did not stop attempt 0; attempt 1's did"
+    assert proc.stdout.splitlines()[-1] == stopped_on("BadRow: bad data row at d.jsonl:3")
+
+
+def test_ray_trainer_task_returns_the_error_its_node_wrote(tmp_path) -> None:
+    """`run_trainer_node` points the trainer at a stop file of its own node and returns its line."""
+    from areal_lite.launcher.ray import run_trainer_node
+
+    log = str(tmp_path / "logs" / "trainer0.log")
+
+    def run(error: str, attempt: int) -> tuple[int, str | None]:
+        code = f"from areal_lite.api.errors import RecurringError; raise {error}"
+        return run_trainer_node([sys.executable, "-c", code], attempt, os.getcwd(), log, [])
+
+    assert run("RecurringError('bad data row\\nat d.jsonl:3')", 0) == (1, "RecurringError: bad data row")
+    assert run("RuntimeError('a crash')", 1) == (1, None), "a crash leaves no line: the driver restarts it"
+    assert "bad data row" in Path(log).read_text(), "the trainer's output still goes to its log"
 
 
 def test_slurm_colocated_servers_share_the_first_trainer_node() -> None:

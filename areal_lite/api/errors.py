@@ -3,10 +3,11 @@
 A launcher restarts a failed trainer up to ``recover.retries`` times, which helps with a crash or
 a lost node but not with a bad data row, a model directory without a tokenizer, a grader that fails
 on every sample, a checkpoint without an intact copy or a full disk: those fail the same way
-each time. Such errors derive from `RecurringError`. When the launchers set ``STOP_FILE_ENV`` for
-the trainer (the local one does), an uncaught `RecurringError` in the trainer's main thread writes
-its one-line message to that file before the usual traceback, and the launcher, finding it, says
-the line and does not restart the trainer.
+each time. Such errors derive from `RecurringError`. The launchers set ``STOP_FILE_ENV`` for the
+trainer (the local and Slurm ones to ``logs/recurring_error``, the Ray one to a file on each
+trainer node); an uncaught `RecurringError` in the trainer's main thread writes its one-line message
+to that file before the usual traceback, and the launcher, finding it (`read_stop_file`), says the
+line and does not restart the trainer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ STOP_FILE_ENV = "AREAL_LITE_STOP_FILE"
 
 class RecurringError(Exception):
     """A failure that a restart of the trainer would meet again (see the module docstring)."""
+
+
+def read_stop_file(path: str) -> str | None:
+    """The line a `RecurringError` wrote to ``path``; None when there is none."""
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def _write_stop_file(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:

@@ -68,7 +68,7 @@ from areal_lite.api.config import (
     profile_overrides,
     requested_profile,
 )
-from areal_lite.api.errors import STOP_FILE_ENV
+from areal_lite.api.errors import STOP_FILE_ENV, read_stop_file
 from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.recover import ATTEMPT_ENV
 
@@ -115,6 +115,16 @@ class LaunchPlan:
     @property
     def log_dir(self) -> str:
         return os.path.join(self.output_dir, "logs")
+
+    @property
+    def stop_file(self) -> str:
+        """Where the trainer writes an error that a restart would meet again (``STOP_FILE_ENV``)."""
+        return os.path.join(self.log_dir, "recurring_error")
+
+
+def stopped_on(error: str) -> str:
+    """What a launcher says when the trainer stopped on ``error``, which a restart would meet again."""
+    return f"[launcher] the trainer stopped on: {error} (a restart would meet it again)"
 
 
 def _section(raw: DictConfig, name: str, cls: type) -> object:
@@ -537,7 +547,7 @@ class LocalLauncher:
                     break
                 recurring = self.recurring_error()
                 if recurring is not None:
-                    print(f"[launcher] the trainer stopped on: {recurring} (a restart would meet it again)", flush=True)
+                    print(stopped_on(recurring), flush=True)
                     break
                 if attempt < retries:
                     logger.warning(
@@ -551,21 +561,12 @@ class LocalLauncher:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
-    @property
-    def stop_file(self) -> str:
-        """Where the trainer writes an error that a restart would meet again."""
-        return os.path.join(self.plan.log_dir, "recurring_error")
-
     def _env(self, attempt: int) -> dict[str, str]:
-        return {**os.environ, ATTEMPT_ENV: str(attempt), STOP_FILE_ENV: self.stop_file}
+        return {**os.environ, ATTEMPT_ENV: str(attempt), STOP_FILE_ENV: self.plan.stop_file}
 
     def recurring_error(self) -> str | None:
         """The line of the error that ended the last attempt, if a restart would meet it again."""
-        try:
-            with open(self.stop_file) as f:
-                return f.read().strip() or None
-        except OSError:
-            return None
+        return read_stop_file(self.plan.stop_file)
 
     def check_server_model(self) -> None:
         """The servers load ``model_path``: it must exist by now (or be a hub id)."""
@@ -624,8 +625,8 @@ class LocalLauncher:
     def run_trainer(self, attempt: int, prepare: bool = False) -> int:
         cfg = self.plan.launcher
         os.makedirs(self.plan.log_dir, exist_ok=True)
-        if os.path.exists(self.stop_file):
-            os.remove(self.stop_file)
+        if os.path.exists(self.plan.stop_file):
+            os.remove(self.plan.stop_file)
         cmd = trainer_command(self.plan, self.addresses, find_free_port(), prepare=prepare)
         logger.info("%s: %s", "prepare" if prepare else f"attempt {attempt}", " ".join(cmd))
         env = self._env(attempt)

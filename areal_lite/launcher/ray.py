@@ -17,7 +17,10 @@ Failures are the driver's to handle, as in `launcher.local`: Ray never retries a
 restarts a server actor itself. A trainer node that exits non-zero, or whose worker dies, fails the
 attempt: the other nodes are cancelled and the trainer starts again, up to ``recover.retries``
 times, with ``AREAL_LITE_ATTEMPT`` set (with ``recover.mode=auto`` the script resumes from its last
-recover checkpoint). A server that dies is reported and the trainer carries on with the others; the
+recover checkpoint). An error a restart would meet again (`areal_lite.api.errors.RecurringError`)
+is not retried: each trainer task points the trainer's ``AREAL_LITE_STOP_FILE`` at a file of its
+own node and returns its line with torchrun's exit code, and the driver ends with that line, as
+`launcher.local` does. A server that dies is reported and the trainer carries on with the others; the
 run fails once none is left. SIGINT and SIGTERM stop the trainer (its torchrun gets SIGTERM) and
 everything else; the exit code is then 128 + the signal.
 
@@ -38,11 +41,14 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from areal_lite.api.errors import STOP_FILE_ENV, read_stop_file
 from areal_lite.launcher.local import (
     ATTEMPT_ENV,
     LaunchPlan,
@@ -150,25 +156,36 @@ class ServerProcess:
         stop([self.proc])
 
 
-def run_trainer_node(cmd: list[str], attempt: int, cwd: str, log_path: str, cores: list[int]) -> int:
-    """Body of a trainer task: torchrun on this node; its output to ``log_path`` and to the driver."""
+def run_trainer_node(cmd: list[str], attempt: int, cwd: str, log_path: str, cores: list[int]) -> tuple[int, str | None]:
+    """Body of a trainer task: torchrun on this node; its output to ``log_path`` and to the driver.
+    Returns torchrun's exit code and the line of the error a restart would meet again, if one
+    stopped the trainer: the ranks write it to a file of this node, which the driver may not see."""
     os.chdir(cwd)
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
-    proc = spawn(cmd, cores=cores, env={**os.environ, ATTEMPT_ENV: str(attempt)}, log_path=log_path)
-    try:
-        with open(log_path, "rb") as log:
-            log.seek(start)
-            while True:
-                rc = proc.poll()
-                sys.stdout.write(log.read().decode(errors="replace"))  # Ray forwards it to the driver
-                sys.stdout.flush()
-                if rc is not None:
-                    return rc
-                time.sleep(0.5)
-    finally:
-        # Cancelled (KeyboardInterrupt) or done: torchrun stops its workers on SIGTERM.
-        stop([proc])
+    with tempfile.TemporaryDirectory(prefix="areal_lite_trainer_") as tmp:
+        stop_file = os.path.join(tmp, "recurring_error")
+        env = {**os.environ, ATTEMPT_ENV: str(attempt), STOP_FILE_ENV: stop_file}
+        proc = spawn(cmd, cores=cores, env=env, log_path=log_path)
+        try:
+            rc = _follow(proc, log_path, start)
+        finally:
+            # Cancelled (KeyboardInterrupt) or done: torchrun stops its workers on SIGTERM.
+            stop([proc])
+        return rc, read_stop_file(stop_file)
+
+
+def _follow(proc: subprocess.Popen, log_path: str, start: int) -> int:
+    """Copy ``log_path`` from ``start`` to stdout (Ray forwards it to the driver) until ``proc`` exits."""
+    with open(log_path, "rb") as log:
+        log.seek(start)
+        while True:
+            rc = proc.poll()
+            sys.stdout.write(log.read().decode(errors="replace"))
+            sys.stdout.flush()
+            if rc is not None:
+                return rc
+            time.sleep(0.5)
 
 
 def _node_ip_and_port() -> tuple[str, int, str]:
@@ -188,6 +205,8 @@ class RayLauncher(LocalLauncher):
         self.trainer_refs: list[ObjectRef] = []
         self.group: PlacementGroup | None = None
         self.n_trainer_bundles = len(trainer_bundles(plan))
+        self.recurring: str | None = None
+        """The line a trainer node returned for the last attempt (see `run_trainer_node`)."""
 
     def run(self) -> int:
         import ray
@@ -220,6 +239,9 @@ class RayLauncher(LocalLauncher):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=index)
+
+    def recurring_error(self) -> str | None:
+        return self.recurring
 
     def check_server_model(self) -> None:
         """The servers' model is for their nodes to find (the server reports a missing one)."""
@@ -299,13 +321,16 @@ class RayLauncher(LocalLauncher):
             for rank, (cmd, b) in enumerate(zip(cmds, bundles))
         ]  # fmt: skip
         rc = 0
+        self.recurring = None
         pending = list(self.trainer_refs)
         while pending:
             if self.received_signal is not None:
                 rc = 128 + self.received_signal
                 break
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
-            failed = [code for code in map(self._exit_code, done) if code != 0]
+            results = [self._result(ref) for ref in done]
+            self.recurring = self.recurring or next((line for _, line in results if line), None)
+            failed = [code for code, _ in results if code != 0]
             if failed:
                 rc = failed[0]  # one node failed: the others would wait forever in the next collective
                 break
@@ -317,14 +342,16 @@ class RayLauncher(LocalLauncher):
         self._servers_left()  # report a server that died since the last check, too
         return rc
 
-    def _exit_code(self, ref: ObjectRef) -> int:
+    def _result(self, ref: ObjectRef) -> tuple[int, str | None]:
+        """A finished trainer task's exit code and recurring error (see `run_trainer_node`)."""
         import ray
 
         try:
-            return int(ray.get(ref))
+            rc, recurring = ray.get(ref)
+            return int(rc), recurring
         except ray.exceptions.RayError as e:
             logger.warning("a trainer node failed: %s", " ".join(str(e).split())[:300])
-            return 1
+            return 1, None
 
     def _cancel_trainer(self) -> None:
         import ray

@@ -14,7 +14,10 @@ servers (after the ``launcher.prepare_overrides`` run of the trainer, when set; 
 trainer to carry on with the others (the remote engine retries elsewhere).
 
 Recovery happens at two levels. A failed trainer step is started again in the same allocation, up
-to ``recover.retries`` times, with ``AREAL_LITE_ATTEMPT`` set, like the local launcher. The job is
+to ``recover.retries`` times, with ``AREAL_LITE_ATTEMPT`` set, like the local launcher, unless it
+stopped on an error a restart would meet again (`areal_lite.api.errors.RecurringError`, whose line
+the trainer writes to ``logs/recurring_error``, named by ``AREAL_LITE_STOP_FILE``): the job then
+ends with that line. The job is
 submitted with ``--requeue``: when Slurm requeues it (a node failure, preemption,
 ``scontrol requeue``), the whole job starts again, the prepare run included (it must skip work that
 is already done, as the quickstart's SFT warm-up does), and the trainer resumes from its last
@@ -34,6 +37,7 @@ import shlex
 import subprocess
 import sys
 
+from areal_lite.api.errors import STOP_FILE_ENV
 from areal_lite.launcher.local import (
     LaunchPlan,
     check_config,
@@ -41,6 +45,7 @@ from areal_lite.launcher.local import (
     run_reporting_config_errors,
     script_args,
     server_command,
+    stopped_on,
     trainer_gpus,
 )
 
@@ -109,9 +114,13 @@ def sbatch_script(plan: LaunchPlan) -> str:
     if gpus is not None:
         srun_trainer = f"CUDA_VISIBLE_DEVICES={gpus} {srun_trainer}"
     trainer = shlex.join(torchrun) + f' --rdzv-endpoint "$MASTER:{TRAINER_PORT}" '
+    recurring = f'$(cat "${STOP_FILE_ENV}")'
     lines += [
         "set -uo pipefail",
         f"mkdir -p {shlex.quote(plan.log_dir)}",
+        f"export {STOP_FILE_ENV}={shlex.quote(plan.stop_file)}  # where the trainer writes a RecurringError",
+        # Says the line and succeeds when the trainer stopped on an error a restart would meet again.
+        f'stopped() {{ [ -s "${STOP_FILE_ENV}" ] && echo "{stopped_on(recurring)}"; }}',
         'NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
         f'TRAINER_NODES=$(IFS=,; echo "${{NODES[*]:{n_server_nodes}:{n_trainer_nodes}}}")',
         f'MASTER="${{NODES[{n_server_nodes}]}}"',
@@ -120,10 +129,11 @@ def sbatch_script(plan: LaunchPlan) -> str:
     ]
     if cfg.prepare_overrides:
         prepare = trainer + shlex.join(script_args(plan, [], prepare=True))
-        lines.append(
+        lines += [
+            f'rm -f "${STOP_FILE_ENV}"',
             f"AREAL_LITE_ATTEMPT=$FIRST_ATTEMPT {srun_trainer} --job-name=prepare {prepare} "
-            '|| { echo "the prepare run failed"; exit 1; }'
-        )
+            + '|| { echo "the prepare run failed"; stopped; exit 1; }',
+        ]
     lines.append("ADDRESSES=()")
     per_node = cfg.n_servers if slurm.colocate_servers else servers_per_node(plan)
     for i in range(cfg.n_servers if cfg.backend != "local" else 0):
@@ -148,9 +158,11 @@ def sbatch_script(plan: LaunchPlan) -> str:
     lines += [
         "status=1",
         f"for attempt in $(seq $FIRST_ATTEMPT $(( FIRST_ATTEMPT + {attempts - 1} ))); do",
+        f'  rm -f "${STOP_FILE_ENV}"',
         f"  AREAL_LITE_ATTEMPT=$attempt {srun_trainer} --job-name=trainer \\",
         f'    {trainer}{shlex.join(script_args(plan, []))} "${{OVERRIDES[@]}}" && {{ status=0; break; }}',
         '  status=$?; echo "trainer attempt $attempt failed with $status"',
+        "  stopped && break",
         "done",
         "exit $status",
     ]
