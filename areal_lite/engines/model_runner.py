@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from areal_lite.engines import decode_attention
 from areal_lite.engines.request import SamplingParams, Sequence
 from areal_lite.utils.moe import NO_EXPERT, layer_routers, routing_shape
 
@@ -174,8 +175,16 @@ class ModelRunner:
         cos, sin = self.base.rotary_emb(dummy, positions)
         self.cos, self.sin = cos[0], sin[0]  # [context_len, head_dim]
         self.cap = 0
+        self.decode_attention = decode_attention.load(self.device, self.dtype, self.head_dim, self.n_heads // self.n_kv)
+        """The compiled decode attention (CPU, fp32 or bf16), None where it is unavailable:
+        then decode attention is two batched matmuls."""
+        self.block = decode_attention.BLOCK if self.decode_attention is not None else 1
         self.k_cache: list[torch.Tensor] = []
+        """Per layer, [max_rows, kv heads, capacity / block, head_dim, block]: keys in blocks of
+        ``block`` positions, transposed within a block, as the decode attention kernel reads them
+        (with ``block`` 1, where there is no kernel, that is [rows, kv heads, capacity, head_dim])."""
         self.v_cache: list[torch.Tensor] = []
+        """Per layer, [max_rows, kv heads, capacity, head_dim]."""
         self.lens = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.last = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.rows: list[Sequence] = []
@@ -239,10 +248,14 @@ class ModelRunner:
         if needed <= self.cap:
             return
         cap = max(needed, min(self.context_len, max(2 * self.cap, 64)))
-        shape = (self.max_rows, self.n_kv, cap, self.head_dim)
-        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        for old, new in zip(self.k_cache + self.v_cache, new_k + new_v):
+        cap = -(-cap // self.block) * self.block  # whole blocks (past the context: never attended)
+        k_shape = (self.max_rows, self.n_kv, cap // self.block, self.head_dim, self.block)
+        v_shape = (self.max_rows, self.n_kv, cap, self.head_dim)
+        new_k = [torch.zeros(k_shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        new_v = [torch.zeros(v_shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        for old, new in zip(self.k_cache, new_k):
+            new[:, :, : self.cap // self.block].copy_(old)
+        for old, new in zip(self.v_cache, new_v):
             new[:, :, : self.cap].copy_(old)
         if self.route_shape is not None:
             routes = torch.full(
@@ -373,6 +386,7 @@ class ModelRunner:
         dev = self.device
         ar = torch.arange(d, device=dev)
         pos_d = self.lens[:d].clone()
+        lens_d = pos_d + 1  # positions each decode row attends to, its new one included
         needed = int(pos_d.max()) + 1 if d else 0
         self._ensure_capacity(max([needed, *(n + 1 for n in lengths)]))
         offsets = [d]
@@ -384,8 +398,9 @@ class ModelRunner:
         pos = torch.cat(pos) if len(pos) > 1 else pos[0]
         rows_of = [[start + j for j, u in enumerate(inverse) if u == v] for v in range(len(lengths))]
         gqa = self.n_kv != self.n_heads
-        group, nkv, hd = self.n_heads // self.n_kv, self.n_kv, self.head_dim
-        if d:
+        group, nkv, hd, blk = self.n_heads // self.n_kv, self.n_kv, self.head_dim, self.block
+        kernel = self.decode_attention
+        if d and kernel is None:
             # One additive mask row per (row, KV head), shared by that head's queries.
             visible = torch.arange(needed, device=dev)[None, :] <= pos_d[:, None]
             mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
@@ -395,23 +410,31 @@ class ModelRunner:
             kc, vc = self.k_cache[i], self.v_cache[i]
             outs = []
             if d:
-                kc[ar, :, pos_d] = k[:d]
+                kc[ar, :, pos_d // blk, :, pos_d % blk] = k[:d]
                 vc[ar, :, pos_d] = v[:d]
-                # One query per row: the query heads of a KV head go in as that head's queries,
-                # so grouped-query attention reads each key once. Two batched matmuls over (row,
-                # KV head) read the cache in place; on CPU they ran 1.15-1.5x faster than SDPA's
-                # kernel (built for long query blocks) at 64 rows x ~110 positions.
-                keys = kc[:d, :, :needed].reshape(d * nkv, needed, hd)
-                values = vc[:d, :, :needed].reshape(d * nkv, needed, hd)
-                scores = torch.baddbmm(
-                    mask, q[:d].reshape(d * nkv, group, hd), keys.transpose(1, 2), alpha=self.scaling
-                )
-                probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)  # fp32 softmax in bf16 too
-                outs.append(torch.bmm(probs, values).view(d, self.n_heads, hd))
+                if kernel is not None:
+                    outs.append(kernel(q[:d], kc, vc, lens_d, self.scaling))
+                else:
+                    # One query per row: the query heads of a KV head go in as that head's
+                    # queries, so grouped-query attention reads each key once. Two batched
+                    # matmuls over (row, KV head) read the cache in place; on CPU they ran
+                    # 1.15-1.5x faster than SDPA's kernel (built for long query blocks) at 64
+                    # rows x ~110 positions.
+                    nb = -(-needed // blk)
+                    keys = kc[:d, :, :nb].transpose(3, 4).reshape(d * nkv, nb * blk, hd)[:, :needed]
+                    values = vc[:d, :, :needed].reshape(d * nkv, needed, hd)
+                    scores = torch.baddbmm(
+                        mask, q[:d].reshape(d * nkv, group, hd), keys.transpose(1, 2), alpha=self.scaling
+                    )
+                    probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)  # fp32 softmax in bf16 too
+                    outs.append(torch.bmm(probs, values).view(d, self.n_heads, hd))
             for u, (a, e) in enumerate(pairwise(offsets)):
                 ku, vu = k[a:e].transpose(0, 1), v[a:e].transpose(0, 1)  # [kv heads, L, D]
+                nb = -(-(e - a) // blk)
+                # Padded to whole blocks: the positions past L are never attended.
+                kb = F.pad(ku, (0, 0, 0, nb * blk - (e - a))).view(nkv, nb, blk, hd).transpose(2, 3)
                 for row in rows_of[u]:
-                    kc[row, :, : e - a] = ku
+                    kc[row, :, :nb] = kb
                     vc[row, :, : e - a] = vu
                 o = F.scaled_dot_product_attention(
                     q[a:e].transpose(0, 1)[None], ku[None], vu[None], is_causal=True, scale=self.scaling, enable_gqa=gqa
@@ -512,7 +535,10 @@ class ModelRunner:
             dst = torch.tensor(holes, device=self.device)
             src = torch.tensor(sources, device=self.device)
             width = int(self.lens[:b].max()) + 1
-            for cache in self.k_cache + self.v_cache:
+            for cache in self.k_cache:
+                blocks = -(-width // self.block)
+                cache[dst, :, :blocks] = cache[src, :, :blocks]
+            for cache in self.v_cache:
                 cache[dst, :, :width] = cache[src, :, :width]
             if self.routes is not None:
                 self.routes[dst, :width] = self.routes[src, :width]
