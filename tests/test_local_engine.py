@@ -537,3 +537,34 @@ def test_engine_failure_fails_the_running_requests_and_keeps_serving(model_path:
         assert len(r.output_ids) == 5
     finally:
         eng.destroy()
+
+
+def test_admission_keeps_each_step_within_the_prefill_budget(model_path: str) -> None:
+    from areal_lite.engines.request import Sequence
+    from areal_lite.engines.scheduler import Scheduler
+
+    scheduler = Scheduler(LocalEngineConfig(path=model_path, max_prefill_tokens=40))
+
+    def seq(prompt: list[int]) -> Sequence:
+        return Sequence("r", prompt, SamplingParams(max_new_tokens=4), lambda r: None, frozenset(), False)
+
+    group = [seq([5] * 30) for _ in range(4)]  # one prompt, 4 samples: prefilled once
+    scheduler._waiting = [*group, seq([6] * 20), seq([7] * 5), seq([8] * 100)]
+    assert scheduler._admit(free=16) == group  # 30 tokens; 30 + 20 would pass 40
+    assert len(scheduler._admit(free=16)) == 2  # 20 + 5
+    assert len(scheduler._admit(free=16)) == 1  # alone past the budget: admitted all the same
+    scheduler._waiting = [seq([5] * 3) for _ in range(5)]
+    assert len(scheduler._admit(free=2)) == 2  # and never more than the free rows
+
+
+def test_engine_with_a_small_prefill_budget_matches_hf(model_path: str, hf: torch.nn.Module) -> None:
+    engine = make_engine(model_path, max_prefill_tokens=8)
+    try:
+        jobs = [([3 + i, 40, 41 + i, 7, 9, 11], SamplingParams(max_new_tokens=6, ignore_eos=True)) for i in range(6)]
+        for (prompt, _), res in zip(jobs, generate_all(engine, jobs)):
+            assert len(res.output_ids) == 6
+            torch.testing.assert_close(
+                torch.tensor(res.output_logprobs), hf_logprobs(hf, prompt, res.output_ids), atol=1e-4, rtol=0
+            )
+    finally:
+        engine.destroy()

@@ -322,7 +322,7 @@ class ModelRunner:
         return self.routes[row, : int(self.lens[row])].to("cpu", copy=True)  # the row is refilled later
 
     @staticmethod
-    def _prefill_tokens(s: Sequence) -> list[int]:
+    def prefill_tokens(s: Sequence) -> list[int]:
         """What a new row caches: the prompt, and for a sequence with output (re-prefilled after a
         weight update or a retract) all but its last token, which becomes the next one fed."""
         return s.prompt + s.out[:-1] if s.out else s.prompt
@@ -330,10 +330,10 @@ class ModelRunner:
     def _chunks(self, seqs: list[Sequence]) -> list[list[Sequence]]:
         """``seqs`` cut so that no pass prefills more than `PREFILL_TOKENS` distinct tokens (which
         bounds its activations), shortest and longest apart."""
-        distinct = {tuple(self._prefill_tokens(s)) for s in seqs}
+        distinct = {tuple(self.prefill_tokens(s)) for s in seqs}
         if len(distinct) <= 1 or sum(len(t) for t in distinct) <= PREFILL_TOKENS:
             return [seqs] if seqs else []
-        ordered = sorted(seqs, key=lambda s: len(self._prefill_tokens(s)))
+        ordered = sorted(seqs, key=lambda s: len(self.prefill_tokens(s)))
         half = len(ordered) // 2
         return self._chunks(ordered[:half]) + self._chunks(ordered[half:])
 
@@ -378,7 +378,7 @@ class ModelRunner:
         sequence. Rows with the same tokens (the samples of a GRPO group) share one sequence, which
         fills each row's cache and gives each row its own first sample: prompts are most of the
         tokens a group costs when completions are short."""
-        tokens = [self._prefill_tokens(s) for s in seqs]
+        tokens = [self.prefill_tokens(s) for s in seqs]
         first_of: dict[tuple[int, ...], int] = {}
         inverse = [first_of.setdefault(tuple(t), len(first_of)) for t in tokens]
         lengths = [len(t) for t in first_of]
@@ -473,7 +473,11 @@ class ModelRunner:
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tensor) -> None:
         """Sample one token per row of ``logits`` [n, V] (fp32) and record it with its logprob."""
-        logp = torch.log_softmax(logits, dim=-1)
+        # The policy's probabilities (temperature 1, nothing suppressed): the log of the chosen
+        # token's is its reported log-probability. One softmax serves that and, for rows
+        # sampled as the policy stands (the common case), the sampling too, where a log-softmax
+        # besides cost one more pass over the vocabulary and one more [n, V] buffer per step.
+        raw, policy = logits, torch.softmax(logits, dim=-1)
         params = [s.params for s in seqs]
         suppress = [(j, s.stop_ids) for j, s in enumerate(seqs) if s.stop_ids and len(s.out) < s.params.min_new_tokens]
         if suppress:
@@ -484,16 +488,20 @@ class ModelRunner:
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=logits.device)
-            scores = logits / temps[:, None]
-            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+            filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+            if not suppress and not filtered and all(t == 1.0 for t in temps):
+                scores = None
+            else:
+                scores = logits / torch.tensor(temps, device=logits.device)[:, None]
+            if filtered:
                 scores = _top_k_top_p(scores, params)
             # Inverse CDF: one uniform per row, found in the running sum of the row's
             # probabilities. The sum is in float64, so a token's share of it is its probability
             # to ~1e-16 even at the end of a large vocabulary (float32 would blur the rare
             # tokens'). On CPU this took 13 ms per 64 rows of a 49152-token vocabulary against 34
             # for an exponential race, which draws a uniform per vocabulary entry.
-            cdf = torch.softmax(scores, dim=-1).double().cumsum_(dim=-1)
+            cdf = (policy if scores is None else torch.softmax(scores, dim=-1)).double().cumsum_(dim=-1)
             u = torch.rand((len(seqs), 1), generator=self.generator, dtype=torch.float64, device=cdf.device)
             for j, s in enumerate(seqs):
                 if s.params.seed is not None and not s.params.greedy:
@@ -511,12 +519,21 @@ class ModelRunner:
                 else sampled
             )
         self.last[rows] = tokens
-        chosen = logp.gather(1, tokens[:, None])[:, 0]
+        chosen = policy.gather(1, tokens[:, None])[:, 0]
+        tiny = chosen < 1e-30
+        chosen = chosen.log()
+        if bool(tiny.any()):
+            # Far below one in 1e30 the float32 probability loses precision (and underflows to
+            # 0 past ~1e-45): those rows' log-probabilities come from the logits directly.
+            # (Possible only for a token sampled at a temperature above 1 or after suppression.)
+            at = tiny.nonzero()[:, 0]
+            chosen[at] = raw[at].gather(1, tokens[at, None])[:, 0] - torch.logsumexp(raw[at], dim=-1)
         for s, t, lp in zip(seqs, tokens.tolist(), chosen.tolist()):
             s.out.append(t)
             s.logprobs.append(lp)
         k = max(p.top_logprobs for p in params)
         if k:
+            logp = torch.log_softmax(raw, dim=-1)
             values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
             for s, row_ids, row_values in zip(seqs, ids.tolist(), values.tolist()):
                 n = s.params.top_logprobs

@@ -43,6 +43,7 @@ from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.adapter_slot import AdapterSlot, split_adapter_names
 from areal_lite.engines.model_runner import ModelRunner, context_length, dtype_of, load_model
 from areal_lite.engines.request import GenerationError, GenerationResult, SamplingParams, Sequence, TokenOut
+from areal_lite.utils.cpu import set_thread_intra_op_threads
 from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.hf_layout import CheckpointLayout
@@ -309,6 +310,8 @@ class Scheduler:
     def _loop(self) -> None:
         runner = self._runner
         assert runner is not None
+        if self.config.num_threads:
+            set_thread_intra_op_threads(self.config.num_threads)
         while True:
             with self._cond:
                 while (
@@ -323,11 +326,10 @@ class Scheduler:
                 commands, self._commands = self._commands, []
                 abort_pending, self._abort_pending = self._abort_pending, False
                 admitted: list[Sequence] = []
-                free = runner.max_rows - len(runner.rows)
                 # Admitted as soon as a row is free: their prefill joins the next decode step's
                 # pass, which reads the weights once for both.
                 if not self._paused:
-                    admitted, self._waiting = self._waiting[:free], self._waiting[free:]
+                    admitted = self._admit(runner.max_rows - len(runner.rows))
                     self._admitting = admitted
             for fn, fut in commands:
                 _complete(fut, fn)
@@ -363,6 +365,27 @@ class Scheduler:
                     res = s.result({"type": "abort", "message": f"internal error: {e}"})
                     res.error = f"{type(e).__name__}: {e}"
                     s.deliver(res)
+
+    def _admit(self, free: int) -> list[Sequence]:
+        """Take the requests the next step admits from the queue (under the lock): in order, up to
+        ``free`` rows, while their distinct prompts stay within ``max_prefill_tokens`` (at
+        least one request)."""
+        budget = self.config.max_prefill_tokens
+        take = min(free, len(self._waiting))
+        if budget:
+            seen: set[tuple[int, ...]] = set()
+            tokens = 0
+            for i, s in enumerate(self._waiting[:take]):
+                key = tuple(ModelRunner.prefill_tokens(s))
+                if key in seen:
+                    continue
+                if i and tokens + len(key) > budget:
+                    take = i
+                    break
+                seen.add(key)
+                tokens += len(key)
+        admitted, self._waiting = self._waiting[:take], self._waiting[take:]
+        return admitted
 
     def _finish_aborted(self) -> None:
         runner = self._runner
