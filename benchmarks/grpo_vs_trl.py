@@ -180,7 +180,13 @@ def run_ours(path: str, args: argparse.Namespace, eta: int) -> tuple[list[float]
     engine = make_train_engine(cfg)
     rollout = RolloutController(
         LocalInferenceEngine(
-            LocalEngineConfig(path=path, dtype=args.dtype, max_running_requests=2 * args.prompts * args.group)
+            LocalEngineConfig(
+                path=path,
+                dtype=args.dtype,
+                max_running_requests=2 * args.prompts * args.group,
+                # Generation beside training (async) on its own share of the threads, if asked.
+                num_threads=0 if on_policy else args.async_engine_threads,
+            )
         ),
         InferenceEngineConfig(
             consumer_batch_size=args.prompts, max_head_offpolicyness=eta, max_concurrent_rollouts=2 * args.prompts
@@ -238,6 +244,7 @@ def launch(side: str, threads: int, model: str, args: argparse.Namespace) -> tup
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--prompts", str(args.prompts)]
     cmd += ["--group", str(args.group), "--tokens", str(args.tokens)]
     cmd += [] if args.shared_prefix else ["--no-shared-prefix"]
+    cmd += ["--async-engine-threads", str(args.async_engine_threads)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("WORKER ")]
@@ -262,6 +269,12 @@ def main() -> None:
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank on both sides (0: all parameters)")
     parser.add_argument(
         "--no-shared-prefix", dest="shared_prefix", action="store_false", help="our trainer without shared prefixes"
+    )
+    parser.add_argument(
+        "--async-engine-threads",
+        type=int,
+        default=0,
+        help="threads of the engine in the async loop (local_engine.num_threads; 0: the configuration's)",
     )
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)

@@ -45,16 +45,25 @@ def test_kernel_matches_attention_in_float64(dtype: torch.dtype, atol: float, nk
     keys = torch.randn(rows, nkv, cap, hd, generator=g).to(dtype)
     values = torch.randn(rows, nkv, cap, hd, generator=g).to(dtype)
     q = torch.randn(len(LENS), nkv * group, hd, generator=g).to(dtype)
+    new_k = torch.randn(len(LENS), nkv, hd, generator=g).to(dtype)
+    new_v = torch.randn(len(LENS), nkv, hd, generator=g).to(dtype)
     lens = torch.tensor(LENS)
     scale = hd**-0.5
-    out = kernel(q, blocked_keys(keys), values, lens, scale)
+    k_cache, v_cache = blocked_keys(keys), values.clone()
+    out = kernel(q, new_k, new_v, k_cache, v_cache, lens, scale)
     assert out.shape == q.shape and out.dtype == dtype
+    # The new keys and values went into the cache at each row's last position, and nowhere else.
+    rows = torch.arange(len(LENS))
+    keys[rows, :, lens - 1] = new_k
+    values[rows, :, lens - 1] = new_v
+    assert torch.equal(k_cache, blocked_keys(keys)) and torch.equal(v_cache, values)
     expected = reference(q, keys[: len(LENS)], values[: len(LENS)], lens, scale)
     torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
     # Positions past a row's length do not count, whatever they hold.
     keys[:, :, 140:] = 1e4
     values[:, :, 140:] = 1e4
-    torch.testing.assert_close(kernel(q, blocked_keys(keys), values, lens, scale), out, atol=0, rtol=0)
+    again = kernel(q, new_k, new_v, blocked_keys(keys), values, lens, scale)
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
 
 
 def test_kernel_is_off_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:

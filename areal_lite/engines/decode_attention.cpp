@@ -6,8 +6,12 @@
 // accumulators stay in vector registers. Vectors are GCC's generic vectors of 16 floats, which
 // the compiler maps onto the CPU's widest registers (one AVX-512 register, two AVX2 ones).
 //
+// Each row's new key and value are written into the cache at its last position (lens - 1)
+// first, by the thread that then reads them.
+//
 // Layout (the model runner's cache):
 //   q    [rows, kv heads, GROUP, HD]        contiguous
+//   kn   [rows, kv heads, HD]               contiguous: the new keys; vn the same for values
 //   k    [rows, kv heads, capacity / 16, HD, 16]
 //                                           keys in blocks of 16 positions, transposed within a
 //                                           block: scores are vector FMAs over 16 positions at a
@@ -73,7 +77,8 @@ static inline void score_block(const float (&qf)[GROUP][HD], const T* K, int64_t
     for (int b = 0; b < NB; b++) std::memcpy(scores + g * width + l0 + 16 * b, &acc[g][b], sizeof(f16v));
 }
 
-extern "C" void decode_attention(const T* q, const T* k, const T* v, T* out, const int64_t* lens, int64_t rows,
+extern "C" void decode_attention(const T* q, const T* kn, const T* vn, T* k, T* v, T* out, const int64_t* lens,
+                                 int64_t rows,
                                  int64_t nkv, int64_t k_row, int64_t k_head, int64_t v_row,
                                  int64_t v_head, float scale, int64_t max_len, int threads) {
   const int64_t width = (max_len + 63) / 64 * 64;
@@ -84,8 +89,13 @@ extern "C" void decode_attention(const T* q, const T* k, const T* v, T* out, con
     for (int64_t i = 0; i < rows * nkv; i++) {
       const int64_t r = i / nkv, h = i % nkv;
       const int64_t n = lens[r];
-      const T* K = k + r * k_row + h * k_head;
-      const T* V = v + r * v_row + h * v_head;
+      T* K = k + r * k_row + h * k_head;
+      T* V = v + r * v_row + h * v_head;
+      const int64_t last = n - 1;
+      for (int d = 0; d < HD; d++) {
+        K[(last / 16 * HD + d) * 16 + last % 16] = kn[i * HD + d];
+        V[last * HD + d] = vn[i * HD + d];
+      }
       const T* Q = q + i * GROUP * HD;
       float qf[GROUP][HD];
       for (int g = 0; g < GROUP; g++)

@@ -43,9 +43,13 @@ capacity / BLOCK, head_dim, BLOCK]."""
 _lock = threading.Lock()
 _loaded: dict[tuple[torch.dtype, int, int], Callable[..., None] | None] = {}
 
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-"""``(q [rows, heads, D], k cache [>=rows, kv heads, cap / BLOCK, D, BLOCK], v cache [>=rows, kv
-heads, cap, D], lens [rows] int64, scale) -> [rows, heads, D]``."""
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+"""``(q [rows, heads, D], new keys [rows, kv heads, D], new values [rows, kv heads, D], k cache
+[>=rows, kv heads, cap / BLOCK, D, BLOCK], v cache [>=rows, kv heads, cap, D], lens [rows] int64,
+scale) -> [rows, heads, D]``: writes each row's new key and value at its position ``lens - 1``,
+then attends to positions ``0 .. lens - 1``."""
 
 
 def _cache_dir() -> Path:
@@ -100,7 +104,7 @@ def _load_kernel(dtype: torch.dtype, head_dim: int, group: int) -> Callable[...,
         logger.warning("could not build the decode attention kernel: %s; running batched matmuls", detail[-2000:])
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
     fn.restype = None
     return fn
 
@@ -123,18 +127,28 @@ def load(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) ->
     if fn is None:
         return None
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         rows = q.shape[0]
-        assert q.dtype == k.dtype == v.dtype == dtype and lens.dtype == torch.int64
+        assert q.dtype == k.dtype == v.dtype == k_new.dtype == v_new.dtype == dtype and lens.dtype == torch.int64
+        assert k_new.shape == v_new.shape == (rows, k.shape[1], head_dim) and lens.shape == (rows,)
+        assert int(lens.min()) >= 1
         assert k.shape[3:] == (head_dim, BLOCK) and k.stride(2) == head_dim * BLOCK and k.stride(4) == 1
         assert v.stride(3) == 1 and v.stride(2) == head_dim
         longest = int(lens.max())
         assert q.shape[0] <= min(k.shape[0], v.shape[0]) and longest <= min(k.shape[2] * BLOCK, v.shape[2])
-        q = q.contiguous()
-        lens = lens.contiguous()
+        q, k_new, v_new, lens = q.contiguous(), k_new.contiguous(), v_new.contiguous(), lens.contiguous()
         out = torch.empty_like(q)
         fn(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(), rows, k.shape[1],
+            q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+            lens.data_ptr(), rows, k.shape[1],
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale, longest,
             torch.get_num_threads(),
         )  # fmt: skip

@@ -409,25 +409,24 @@ class ModelRunner:
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = self.k_cache[i], self.v_cache[i]
             outs = []
-            if d:
+            if d and kernel is not None:
+                outs.append(kernel(q[:d], k[:d], v[:d], kc, vc, lens_d, self.scaling))  # writes k, v too
+            elif d:
                 kc[ar, :, pos_d // blk, :, pos_d % blk] = k[:d]
                 vc[ar, :, pos_d] = v[:d]
-                if kernel is not None:
-                    outs.append(kernel(q[:d], kc, vc, lens_d, self.scaling))
-                else:
-                    # One query per row: the query heads of a KV head go in as that head's
-                    # queries, so grouped-query attention reads each key once. Two batched
-                    # matmuls over (row, KV head) read the cache in place; on CPU they ran
-                    # 1.15-1.5x faster than SDPA's kernel (built for long query blocks) at 64
-                    # rows x ~110 positions.
-                    nb = -(-needed // blk)
-                    keys = kc[:d, :, :nb].transpose(3, 4).reshape(d * nkv, nb * blk, hd)[:, :needed]
-                    values = vc[:d, :, :needed].reshape(d * nkv, needed, hd)
-                    scores = torch.baddbmm(
-                        mask, q[:d].reshape(d * nkv, group, hd), keys.transpose(1, 2), alpha=self.scaling
-                    )
-                    probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)  # fp32 softmax in bf16 too
-                    outs.append(torch.bmm(probs, values).view(d, self.n_heads, hd))
+                # One query per row: the query heads of a KV head go in as that head's
+                # queries, so grouped-query attention reads each key once. Two batched
+                # matmuls over (row, KV head) read the cache in place; on CPU they ran
+                # 1.15-1.5x faster than SDPA's kernel (built for long query blocks) at 64
+                # rows x ~110 positions.
+                nb = -(-needed // blk)
+                keys = kc[:d, :, :nb].transpose(3, 4).reshape(d * nkv, nb * blk, hd)[:, :needed]
+                values = vc[:d, :, :needed].reshape(d * nkv, needed, hd)
+                scores = torch.baddbmm(
+                    mask, q[:d].reshape(d * nkv, group, hd), keys.transpose(1, 2), alpha=self.scaling
+                )
+                probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)  # fp32 softmax in bf16 too
+                outs.append(torch.bmm(probs, values).view(d, self.n_heads, hd))
             for u, (a, e) in enumerate(pairwise(offsets)):
                 ku, vu = k[a:e].transpose(0, 1), v[a:e].transpose(0, 1)  # [kv heads, L, D]
                 nb = -(-(e - a) // blk)
