@@ -27,7 +27,9 @@ sync; ``train s``), and the last line before the result TRL's step time over our
 training alone: the ratio a loop whose generation cost nothing would reach.
 
 Each configuration runs in its own process (``OMP_NUM_THREADS`` and ``torch.set_num_threads`` at
-1 or 2); configurations alternate over ``--repeats`` rounds. A configuration's figure is its median
+1 or 2; ``--async-engine-threads N`` gives the async loop's engine its own count,
+``local_engine.num_threads``, so that generation and training running at once do not each take
+every thread); configurations alternate over ``--repeats`` rounds. A configuration's figure is its median
 step time after ``--warmup`` steps, the best round's. The last line is
 ``RESULT best_over_trl=<TRL's best step time / ours at its best> ...``.
 
