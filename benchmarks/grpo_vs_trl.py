@@ -27,9 +27,10 @@ sync; ``train s``), and the last line before the result TRL's step time over our
 training alone: the ratio a loop whose generation cost nothing would reach.
 
 Each configuration runs in its own process (``OMP_NUM_THREADS`` and ``torch.set_num_threads`` at
-1 or 2; ``--async-engine-threads N`` gives the async loop's engine its own count,
-``local_engine.num_threads``, so that generation and training running at once do not each take
-every thread); configurations alternate over ``--repeats`` rounds. A configuration's figure is its median
+1 or 2); configurations alternate over ``--repeats`` rounds. ``--async-engine-threads N`` adds a
+side, ``async_split``: the async loop with its engine on N threads (``local_engine.num_threads``),
+so that generation and training running at once do not each take every thread; it runs where N
+is below the configuration's thread count. A configuration's figure is its median
 step time after ``--warmup`` steps, the best round's. The last line is
 ``RESULT best_over_trl=<TRL's best step time / ours at its best> ...``.
 
@@ -278,7 +279,7 @@ def main() -> None:
         "--async-engine-threads",
         type=int,
         default=0,
-        help="threads of the engine in the async loop (local_engine.num_threads; 0: the configuration's)",
+        help="run the async_split side: the async loop with its engine on this many threads (0: not run)",
     )
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
