@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install install-vllm lint test test-all test-moe test-cluster test-gpu test-real test-tinker-cookbook test-verifiers test-vllm verifiers-example demo demo-moe demo-real real-model clean
+.PHONY: install install-vllm lint test test-all test-moe test-cluster test-gpu test-real test-tinker-cookbook test-verifiers test-vllm bench-vllm verifiers-example demo demo-moe demo-real real-model clean
 
 install: $(STAMP)
 
@@ -89,6 +89,12 @@ endif
 
 test-vllm: $(STAMP) $(if $(VLLM_PYTHON),,$(VLLM_STAMP))
 	AREAL_LITE_VLLM_PYTHON=$(or $(VLLM_PYTHON),$(abspath $(VLLM_PY))) OMP_NUM_THREADS=1 $(PY) -m pytest -q -m vllm $(PYTEST_ARGS)
+
+# Generation against a real vLLM CPU server on SmolLM2-135M (benchmarks/vs_vllm.py --quick, about
+# 10 minutes; docs/performance.md). BENCH_ARGS= for the full run (20M and SmolLM2, both dtypes).
+BENCH_ARGS ?= --quick
+bench-vllm: real-model $(if $(VLLM_PYTHON),,$(VLLM_STAMP))
+	AREAL_LITE_VLLM_PYTHON=$(or $(VLLM_PYTHON),$(abspath $(VLLM_PY))) OMP_NUM_THREADS=1 $(PY) benchmarks/vs_vllm.py $(BENCH_ARGS)
 
 # The CUDA paths (tests/gpu): FSDP on NCCL in bf16, the engine on CUDA, NCCL weight updates, the
 # quickstart on CUDA. On a GPU machine, install torch for its CUDA first (not the CPU build above).

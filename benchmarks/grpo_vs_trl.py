@@ -1,7 +1,10 @@
-"""A GRPO step of areal-lite against TRL's `GRPOTrainer`, on one 20M-parameter Qwen2, side by side.
+"""A GRPO step of areal-lite against TRL's `GRPOTrainer`, on the same model, side by side.
 
-Every configuration trains the same model (hidden 384, 10 layers, 6 heads, 2 KV heads, fp32) on the
-same prompts with the same step: ``--prompts`` prompts x ``--group`` samples x ``--tokens``
+Every configuration trains the same model (``--model 20m``: a Qwen2 of hidden 384, 10 layers, 6
+heads, 2 KV heads, built here; ``--model smollm2``: SmolLM2-135M-Instruct, `smollm2_dir`) in the
+same dtype (``--dtype``: float32, or bfloat16 mixed precision on both sides), all parameters or
+LoRA adapters (``--lora RANK``: peft's adapters of that rank, alpha 16, on every linear layer but
+the head, on both sides) on the same prompts with the same step: ``--prompts`` prompts x ``--group`` samples x ``--tokens``
 completion tokens (eos suppressed until then on both sides, so every completion has exactly that
 many tokens; the tokens per step are counted from each side's batches and printed), one optimizer
 step per batch, lr 1e-6 constant, clip epsilon 0.2, gradient norm clipped at 1.0, no KL term, no
@@ -24,11 +27,18 @@ sync; ``train s``), and the last line before the result TRL's step time over our
 training alone: the ratio a loop whose generation cost nothing would reach.
 
 Each configuration runs in its own process (``OMP_NUM_THREADS`` and ``torch.set_num_threads`` at
-1 or 2); configurations alternate over ``--repeats`` rounds. A configuration's figure is its median
+1 or 2); configurations alternate over ``--repeats`` rounds. ``--async-engine-threads N`` adds a
+side, ``async_split``: the async loop with its engine on N threads (``local_engine.num_threads``),
+so that generation and training running at once do not each take every thread; it runs where N
+is below the configuration's thread count. A configuration's figure is its median
 step time after ``--warmup`` steps, the best round's. The last line is
 ``RESULT best_over_trl=<TRL's best step time / ours at its best> ...``.
 
-    OMP_NUM_THREADS=1 python benchmarks/grpo_vs_trl.py [--steps 8] [--repeats 1]
+    OMP_NUM_THREADS=1 python benchmarks/grpo_vs_trl.py [--steps 8] [--repeats 1] [--model 20m|smollm2]
+        [--lora 16] [--dtype float32|bfloat16]
+
+On SmolLM2 keep runs short, e.g. ``--model smollm2 --prompts 2 --group 4 --tokens 32 --steps 3
+--warmup 1`` (a step of it is tens of CPU-seconds on each side).
 
 Needs ``trl`` (``pip install -e ".[bench]"``).
 """
@@ -47,7 +57,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = {"hidden_size": 384, "num_layers": 10, "num_heads": 6, "num_kv_heads": 2, "vocab_size": 512}
 LR, CLIP, MAX_GRAD_NORM = 1e-6, 0.2, 1.0
-SIDES = ("trl", "sync", "async")
+LORA_ALPHA = 16.0
+SIDES = ("trl", "sync", "async", "async_split")
+"""``async_split``: the async loop with its engine on ``--async-engine-threads`` threads (run only
+where that is fewer than the configuration's threads)."""
 
 
 def digit_share(text: str) -> float:
@@ -68,6 +81,11 @@ def run_trl(path: str, args: argparse.Namespace) -> tuple[list[float], list[floa
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear")
     n = args.prompts * (args.steps + args.warmup)
     dataset = Dataset.from_list([{"prompt": p} for p in prompts(n)])
 
@@ -91,7 +109,7 @@ def run_trl(path: str, args: argparse.Namespace) -> tuple[list[float], list[floa
         gradient_checkpointing=False,
         use_vllm=False,
         use_cpu=True,
-        bf16=False,
+        bf16=args.dtype == "bfloat16",
         report_to="none",
         logging_steps=1,
         save_strategy="no",
@@ -99,7 +117,14 @@ def run_trl(path: str, args: argparse.Namespace) -> tuple[list[float], list[floa
         disable_dropout=True,
     )
     model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=dataset, processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=cfg,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
     times: list[float] = []
     tokens: list[float] = []
 
@@ -131,6 +156,7 @@ def run_ours(path: str, args: argparse.Namespace, eta: int) -> tuple[list[float]
         DatasetConfig,
         InferenceEngineConfig,
         LocalEngineConfig,
+        LoRAConfig,
         OptimizerConfig,
         PPOActorConfig,
     )
@@ -153,10 +179,20 @@ def run_ours(path: str, args: argparse.Namespace, eta: int) -> tuple[list[float]
         use_decoupled_loss=not on_policy,
         recompute_logprob=not on_policy,
         shared_prefix=args.shared_prefix,
+        dtype=args.dtype,
+        lora=LoRAConfig(rank=args.lora, alpha=LORA_ALPHA),
     )
     engine = make_train_engine(cfg)
     rollout = RolloutController(
-        LocalInferenceEngine(LocalEngineConfig(path=path, max_running_requests=2 * args.prompts * args.group)),
+        LocalInferenceEngine(
+            LocalEngineConfig(
+                path=path,
+                dtype=args.dtype,
+                max_running_requests=2 * args.prompts * args.group,
+                # Generation beside training (async) on its own share of the threads, if asked.
+                num_threads=args.async_engine_threads if args.side == "async_split" else 0,
+            )
+        ),
         InferenceEngineConfig(
             consumer_batch_size=args.prompts, max_head_offpolicyness=eta, max_concurrent_rollouts=2 * args.prompts
         ),
@@ -199,19 +235,21 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     train: list[float] = []
     if args.side == "trl":
-        times, tokens = run_trl(args.model, args)
+        times, tokens = run_trl(args.model_dir, args)
     else:
-        times, tokens, train = run_ours(args.model, args, eta=0 if args.side == "sync" else 1)
+        times, tokens, train = run_ours(args.model_dir, args, eta=0 if args.side == "sync" else 1)
     print("WORKER " + json.dumps({"times": times, "tokens": tokens, "train": train}))
 
 
 def launch(side: str, threads: int, model: str, args: argparse.Namespace) -> tuple[float, float, float]:
     """(median step seconds after warm-up, median tokens per step, median training seconds per
     step after warm-up, nan for TRL) of one configuration."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--threads", str(threads), "--model", model]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--threads", str(threads)]
+    cmd += ["--model-dir", model, "--dtype", args.dtype, "--lora", str(args.lora)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--prompts", str(args.prompts)]
     cmd += ["--group", str(args.group), "--tokens", str(args.tokens)]
     cmd += [] if args.shared_prefix else ["--no-shared-prefix"]
+    cmd += ["--async-engine-threads", str(args.async_engine_threads)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("WORKER ")]
@@ -231,18 +269,28 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads-list", default="1,2")
+    parser.add_argument("--model", choices=("20m", "smollm2"), default="20m")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank on both sides (0: all parameters)")
     parser.add_argument(
         "--no-shared-prefix", dest="shared_prefix", action="store_false", help="our trainer without shared prefixes"
     )
+    parser.add_argument(
+        "--async-engine-threads",
+        type=int,
+        default=0,
+        help="run the async_split side: the async loop with its engine on this many threads (0: not run)",
+    )
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.side = args.worker
         worker(args)
         return
 
+    from areal_lite.utils.precision import cpu_kind
     from areal_lite.utils.tiny import build_tiny_model
 
     threads = [int(t) for t in args.threads_list.split(",")]
@@ -250,15 +298,27 @@ def main() -> None:
     tokens: dict[tuple[str, int], float] = {}
     train: dict[tuple[str, int], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model(f"{tmp}/model", **MODEL)
-        configs = [(side, t) for t in threads for side in SIDES]
+        if args.model == "smollm2":
+            from areal_lite.utils.pretrained import smollm2_dir
+
+            model = smollm2_dir()
+        else:
+            model = build_tiny_model(f"{tmp}/model", **MODEL)
+        configs = [
+            (side, t) for t in threads for side in SIDES if side != "async_split" or 0 < args.async_engine_threads < t
+        ]
         for r in range(args.repeats):
             for side, t in configs if r % 2 == 0 else reversed(configs):
                 seconds, n, train_s = launch(side, t, model, args)
                 if seconds < best.get((side, t), float("inf")):
                     best[side, t], train[side, t] = seconds, train_s
                 tokens[side, t] = n
-    print(f"{args.prompts} prompts x {args.group} samples x {args.tokens} tokens per step, 20M Qwen2, fp32")
+    name = {"20m": "20M Qwen2", "smollm2": "SmolLM2-135M-Instruct"}[args.model]
+    mode = f"LoRA rank {args.lora}" if args.lora else "all parameters"
+    print(f"CPU: {cpu_kind()}; load {os.getloadavg()[0]:.1f}")
+    print(
+        f"{args.prompts} prompts x {args.group} samples x {args.tokens} tokens per step, {name}, {args.dtype}, {mode}"
+    )
     print(f"{'side':<8}{'threads':>8}{'s/step':>9}{'train s':>9}{'tokens/step':>13}{'tokens/s':>10}{'TRL / this':>12}")
     for side, t in configs:
         s = best[side, t]
@@ -272,12 +332,16 @@ def main() -> None:
     ceiling = {t: best["trl", t] / train["sync", t] for t in threads}
     print("TRL / our training alone (generation free): " + ", ".join(f"{c:.2f} at {t}" for t, c in ceiling.items()))
     trl_best = min(best["trl", t] for t in threads)
-    ours_best = min(best[side, t] for side in ("sync", "async") for t in threads)
-    result = [f"best_over_trl={trl_best / ours_best:.2f}"]
-    result += [
-        f"{side}_over_trl_t{t}={best['trl', t] / best[side, t]:.2f}" for t in threads for side in ("sync", "async")
+    ours = [(side, t) for side, t in configs if side != "trl"]
+    ours_best = min(best[c] for c in ours)
+    result = [
+        f"model={args.model}",
+        f"dtype={args.dtype}",
+        f"lora={args.lora}",
+        f"best_over_trl={trl_best / ours_best:.2f}",
     ]
-    result += [f"async_over_sync_t{t}={best['sync', t] / best['async', t]:.2f}" for t in threads]
+    result += [f"{side}_over_trl_t{t}={best['trl', t] / best[side, t]:.2f}" for side, t in ours]
+    result += [f"{side}_over_sync_t{t}={best['sync', t] / best[side, t]:.2f}" for side, t in ours if side != "sync"]
     result += [f"trl_over_train_only_t{t}={c:.2f}" for t, c in ceiling.items()]
     print("RESULT " + " ".join(result))
 

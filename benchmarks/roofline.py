@@ -1,7 +1,9 @@
 """Generation and training against this machine's limits, measured in the same run.
 
-The limits: fp32 matmul GFLOP/s (a 1024^3 product) and memory GB/s (a 256 MiB copy, read +
-write), at the thread count of the run. A step of work cannot take less than
+The limits: matmul GFLOP/s (a 1024^3 product) in the dtype of the rows (``--dtype``: float32, or
+bfloat16, which only CPUs with AVX-512 BF16 or AMX compute natively; the run prints both dtypes'
+GFLOP/s and which this CPU has) and memory GB/s (a 256 MiB copy, read + write), at the thread
+count of the run. A step of work cannot take less than
 ``max(FLOPs / GFLOP/s, bytes / GB/s)``; each row reports that bound over the measured time, its
 fraction of the limit (1.0 = at the limit). Every sample of a row is taken right after a sample of
 the limits, and a row's fraction is the median over its samples, so a load change on the shared
@@ -15,13 +17,13 @@ KV cache read). Rows:
 - ``decode``: the embedded engine's model runner, one batched decode step over ``B`` running
   requests of mixed lengths (prompts 16-128 tokens, 0-64 generated), ``B`` = 16 and 64.
 - ``linears``: the matmuls of the same decode steps alone (projections, MLPs, LM head; the
-  model's weights, ``B`` rows of input): the fraction the BLAS itself reaches at the decode
+  model's weights, ``B`` rows of input, through the engine's own linear path): the fraction the BLAS itself reaches at the decode
   shapes, a ceiling for the ``decode`` row.
 - ``prefill``: one batched prefill of ``B`` distinct prompts of 16-128 tokens.
 - ``serve``: end to end through the scheduler: ``2 B`` requests (prompts 16-128, outputs 16-64
   tokens, eos ignored) with at most ``B`` running at a time, prefill and decode FLOPs over the
   wall time (the tail, where fewer than ``B`` run, included).
-- ``train fwd+bwd``: `FSDPEngine.forward_backward` on one rank over 16 sequences of 128 tokens,
+- ``train fwd+bwd`` (fp32 whatever ``--dtype`` says): `FSDPEngine.forward_backward` on one rank over 16 sequences of 128 tokens,
   against ``6 x`` the matmul parameters per token plus 3x the forward attention FLOPs; and a plain
   HF forward + backward of the same tokens (``model(ids).logits``, log-softmax, gather), whose
   time over the engine's is the last column.
@@ -30,8 +32,10 @@ Models: Qwen2 with 441 tokens of vocabulary: ``20M`` (hidden 384, 10 layers, 6 h
 and ``100M`` (hidden 768, 12 layers, 12 heads, 4 KV heads).
 
     OMP_NUM_THREADS=1 python benchmarks/roofline.py [--threads 1] [--repeats 5] [--skip-100m]
+        [--dtype float32|bfloat16] [--limits-only]
 
-Last line: ``RESULT decode64_20m=<fraction> ...``.
+Last line: ``RESULT gflops=... gflops_float32=... gflops_bfloat16=... bf16_native=0|1
+decode64_20m=<fraction> ...``.
 """
 
 from __future__ import annotations
@@ -46,7 +50,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from tensordict import TensorDict
 
 from areal_lite.api.config import LocalEngineConfig, OptimizerConfig, TrainEngineConfig
@@ -56,6 +59,7 @@ from areal_lite.engines.fsdp import FSDPEngine
 from areal_lite.engines.model_runner import ModelRunner, load_model
 from areal_lite.engines.request import SamplingParams, Sequence
 from areal_lite.engines.scheduler import Scheduler
+from areal_lite.utils.precision import cpu_kind, native_bf16
 from areal_lite.utils.tiny import build_tiny_model
 
 MODELS = {
@@ -75,15 +79,18 @@ class Limits:
 
 
 _A, _B = torch.randn(1024, 1024), torch.randn(1024, 1024)
+_HALF = {torch.bfloat16: (_A.bfloat16(), _B.bfloat16())}
 _SRC, _DST = torch.randn(64 * 1024 * 1024), torch.empty(64 * 1024 * 1024)
 
 
-def measure_limits() -> Limits:
-    """The best of three 1024^3 matmuls and of three 256 MiB copies."""
+def measure_limits(dtype: torch.dtype = torch.float32) -> Limits:
+    """The best of three 1024^3 matmuls in ``dtype`` (float32 or bfloat16) and of three 256 MiB
+    copies."""
+    a, b = (_A, _B) if dtype == torch.float32 else _HALF[dtype]
     mm, cp = [], []
     for _ in range(3):
         t0 = time.perf_counter()
-        torch.mm(_A, _B)
+        torch.mm(a, b)
         mm.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         _DST.copy_(_SRC)
@@ -104,17 +111,17 @@ class Shape:
     @classmethod
     def of(cls, model: torch.nn.Module) -> Shape:
         cfg = model.config
-        embed = model.get_input_embeddings().weight.numel()
-        total = sum(p.numel() for p in model.parameters())
+        # Every linear layer's weight, the LM head's too when it is tied to the embedding.
+        matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls(total - embed, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
+        return cls(matmul, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
 
     def token_flops(self, attended: int) -> float:
         """Forward FLOPs of one token that attends over ``attended`` positions."""
         return 2 * self.matmul_params + 4 * self.layers * self.heads * self.head_dim * attended
 
-    def kv_bytes(self, positions: int) -> float:
-        return 2 * self.layers * self.kv_heads * self.head_dim * positions * 4
+    def kv_bytes(self, positions: int, itemsize: int = 4) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * positions * itemsize
 
 
 @dataclass
@@ -126,13 +133,17 @@ class Row:
     versus_hf: float | None = None
 
 
+ROW_DTYPE = torch.float32
+"""The dtype of the generation rows (``--dtype``)."""
+
+
 def sample_row(name: str, run: Callable[[], tuple[int, float, float, float]], repeats: int) -> Row:
     """``run`` times one unit of work (its setup excluded) and returns (tokens, FLOPs, bytes,
     seconds); one warm-up, then ``repeats`` samples, each right after a sample of the limits."""
     run()
     fractions, rates, bounds = [], [], []
     for _ in range(repeats):
-        limits = measure_limits()
+        limits = measure_limits(ROW_DTYPE)
         tokens, flops, nbytes, seconds = run()
         fractions.append(limits.seconds(flops, nbytes) / seconds)
         rates.append(tokens / seconds)
@@ -151,7 +162,7 @@ def _sequences(prompts: list[list[int]]) -> list[Sequence]:
 
 
 def decode_row(path: str, label: str, batch: int, repeats: int) -> Row:
-    model, _ = load_model(path, torch.float32, "cpu")
+    model, _ = load_model(path, ROW_DTYPE, "cpu")
     shape = Shape.of(model)
     vocab = model.config.vocab_size
     runner = ModelRunner(model, max_rows=batch, context_len=512, seed=0)
@@ -167,7 +178,10 @@ def decode_row(path: str, label: str, batch: int, repeats: int) -> Row:
             runner.decode()
         pos = runner.lens[: len(runner.rows)].tolist()
         flops = sum(shape.token_flops(p + 1 + s) for p in pos for s in range(steps))
-        nbytes = steps * 4 * shape.matmul_params + sum(shape.kv_bytes(p + 1 + s) for p in pos for s in range(steps))
+        size = ROW_DTYPE.itemsize
+        nbytes = steps * size * shape.matmul_params + sum(
+            shape.kv_bytes(p + 1 + s, size) for p in pos for s in range(steps)
+        )
         t0 = time.perf_counter()
         for _ in range(steps):
             runner.decode()
@@ -180,7 +194,7 @@ def linears_row(path: str, label: str, batch: int, repeats: int) -> Row:
     """The matmuls of ``steps`` decode steps alone (every projection, MLP and the LM head, the
     model's own weights, ``batch`` rows): what the BLAS makes of the decode shapes, a ceiling for
     the decode row that no attention or scheduling work can lift."""
-    model, _ = load_model(path, torch.float32, "cpu")
+    model, _ = load_model(path, ROW_DTYPE, "cpu")
     shape = Shape.of(model)
     runner = ModelRunner(model, max_rows=batch, context_len=512, seed=0)  # fuses q/k/v and gate/up as it decodes
     weights = [
@@ -189,22 +203,23 @@ def linears_row(path: str, label: str, batch: int, repeats: int) -> Row:
         for w in (qkv, layer.self_attn.o_proj.weight, gate_up, layer.mlp.down_proj.weight)
     ]
     weights.append(model.lm_head.weight)
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=ROW_DTYPE) for w in weights}
     steps = 8
 
     def run() -> tuple[int, float, float, float]:
         t0 = time.perf_counter()
         for _ in range(steps):
             for w in weights:
-                F.linear(inputs[w.shape[1]], w)
+                runner.linear(inputs[w.shape[1]], w)
         seconds = time.perf_counter() - t0
-        return batch * steps, steps * 2 * shape.matmul_params * batch, steps * 4 * shape.matmul_params, seconds
+        nbytes = steps * ROW_DTYPE.itemsize * shape.matmul_params
+        return batch * steps, steps * 2 * shape.matmul_params * batch, nbytes, seconds
 
     return sample_row(f"linears {label} B={batch}", run, repeats)
 
 
 def prefill_row(path: str, label: str, batch: int, repeats: int) -> Row:
-    model, _ = load_model(path, torch.float32, "cpu")
+    model, _ = load_model(path, ROW_DTYPE, "cpu")
     shape = Shape.of(model)
     runner = ModelRunner(model, max_rows=batch, context_len=512, seed=0)
     rng = random.Random(2)
@@ -217,13 +232,15 @@ def prefill_row(path: str, label: str, batch: int, repeats: int) -> Row:
         flops = sum(shape.token_flops(t + 1) for p in prompts for t in range(len(p)))
         t0 = time.perf_counter()
         runner.prefill(seqs)
-        return sum(len(p) for p in prompts), flops, 4 * shape.matmul_params, time.perf_counter() - t0
+        nbytes = ROW_DTYPE.itemsize * shape.matmul_params
+        return sum(len(p) for p in prompts), flops, nbytes, time.perf_counter() - t0
 
     return sample_row(f"prefill {label} B={batch}", run, repeats)
 
 
 def serve_row(path: str, label: str, batch: int, repeats: int) -> Row:
-    scheduler = Scheduler(LocalEngineConfig(path=path, max_running_requests=batch))
+    dtype = str(ROW_DTYPE).removeprefix("torch.")
+    scheduler = Scheduler(LocalEngineConfig(path=path, dtype=dtype, max_running_requests=batch))
     scheduler.start()
     assert scheduler.model is not None
     shape = Shape.of(scheduler.model)
@@ -247,7 +264,7 @@ def serve_row(path: str, label: str, batch: int, repeats: int) -> Row:
 
         t0 = time.perf_counter()
         tokens = asyncio.run(go())
-        return tokens, flops, steps * 4 * shape.matmul_params, time.perf_counter() - t0
+        return tokens, flops, steps * ROW_DTYPE.itemsize * shape.matmul_params, time.perf_counter() - t0
 
     try:
         return sample_row(f"serve {label} B={batch}", run, repeats)
@@ -322,11 +339,30 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-100m", action="store_true", help="only the 20M model")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the generation rows")
+    parser.add_argument("--limits-only", action="store_true", help="only the limits, in both dtypes")
     args = parser.parse_args()
+    global ROW_DTYPE
+    ROW_DTYPE = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    native = native_bf16(torch.device("cpu"))
+    by_dtype = {
+        name: statistics.median(measure_limits(getattr(torch, name)).gflops for _ in range(3))
+        for name in ("float32", "bfloat16")
+    }
+    print(f"CPU: {cpu_kind()}")
+    print(
+        f"matmul ({args.threads} thread(s), median of 3): float32 {by_dtype['float32']:.1f} GFLOP/s, bfloat16 "
+        f"{by_dtype['bfloat16']:.1f} GFLOP/s ({by_dtype['bfloat16'] / by_dtype['float32']:.2f}x): bf16 is "
+        f"{'native' if native else 'emulated'} on this CPU"
+    )
+    dtype_result = [f"gflops_{k}={v:.1f}" for k, v in by_dtype.items()] + [f"bf16_native={int(native)}"]
+    if args.limits_only:
+        print("RESULT " + " ".join(dtype_result))
+        return
     rows: list[Row] = []
-    limits = [measure_limits() for _ in range(3)]
+    limits = [measure_limits(ROW_DTYPE) for _ in range(3)]
     print(f"{'row':<26}{'tokens/s':>10}{'of limit':>10}{'bound':>9}{'HF / ours':>11}", flush=True)
 
     def add(row: Row) -> None:
@@ -347,14 +383,15 @@ def main() -> None:
             for b in (16, 64):
                 add(serve_row(path, label, b, args.repeats))
             add(train_row(path, label, args.repeats))
-    limits += [measure_limits() for _ in range(3)]
+    limits += [measure_limits(ROW_DTYPE) for _ in range(3)]
     gflops = statistics.median(lim.gflops for lim in limits)
     gbps = statistics.median(lim.gbps for lim in limits)
     print(
-        f"limits ({args.threads} thread(s), median of the run's samples): matmul {gflops:.1f} GFLOP/s, copy {gbps:.1f} GB/s"
+        f"limits ({args.threads} thread(s), median of the run's samples): matmul {gflops:.1f} GFLOP/s in {args.dtype}, "
+        f"copy {gbps:.1f} GB/s"
     )
     keys = {r.name: r for r in rows}
-    result = [f"gflops={gflops:.1f}", f"gbps={gbps:.1f}"]
+    result = [f"dtype={args.dtype}", f"gflops={gflops:.1f}", f"gbps={gbps:.1f}", *dtype_result]
     for r in rows:
         key = r.name.replace("train fwd+bwd", "train").replace(" B=", "").replace(" ", "_").lower()
         result.append(f"{key}={r.fraction:.3f}")

@@ -122,8 +122,10 @@ def test_logprobs_equal_hf_forward_other_layouts(kind: str, tmp_path) -> None:
 def test_split_prefill_gives_the_same_logprobs(model_path: str, hf: torch.nn.Module, monkeypatch) -> None:
     monkeypatch.setattr("areal_lite.engines.model_runner.PREFILL_TOKENS", 10)  # split any batch
     eng = make_engine(model_path)
-    real_prefill, calls = eng.scheduler._runner.prefill, []
-    monkeypatch.setattr(eng.scheduler._runner, "prefill", lambda seqs: calls.append(len(seqs)) or real_prefill(seqs))
+    real_pass, calls = eng.scheduler._runner._pass, []
+    monkeypatch.setattr(
+        eng.scheduler._runner, "_pass", lambda d, seqs: (seqs and calls.append(len(seqs))) or real_pass(d, seqs)
+    )
     jobs = [(list(range(5, 5 + 3 * (i + 1))), SamplingParams(max_new_tokens=5, ignore_eos=True)) for i in range(5)]
 
     async def run():
@@ -135,7 +137,7 @@ def test_split_prefill_gives_the_same_logprobs(model_path: str, hf: torch.nn.Mod
 
     try:
         results = asyncio.run(run())
-        assert calls[0] == 5 and len(calls) > 5  # the batch of five was split down
+        assert sum(calls) == 5 and len(calls) > 2  # the batch of five was split down
         for (prompt, _), r in zip(jobs, results):
             torch.testing.assert_close(
                 torch.tensor(r.output_logprobs), hf_logprobs(hf, prompt, r.output_ids), atol=1e-4, rtol=0
@@ -150,7 +152,7 @@ def test_identical_prompts_share_one_prefill_row(model_path: str, hf: torch.nn.M
     eng = make_engine(model_path)
     real_forward, widths = eng.scheduler._runner._layers_forward, []
     monkeypatch.setattr(
-        eng.scheduler._runner, "_layers_forward", lambda h, *a: widths.append(tuple(h.shape[:2])) or real_forward(h, *a)
+        eng.scheduler._runner, "_layers_forward", lambda ids, *a: widths.append(ids.shape[0]) or real_forward(ids, *a)
     )
     group, other = [5, 6, 7, 8, 9], [40, 41]
     jobs = [(group, SamplingParams(max_new_tokens=8, ignore_eos=True))] * 4 + [
@@ -169,8 +171,8 @@ def test_identical_prompts_share_one_prefill_row(model_path: str, hf: torch.nn.M
 
     try:
         results = asyncio.run(run())
-        assert widths[0] == (1, 7)  # the prefill: two distinct prompts (5 + 2 tokens) packed in one row
-        assert all(w == (6, 1) for w in widths[1:])  # then decode steps of all six rows
+        assert widths[0] == 7  # the prefill: two distinct prompts (5 + 2 tokens) packed in one pass
+        assert all(w == 6 for w in widths[1:])  # then decode steps of all six rows
         for (prompt, _), r in zip(jobs, results):
             torch.testing.assert_close(
                 torch.tensor(r.output_logprobs), hf_logprobs(hf, prompt, r.output_ids), atol=1e-4, rtol=0
@@ -373,8 +375,8 @@ def test_keep_cache_on_update_continues_on_the_old_keys(model_path: str, hf: tor
     eng = make_engine(model_path, keep_cache_on_update=True)
     runner = eng.scheduler._runner
     prefills = []
-    original = runner.prefill
-    monkeypatch.setattr(runner, "prefill", lambda seqs: (seqs and prefills.append(len(seqs))) or original(seqs))
+    original = runner._pass
+    monkeypatch.setattr(runner, "_pass", lambda d, seqs: (seqs and prefills.append(len(seqs))) or original(d, seqs))
     new_state = perturbed_state(hf, seed=1)
     new_model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     new_model.load_state_dict(new_state)
@@ -519,19 +521,50 @@ def test_engine_failure_fails_the_running_requests_and_keeps_serving(model_path:
     eng = make_engine(model_path)
     try:
         runner = eng.scheduler._runner
-        real_decode = runner.decode
+        real_step = runner.step
         calls = {"n": 0}
 
-        def flaky_decode() -> None:
+        def flaky_step(admitted: list) -> list:
             calls["n"] += 1
             if calls["n"] == 3:
                 raise RuntimeError("injected failure")
-            real_decode()
+            return real_step(admitted)
 
-        monkeypatch.setattr(runner, "decode", flaky_decode)
+        monkeypatch.setattr(runner, "step", flaky_step)
         with pytest.raises(GenerationError, match="injected failure"):
             generate_all(eng, [([1, 2], SamplingParams(max_new_tokens=50, ignore_eos=True))])
         r = generate_all(eng, [([1, 2], SamplingParams(max_new_tokens=5, ignore_eos=True))])[0]
         assert len(r.output_ids) == 5
     finally:
         eng.destroy()
+
+
+def test_admission_keeps_each_step_within_the_prefill_budget(model_path: str) -> None:
+    from areal_lite.engines.request import Sequence
+    from areal_lite.engines.scheduler import Scheduler
+
+    scheduler = Scheduler(LocalEngineConfig(path=model_path, max_prefill_tokens=40))
+
+    def seq(prompt: list[int]) -> Sequence:
+        return Sequence("r", prompt, SamplingParams(max_new_tokens=4), lambda r: None, frozenset(), False)
+
+    group = [seq([5] * 30) for _ in range(4)]  # one prompt, 4 samples: prefilled once
+    scheduler._waiting = [*group, seq([6] * 20), seq([7] * 5), seq([8] * 100)]
+    assert scheduler._admit(free=16) == group  # 30 tokens; 30 + 20 would pass 40
+    assert len(scheduler._admit(free=16)) == 2  # 20 + 5
+    assert len(scheduler._admit(free=16)) == 1  # alone past the budget: admitted all the same
+    scheduler._waiting = [seq([5] * 3) for _ in range(5)]
+    assert len(scheduler._admit(free=2)) == 2  # and never more than the free rows
+
+
+def test_engine_with_a_small_prefill_budget_matches_hf(model_path: str, hf: torch.nn.Module) -> None:
+    engine = make_engine(model_path, max_prefill_tokens=8)
+    try:
+        jobs = [([3 + i, 40, 41 + i, 7, 9, 11], SamplingParams(max_new_tokens=6, ignore_eos=True)) for i in range(6)]
+        for (prompt, _), res in zip(jobs, generate_all(engine, jobs)):
+            assert len(res.output_ids) == 6
+            torch.testing.assert_close(
+                torch.tensor(res.output_logprobs), hf_logprobs(hf, prompt, res.output_ids), atol=1e-4, rtol=0
+            )
+    finally:
+        engine.destroy()

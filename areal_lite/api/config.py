@@ -379,6 +379,15 @@ class LocalEngineConfig:
     to keys and values of the old weights, so their log-probabilities are of neither policy
     exactly (the decoupled loss takes them as the behaviour policy's; the trainer's
     ``mismatch/*`` statistics show the gap). Measured in benchmarks/update_stall.py."""
+    max_prefill_tokens: int = field(default=1024, metadata=at_least(0))
+    """Distinct prompt tokens a step may prefill beside its decoding (0 = no limit): waiting
+    requests are admitted while their prompts fit (at least one a step; samples of one prompt
+    count once). 64 prompts arriving at once then get their first tokens a step at a time instead
+    of all after one long prefill, and the running requests keep decoding meanwhile."""
+    num_threads: int = field(default=0, metadata=at_least(0))
+    """Threads of the engine's torch ops (the scheduler thread's own count; 0 = the process's).
+    Where generation and training run at once in one process (asynchronous RL with the engine
+    in-process), giving each part of the cores keeps them from oversubscribing them."""
 
 
 @dataclass

@@ -1,12 +1,13 @@
 """The embedded engine's scheduler: one thread that owns the model and serves every request.
 
-Requests from any thread or event loop join a queue; between two decode steps the scheduler
-admits waiting requests (one batched prefill), then runs one batched decode step over every
-running request, so a short request leaves as soon as it is done and never waits for the longest
-one. Aborts, pauses (in place, abort, retract) and weight loads (from tensors, from disk, or
-received by broadcast in a weight-update group) are applied between two steps; after a weight
-load, running requests get their KV cache recomputed under the new weights and continue, so
-every later token is produced by (and tagged with the version of) the new weights.
+Requests from any thread or event loop join a queue; between two steps the scheduler admits
+waiting requests, and each step is one forward pass that prefills the admitted requests and
+decodes one token of every running one, so a short request leaves as soon as it is done and never
+waits for the longest one. Aborts, pauses (in place, abort, retract) and weight loads (from
+tensors, from disk, or received by broadcast in a weight-update group) are applied between two
+steps; after a weight load, running requests get their KV cache recomputed under the new weights
+and continue, so every later token is produced by (and tagged with the version of) the new
+weights.
 
 A streamed request (`stream`) gets each token as it is sampled: the scheduler hands it over right
 after the step that produced it, before the request's result.
@@ -42,6 +43,7 @@ from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.adapter_slot import AdapterSlot, split_adapter_names
 from areal_lite.engines.model_runner import ModelRunner, context_length, dtype_of, load_model
 from areal_lite.engines.request import GenerationError, GenerationResult, SamplingParams, Sequence, TokenOut
+from areal_lite.utils.cpu import set_thread_intra_op_threads
 from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.hf_layout import CheckpointLayout
@@ -51,10 +53,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
-
-ADMIT_BATCH = 16
-"""While requests are decoding, waiting ones are admitted once this many rows (or all they need)
-are free."""
 
 
 def _complete(fut: Future, fn: Callable[[], object]) -> None:
@@ -75,6 +73,17 @@ def _in_thread(fn: Callable[[], None], name: str) -> Future[None]:
 def _set_future(fut: asyncio.Future, value: GenerationResult) -> None:
     if not fut.done():
         fut.set_result(value)
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
+    """``fn(*args)`` in ``loop``; nothing when the loop is closed (its caller went away, e.g. an
+    ``asyncio.run`` that ended on another request's error): the scheduler thread must not die of
+    it."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 class Scheduler:
@@ -213,7 +222,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[GenerationResult] = loop.create_future()
         rid = self.submit_request(
-            input_ids, params, lambda r: loop.call_soon_threadsafe(_set_future, fut, r), rid, return_input_logprobs
+            input_ids, params, lambda r: _call_in_loop(loop, _set_future, fut, r), rid, return_input_logprobs
         )
         try:
             res = await fut
@@ -233,7 +242,7 @@ class Scheduler:
         queue: asyncio.Queue[TokenOut | GenerationResult] = asyncio.Queue()
 
         def put(item: TokenOut | GenerationResult) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            _call_in_loop(loop, queue.put_nowait, item)
 
         rid = self.submit_request(input_ids, params, put, rid, on_token=put)
         finished = False
@@ -301,6 +310,8 @@ class Scheduler:
     def _loop(self) -> None:
         runner = self._runner
         assert runner is not None
+        if self.config.num_threads:
+            set_thread_intra_op_threads(self.config.num_threads)
         while True:
             with self._cond:
                 while (
@@ -315,11 +326,10 @@ class Scheduler:
                 commands, self._commands = self._commands, []
                 abort_pending, self._abort_pending = self._abort_pending, False
                 admitted: list[Sequence] = []
-                free = runner.max_rows - len(runner.rows)
-                # While others decode, wait until a batch's worth of rows is free: one prefill of
-                # many requests costs about what one of a few does.
-                if not self._paused and (not runner.rows or free >= min(len(self._waiting), ADMIT_BATCH)):
-                    admitted, self._waiting = self._waiting[:free], self._waiting[free:]
+                # Admitted as soon as a row is free: their prefill joins the next decode step's
+                # pass, which reads the weights once for both.
+                if not self._paused:
+                    admitted = self._admit(runner.max_rows - len(runner.rows))
                     self._admitting = admitted
             for fn, fut in commands:
                 _complete(fut, fn)
@@ -329,9 +339,13 @@ class Scheduler:
                 continue
             try:
                 version = self.version
-                fresh = runner.prefill(admitted)
+                running = len(runner.rows)
+                fresh = runner.step(admitted)
                 with self._cond:
                     self._admitting = []
+                for s in runner.rows[:running]:  # each got one token
+                    s.versions.append(version)
+                    s.emit()
                 for s in fresh:
                     if s.params.max_new_tokens == 0:  # admitted only for its prompt logprobs
                         s.out.clear()
@@ -342,14 +356,6 @@ class Scheduler:
                     s.ttft = time.monotonic() - s.t0
                     s.emit()
                 self._finish_done()
-                if runner.rows and not self._paused:
-                    before = [len(s.out) for s in runner.rows]
-                    runner.decode()
-                    for s, n in zip(runner.rows, before):
-                        if len(s.out) > n:
-                            s.versions.append(version)
-                            s.emit()
-                    self._finish_done()
             except Exception as e:  # fail the requests, keep serving
                 logger.exception("generation step failed")
                 with self._cond:
@@ -359,6 +365,27 @@ class Scheduler:
                     res = s.result({"type": "abort", "message": f"internal error: {e}"})
                     res.error = f"{type(e).__name__}: {e}"
                     s.deliver(res)
+
+    def _admit(self, free: int) -> list[Sequence]:
+        """Take the requests the next step admits from the queue (under the lock): in order, up to
+        ``free`` rows, while their distinct prompts stay within ``max_prefill_tokens`` (at
+        least one request)."""
+        budget = self.config.max_prefill_tokens
+        take = min(free, len(self._waiting))
+        if budget:
+            seen: set[tuple[int, ...]] = set()
+            tokens = 0
+            for i, s in enumerate(self._waiting[:take]):
+                key = tuple(ModelRunner.prefill_tokens(s))
+                if key in seen:
+                    continue
+                if i and tokens + len(key) > budget:
+                    take = i
+                    break
+                seen.add(key)
+                tokens += len(key)
+        admitted, self._waiting = self._waiting[:take], self._waiting[take:]
+        return admitted
 
     def _finish_aborted(self) -> None:
         runner = self._runner

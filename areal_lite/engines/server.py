@@ -29,6 +29,7 @@ import asyncio
 import base64
 import dataclasses
 import logging
+import sys
 import uuid
 from dataclasses import dataclass
 
@@ -57,6 +58,8 @@ from areal_lite.utils.gc_freeze import freeze_startup_objects
 logger = logging.getLogger("areal_lite.server")
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
+SWITCH_INTERVAL_S = 0.0005
+"""The interpreter's thread switch interval in the server process (see `main`)."""
 """Paths that need no API key (as in SGLang)."""
 
 SAMPLING_DEFAULTS: dict[str, object] = {
@@ -546,6 +549,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
+    # The scheduler thread takes the interpreter lock back after every torch op; while the event
+    # loop's thread turns tokens into streamed events it holds the lock, and the scheduler waits
+    # up to the switch interval (5 ms by default) per op. A shorter interval hands it back sooner.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     scheduler = Scheduler(
         LocalEngineConfig(
             path=args.model_path,

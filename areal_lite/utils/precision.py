@@ -22,6 +22,24 @@ def native_bf16(device: torch.device) -> bool:
     return False
 
 
+def cpu_kind() -> str:
+    """This CPU in a few words, for benchmark tables: its name and whether it computes bf16
+    natively (AVX-512 BF16 or AMX) or only emulates it (AVX2-only kinds, where bf16 matmul runs
+    ~50x slower than fp32)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    name = str(caps.get("cpu_name") or "unknown CPU")
+    cores = caps.get("num_logical_cores")
+    if caps.get("amx_bf16"):
+        kind = "AMX BF16 (bf16 native)"
+    elif caps.get("avx512_bf16"):
+        kind = "AVX-512 BF16 (bf16 native)"
+    elif caps.get("avx512_f"):
+        kind = "AVX-512 without BF16 (bf16 emulated)"
+    else:
+        kind = "AVX2 only (bf16 emulated)" if caps.get("avx2") else "no AVX2"
+    return f"{name}, {cores} logical cores, {kind}" if cores else f"{name}, {kind}"
+
+
 def compute_dtype(name: str, device: torch.device, allowed: tuple[str, ...] = tuple(COMPUTE_DTYPES)) -> torch.dtype:
     """The dtype a config's ``dtype`` names on ``device``; ``auto`` is bf16 where `native_bf16`,
     else fp32. ValueError for a name outside ``allowed`` (and ``auto``)."""

@@ -1,0 +1,81 @@
+"""The engine's CPU decode attention kernel: the attention of one query per row over that row's
+cached keys and values (blocked key layout), against a float64 reference, in fp32 and bf16, with
+grouped queries and row lengths on and off the block edges; and the conditions that turn it off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from areal_lite.engines import decode_attention
+from areal_lite.engines.decode_attention import BLOCK
+
+LENS = [1, 15, 16, 17, 63, 64, 65, 130]
+
+
+def blocked_keys(keys: torch.Tensor) -> torch.Tensor:
+    """[rows, kv heads, cap, D] -> the runner's layout [rows, kv heads, cap / BLOCK, D, BLOCK]."""
+    rows, nkv, cap, hd = keys.shape
+    return keys.view(rows, nkv, cap // BLOCK, BLOCK, hd).transpose(3, 4).contiguous()
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor, scale: float):
+    group = q.shape[1] // keys.shape[1]
+    cap = keys.shape[2]
+    visible = torch.arange(cap)[None, :] < lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q.double()[:, :, None],
+        keys.double().repeat_interleave(group, 1),
+        values.double().repeat_interleave(group, 1),
+        attn_mask=visible[:, None, None],
+        scale=scale,
+    )
+    return out[:, :, 0]
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("nkv, group, hd", [(3, 3, 64), (2, 1, 16), (1, 4, 32)])
+def test_kernel_matches_attention_in_float64(dtype: torch.dtype, atol: float, nkv: int, group: int, hd: int) -> None:
+    kernel = decode_attention.load(torch.device("cpu"), dtype, hd, group)
+    if kernel is None:
+        pytest.skip("the kernel cannot be built here (no C++ compiler); the engine runs batched matmuls")
+    g = torch.Generator().manual_seed(0)
+    rows, cap = len(LENS) + 2, 160  # the cache holds more rows than decode
+    keys = torch.randn(rows, nkv, cap, hd, generator=g).to(dtype)
+    values = torch.randn(rows, nkv, cap, hd, generator=g).to(dtype)
+    q = torch.randn(len(LENS), nkv * group, hd, generator=g).to(dtype)
+    new_k = torch.randn(len(LENS), nkv, hd, generator=g).to(dtype)
+    new_v = torch.randn(len(LENS), nkv, hd, generator=g).to(dtype)
+    lens = torch.tensor(LENS)
+    scale = hd**-0.5
+    k_cache, v_cache = blocked_keys(keys), values.clone()
+    out = kernel(q, new_k, new_v, k_cache, v_cache, lens, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    # The new keys and values went into the cache at each row's last position, and nowhere else.
+    rows = torch.arange(len(LENS))
+    keys[rows, :, lens - 1] = new_k
+    values[rows, :, lens - 1] = new_v
+    assert torch.equal(k_cache, blocked_keys(keys)) and torch.equal(v_cache, values)
+    expected = reference(q, keys[: len(LENS)], values[: len(LENS)], lens, scale)
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
+    # Positions past a row's length do not count, whatever they hold.
+    keys[:, :, 140:] = 1e4
+    values[:, :, 140:] = 1e4
+    again = kernel(q, new_k, new_v, blocked_keys(keys), values, lens, scale)
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
+
+
+def test_kernel_is_off_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert decode_attention.load(torch.device("meta"), torch.float32, 64, 1) is None
+    assert decode_attention.load(cpu, torch.float16, 64, 1) is None
+    assert decode_attention.load(cpu, torch.float32, 24, 1) is None  # head dim not a multiple of 16
+    monkeypatch.setenv("AREAL_LITE_DECODE_KERNEL", "0")
+    assert decode_attention.load(cpu, torch.float32, 64, 1) is None
+
+
+def test_no_compiler_means_no_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(decode_attention, "_loaded", {})
+    assert decode_attention.load(torch.device("cpu"), torch.float32, 48, 2) is None
