@@ -23,7 +23,6 @@ audio, moderations), with a message that says so.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 import uuid
@@ -241,7 +240,7 @@ class OpenAIRoutes:
 
     async def generate(self, jobs: list[tuple[list[int], SamplingParams, str]]) -> list[GenerationResult]:
         """The results of ``jobs`` (prompt, params, rid), not streamed: no per-token hand-over."""
-        return list(await asyncio.gather(*(self.scheduler.generate(p, params, rid) for p, params, rid in jobs)))
+        return await self.scheduler.generate_many(jobs)
 
     def token_text(self, token: int, as_ids: bool = False) -> str:
         tok = self.scheduler.tokenizer

@@ -26,6 +26,7 @@ it to the `InferenceEngine` contract.
 from __future__ import annotations
 
 import asyncio
+import functools
 import glob
 import logging
 import os
@@ -219,19 +220,40 @@ class Scheduler:
         self, input_ids: list[int], params: SamplingParams, rid: str | None = None, return_input_logprobs: bool = False
     ) -> GenerationResult:
         """Generate from ``input_ids`` in the caller's event loop (any loop, any thread)."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[GenerationResult] = loop.create_future()
-        rid = self.submit_request(
-            input_ids, params, lambda r: _call_in_loop(loop, _set_future, fut, r), rid, return_input_logprobs
-        )
-        try:
-            res = await fut
-        except asyncio.CancelledError:
-            self.abort(rid, message="the caller cancelled the request")
-            raise
-        if res.error is not None:
-            raise GenerationError(f"request {rid} failed in the engine: {res.error}")
+        [res] = await self.generate_many([(input_ids, params, rid)], return_input_logprobs)
         return res
+
+    async def generate_many(
+        self, jobs: list[tuple[list[int], SamplingParams, str | None]], return_input_logprobs: bool = False
+    ) -> list[GenerationResult]:
+        """`generate` for several ``(input_ids, params, rid)`` queued at once: the scheduler admits
+        them at the same step (rows and the prefill budget allowing), so the samples of a group
+        decode in step and an interruption finds them all at the same length."""
+        for input_ids, params, _ in jobs:
+            self.validate_request(input_ids, params)
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[GenerationResult]] = [loop.create_future() for _ in jobs]
+        with self._cond:  # reentrant: submit_request takes it too, and the scheduler thread waits for it
+            rids = [
+                self.submit_request(
+                    input_ids,
+                    params,
+                    functools.partial(_call_in_loop, loop, _set_future, fut),
+                    rid,
+                    return_input_logprobs,
+                )
+                for (input_ids, params, rid), fut in zip(jobs, futures)
+            ]
+        try:
+            results = await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            for rid in rids:
+                self.abort(rid, message="the caller cancelled the request")
+            raise
+        for rid, res in zip(rids, results):
+            if res.error is not None:
+                raise GenerationError(f"request {rid} failed in the engine: {res.error}")
+        return list(results)
 
     async def stream(
         self, input_ids: list[int], params: SamplingParams, rid: str | None = None

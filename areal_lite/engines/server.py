@@ -290,7 +290,7 @@ class Server:
                 self.scheduler.validate_request(prompt, params)
         except ValueError as e:
             raise BadRequest(str(e)) from e
-        results = await asyncio.gather(*[self.scheduler.generate(p, sp, rid, want_input) for p, sp, rid in jobs])
+        results = await self.scheduler.generate_many(jobs, want_input)
         out = [self._response(r, return_logprob, start_len, skip_special, no_stop_trim, want_routes) for r in results]
         return web.json_response(out if is_batch or n > 1 else out[0])
 

@@ -22,7 +22,6 @@ honour (penalties, ``min_p``, logit biases, structured output, prompt log-probab
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -183,7 +182,7 @@ class TokensRoute:
                     "weight_versions": weight_versions(r.output_versions)}  # fmt: skip
 
         if not bool_field(body, "stream", False):
-            results = list(await asyncio.gather(*(self.scheduler.generate(p, sp, rid) for p, sp, rid in jobs)))
+            results = await self.scheduler.generate_many(jobs)
             choices = [
                 {"index": i, "token_ids": r.output_ids,
                  "logprobs": logprob_block(r.output_ids, r.output_logprobs, r.output_top_logprobs), **end_fields(r)}
