@@ -60,6 +60,7 @@ from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatche
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lora import PEFT_PREFIX, MergedLoRA, base_name, config_dict, peft_config
+from areal_lite.utils.malloc import keep_freed_memory
 from areal_lite.utils.moe import RoutingReplay, routing_shape
 from areal_lite.utils.precision import compute_dtype
 from areal_lite.utils.recover import rng_state, set_rng_state
@@ -230,6 +231,9 @@ class FSDPEngine(TrainEngineBase):
         self.model = model
         if ft_spec is not None:
             self._build_optimizer(ft_spec)
+            if self.device.type == "cpu":
+                # Each step frees and reallocates gigabytes; keeping them spares the page faults.
+                keep_freed_memory()
         freeze_startup_objects()
 
     def _from_pretrained(self, path: str) -> nn.Module:
