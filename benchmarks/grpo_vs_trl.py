@@ -38,7 +38,10 @@ step time after ``--warmup`` steps, the best round's. The last line is
         [--lora 16] [--dtype float32|bfloat16]
 
 On SmolLM2 keep runs short, e.g. ``--model smollm2 --prompts 2 --group 4 --tokens 32 --steps 3
---warmup 1`` (a step of it is tens of CPU-seconds on each side).
+--warmup 2`` (a step of it is tens of CPU-seconds on each side). Keep two warm-up steps there: our
+trainer's first two steps grow its heap to the step's peak (about 0.4 million page faults each on
+SmolLM2, 2-4 s of extra wall time), the later ones reuse it; with one warm-up step the timed median
+includes the second.
 
 Needs ``trl`` (``pip install -e ".[bench]"``).
 """
