@@ -1,4 +1,5 @@
-"""keep_freed_memory: a large block freed by torch is reused without new page faults (glibc)."""
+"""keep_freed_memory: a large block freed by torch is reused without new page faults (glibc), until
+the last holder releases the setting; the CPU train engine holds it from initialize to destroy."""
 
 from __future__ import annotations
 
@@ -8,12 +9,20 @@ import sys
 
 import pytest
 
-from areal_lite.utils.malloc import keep_freed_memory
+from areal_lite.api.config import TrainEngineConfig
+from areal_lite.api.io import FinetuneSpec
+from areal_lite.engines.fsdp import FSDPEngine
+from areal_lite.utils.malloc import keep_freed_memory, kept_holders, release_freed_memory
+from areal_lite.utils.tiny import build_tiny_model
 
 _PROBE = """
 import resource, sys, torch
-from areal_lite.utils.malloc import keep_freed_memory
-kept = keep_freed_memory() if sys.argv[1] == "keep" else False
+from areal_lite.utils.malloc import keep_freed_memory, release_freed_memory
+kept = keep_freed_memory() if sys.argv[1] in ("keep", "released") else False
+if sys.argv[1] == "released":
+    keep_freed_memory()  # two holders: the defaults come back only after both released
+    release_freed_memory()
+    release_freed_memory()
 big = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, above glibc's largest mmap threshold
 del big
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -44,15 +53,37 @@ def test_freed_blocks_are_reused_without_page_faults() -> None:
     kept, faults = _probe("keep", env)
     assert kept == "True"
     assert faults < 100
-    kept, faults = _probe("default", env)
-    assert kept == "False"
-    if "[always]" not in _thp_mode():  # huge pages would fault once per 2 MiB
-        assert (
-            faults > 1000
-        )  # glibc's default maps the block afresh  # 48 MiB touched afresh would be 12288 faults of 4 KiB pages
+    for mode, expect_kept in (("default", "False"), ("released", "True")):
+        kept, faults = _probe(mode, env)
+        assert kept == expect_kept
+        if "[always]" not in _thp_mode():  # huge pages would fault once per 2 MiB
+            # glibc's defaults map the block afresh: 48 MiB touched anew is 12288 faults of 4 KiB pages
+            assert faults > 1000, mode
 
 
 def test_user_malloc_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("areal_lite.utils.malloc._done", False)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000")
     assert keep_freed_memory() is False
+    assert kept_holders() == 0
+
+
+def test_release_without_keep_is_an_error() -> None:
+    if kept_holders() == 0:
+        with pytest.raises(RuntimeError, match="without a keep_freed_memory"):
+            release_freed_memory()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux-only")
+def test_cpu_train_engine_holds_the_setting_until_destroy(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    before = kept_holders()
+    engine = FSDPEngine(TrainEngineConfig(path=build_tiny_model(str(tmp_path / "m"), hidden_size=32, num_layers=1)))
+    engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=4, train_batch_size=1))
+    try:
+        assert kept_holders() == before + 1
+    finally:
+        engine.destroy()
+    assert kept_holders() == before
+    engine.destroy()  # a second destroy releases nothing more
+    assert kept_holders() == before

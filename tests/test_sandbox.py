@@ -75,9 +75,11 @@ def hostile_programs(outside: str, port: int) -> dict[str, tuple[str, str]]:
         # in 1 MB writes: one 100 MB string timed out (3 s) before the 16 MB limit on a loaded machine
         "endless file": ("f = open('big', 'w')\nwhile True:\n    f.write('x' * 1_000_000)\n", "file_size_limit"),
         "infinite loop": ("while True:\n    pass\n", "timeout"),
+        # Stopped by the clock or, where the kernel charges the 16 children's copied pages past the
+        # memory cap first (seen once in a full suite), by the memory limit: contained either way.
         "fork bomb": (
             "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-            "timeout",
+            "timeout|memory_limit",
         ),
     }
 
@@ -122,10 +124,13 @@ def test_hostile_code_is_contained_scored_zero_and_counted(backend: str, tmp_pat
         server.close()
     assert rewards[0] == 1.0, "the honest solution passes"
     assert dict(zip(programs, rewards[1:])) == dict.fromkeys(programs, 0.0)
+    counted = {k.removeprefix("sandbox/"): v for k, v in grader.stats().items() if v and k != "sandbox/runs"}
     expected = {"ok": 1}
     for _, outcome in programs.values():
+        if "|" in outcome:  # either way out: take the one that was counted
+            outcome = next((o for o in outcome.split("|") if counted.get(o, 0) > expected.get(o, 0)), outcome)
         expected[outcome] = expected.get(outcome, 0) + 1
-    assert {k.removeprefix("sandbox/"): v for k, v in grader.stats().items() if v and k != "sandbox/runs"} == expected
+    assert counted == expected
     assert os.listdir(outside) == [] and not os.path.exists("/var/tmp/pwned")
     assert worst_gap < 2.0, f"the event loop stalled for {worst_gap:.1f}s"
     assert wait_until_no_sandbox_processes() == []

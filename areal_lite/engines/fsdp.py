@@ -60,7 +60,7 @@ from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatche
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lora import PEFT_PREFIX, MergedLoRA, base_name, config_dict, peft_config
-from areal_lite.utils.malloc import keep_freed_memory
+from areal_lite.utils.malloc import keep_freed_memory, release_freed_memory
 from areal_lite.utils.moe import RoutingReplay, routing_shape
 from areal_lite.utils.precision import compute_dtype
 from areal_lite.utils.recover import rng_state, set_rng_state
@@ -188,6 +188,8 @@ class FSDPEngine(TrainEngineBase):
         """With LoRA: each adapter parameter's name in the HF model -> its name in a PEFT file."""
         self._routing: RoutingReplay | None = None
         """A mixture-of-experts model's routers (None for a dense model)."""
+        self._keeps_freed_memory = False
+        """Whether `initialize` made glibc keep freed memory (released by `destroy`)."""
 
     # ---------------------------------------------------------------- setup
 
@@ -232,8 +234,9 @@ class FSDPEngine(TrainEngineBase):
         if ft_spec is not None:
             self._build_optimizer(ft_spec)
             if self.device.type == "cpu":
-                # Each step frees and reallocates gigabytes; keeping them spares the page faults.
-                keep_freed_memory()
+                # Each step frees and reallocates gigabytes; keeping them spares the page faults
+                # (process-wide, so only until `destroy`).
+                self._keeps_freed_memory = keep_freed_memory()
         freeze_startup_objects()
 
     def _from_pretrained(self, path: str) -> nn.Module:
@@ -296,6 +299,9 @@ class FSDPEngine(TrainEngineBase):
     def destroy(self) -> None:
         self.lr_scheduler = None
         super().destroy()
+        if self._keeps_freed_memory:
+            self._keeps_freed_memory = False
+            release_freed_memory()
 
     def _data_parallel_group(self) -> dist.ProcessGroup | None:
         return None  # every rank holds a shard of the whole model: all are data-parallel

@@ -10,6 +10,12 @@ a page in the kernel, which costs more when the machine is short of free pages (
 so the step's time moved with the state of the machine. With mmap off and the trim threshold at 2 GiB, freed
 blocks stay in the heap and the next step reuses them: no faults after the second step. The cost
 is that the process keeps its peak heap (it would reach that peak every step anyway).
+
+The settings are process-wide, so they last only while a holder needs them: each
+`keep_freed_memory` is matched by a `release_freed_memory` (the CPU train engine's ``destroy``),
+and when the last holder releases them glibc's default thresholds come back and the kept memory is
+given back to the kernel (``malloc_trim``). A process that builds engines now and then (a test
+suite, a notebook) keeps glibc's usual behaviour between them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import ctypes.util
 import logging
 import os
 import sys
+import threading
 
 logger = logging.getLogger(__name__)
 
@@ -27,34 +34,70 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 # mallopt takes an int: give the heap's top back only once 2 GiB of it are free.
 _TRIM_ABOVE = 2**31 - 1
+# glibc's defaults (malloc.c: DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD), restored on release.
+_DEFAULT_MMAP_MAX = 65536
+_DEFAULT_TRIM_THRESHOLD = 128 * 1024
 # The variables a user sets to choose glibc's behaviour themselves; we leave theirs alone.
 _USER_SETTINGS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
 
-_done = False
+_lock = threading.Lock()
+_holders = 0
+"""How many `keep_freed_memory` calls in force are not yet released."""
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim.restype = ctypes.c_int
+    except (OSError, AttributeError):  # not glibc
+        return None
+    return libc
 
 
 def keep_freed_memory() -> bool:
     """Make glibc keep freed memory in the process for reuse (no ``mmap`` per large block, no
-    trimming), once per process. Returns whether the settings are in force: False off Linux, with
-    another C library, or where the user set glibc's malloc variables (theirs win)."""
-    global _done
-    if _done:
-        return True
-    if not sys.platform.startswith("linux"):
-        return False
+    trimming) until the matching `release_freed_memory`. Returns whether the settings are in force
+    for this call (then release it once): False off Linux, with another C library, or where the
+    user set glibc's malloc variables (theirs win)."""
+    global _holders
     user = [name for name in _USER_SETTINGS if name in os.environ]
     if user:
         logger.debug("glibc malloc settings left as the environment sets them (%s)", ", ".join(user))
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    _done = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_ABOVE))
-    return _done
+    with _lock:
+        if _holders == 0:
+            libc = _libc()
+            if libc is None or not (libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_ABOVE)):
+                return False
+        _holders += 1
+        return True
 
 
-__all__ = ["keep_freed_memory"]
+def release_freed_memory() -> None:
+    """End one `keep_freed_memory` that returned True; the last one puts glibc's default thresholds
+    back and returns the kept free memory to the kernel."""
+    global _holders
+    with _lock:
+        if _holders == 0:
+            raise RuntimeError("release_freed_memory without a keep_freed_memory in force")
+        _holders -= 1
+        if _holders:
+            return
+        libc = _libc()
+        if libc is not None:
+            libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+            libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+            libc.malloc_trim(0)
+
+
+def kept_holders() -> int:
+    """How many holders keep freed memory now (0: glibc's defaults are in force)."""
+    return _holders
+
+
+__all__ = ["keep_freed_memory", "kept_holders", "release_freed_memory"]
