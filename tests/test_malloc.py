@@ -12,7 +12,7 @@ import pytest
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.io import FinetuneSpec
 from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.utils.malloc import keep_freed_memory, kept_holders, release_freed_memory
+from areal_lite.utils.malloc import _USER_SETTINGS, keep_freed_memory, kept_holders, release_freed_memory
 from areal_lite.utils.tiny import build_tiny_model
 
 _PROBE = """
@@ -75,7 +75,7 @@ def test_release_without_keep_is_an_error() -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux-only")
 def test_cpu_train_engine_holds_the_setting_until_destroy(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES"):
+    for name in _USER_SETTINGS:
         monkeypatch.delenv(name, raising=False)
     before = kept_holders()
     engine = FSDPEngine(TrainEngineConfig(path=build_tiny_model(str(tmp_path / "m"), hidden_size=32, num_layers=1)))

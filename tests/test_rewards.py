@@ -192,7 +192,7 @@ def test_a_grader_returning_a_non_number_fails_the_sample(value: object) -> None
 HANG_OVER = threading.Event()
 """Set when a hanging-grader test ends, so that its hung threads end too: two threads spinning in
 Python for the rest of the run would hold the interpreter lock against every later test in the
-process (they made the suite's last tenth take 20 minutes instead of 2)."""
+process (a fresh clone's make test took 33 minutes with them, 9.4 without)."""
 
 
 def sleeps(prompt, completion, prompt_ids, completion_ids, **item) -> float:
