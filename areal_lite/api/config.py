@@ -160,6 +160,11 @@ class TrainEngineConfig:
     """Tokens whose full-vocabulary logits are materialised at once in log-prob computation."""
     attn_impl: str = "sdpa"
     """Attention implementation passed to transformers (sdpa, eager, flash_attention_2)."""
+    share_cores_with_engine: bool = True
+    """FSDP on CPU, connected to an embedded engine in this process that has its own thread share
+    (`LocalEngineConfig.num_threads`): train on the process's threads less that share while the
+    engine is generating, and on all of them while it is not (`areal_lite.utils.cpu.CoreSharing`).
+    False keeps the process's count throughout."""
     shared_prefix: bool = False
     """FSDP with attn_impl=sdpa: run the prefix that consecutive sequences of a micro-batch share
     (a GRPO group's prompt) through the model once, as a tree with one branch per sequence

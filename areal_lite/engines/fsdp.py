@@ -30,6 +30,7 @@ agreement with generation, expert load and the load-balancing loss (``moe/*``).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import replace
@@ -56,6 +57,7 @@ from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import InferenceEngine, LossFn, PackedBatch
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
 from areal_lite.engines.train_base import TrainEngineBase
+from areal_lite.utils.cpu import CoreSharing
 from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatches, unpack_sequences
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
@@ -70,6 +72,7 @@ from areal_lite.utils.varlen_attention import register_varlen_sdpa
 if TYPE_CHECKING:
     from peft import PeftModel
 
+logger = logging.getLogger(__name__)
 _HF_PREFIX = "hf."
 
 
@@ -190,6 +193,8 @@ class FSDPEngine(TrainEngineBase):
         """A mixture-of-experts model's routers (None for a dense model)."""
         self._keeps_freed_memory = False
         """Whether `initialize` made glibc keep freed memory (released by `destroy`)."""
+        self._core_sharing: CoreSharing | None = None
+        """On CPU beside an in-process engine with its own thread share: the trainer's count."""
 
     # ---------------------------------------------------------------- setup
 
@@ -297,6 +302,9 @@ class FSDPEngine(TrainEngineBase):
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor(ft_spec))
 
     def destroy(self) -> None:
+        if self._core_sharing is not None:
+            self._core_sharing.detach()
+            self._core_sharing = None
         self.lr_scheduler = None
         super().destroy()
         if self._keeps_freed_memory:
@@ -482,8 +490,25 @@ class FSDPEngine(TrainEngineBase):
         """With LoRA the adapter is sent at once (collective): generation requests name it, so the
         inference side must hold it before any rollout."""
         super().connect_engine(engine, meta)
+        self._share_cores(engine)
         if self._peft is not None:
             self.update_weights(meta)
+
+    def _share_cores(self, engine: InferenceEngine) -> None:
+        """With ``share_cores_with_engine``, on CPU, when ``engine`` generates in this process on
+        a share of the threads of its own: yield that share while it is generating."""
+        share = getattr(engine, "thread_share", 0)
+        threads = torch.get_num_threads()
+        if not self.config.share_cores_with_engine or self.device.type != "cpu" or not 0 < share < threads:
+            return
+        assert self.model is not None
+        if self._core_sharing is not None:
+            self._core_sharing.detach()
+        self._core_sharing = CoreSharing(lambda: engine.busy, threads, threads - share)  # type: ignore[attr-defined]
+        self._core_sharing.attach(self.model.hf.base_model.layers)
+        logger.info(
+            "training on %d threads while the engine generates on %d, on %d otherwise", threads - share, share, threads
+        )
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         """Send the weights, or with LoRA the adapter alone (see `WeightUpdateMeta.lora_config`)."""

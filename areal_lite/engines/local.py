@@ -56,6 +56,17 @@ class LocalInferenceEngine(InferenceEngine):
         return self.scheduler.model
 
     @property
+    def busy(self) -> bool:
+        """Whether the engine is generating (requests running or queued, not paused)."""
+        return self.scheduler.busy
+
+    @property
+    def thread_share(self) -> int:
+        """The threads the engine's ops run on when it has a share of its own
+        (`LocalEngineConfig.num_threads`); 0 when it runs on the process's count."""
+        return self.config.num_threads
+
+    @property
     def tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The tokenizer of the model directory (None when it has none)."""
         return self.scheduler.tokenizer

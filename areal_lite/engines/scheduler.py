@@ -319,6 +319,13 @@ class Scheduler:
     def paused(self) -> bool:
         return self._paused
 
+    @property
+    def busy(self) -> bool:
+        """Whether the loop has requests to run (running or queued) and is not paused. Read
+        without the lock: a hint for sharing the cores, at most one step stale."""
+        runner = self._runner
+        return not self._paused and bool(self._waiting or (runner is not None and runner.rows))
+
     def generated_tokens(self, rid: str) -> int | None:
         """Tokens generated so far by a running request (None when it is not running)."""
         with self._cond:

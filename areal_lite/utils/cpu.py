@@ -1,15 +1,26 @@
-"""Pinning threads to CPU cores.
+"""Pinning threads to CPU cores, and dividing the cores' threads between generation and training.
 
 On a machine with few cores (the CPU demo: 2), the rollout client's threads (the executor's event
 loop, the HTTP client loop, the reward threads they start) compete with the training thread for
 its core and for the GIL. Pinning them to the rollout server's core keeps the training thread's
 core to itself. Linux pins per thread; a thread started later inherits its creator's cores.
+
+Where the embedded engine generates in the training process (asynchronous RL), each part sets the
+torch thread count of its own thread: the engine's scheduler thread a fixed share
+(`set_thread_intra_op_threads`), the training thread the rest while the engine is generating and
+all of them while it is not (`CoreSharing`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from torch.utils.hooks import RemovableHandle
 
 logger = logging.getLogger(__name__)
 
@@ -54,3 +65,58 @@ def set_thread_intra_op_threads(n: int) -> None:
         ctypes.CDLL("libgomp.so.1").omp_set_num_threads(ctypes.c_int(n))
     except (OSError, AttributeError):
         logger.warning("no libgomp: the engine's ops run on the process's thread count")
+
+
+class CoreSharing:
+    """The training thread's share of the cores beside an in-process engine that has a share of
+    its own (`LocalEngineConfig.num_threads`): ``busy_threads`` while ``engine_busy()`` says the
+    engine is generating, ``idle_threads`` otherwise, checked as each decoder layer's forward and
+    backward starts.
+
+    With a fixed count the trainer either oversubscribes the cores while the engine decodes or
+    leaves the engine's share idle once the batch is out; a step of asynchronous RL overlaps both.
+    Sets the count with ``torch.set_num_threads`` from the training thread (its OpenMP count and
+    MKL's, which runs the trainer's fp32 matmuls; the engine's thread keeps its own count)."""
+
+    def __init__(self, engine_busy: Callable[[], bool], idle_threads: int, busy_threads: int) -> None:
+        if not 1 <= busy_threads <= idle_threads:
+            raise ValueError(f"busy_threads must be in 1..{idle_threads}, got {busy_threads}")
+        self.engine_busy = engine_busy
+        self.idle_threads = idle_threads
+        self.busy_threads = busy_threads
+        self.switches = 0
+        """How many times the count changed (for tests and logs)."""
+        self._current = idle_threads
+        self._handles: list[RemovableHandle] = []
+
+    def update(self) -> None:
+        """Set the calling thread's count for the engine's state now."""
+        import torch
+
+        n = self.busy_threads if self.engine_busy() else self.idle_threads
+        if n != self._current:
+            torch.set_num_threads(n)
+            self._current = n
+            self.switches += 1
+
+    def attach(self, layers: Iterable[torch.nn.Module]) -> None:
+        """Check the engine's state before each of ``layers``' forward and backward."""
+        for layer in layers:
+            self._handles.append(layer.register_forward_pre_hook(lambda module, args: self.update()))
+            self._handles.append(layer.register_forward_hook(self._before_backward))
+
+    def _before_backward(self, module: torch.nn.Module, args: object, output: object) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        if getattr(out, "requires_grad", False):
+            out.register_hook(lambda grad: self.update())
+
+    def detach(self) -> None:
+        """Remove the hooks and give the thread its whole count back."""
+        import torch
+
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._current != self.idle_threads:
+            torch.set_num_threads(self.idle_threads)
+            self._current = self.idle_threads

@@ -1,0 +1,133 @@
+"""The training thread's share of the cores beside an in-process engine (`CoreSharing`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from areal_lite.utils.cpu import CoreSharing
+from areal_lite.utils.tiny import build_tiny_model
+
+
+class Probe(nn.Module):
+    """A linear layer that records the thread count its forward and backward ran at."""
+
+    def __init__(self, seen: list[tuple[str, int]]) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(("forward", torch.get_num_threads()))
+        if x.requires_grad and torch.is_grad_enabled():  # its gradient is computed by this layer's backward
+            x = x * 1.0
+            x.register_hook(lambda g: self.seen.append(("backward", torch.get_num_threads())))
+        return self.linear(x)
+
+
+def test_the_count_follows_the_engine_at_every_layer_forward_and_backward() -> None:
+    before = torch.get_num_threads()
+    seen: list[tuple[str, int]] = []
+    layers = nn.Sequential(Probe(seen), Probe(seen))
+    busy = [True]
+    sharing = CoreSharing(lambda: busy[0], idle_threads=2, busy_threads=1)
+    try:
+        torch.set_num_threads(2)
+        sharing.attach(layers)
+        x = torch.randn(4, 8, requires_grad=True)
+        out = layers(x)
+        busy[0] = False  # the engine finished its batch mid-step: the backward gets both threads
+        out.sum().backward()
+        assert seen == [("forward", 1), ("forward", 1), ("backward", 2), ("backward", 2)]
+        assert sharing.switches == 2
+        seen.clear()
+        busy[0] = True
+        with torch.no_grad():  # a forward without gradients registers no backward hook
+            layers(x)
+        assert seen == [("forward", 1), ("forward", 1)]
+        sharing.detach()
+        assert torch.get_num_threads() == 2  # detached: the whole count back
+        seen.clear()
+        layers(x).sum().backward()
+        assert seen == [("forward", 2), ("forward", 2), ("backward", 2), ("backward", 2)]
+    finally:
+        sharing.detach()
+        torch.set_num_threads(before)
+
+
+def test_a_share_outside_the_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="busy_threads"):
+        CoreSharing(lambda: True, idle_threads=2, busy_threads=3)
+    with pytest.raises(ValueError, match="busy_threads"):
+        CoreSharing(lambda: True, idle_threads=2, busy_threads=0)
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, torch
+    from tensordict import TensorDict
+    from areal_lite.api.config import LocalEngineConfig, TrainEngineConfig, OptimizerConfig
+    from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, WeightUpdateMeta
+    from areal_lite.engines.fsdp import FSDPEngine
+    from areal_lite.engines.local import LocalInferenceEngine
+    import asyncio
+
+    torch.set_num_threads(2)
+    path, share = sys.argv[1], int(sys.argv[2])
+    engine = LocalInferenceEngine(LocalEngineConfig(path=path, num_threads=share))
+    engine.initialize()
+    train = FSDPEngine(TrainEngineConfig(path=path, optimizer=OptimizerConfig(lr=1e-4)))
+    train.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=4, train_batch_size=2))
+    train.connect_engine(engine, WeightUpdateMeta(type="in_process"))
+    seen = []
+    for layer in train.model.hf.base_model.layers:
+        layer.register_forward_hook(lambda *a: seen.append(torch.get_num_threads()))
+    ids = torch.randint(0, 100, (2, 16))
+    batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                        "loss_mask": torch.ones_like(ids)}, batch_size=[2])
+    loss = lambda logp, entropy, mb: (-(logp * mb["loss_mask"]).sum() / mb["loss_mask"].sum(), {})
+    weight = lambda mb: float(mb["loss_mask"].sum())
+
+    def run():  # a long generation keeps the engine busy
+        req = ModelRequest(list(range(1, 9)), GenerationConfig(max_new_tokens=400, min_new_tokens=400))
+        asyncio.run(engine.agenerate(req))
+
+    gen = threading.Thread(target=run)
+    gen.start()
+    while not engine.busy:
+        pass
+    train.train_batch(batch, loss, weight)
+    while_busy = sorted(set(seen))
+    gen.join()
+    seen.clear()
+    train.train_batch(batch, loss, weight)
+    print("COUNTS", while_busy, sorted(set(seen)), engine.busy)
+    train.destroy()
+    engine.destroy()
+    print("AFTER", torch.get_num_threads())
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "qwen2"), hidden_size=64, num_layers=2)
+
+
+@pytest.mark.parametrize("share, expected", [(1, "COUNTS [1] [2] False"), (0, "COUNTS [2] [2] False")])
+def test_the_fsdp_trainer_yields_the_engines_share_while_it_generates(
+    tiny_model_dir: str, share: int, expected: str
+) -> None:
+    """An engine with a share of its own (num_threads=1 of 2): the trainer's layers run on 1
+    thread while it generates, on 2 once it is done; with no share of its own, always on 2."""
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, tiny_model_dir, str(share)], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert expected in out.stdout, out.stdout
+    assert "AFTER 2" in out.stdout
