@@ -38,16 +38,22 @@ pytestmark = pytest.mark.vllm
 SCRIPTS = Path(__file__).parent / "scripts"
 TINY = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 260}
 """Head size 32: vLLM's CPU attention takes 32, 64, 80, 96, 112, 128 and more (not our usual 8)."""
+LONG = 3000
+"""Tokens of each generation that a test interrupts: vLLM decodes this model at about 2000 tokens/s
+on one thread, so 4 requests of 400 tokens could end on a server before a poll saw them running
+(that failed CI once); 4 x 3000 take seconds."""
+CONTEXT = 4096
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(str(tmp_path_factory.mktemp("vllm") / "m"), **TINY)  # type: ignore[arg-type]
+    path = str(tmp_path_factory.mktemp("vllm") / "m")
+    return build_tiny_model(path, **TINY, max_position_embeddings=CONTEXT)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
 def servers(model_path: str, tmp_path_factory: pytest.TempPathFactory):
-    procs, addresses = start_vllm_servers(model_path, 2, str(tmp_path_factory.mktemp("vllm_logs")))
+    procs, addresses = start_vllm_servers(model_path, 2, str(tmp_path_factory.mktemp("vllm_logs")), CONTEXT)
     try:
         yield procs, addresses
     finally:
@@ -124,7 +130,7 @@ def test_generations_aborted_by_an_update_resume_on_the_new_weights(servers, mod
     _, addresses = servers
     engine = client(addresses, model_path)
     new_model = perturbed_copy(model_path, str(tmp_path / "v1"))
-    n = 400
+    n = LONG
     try:
         reqs = [
             ModelRequest(input_ids=[9, 10 + i], gconfig=GenerationConfig(max_new_tokens=n, ignore_eos=True))
@@ -212,7 +218,7 @@ def test_server_killed_mid_run_loses_no_request(servers, model_path: str, model)
     and the training loop's control calls go on without it."""
     procs, addresses = servers
     engine = client(addresses, model_path)
-    n = 400
+    n = LONG
     try:
         reqs = [
             ModelRequest(input_ids=[4, 5 + i], gconfig=GenerationConfig(max_new_tokens=n, ignore_eos=True))

@@ -21,10 +21,12 @@ from areal_lite.utils.distributed import find_free_port
 STARTUP_TIMEOUT_S = 600.0
 
 
-def start_vllm_servers(model_path: str, n: int, log_dir: str) -> tuple[list[subprocess.Popen], list[str]]:
+def start_vllm_servers(
+    model_path: str, n: int, log_dir: str, max_model_len: int = 512
+) -> tuple[list[subprocess.Popen], list[str]]:
     """Start ``n`` vLLM servers on ``model_path`` and wait until each answers /health (their output
     goes to ``log_dir/vllm<i>.log``). Returns (processes, host:port list)."""
-    launcher = LauncherConfig(backend="vllm", server_args=["--max-model-len", "512"])
+    launcher = LauncherConfig(backend="vllm", server_args=["--max-model-len", str(max_model_len)])
     python = vllm_python(launcher)
     probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, check=False)
     if probe.returncode != 0:
@@ -68,20 +70,31 @@ def stop_vllm_servers(procs: list[subprocess.Popen]) -> None:
     stop(procs, grace=10.0)
 
 
-async def metric(address: str, name: str) -> float:
-    """The sum of a vLLM Prometheus metric over its label sets (``vllm:num_requests_running``)."""
+async def metrics(address: str, *names: str) -> list[float]:
+    """vLLM's Prometheus metrics from one scrape of ``/metrics``, each summed over its label sets
+    (``vllm:num_requests_running``)."""
     async with aiohttp.ClientSession() as s, s.get(f"http://{address}/metrics") as r:
         text = await r.text()
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+    return [
+        sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+        for name in names
+    ]
 
 
 async def generating_on(address: str, timeout: float = 120.0) -> None:
-    """Wait until ``address`` runs requests that have produced tokens since the call."""
+    """Wait until ``address`` runs requests that have produced tokens since the call. The tiny
+    test model decodes about 2000 tokens/s on one thread: give each request thousands of tokens,
+    or they may end before a poll sees them."""
     deadline = time.monotonic() + timeout
-    start = await metric(address, "vllm:generation_tokens_total")
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total")
+    running, waiting, start = await metrics(address, *names)
+    tokens = start
     while time.monotonic() < deadline:
-        running = await metric(address, "vllm:num_requests_running")
-        if running > 0 and await metric(address, "vllm:generation_tokens_total") > start:
+        running, waiting, tokens = await metrics(address, *names)
+        if running > 0 and tokens > start:
             return
         await asyncio.sleep(0.05)
-    raise TimeoutError(f"{address} ran no generation in {timeout} s")
+    raise TimeoutError(
+        f"{address} ran no generation in {timeout} s (last seen: {running:.0f} requests running, "
+        f"{waiting:.0f} waiting, {tokens - start:.0f} tokens generated since the call)"
+    )
