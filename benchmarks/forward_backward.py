@@ -30,16 +30,10 @@ from areal_lite.api.config import LoRAConfig, OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import MicroBatchSpec
 from areal_lite.engines.multi_lora import MultiLoRAEngine
+from areal_lite.utils.precision import cpu_kind
 from areal_lite.utils.tiny import build_tiny_model
 
 TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
-
-
-def cpu_kind() -> str:
-    with open("/proc/cpuinfo") as f:
-        info = f.read()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    return f"{name}, avx512_bf16={'avx512_bf16' in info}, {os.cpu_count()} cores"
 
 
 def make_batch(rows: int, length: int, vocab: int, seed: int = 0) -> TensorDict:

@@ -50,6 +50,7 @@ from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, Mode
 from areal_lite.engines.fsdp import FSDPEngine
 from areal_lite.engines.local import LocalInferenceEngine
 from areal_lite.utils.datasets import addition_problems, sft_batch
+from areal_lite.utils.precision import cpu_kind
 from areal_lite.utils.tiny import build_tiny_model
 from areal_lite.workflows.trajectory import from_responses
 
@@ -160,16 +161,6 @@ def mismatch(d: torch.Tensor) -> dict[str, float]:
     w = d.exp()
     return {"kl": float((w - 1 - d).mean()), "max_abs": float(d.abs().max()), "w_std": float(w.std()),
             "w_max": float(w.max()), "tokens": float(d.numel())}  # fmt: skip
-
-
-def cpu_kind() -> str:
-    """Whether this CPU computes bf16 natively (the bf16 source's numerics depend on it)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            native = "avx512_bf16" in f.read()
-    except OSError:
-        return "unknown CPU"
-    return f"{torch.backends.cpu.get_cpu_capability()}, {'with' if native else 'without'} AVX-512 BF16"
 
 
 def main() -> None:

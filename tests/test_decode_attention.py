@@ -4,6 +4,8 @@ grouped queries and row lengths on and off the block edges; and the conditions t
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,9 +36,25 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens: t
     return out[:, :, 0]
 
 
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+ATOL = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+
+
+@pytest.mark.parametrize("dtype, atol", ATOL)
 @pytest.mark.parametrize("nkv, group, hd", [(3, 3, 64), (2, 1, 16), (1, 4, 32)])
 def test_kernel_matches_attention_in_float64(dtype: torch.dtype, atol: float, nkv: int, group: int, hd: int) -> None:
+    check_kernel(dtype, atol, nkv, group, hd)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64-v3 is an x86 instruction set")
+@pytest.mark.parametrize("dtype, atol", ATOL)
+def test_the_avx2_build_matches_too(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, atol: float) -> None:
+    """Built for x86-64-v3 (AVX2 and FMA, the CPUs without AVX-512), as it is on those CPUs, and run
+    here (the shapes of the 20M benchmark model: 2 KV heads of 3 queries, head dim 64)."""
+    monkeypatch.setenv(decode_attention.ARCH_ENV, "x86-64-v3")
+    check_kernel(dtype, atol, 2, 3, 64)
+
+
+def check_kernel(dtype: torch.dtype, atol: float, nkv: int, group: int, hd: int) -> None:
     kernel = decode_attention.load(torch.device("cpu"), dtype, hd, group)
     if kernel is None:
         pytest.skip("the kernel cannot be built here (no C++ compiler); the engine runs batched matmuls")
@@ -73,6 +91,13 @@ def test_kernel_is_off_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) 
     assert decode_attention.load(cpu, torch.float32, 24, 1) is None  # head dim not a multiple of 16
     monkeypatch.setenv("AREAL_LITE_DECODE_KERNEL", "0")
     assert decode_attention.load(cpu, torch.float32, 64, 1) is None
+
+
+def test_an_architecture_the_compiler_refuses_means_no_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv(decode_attention.ARCH_ENV, "no-such-cpu")
+    monkeypatch.setenv("AREAL_LITE_KERNEL_CACHE", str(tmp_path))
+    assert decode_attention.load(torch.device("cpu"), torch.float32, 64, 1) is None
+    assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
 
 
 def test_no_compiler_means_no_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

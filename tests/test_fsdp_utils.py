@@ -13,7 +13,7 @@ import torch
 from areal_lite.utils import logprob, varlen_attention
 from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.lr_schedule import lr_multiplier
-from areal_lite.utils.precision import compute_dtype, native_bf16
+from areal_lite.utils.precision import compute_dtype, cpu_kind, native_bf16
 from areal_lite.utils.shared_prefix import shared_prefix_layout
 from areal_lite.utils.varlen_attention import varlen_sdpa_attention
 
@@ -145,6 +145,23 @@ def test_compute_dtype_names_and_auto() -> None:
         compute_dtype("float16", cpu, allowed=("float32", "bfloat16"))
     with pytest.raises(ValueError, match="fp8"):
         compute_dtype("fp8", cpu)
+
+
+@pytest.mark.parametrize("var", ["ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"])
+def test_auto_is_fp32_where_onednn_is_capped_below_bf16(monkeypatch: pytest.MonkeyPatch, var: str) -> None:
+    """Capped at AVX2 or plain AVX-512, oneDNN emulates bf16 (0.9 and 38 GFLOP/s against ~90 in
+    fp32 on the Zen 4 CPU), whatever the CPU has: ``auto`` is fp32 and the kind says so."""
+    cpu = torch.device("cpu")
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    native = native_bf16(cpu)
+    for cap in ("avx2", "AVX512_CORE", " avx512_core_vnni "):
+        monkeypatch.setenv(var, cap)
+        assert not native_bf16(cpu) and compute_dtype("auto", cpu) is torch.float32
+        assert f"oneDNN capped at {cap.strip().upper()}" in cpu_kind() and "(bf16 emulated)" in cpu_kind()
+    monkeypatch.setenv(var, "AVX512_CORE_AMX")  # a cap above bf16 leaves the CPU as it is
+    assert native_bf16(cpu) is native
+    assert ("(bf16 native)" in cpu_kind()) is native
 
 
 def test_lr_schedules() -> None:

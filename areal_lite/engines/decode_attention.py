@@ -7,8 +7,10 @@ decode step, at a few GB/s of cache read. This kernel walks each pair's keys and
 with the scores of a block of positions in vector registers, softmax and the value sum in float32,
 and each row only as far as its own length (no mask, no padding to the longest row).
 
-It is compiled with the system's C++ compiler (``$CXX`` or ``g++``, OpenMP, ``-march=native``)
-for one (dtype, head dim, query heads per KV head) and cached under
+It is compiled with the system's C++ compiler (``$CXX`` or ``g++``, OpenMP, ``-march=native``, or
+the architecture in ``$AREAL_LITE_KERNEL_ARCH``: ``x86-64-v3`` builds the AVX2 code of the CPUs
+without AVX-512, which runs on either kind) for one (dtype, head dim, query heads per KV head) and
+cached under
 ``$AREAL_LITE_KERNEL_CACHE`` (default ``~/.cache/areal_lite/kernels``), keyed by the source, the
 flags, the compiler and the CPU's flags. Where it cannot be built (no compiler, another device or
 dtype, a head dimension not a multiple of 16, ``AREAL_LITE_DECODE_KERNEL=0``), `load` returns None and the model runner keeps its
@@ -33,15 +35,17 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++20", "-shared", "-fPIC")
-"""-ffast-math lets the compiler vectorize ``exp`` (glibc's vector math); the kernel sees only
-finite values."""
+FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c++20", "-shared", "-fPIC")
+"""Besides ``-march``: -ffast-math lets the compiler vectorize ``exp`` (glibc's vector math); the
+kernel sees only finite values."""
+ARCH_ENV = "AREAL_LITE_KERNEL_ARCH"
+"""The ``-march`` the kernel is built for (default ``native``: this CPU's instruction set)."""
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 BLOCK = 16
 """Positions per block of the key cache the kernel reads: keys are stored [rows, kv heads,
 capacity / BLOCK, head_dim, BLOCK]."""
 _lock = threading.Lock()
-_loaded: dict[tuple[torch.dtype, int, int], Callable[..., None] | None] = {}
+_loaded: dict[tuple[torch.dtype, int, int, str], Callable[..., None] | None] = {}
 
 DecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
@@ -67,12 +71,16 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(compiler: str, macros: list[str]) -> Path:
-    """The shared library for ``macros``, compiled unless the cache holds it."""
+def _arch() -> str:
+    return os.environ.get(ARCH_ENV, "").strip() or "native"
+
+
+def _build(compiler: str, macros: list[str], arch: str) -> Path:
+    """The shared library for ``macros`` and ``-march=arch``, compiled unless the cache holds it."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *macros, version, _cpu_flags()]).encode()).hexdigest()[
-        :24
-    ]
+    flags = [*FLAGS, f"-march={arch}"]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, *macros, version, _cpu_flags()]).encode()).hexdigest()
+    key = key[:24]
     lib = _cache_dir() / f"decode_attention_{key}.so"
     if lib.exists():
         return lib
@@ -82,7 +90,7 @@ def _build(compiler: str, macros: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, *macros, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *flags, *macros, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -90,14 +98,14 @@ def _build(compiler: str, macros: list[str]) -> Path:
     return lib
 
 
-def _load_kernel(dtype: torch.dtype, head_dim: int, group: int) -> Callable[..., None] | None:
+def _load_kernel(dtype: torch.dtype, head_dim: int, group: int, arch: str) -> Callable[..., None] | None:
     compiler = os.environ.get("CXX") or "g++"
     if shutil.which(compiler) is None:
         logger.warning("no C++ compiler (%s): decode attention runs as batched matmuls", compiler)
         return None
     macros = [f"-DBF16={_DTYPES[dtype]}", f"-DHD={head_dim}", f"-DGROUP={group}"]
     try:
-        lib = _build(compiler, macros)
+        lib = _build(compiler, macros, arch)
         fn = ctypes.CDLL(str(lib)).decode_attention
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
@@ -120,9 +128,9 @@ def load(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) ->
     ):
         return None
     with _lock:
-        key = (dtype, head_dim, group)
+        key = (dtype, head_dim, group, _arch())
         if key not in _loaded:
-            _loaded[key] = _load_kernel(dtype, head_dim, group)
+            _loaded[key] = _load_kernel(*key)
         fn = _loaded[key]
     if fn is None:
         return None
