@@ -3,8 +3,8 @@
 //
 // Built at run time by decode_attention.py for one (dtype, head dim, query heads per KV head),
 // given as the macros BF16, HD and GROUP, so that the loops over them unroll and the
-// accumulators stay in vector registers. Vectors are GCC's generic vectors of 16 floats, which
-// the compiler maps onto the CPU's widest registers (one AVX-512 register, two AVX2 ones).
+// accumulators stay in vector registers. Vectors are GCC's generic vectors as wide as the
+// registers of the instruction set it is built for (16 floats with AVX-512, 8 with AVX2).
 //
 // Each row's new key and value are written into the cache at its last position (lens - 1)
 // first, by the thread that then reads them.
@@ -29,9 +29,19 @@
 #include <cstdlib>
 #include <cstring>
 
-typedef float f16v __attribute__((vector_size(64)));
-typedef uint32_t u16v32 __attribute__((vector_size(64)));
-typedef uint16_t h16v __attribute__((vector_size(32)));
+// The vector width in floats and the vector registers of the instruction set the kernel is built
+// for: AVX-512 has 32 registers of 16 floats, AVX2 16 of 8. Every loop below keeps its
+// accumulators and the vectors it loads within the registers (GCC's generic vectors wider than
+// the registers, as 16 floats on AVX2, spilled to memory there: 4-17x slower).
+#ifdef __AVX512F__
+constexpr int W = 16, REGS = 32;
+#else
+constexpr int W = 8, REGS = 16;
+#endif
+
+typedef float fv __attribute__((vector_size(4 * W)));
+typedef uint32_t uv32 __attribute__((vector_size(4 * W)));
+typedef uint16_t hv __attribute__((vector_size(2 * W)));
 
 #if BF16
 typedef uint16_t T;
@@ -42,39 +52,58 @@ static inline T from_float(float f) {
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<T>(u >> 16);
 }
-static inline f16v load16(const T* p) {
-  h16v h;
+static inline fv load(const T* p) {
+  hv h;
   std::memcpy(&h, p, sizeof(h));
-  u16v32 w = __builtin_convertvector(h, u16v32) << 16;
-  return std::bit_cast<f16v>(w);
+  uv32 w = __builtin_convertvector(h, uv32) << 16;
+  return std::bit_cast<fv>(w);
 }
 #else
 typedef float T;
 static inline float to_float(T x) { return x; }
 static inline T from_float(float f) { return f; }
-static inline f16v load16(const T* p) {
-  f16v v;
+static inline fv load(const T* p) {
+  fv v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 #endif
 
 static_assert(HD % 16 == 0, "the head dimension is a multiple of 16");
-constexpr int HV = HD / 16;  // vectors per head-dimension row
+constexpr int BLOCK = 16;        // positions per block of the key cache
+constexpr int VPB = BLOCK / W;   // vectors per block
+constexpr int HV = HD / W;       // vectors per head-dimension row
 
-// Scores of the NB blocks of 16 positions starting at l0 for every query head of the group.
-template <int NB>
+// Blocks of scores per step: GROUP x NB x VPB accumulators and NB x VPB loaded keys in registers
+// (2 spare for the broadcast query value), at most 4 blocks.
+constexpr int NB = std::clamp((REGS - 2) / (VPB * (GROUP + 1)), 1, 4);
+
+// Head-dimension vectors of the value sum per pass over the positions: GROUP x CH accumulators and
+// CH loaded values in registers; a divisor of HV.
+constexpr int ch_of(int limit) {
+  int c = std::clamp(limit, 1, HV);
+  while (HV % c) c--;
+  return c;
+}
+constexpr int CH = ch_of((REGS - 2) / (GROUP + 1));
+
+// Scores of the B blocks of 16 positions starting at l0 for every query head of the group.
+template <int B>
 static inline void score_block(const float (&qf)[GROUP][HD], const T* K, int64_t l0, float* scores, int64_t width) {
-  f16v acc[GROUP][NB] = {};
+  fv acc[GROUP][B][VPB] = {};
   const T* block = K + l0 * HD;  // l0 / 16 blocks of HD x 16
   for (int d = 0; d < HD; d++) {
-    f16v kv[NB];
-    for (int b = 0; b < NB; b++) kv[b] = load16(block + (b * HD + d) * 16);
+    fv kv[B][VPB];
+    for (int b = 0; b < B; b++)
+      for (int u = 0; u < VPB; u++) kv[b][u] = load(block + (b * HD + d) * BLOCK + u * W);
     for (int g = 0; g < GROUP; g++)
-      for (int b = 0; b < NB; b++) acc[g][b] += qf[g][d] * kv[b];
+      for (int b = 0; b < B; b++)
+        for (int u = 0; u < VPB; u++) acc[g][b][u] += qf[g][d] * kv[b][u];
   }
   for (int g = 0; g < GROUP; g++)
-    for (int b = 0; b < NB; b++) std::memcpy(scores + g * width + l0 + 16 * b, &acc[g][b], sizeof(f16v));
+    for (int b = 0; b < B; b++)
+      for (int u = 0; u < VPB; u++)
+        std::memcpy(scores + g * width + l0 + BLOCK * b + W * u, &acc[g][b][u], sizeof(fv));
 }
 
 extern "C" void decode_attention(const T* q, const T* kn, const T* vn, T* k, T* v, T* out, const int64_t* lens,
@@ -93,7 +122,7 @@ extern "C" void decode_attention(const T* q, const T* kn, const T* vn, T* k, T* 
       T* V = v + r * v_row + h * v_head;
       const int64_t last = n - 1;
       for (int d = 0; d < HD; d++) {
-        K[(last / 16 * HD + d) * 16 + last % 16] = kn[i * HD + d];
+        K[(last / BLOCK * HD + d) * BLOCK + last % BLOCK] = kn[i * HD + d];
         V[last * HD + d] = vn[i * HD + d];
       }
       const T* Q = q + i * GROUP * HD;
@@ -101,11 +130,11 @@ extern "C" void decode_attention(const T* q, const T* kn, const T* vn, T* k, T* 
       for (int g = 0; g < GROUP; g++)
         for (int d = 0; d < HD; d++) qf[g][d] = to_float(Q[g * HD + d]) * scale;
 
-      // Scores: four blocks at a time, then one; the last block's positions past n are
+      // Scores: NB blocks at a time, then one; the last block's positions past n are
       // computed (the cache holds finite values there) and never read.
       int64_t l = 0;
-      for (; l + 64 <= n; l += 64) score_block<4>(qf, K, l, scores, width);
-      for (; l < n; l += 16) score_block<1>(qf, K, l, scores, width);
+      for (; l + NB * BLOCK <= n; l += NB * BLOCK) score_block<NB>(qf, K, l, scores, width);
+      for (; l < n; l += BLOCK) score_block<1>(qf, K, l, scores, width);
 
       // Softmax per query head (n >= 1: a row attends at least to its own position).
       float inv[GROUP];
@@ -121,20 +150,22 @@ extern "C" void decode_attention(const T* q, const T* kn, const T* vn, T* k, T* 
         inv[g] = 1.0f / sum;
       }
 
-      // Probabilities times values: GROUP x HV vector accumulators.
-      f16v o[GROUP][HV] = {};
-      for (int64_t j = 0; j < n; j++) {
-        f16v vv[HV];
-        for (int c = 0; c < HV; c++) vv[c] = load16(V + j * HD + 16 * c);
-        for (int g = 0; g < GROUP; g++) {
-          const float p = scores[g * width + j];
-          for (int c = 0; c < HV; c++) o[g][c] += p * vv[c];
-        }
-      }
+      // Probabilities times values, CH head-dimension vectors at a time.
       T* O = out + i * GROUP * HD;
-      for (int g = 0; g < GROUP; g++)
-        for (int c = 0; c < HV; c++)
-          for (int e = 0; e < 16; e++) O[g * HD + 16 * c + e] = from_float(o[g][c][e] * inv[g]);
+      for (int c0 = 0; c0 < HV; c0 += CH) {
+        fv o[GROUP][CH] = {};
+        for (int64_t j = 0; j < n; j++) {
+          fv vv[CH];
+          for (int c = 0; c < CH; c++) vv[c] = load(V + j * HD + W * (c0 + c));
+          for (int g = 0; g < GROUP; g++) {
+            const float p = scores[g * width + j];
+            for (int c = 0; c < CH; c++) o[g][c] += p * vv[c];
+          }
+        }
+        for (int g = 0; g < GROUP; g++)
+          for (int c = 0; c < CH; c++)
+            for (int e = 0; e < W; e++) O[g * HD + W * (c0 + c) + e] = from_float(o[g][c][e] * inv[g]);
+      }
     }
     std::free(scores);
   }
