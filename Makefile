@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install install-vllm lint test test-all test-moe test-cluster test-gpu test-real test-tinker-cookbook test-verifiers test-vllm bench-vllm verifiers-example demo demo-moe demo-real real-model clean
+.PHONY: install install-vllm lint test test-all test-moe test-cluster test-gpu test-real test-tinker-cookbook test-verifiers test-vllm test-avx2 bench-vllm verifiers-example demo demo-moe demo-real real-model clean
 
 install: $(STAMP)
 
@@ -138,6 +138,14 @@ real-model: $(STAMP)
 # Tests marked real_model (tests/test_real_model.py), which `make test` deselects.
 test-real: real-model
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m real_model $(PYTEST_ARGS)
+
+# The code an AVX2-only CPU runs, run on this one (docs/performance.md, "Standing in for the
+# AVX2-only kind"): oneDNN and torch's kernels capped at AVX2, the engine's decode attention built
+# for x86-64-v3; the embedded engine's tests and the real model's (log-probabilities against HF).
+AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 AREAL_LITE_KERNEL_ARCH=x86-64-v3
+test-avx2: real-model
+	$(AVX2_ENV) OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "real_model or not (slow or cluster or verifiers or vllm or cookbook)" \
+		tests/test_local_engine.py tests/test_decode_attention.py tests/test_fsdp_utils.py tests/test_real_model.py $(PYTEST_ARGS)
 
 # GRPO on SmolLM2 (examples/smollm2_rl.py): held-out accuracy before and after, RESULT line.
 demo-real: real-model
