@@ -8,7 +8,8 @@ oneDNN, which runs the CPU's matrix products, can be capped at a lower instructi
 (``ONEDNN_MAX_CPU_ISA``): capped below AVX-512 BF16 it emulates bf16 as on a CPU without it (on the
 Zen 4 CPU: 0.9 GFLOP/s capped at ``AVX2``, 38 at ``AVX512_CORE``, 207 uncapped, fp32 ~90 in all
 three), so a cap counts as the CPU's kind here. That also lets one machine stand in for the AVX2-only
-kind (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``; docs/performance.md).
+kind (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``, with the decode kernel built by
+``AREAL_LITE_KERNEL_ARCH=x86-64-v3``: ``make test-avx2``; docs/performance.md).
 """
 
 from __future__ import annotations
