@@ -18,6 +18,7 @@ import torch
 from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.core import RolloutController, WorkflowError
+from areal_lite.core.episode_worker import EpisodeWorker
 from areal_lite.engines.local import LocalInferenceEngine
 from areal_lite.engines.remote import RemoteSGLangEngine
 from areal_lite.utils.tiny import build_tiny_model
@@ -126,6 +127,35 @@ def test_workflow_errors_and_unpicklable_workflows_are_reported(server: str) -> 
         e.destroy()
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_cancelled_episode_is_cancelled_in_the_child(server: str) -> None:
+    """Cancelling `run_episode` (the executor does so when it is destroyed) tells the child, whose
+    generation then stops on the server; the result the child may still send is dropped without
+    crashing the parent's reader thread, and later episodes run."""
+    config = InferenceEngineConfig(addresses=[server], request_timeout=60, setup_timeout=60)
+    worker = EpisodeWorker(config, functools.partial(RemoteSGLangEngine, config, control_servers=False))
+
+    async def go() -> None:
+        task = asyncio.ensure_future(worker.run_episode(Continue(3000), {"prompt": [7, 30]}))
+        while not await running_on(server):
+            assert not task.done(), "the episode ended before it was seen generating"
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 30
+        while await running_on(server):
+            assert time.monotonic() < deadline, "the child went on generating the cancelled episode"
+            await asyncio.sleep(0.05)
+        assert (await worker.run_episode(Continue(4), {"prompt": [7, 31]})) is not None
+
+    try:
+        asyncio.run(go())
+    finally:
+        worker.close()
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_killed_child_fails_rollouts_instead_of_hanging(server: str) -> None:
     e = controller(server, True)
     try:

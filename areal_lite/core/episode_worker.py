@@ -106,11 +106,11 @@ class EpisodeWorker:
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            if not future.done():
-                with self._lock:
-                    self._waiting.pop(seq, None)
-                    if self._dead is None:
-                        self._send(("cancel", seq))
+            # wrap_future has cancelled ``future`` already: whether the child still owes an
+            # answer is whether ``seq`` still waits
+            with self._lock:
+                if self._waiting.pop(seq, None) is not None and self._dead is None:
+                    self._send(("cancel", seq))
             raise
 
     def control(self, name: str, arg: object) -> Future:
@@ -150,11 +150,11 @@ class EpisodeWorker:
         while True:
             try:
                 kind, seq, *rest = pickle.loads(self._conn.recv_bytes())
-            except (EOFError, OSError):
+            except (EOFError, OSError, TypeError):  # TypeError: close() closed the pipe under us
                 break
             with self._lock:
                 future = self._waiting.pop(seq, None)
-            if future is None:  # cancelled meanwhile
+            if future is None or not future.set_running_or_notify_cancel():  # cancelled meanwhile
                 continue
             if kind == "error":
                 future.set_exception(rest[0])
@@ -169,7 +169,8 @@ class EpisodeWorker:
                 logger.error("%s", self._dead)
             waiting, self._waiting = self._waiting, {}
         for future in waiting.values():
-            future.set_exception(RuntimeError(self._dead))
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError(self._dead))
 
 
 # --------------------------------------------------------------------- child side
