@@ -172,6 +172,8 @@ def test_train_policy_then_optim_step_equals_ppo_update(model_dir, kind):
         await async_map(lambda i: train(a, samples[i], old[i], ref[i], adv[i]), range(8))
         stats = await a.optim_step()
         assert stats["clip_frac"] > 0 and stats["n_samples"] == 8
+        # the KL to the reference is reported where there is one (train_ppo takes none)
+        assert ("kl_ref" in stats) == (kind != "ppo"), sorted(stats)
 
         per_token_adv = [[x] * s.n_trained for x, s in zip(adv, samples)]
         batch = padded(samples, logprobs=old, prox_logp=old, ref_logp=ref, advantages=per_token_adv)

@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from areal_lite.api.config import RecoverConfig, SaverConfig, StatsLoggerConfig
 from areal_lite.api.io import GenerationConfig
@@ -26,6 +27,7 @@ from areal_lite.recipes import (
     async_map,
     shutdown,
 )
+from areal_lite.recipes.ppo import explained_variance
 from areal_lite.utils.tiny import build_tiny_model
 
 QUIET = StatsLoggerConfig(wandb_mode="disabled", console=False, tensorboard=False)
@@ -109,24 +111,38 @@ def test_grpo_runs_end_to_end(model_dir: str, tmp_path: Path) -> None:
 
 
 def test_ppo_trains_its_value_model(model_dir: str, tmp_path: Path) -> None:
-    """The reward depends on the prompt only (its last letter): a value model can learn it, so the
-    explained variance of the returns by the values rises (from about 0 to about 0.35 here)."""
+    """The reward depends on the prompt only (its last letter): a value model can learn it. Its
+    value at the first answer token explains 0.74-0.88 of the rewards' variance over the prompts
+    after training (8 runs), about 0 before; the logged explained variance (over a batch's
+    tokens, a noisy 32-sample estimate) rises from about 0 to 0.13-0.45."""
     items = [StringThread([("user", p[:-1])], {"reward": float(p[-2] in "abcd")}) for p in prompts(64, 2)]
     grader = FunctionGrader(lambda t: float(t.metadata["reward"]))  # type: ignore[arg-type]
+    rewards = torch.tensor([float(t.metadata["reward"]) for t in items])
 
     async def go() -> None:
         policy = await ModelBuilder(model_dir, config()).spawn_train("ppo_policy")
         value = await ModelBuilder(model_dir, config()).spawn_value("ppo_value")
+
+        async def explained() -> float:
+            async def first_value(t: StringThread) -> float:
+                return (await value.values_per_token(await value.tokenize_thread(t.assistant("x"))))[0]
+
+            return explained_variance(torch.tensor(await async_map(first_value, items)), rewards)
+
+        before = await explained()
         ppo = PPO(
             items, policy, value, grader, lr_policy=1e-4, lr_value=1e-2, kl_beta=0.0, samples_per_batch=32,
             max_num_ppo_steps=10, samples_per_mini_batch=8, mini_epochs_per_batch=2, lam=1.0, value_clip_range=None,
             run_config=RecipeRunConfig(output_dir=str(tmp_path), stats_logger=QUIET),
         )  # fmt: skip
         await ppo.run()
+        after = await explained()
+        assert before < 0.1 and after > 0.5, (before, after)
         ev = [h["value/explained_variance"] for h in ppo.history]
         late = sum(ev[-3:]) / 3
-        assert late > 0.2 and late > ev[0] + 0.2, ev
+        assert late > 0.1 and late > ev[0] + 0.1, ev
         assert all(k in ppo.history[-1] for k in ("loss", "value/loss", "clip_frac", "value/grad_norm"))
+        assert "kl_ref" not in ppo.history[-1], "no reference model: no KL to one"
         await shutdown(policy, value)
 
     asyncio.run(go())

@@ -119,6 +119,9 @@ class PolicyLoss(Loss):
     kl_beta: float = 0.0
     kl_estimator: str = "k3"
     loss_agg: str = "token-mean"
+    reference: bool = True
+    """Whether the rows' ``ref_logp`` are a reference policy's (False: placeholders, so that the
+    actor neither reports ``kl_ref`` nor lets the logger warn about it)."""
 
     name: ClassVar[str] = "policy"
     keys: ClassVar[tuple[str, ...]] = ("advantages", "prox_logp", "behav_logp", "ref_logp")
@@ -140,6 +143,8 @@ class PolicyLoss(Loss):
 
     def accumulate(self, engine: TrainEngine, batch: TensorDict) -> dict[str, float]:
         actor = self.actor(engine)
+        if not self.reference:
+            batch = batch.exclude("ref_logp")
         return self._forward_backward(engine, batch, actor.loss_fn, actor.loss_weight)
 
 

@@ -252,9 +252,9 @@ class TrainingModel(_Trainable):
         sample = self._trainable(sample, "train_ppo")
         lp = per_token("logprobs", logprobs, sample)
         adv = per_token("advantages", advantages, sample)
-        zeros = [0.0] * len(lp)
+        zeros = [0.0] * len(lp)  # no reference: the loss drops these
         row = train_row(sample, advantages=adv, prox_logp=lp, behav_logp=lp, ref_logp=zeros)
-        self._queue(PolicyLoss(eps_clip=clip_range), row)
+        self._queue(PolicyLoss(eps_clip=clip_range, reference=False), row)
 
     async def train_grpo(
         self,
