@@ -32,6 +32,7 @@ the child exits when the pipe closes, so a killed trainer leaves no orphan.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -110,7 +111,8 @@ class EpisodeWorker:
             # answer is whether ``seq`` still waits
             with self._lock:
                 if self._waiting.pop(seq, None) is not None and self._dead is None:
-                    self._send(("cancel", seq))
+                    with contextlib.suppress(RuntimeError):  # the child is gone: nothing to cancel
+                        self._send(("cancel", seq))
             raise
 
     def control(self, name: str, arg: object) -> Future:
