@@ -5,6 +5,7 @@ land between steps with every token tagged by the version that produced it."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -534,6 +535,26 @@ def test_engine_failure_fails_the_running_requests_and_keeps_serving(model_path:
         with pytest.raises(GenerationError, match="injected failure"):
             generate_all(eng, [([1, 2], SamplingParams(max_new_tokens=50, ignore_eos=True))])
         r = generate_all(eng, [([1, 2], SamplingParams(max_new_tokens=5, ignore_eos=True))])[0]
+        assert len(r.output_ids) == 5
+    finally:
+        eng.destroy()
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_command_its_caller_gave_up_leaves_the_scheduler_serving(model_path: str) -> None:
+    """A weight update or adapter call whose caller cancelled the future (an HTTP handler
+    cancelled, an asyncio timeout) still runs; its result is dropped, and the scheduler thread goes
+    on instead of dying on setting it."""
+    eng = make_engine(model_path)
+    try:
+        hold = threading.Event()
+        first = eng.scheduler._run_in_scheduler(lambda: hold.wait(30))  # keeps the thread busy
+        given_up = eng.scheduler._run_in_scheduler(lambda: "nobody reads this")
+        assert given_up.cancel()
+        hold.set()
+        assert first.result(timeout=30) is True
+        generation = eng.scheduler.generate([1, 2], SamplingParams(max_new_tokens=5, ignore_eos=True))
+        r = asyncio.run(asyncio.wait_for(generation, 60))  # a dead scheduler thread would hang it
         assert len(r.output_ids) == 5
     finally:
         eng.destroy()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -316,6 +317,37 @@ def test_concurrent_calls_are_packed(model_dir):
         stats = await model.optim_step()
         assert calls["forward_backward"] == 3, "one pass per kind of loss"
         assert "sft/loss" in stats and "policy/loss" in stats and stats["n_samples"] == 20
+        await shutdown(model)
+
+    run(go())
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_cancelled_calls_leave_the_engine_thread_serving(model_dir):
+    """Calls cancelled while they wait for the engine thread (a timeout, a failed task in a task
+    group) are dropped when they finish there: the thread goes on serving the next calls instead of
+    dying on setting a result nobody awaits (which hung every later call)."""
+
+    async def go():
+        model = await ModelBuilder(model_dir, sgd_config()).spawn_train("cancelled")
+        samples = random_samples(8, seed=6)
+        expected = await async_map(model.logprobs_per_token, samples)
+        slow, release = model.engine.forward, threading.Event()
+
+        def held(*args, **kwargs):
+            release.wait(30)
+            return slow(*args, **kwargs)
+
+        model.engine.forward = held
+        tasks = [asyncio.ensure_future(model.logprobs_per_token(s)) for s in samples]
+        await asyncio.sleep(0.5)  # the calls are in the engine thread, inside forward
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        release.set()
+        model.engine.forward = slow
+        again = await asyncio.wait_for(async_map(model.logprobs_per_token, samples), 60)
+        assert [a == pytest.approx(e, abs=1e-5) for a, e in zip(again, expected)] == [True] * len(samples)
         await shutdown(model)
 
     run(go())

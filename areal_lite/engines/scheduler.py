@@ -26,6 +26,7 @@ it to the `InferenceEngine` contract.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import glob
 import logging
@@ -34,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,11 +58,16 @@ logger = logging.getLogger(__name__)
 
 
 def _complete(fut: Future, fn: Callable[[], object]) -> None:
-    """Run ``fn`` and put its result, or the exception it raised, into ``fut``."""
+    """Run ``fn`` and put its result, or the exception it raised, into ``fut`` (unless whoever
+    waited on it cancelled it meanwhile: ``fn`` has run, and the scheduler thread goes on)."""
     try:
-        fut.set_result(fn())
+        result = fn()
     except Exception as e:  # noqa: BLE001 - whoever waits on the future gets it
-        fut.set_exception(e)
+        with contextlib.suppress(InvalidStateError):
+            fut.set_exception(e)
+    else:
+        with contextlib.suppress(InvalidStateError):
+            fut.set_result(result)
 
 
 def _in_thread(fn: Callable[[], None], name: str) -> Future[None]:
@@ -150,7 +156,8 @@ class Scheduler:
             seq.deliver(seq.result({"type": "abort", "message": "engine stopped"}))
         self._waiting.clear()
         for _, fut in self._commands:
-            fut.set_exception(RuntimeError("the scheduler was stopped before this command ran"))
+            with contextlib.suppress(InvalidStateError):  # its caller gave it up
+                fut.set_exception(RuntimeError("the scheduler was stopped before this command ran"))
         self._commands.clear()
         self._group = None
         self.model = None

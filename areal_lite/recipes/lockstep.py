@@ -24,11 +24,12 @@ one ``async_map`` land in one batch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -176,11 +177,12 @@ class EngineThread:
                 assert call is not None
                 self._remove(call)
                 asked = ", ".join(f"rank {i}: {h!r}" for i, h in enumerate(heads))
-                call.future.set_exception(
-                    RuntimeError(
+                _settle(
+                    call.future,
+                    error=RuntimeError(
                         f"the ranks asked for different collective operations ({asked}); every rank must "
                         "call optim_step, save, clone_inf and close in the same order"
-                    )
+                    ),
                 )
             else:
                 if call is not None and not warned and time.monotonic() - call.submitted > _WAIT_WARN_S:
@@ -198,9 +200,11 @@ class EngineThread:
     def _run_call(self, call: _Request) -> None:
         self._remove(call)
         try:
-            call.future.set_result(call.fn())  # type: ignore[misc]
+            result = call.fn()  # type: ignore[misc]
         except BaseException as e:  # noqa: BLE001 - the caller gets it
-            call.future.set_exception(e)
+            _settle(call.future, error=e)
+        else:
+            _settle(call.future, result)
 
     def _run_packed(self, key: str) -> None:
         with self._cond:
@@ -220,10 +224,20 @@ class EngineThread:
             if not taken:  # nobody on this rank waits for it: say so, or it would go unseen
                 logger.exception("%s failed on a rank that joined it for the others", key)
             for r in taken:
-                r.future.set_exception(e)
+                _settle(r.future, error=e)
             return
         for r, result in zip(taken, results):
-            r.future.set_result(result)
+            _settle(r.future, result)
+
+
+def _settle(future: Future, result: object = None, error: BaseException | None = None) -> None:
+    """Complete ``future``, unless its caller cancelled it meanwhile (an asyncio timeout, a failed
+    task group): the call still ran, in step with the other ranks; nobody wants its result."""
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 _THREAD: EngineThread | None = None
