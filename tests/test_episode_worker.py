@@ -27,12 +27,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 from episode_workflows import Continue, HoldsALock, SignalsProgress, all_exist
 from inference_servers import perturbed_copy, running_on, start_servers, stop_servers
 
+LONG = 8000
+"""Tokens of a generation that runs for seconds (about 11 s on one thread here)."""
+
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_model(
-        str(tmp_path_factory.mktemp("episodes") / "m"), hidden_size=32, num_layers=2, vocab_size=260
-    )
+        str(tmp_path_factory.mktemp("episodes") / "m"), hidden_size=32, num_layers=2, vocab_size=260,
+        max_position_embeddings=LONG + 64,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -136,18 +140,19 @@ def test_a_cancelled_episode_is_cancelled_in_the_child(server: str) -> None:
     worker = EpisodeWorker(config, functools.partial(RemoteSGLangEngine, config, control_servers=False))
 
     async def go() -> None:
-        task = asyncio.ensure_future(worker.run_episode(Continue(3000), {"prompt": [7, 30]}))
+        task = asyncio.ensure_future(worker.run_episode(Continue(LONG), {"prompt": [7, 30]}))
         while not await running_on(server):
             assert not task.done(), "the episode ended before it was seen generating"
             await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 3  # left alone, the generation would run for seconds more
         while await running_on(server):
             assert time.monotonic() < deadline, "the child went on generating the cancelled episode"
             await asyncio.sleep(0.05)
-        assert (await worker.run_episode(Continue(4), {"prompt": [7, 31]})) is not None
+        later = worker.run_episode(Continue(4), {"prompt": [7, 31]})
+        assert (await asyncio.wait_for(later, 60)) is not None, "the episode after the cancelled one"
 
     try:
         asyncio.run(go())
