@@ -120,6 +120,28 @@ def test_shared_prefix_layout_and_tree_attention(
     )
 
 
+def test_groups_whose_prompts_start_alike_each_share_their_own_prompt() -> None:
+    """GRPO groups whose prompts begin with the same words ("What is ...", a system prompt): each
+    group's whole prompt is shared by its samples, not only the words all groups begin with (one
+    tree of all 32 sequences would save 3 tokens per sequence instead of 15)."""
+    common = [7, 7, 7]
+    seqs = [common + [g] * 12 + [100 + s, 200 + s] for g in range(4) for s in range(8)]
+    ids = torch.tensor([t for s in seqs for t in s])
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    cu = torch.tensor([0, *itertools.accumulate(len(s) for s in seqs)], dtype=torch.int32)
+    tree = shared_prefix_layout(ids, pos, cu)
+    assert tree is not None
+    assert (tree.cu_seqlens[1:] - tree.cu_seqlens[:-1]).tolist() == [15 + 8 * 2] * 4
+    assert torch.equal(tree.input_ids[tree.token_index], ids) and torch.equal(tree.position_ids[tree.token_index], pos)
+    # A group whose samples end within the shared words still shares them with its neighbours.
+    seqs = [common + [1], common + [2], common + [3, 4], common + [3, 5]]
+    ids = torch.tensor([t for s in seqs for t in s])
+    cu = torch.tensor([0, *itertools.accumulate(len(s) for s in seqs)], dtype=torch.int32)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    tree = shared_prefix_layout(ids, pos, cu)
+    assert tree is not None and tree.input_ids.tolist() == [7, 7, 7, 1, 2, 3, 4, 3, 5]
+
+
 @pytest.mark.parametrize("lens", [[5, 1, 9, 3], [7, 8, 6, 8, 7]], ids=["loop", "padded"])
 def test_varlen_attention_of_bf16_inputs_is_computed_in_fp32(lens: list[int]) -> None:
     torch.manual_seed(0)

@@ -51,31 +51,51 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _groups(seqs: list[list[int]], min_shared: int) -> list[tuple[list[int], int]]:
+    """Runs of consecutive sequences, each with the prefix length its members share, chosen to
+    save the most tokens: a run of ``m`` sequences sharing ``s`` tokens saves ``(m - 1) * s``.
+
+    Taking the longest run first is not that: GRPO prompts that start alike ("What is ...", a
+    chat template's system prompt) would make the whole micro-batch one run sharing those few
+    tokens, and every group's own prompt would be computed once per sample again (measured: 93
+    tokens saved of 2536 instead of 428, 4 groups of 8 with 15-token prompts). A run shares the
+    common prefix of all its members (the shortest of its neighbours' common prefixes), at least
+    ``min_shared`` tokens, and leaves each member at least one token of its own; a lone sequence
+    shares nothing. Dynamic programming over where runs end, ``O(n^2)`` in the number of
+    sequences: cheap at micro-batch sizes."""
+    n = len(seqs)
+    neighbours = [_common_prefix(seqs[k], seqs[k + 1]) for k in range(n - 1)]
+    saved = [0] * (n + 1)  # saved[e]: the most tokens saved by runs over the first e sequences
+    start = list(range(-1, n))  # where the last run of that choice starts (a lone sequence: e - 1)
+    shared_of = [0] + [len(s) for s in seqs]  # what that run shares (a lone sequence: all of it)
+    for e in range(1, n + 1):
+        saved[e] = saved[e - 1]
+        shared = len(seqs[e - 1]) - 1
+        for i in range(e - 2, -1, -1):  # the run seqs[i:e]
+            shared = min(shared, neighbours[i], len(seqs[i]) - 1)
+            if shared < min_shared:
+                break
+            if saved[i] + (e - 1 - i) * shared > saved[e]:
+                saved[e], start[e], shared_of[e] = saved[i] + (e - 1 - i) * shared, i, shared
+    groups: list[tuple[list[int], int]] = []
+    e = n
+    while e > 0:
+        groups.append((list(range(start[e], e)), shared_of[e]))
+        e = start[e]
+    return groups[::-1]
+
+
 def shared_prefix_layout(
     input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, min_shared: int = 2
 ) -> SharedPrefixLayout | None:
     """The tree layout of a packed micro-batch: runs of consecutive sequences whose common prefix is
-    at least ``min_shared`` tokens share it (every suffix keeps at least one token). None when no
-    two sequences share, so that the caller runs the ordinary layout."""
+    at least ``min_shared`` tokens share it (every suffix keeps at least one token), the runs chosen
+    to save the most tokens (`_groups`). None when no two sequences share, so that the caller runs
+    the ordinary layout."""
     cu = cu_seqlens.tolist()
     ids = input_ids.tolist()
     seqs = [ids[s:e] for s, e in itertools.pairwise(cu)]
-    # Groups of consecutive sequences and the length each shares: the shortest common prefix
-    # with the group's first sequence, at most the shortest length - 1.
-    groups: list[tuple[list[int], int]] = []
-    i = 0
-    while i < len(seqs):
-        members, shared = [i], len(seqs[i])
-        j = i + 1
-        while j < len(seqs):
-            common = min(shared, _common_prefix(seqs[i], seqs[j]), len(seqs[j]) - 1, len(seqs[i]) - 1)
-            if common < min_shared:
-                break
-            members.append(j)
-            shared = common
-            j += 1
-        groups.append((members, shared if len(members) > 1 else len(seqs[i])))
-        i = j
+    groups = _groups(seqs, min_shared)
     if all(len(members) == 1 for members, _ in groups):
         return None
 
