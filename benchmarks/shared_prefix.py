@@ -5,9 +5,12 @@ times. With ``shared_prefix`` every group becomes one tree sequence (prompt once
 completion; `areal_lite.utils.shared_prefix`), with the same results. Rows: one `PPOActor.ppo_update`
 (forward, backward, AdamW step) of the same batch with the ordinary packed layout and with the
 shared prefix, alternating, on the quickstart's model size (hidden 128, 4 layers) and batch
-(32 prompts x 8 samples) at two prompt lengths: the quickstart's 6 tokens with 1-5 completion
-tokens, and a chat-like 200-token prompt with 20-200 completion tokens. Times are medians per
-update, in CPU-seconds of this process (stable when other jobs share the cores). The last line is
+(32 prompts x 8 samples) in three workloads: the quickstart's 6-token prompts with 1-5 completion
+tokens, chat-like 200-token prompts with 20-200 completion tokens, and the same with the first 40
+tokens of every prompt alike (``system``: a chat template's system turn, which every group shares
+but only the group's samples share the rest; each group is still one tree of its whole prompt).
+Times are medians per update, in CPU-seconds of this process (stable when other jobs share the
+cores). The last line is
 ``RESULT short_speedup=<plain / shared> long_speedup=<...> short_tokens=<shared / plain> ...``.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/shared_prefix.py [--steps 8]``.
@@ -29,12 +32,16 @@ from areal_lite.api.io import FinetuneSpec, MicroBatchSpec
 from areal_lite.utils.tiny import build_tiny_model
 
 
-def grpo_batch(n_prompts: int, group: int, prompt_len: int, completion: tuple[int, int], vocab: int) -> TensorDict:
-    """Rows of ``group`` samples per prompt, completions of random lengths in ``completion``."""
+def grpo_batch(
+    n_prompts: int, group: int, prompt_len: int, completion: tuple[int, int], vocab: int, common: int = 0
+) -> TensorDict:
+    """Rows of ``group`` samples per prompt, completions of random lengths in ``completion``; the
+    first ``common`` tokens of every prompt are the same (a chat template's system turn)."""
     g = torch.Generator().manual_seed(0)
+    start = torch.randint(3, vocab, (common,), generator=g)
     rows = []
     for _ in range(n_prompts):
-        prompt = torch.randint(3, vocab, (prompt_len,), generator=g)
+        prompt = torch.cat([start, torch.randint(3, vocab, (prompt_len - common,), generator=g)])
         for _ in range(group):
             n = int(torch.randint(completion[0], completion[1] + 1, (1,), generator=g))
             rows.append((prompt, torch.randint(3, vocab, (n,), generator=g)))
@@ -85,12 +92,13 @@ def main() -> None:
         tempfile.mkdtemp(), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512
     )
     vocab = AutoConfig.from_pretrained(path).vocab_size
-    workloads = {"short": (6, (1, 5), 1), "long": (200, (20, 200), 8)}  # prompt, completion range, micro-batches
+    # prompt length, completion lengths, micro-batches, tokens every prompt starts with
+    workloads = {"short": (6, (1, 5), 1, 0), "long": (200, (20, 200), 8, 0), "system": (200, (20, 200), 8, 40)}
     results: dict[str, dict[bool, float]] = {}
     tokens: dict[str, dict[bool, int]] = {}
     print(f"{'workload':<8}{'layout':<16}{'tokens/update':>14}{'s/update':>10}")
-    for name, (prompt_len, completion, n_mbs) in workloads.items():
-        batch = grpo_batch(32, 8, prompt_len, completion, vocab)
+    for name, (prompt_len, completion, n_mbs, common) in workloads.items():
+        batch = grpo_batch(32, 8, prompt_len, completion, vocab, common)
         actors = {shared: make_actor(path, shared, n_mbs) for shared in (False, True)}
         times: dict[bool, list[float]] = {False: [], True: []}
         for actor in actors.values():
