@@ -168,7 +168,8 @@ class TrainEngineConfig:
     shared_prefix: bool = False
     """FSDP with attn_impl=sdpa: run the prefix that consecutive sequences of a micro-batch share
     (a GRPO group's prompt) through the model once, as a tree with one branch per sequence
-    (`areal_lite.utils.shared_prefix`); the results are those of the ordinary forward. With
+    (`areal_lite.utils.shared_prefix`; where groups' prompts start alike, e.g. with a system turn,
+    the trees are chosen to save the most tokens); the results are those of the ordinary forward. With
     several micro-batches, set ``mb_spec.granularity`` to the group size so none is cut apart
     (benchmarks/shared_prefix.py)."""
     tensor_parallel_size: int = field(default=1, metadata=at_least(1))
