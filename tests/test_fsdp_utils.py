@@ -75,6 +75,14 @@ def test_varlen_attention_equals_block_causal_mask(lens: list[int]) -> None:
         varlen_sdpa_attention(torch.nn.Module(), q, k, v, None)
 
 
+def packed(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``seqs`` as a packed micro-batch: input ids, position ids restarting per sequence, cu_seqlens."""
+    ids = torch.tensor([t for s in seqs for t in s])
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    cu = torch.tensor([0, *itertools.accumulate(len(s) for s in seqs)], dtype=torch.int32)
+    return ids, pos, cu
+
+
 @pytest.mark.parametrize("dense_max", [128, 0], ids=["dense-mask", "rows"])
 @pytest.mark.parametrize("tail", [[], [list(range(30, 50))]], ids=["trees", "with-a-long-unshared-sequence"])
 def test_shared_prefix_layout_and_tree_attention(
@@ -85,9 +93,7 @@ def test_shared_prefix_layout_and_tree_attention(
     token_index, equals attention over the packed sequences, gradients included."""
     monkeypatch.setattr(varlen_attention, "DENSE_TREE_MAX", dense_max)
     seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 3, 4, 7, 8], [9, 9, 9, 9], [5, 6, 1], [5, 6, 2, 3], *tail]
-    ids = torch.tensor([t for s in seqs for t in s])
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])
-    cu = torch.tensor([0, *itertools.accumulate(len(s) for s in seqs)], dtype=torch.int32)
+    ids, pos, cu = packed(seqs)
     tree = shared_prefix_layout(ids, pos, cu)
     assert tree is not None
     lens = [3 + 2 + 1 + 3, 4, 2 + 1 + 2] + [len(s) for s in tail]
@@ -126,18 +132,14 @@ def test_groups_whose_prompts_start_alike_each_share_their_own_prompt() -> None:
     tree of all 32 sequences would save 3 tokens per sequence instead of 15)."""
     common = [7, 7, 7]
     seqs = [common + [g] * 12 + [100 + s, 200 + s] for g in range(4) for s in range(8)]
-    ids = torch.tensor([t for s in seqs for t in s])
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])
-    cu = torch.tensor([0, *itertools.accumulate(len(s) for s in seqs)], dtype=torch.int32)
+    ids, pos, cu = packed(seqs)
     tree = shared_prefix_layout(ids, pos, cu)
     assert tree is not None
     assert (tree.cu_seqlens[1:] - tree.cu_seqlens[:-1]).tolist() == [15 + 8 * 2] * 4
     assert torch.equal(tree.input_ids[tree.token_index], ids) and torch.equal(tree.position_ids[tree.token_index], pos)
     # A group whose samples end within the shared words still shares them with its neighbours.
     seqs = [common + [1], common + [2], common + [3, 4], common + [3, 5]]
-    ids = torch.tensor([t for s in seqs for t in s])
-    cu = torch.tensor([0, *itertools.accumulate(len(s) for s in seqs)], dtype=torch.int32)
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    ids, pos, cu = packed(seqs)
     tree = shared_prefix_layout(ids, pos, cu)
     assert tree is not None and tree.input_ids.tolist() == [7, 7, 7, 1, 2, 3, 4, 3, 5]
 
