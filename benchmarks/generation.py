@@ -14,6 +14,10 @@ group (trainer rank 0 in a thread of this process, the engine at rank 1).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/generation.py [--skip-sync]
 
+On a GPU (``--device cuda``, with ``--skip-sync``: part 2 is a CPU measurement) both sides run on
+it, in ``--dtype``. ``--model DIR`` replaces the tiny model with a HF directory's; one holding
+only a config and a tokenizer (SmolLM2-135M's, say) gets random weights of that shape.
+
 (One thread: on a loaded 2-core machine, two OpenMP threads per process made HF generation 10x
 slower, which would flatter the engine.)
 """
@@ -34,7 +38,8 @@ from areal_lite.api.io import ParamSpec, WeightUpdateMeta
 from areal_lite.engines.local import LocalInferenceEngine
 from areal_lite.engines.request import SamplingParams
 from areal_lite.utils.distributed import find_free_port, init_custom_process_group
-from areal_lite.utils.tiny import build_tiny_model
+from areal_lite.utils.precision import cpu_kind
+from areal_lite.utils.tiny import build_tiny_model, with_random_weights
 
 REPEATS = 5
 """Each throughput is the best of this many runs, the engine's and HF's alternating (the machine is
@@ -64,7 +69,8 @@ def engine_runner(engine: LocalInferenceEngine, requests: list[tuple[list[int], 
 
 
 def hf_runner(model: torch.nn.Module, requests: list[tuple[list[int], int]]) -> Callable[[], int]:
-    """One left-padded ``model.generate`` call over ``requests``; returns the requested tokens."""
+    """One left-padded ``model.generate`` call over ``requests`` (on the model's device); returns
+    the requested tokens."""
     pad = model.generation_config.pad_token_id
     width = max(len(p) for p, _ in requests)
     ids = torch.full((len(requests), width), pad)
@@ -73,12 +79,15 @@ def hf_runner(model: torch.nn.Module, requests: list[tuple[list[int], int]]) -> 
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     max_new = max(m for _, m in requests)
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
 
     def run() -> int:
         with torch.no_grad():
-            model.generate(
+            out = model.generate(
                 ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=True, top_k=0
             )
+        out.cpu()  # waits for the device
         return sum(m for _, m in requests)
 
     return run
@@ -137,21 +146,30 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--model", help="a HF directory instead of the tiny model (random weights if it has none)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides run")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both sides' dtype")
     parser.add_argument("--skip-sync", action="store_true", help="skip the ~100M-parameter weight-sync part")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
-        path = build_tiny_model(f"{workdir}/model", hidden_size=args.hidden, num_layers=args.layers, vocab_size=512)
+        if args.model:
+            path = with_random_weights(args.model, f"{workdir}/model")
+        else:
+            path = build_tiny_model(f"{workdir}/model", hidden_size=args.hidden, num_layers=args.layers, vocab_size=512)
         from transformers import AutoModelForCausalLM
 
-        engine = LocalInferenceEngine(LocalEngineConfig(path=path))
+        engine = LocalInferenceEngine(LocalEngineConfig(path=path, device=args.device, dtype=args.dtype))
         engine.initialize()
-        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
         requests = make_requests(args.requests, seed=0, vocab=400, prompt_len=(8, 64), output_len=(8, 128))
         # The CPU demo's RL step: many short requests.
         rl_requests = make_requests(256, seed=1, vocab=400, prompt_len=(10, 20), output_len=(10, 30))
         engine_tps, hf_tps = best_throughputs([engine_runner(engine, requests), hf_runner(model, requests)])
         rl_engine_tps, rl_hf_tps = best_throughputs([engine_runner(engine, rl_requests), hf_runner(model, rl_requests)])
         engine.destroy()
+        where = torch.cuda.get_device_name() if args.device == "cuda" else cpu_kind()
+        shape = args.model or f"hidden {args.hidden}, {args.layers} layers"
+        print(f"{where}; {args.dtype}; {shape}")
         print(f"{'tokens/s':<28}{'engine':>10}{'HF generate':>13}{'ratio':>8}")
         for name, e, h in [
             (f"{args.requests} mixed requests", engine_tps, hf_tps),

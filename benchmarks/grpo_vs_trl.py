@@ -40,6 +40,13 @@ step time after ``--warmup`` steps, the best round's. The last line is
     OMP_NUM_THREADS=1 python benchmarks/grpo_vs_trl.py [--steps 8] [--repeats 1] [--model 20m|smollm2]
         [--lora 16] [--dtype float32|bfloat16]
 
+On a GPU (``--device cuda``) both sides train and generate on it (TRL without ``use_cpu``, our
+engine with ``local_engine.device=cuda``; the trainer takes the GPU where there is one); the
+thread count is then the CPU threads of each side's Python and launch work, e.g.
+``--threads-list 4``. ``--model DIR`` takes any HF directory; one holding only a config and a
+tokenizer gets random weights (seeded): SmolLM2-135M's config and tokenizer (a few MB) stand in
+for the model where its package cannot be installed.
+
 On SmolLM2 keep runs short, e.g. ``--model smollm2 --prompts 2 --group 4 --tokens 32 --steps 3
 --warmup 2`` (a step of it is tens of CPU-seconds on each side). Keep two warm-up steps there: our
 trainer's first two steps grow its heap to the step's peak (about 0.4 million page faults each on
@@ -114,7 +121,7 @@ def run_trl(path: str, args: argparse.Namespace) -> tuple[list[float], list[floa
         max_steps=args.steps + args.warmup,
         gradient_checkpointing=False,
         use_vllm=False,
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
         bf16=args.dtype == "bfloat16",
         report_to="none",
         logging_steps=1,
@@ -194,6 +201,7 @@ def run_ours(path: str, args: argparse.Namespace, eta: int) -> tuple[list[float]
             LocalEngineConfig(
                 path=path,
                 dtype=args.dtype,
+                device=args.device,
                 max_running_requests=2 * args.prompts * args.group,
                 # Generation beside training (async) on its own share of the threads, if asked.
                 num_threads=args.async_engine_threads if args.side == "async_split" else 0,
@@ -255,8 +263,9 @@ def launch(side: str, threads: int, model: str, args: argparse.Namespace) -> tup
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--prompts", str(args.prompts)]
     cmd += ["--group", str(args.group), "--tokens", str(args.tokens)]
     cmd += [] if args.shared_prefix else ["--no-shared-prefix"]
-    cmd += ["--async-engine-threads", str(args.async_engine_threads)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false"}
+    cmd += ["--async-engine-threads", str(args.async_engine_threads), "--device", args.device]
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("WORKER ")]
     if out.returncode != 0 or not lines:
@@ -275,7 +284,10 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads-list", default="1,2")
-    parser.add_argument("--model", choices=("20m", "smollm2"), default="20m")
+    parser.add_argument(
+        "--model", default="20m", help="20m, smollm2, or a HF directory (random weights if it holds none)"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides run")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank on both sides (0: all parameters)")
     parser.add_argument(
@@ -297,7 +309,7 @@ def main() -> None:
         return
 
     from areal_lite.utils.precision import cpu_kind
-    from areal_lite.utils.tiny import build_tiny_model
+    from areal_lite.utils.tiny import build_tiny_model, with_random_weights
 
     threads = [int(t) for t in args.threads_list.split(",")]
     best: dict[tuple[str, int], float] = {}
@@ -308,19 +320,26 @@ def main() -> None:
             from areal_lite.utils.pretrained import smollm2_dir
 
             model = smollm2_dir()
-        else:
+        elif args.model == "20m":
             model = build_tiny_model(f"{tmp}/model", **MODEL)
+        else:
+            model = with_random_weights(args.model, f"{tmp}/model")
         configs = [
             (side, t) for t in threads for side in SIDES if side != "async_split" or 0 < args.async_engine_threads < t
         ]
         for r in range(args.repeats):
             for side, t in configs if r % 2 == 0 else reversed(configs):
                 seconds, n, train_s = launch(side, t, model, args)
+                print(f"{side} at {t} thread(s): {seconds:.2f} s/step, {n:.0f} tokens/step", flush=True)
                 if seconds < best.get((side, t), float("inf")):
                     best[side, t], train[side, t] = seconds, train_s
                 tokens[side, t] = n
-    name = {"20m": "20M Qwen2", "smollm2": "SmolLM2-135M-Instruct"}[args.model]
+    name = {"20m": "20M Qwen2", "smollm2": "SmolLM2-135M-Instruct"}.get(args.model, args.model)
     mode = f"LoRA rank {args.lora}" if args.lora else "all parameters"
+    if args.device == "cuda":
+        import torch
+
+        print(f"GPU: {torch.cuda.get_device_name()}; ", end="")
     print(f"CPU: {cpu_kind()}; load {os.getloadavg()[0]:.1f}")
     print(
         f"{args.prompts} prompts x {args.group} samples x {args.tokens} tokens per step, {name}, {args.dtype}, {mode}"
@@ -354,6 +373,7 @@ def main() -> None:
     ours_best = min(best[c] for c in ours)
     result = [
         f"model={args.model}",
+        f"device={args.device}",
         f"dtype={args.dtype}",
         f"lora={args.lora}",
         f"best_over_trl={trl_best / ours_best:.2f}",

@@ -161,6 +161,23 @@ def build_tiny_model(
     return save_dir
 
 
+def with_random_weights(path: str, out_dir: str, *, seed: int = 0) -> str:
+    """``path`` if it holds weights; else ``out_dir``: a copy of its files (a config and a
+    tokenizer) with random weights drawn by transformers' own initialisation. A pretrained
+    model's config and tokenizer (a few MB) then stand in for its weights where they cannot be
+    had: the same shapes, so the same work per token."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if any(name.endswith((".safetensors", ".bin")) for name in os.listdir(path)):
+        return path
+    shutil.copytree(path, out_dir)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).save_pretrained(out_dir)
+    return out_dir
+
+
 def teach(model_dir: str, sequences: list[tuple[list[int], list[int]]], *, lr: float, max_steps: int = 400) -> None:
     """Fine-tune the model in ``model_dir`` on ``(input_ids, loss_mask)`` sequences until greedy
     decoding reproduces each one's trained tokens (``loss_mask`` 1) at a loss below 0.05, and save

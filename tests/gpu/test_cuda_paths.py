@@ -20,7 +20,9 @@ from areal_lite.utils.tiny import build_tiny_model
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("fsdp_nccl_worker.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+"""The repository first, then whatever the caller's path held (packages installed with --target)."""
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": PYTHONPATH}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The checks for a GPU machine, most important first, each bounded in time so that one that hangs
+# leaves time to the rest: `make test-gpu`'s tests, then generation and the GRPO step against HF
+# generate and TRL on the GPU. Each stage's whole log goes to OUTDIR/<stage>.log; the end of each
+# is printed here.
+#
+#     benchmarks/gpu_checks.sh [OUTDIR]       (default: gpu-checks; PY=python to choose the Python)
+#
+# It runs from the repository without installing it (PYTHONPATH), with whatever Python has torch
+# with CUDA and the package's dependencies (and `trl` for the last stages).
+# MODEL_DIR (default .gpu/smollm2-config) is SmolLM2-135M-Instruct's config and tokenizer without
+# weights (the benchmarks draw random ones: same shapes, same work) where the model itself cannot
+# be had; `make real-model` builds the full directory (then pass that instead).
+set -u
+OUTDIR=${1:-gpu-checks}
+PY=${PY:-python3}
+MODEL_DIR=${MODEL_DIR:-.gpu/smollm2-config}
+mkdir -p "$OUTDIR"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+stage() {
+    local name=$1 limit=$2 start rc
+    shift 2
+    echo "=== $name (limit ${limit} s): $*"
+    start=$(date +%s)
+    timeout -k 10 "$limit" "$@" >"$OUTDIR/$name.log" 2>&1
+    rc=$?
+    echo "--- $name: rc=$rc in $(($(date +%s) - start)) s"
+    tail -n "${TAIL:-20}" "$OUTDIR/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+
+TAIL=40 stage test_gpu 200 env OMP_NUM_THREADS=1 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+    --timeout 170 -rfEs
+stage generation 90 env OMP_NUM_THREADS=4 "$PY" benchmarks/generation.py --device cuda --dtype bfloat16 \
+    --skip-sync --model "$MODEL_DIR"
+stage grpo_smollm2 180 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --model "$MODEL_DIR" \
+    --threads-list 4 --prompts 4 --group 8 --tokens 64 --steps 3 --warmup 2
+stage grpo_20m 100 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --threads-list 4 --steps 3 \
+    --warmup 2
