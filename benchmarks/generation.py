@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -103,6 +104,7 @@ def best_throughputs(runners: list[Callable[[], int]]) -> list[float]:
             t0 = time.perf_counter()
             tokens = run()
             best[i] = max(best[i], tokens / (time.perf_counter() - t0))
+            print(f"  runner {i}: {tokens / (time.perf_counter() - t0):.0f} tokens/s", file=sys.stderr, flush=True)
     return best
 
 

@@ -46,7 +46,10 @@ def train(path: str) -> None:
     from transformers import AutoModelForCausalLM
 
     e = engine(path)
-    assert e.device.type == "cuda" and dist.get_backend() == "nccl" and e.compute_dtype == torch.bfloat16
+    assert e.device.type == "cuda", e.device
+    # One group for both devices: gloo for CPU tensors, NCCL for CUDA ones ("cpu:gloo,cuda:nccl").
+    assert "cuda:nccl" in dist.get_backend(), dist.get_backend()
+    assert e.compute_dtype == torch.bfloat16, e.compute_dtype
     data = batch(e.model.hf.config.vocab_size)  # type: ignore[union-attr]
     logp = e.forward(data)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
