@@ -61,9 +61,13 @@ def train(path: str) -> None:
     mask = am.clone()
     mask[:, 0] = False
     torch.testing.assert_close(logp[mask], expected[mask], atol=0.1, rtol=0.05)  # bf16 on both sides
+    # FSDP2 keeps the root module's parameters (embeddings, final norm, head) unsharded after a
+    # forward without backward; resharding makes every parameter a DTensor again.
+    e.model.reshard()  # type: ignore[union-attr]
     before = {n: p.full_tensor().clone() for n, p in e.model.named_parameters()}  # type: ignore[union-attr]
     losses = [e.train_batch(data, nll, n_tokens)["loss"] for _ in range(8)]
     assert losses[-1] < losses[0], losses
+    e.model.reshard()  # type: ignore[union-attr]
     for n, p in e.model.named_parameters():  # type: ignore[union-attr]
         assert not torch.equal(p.full_tensor(), before[n]), f"{n} did not change"
     e.destroy()
