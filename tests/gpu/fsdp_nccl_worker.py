@@ -70,8 +70,9 @@ def train(path: str) -> None:
     e.model.reshard()  # type: ignore[union-attr]
     for n, p in e.model.named_parameters():  # type: ignore[union-attr]
         assert not torch.equal(p.full_tensor(), before[n]), f"{n} did not change"
-    e.destroy()
-    if dist.get_rank() == 0:
+    rank = dist.get_rank()
+    e.destroy()  # destroys the default group, which the engine created
+    if rank == 0:
         print("TRAIN OK", losses[0], losses[-1])
 
 
