@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_lite.utils.tiny import build_tiny_model
+from areal_lite.utils.tiny import build_tiny_model, with_random_weights
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -32,3 +35,21 @@ def test_byte_level_without_merges_gives_one_token_per_character(tmp_path) -> No
     d = build_tiny_model(str(tmp_path / "c"), vocab_size=0)
     tok = AutoTokenizer.from_pretrained(d)
     assert len(tok("123+45=")["input_ids"]) == 7
+
+
+def test_random_weights_for_a_directory_that_has_only_a_config_and_a_tokenizer(tmp_path) -> None:
+    full = build_tiny_model(str(tmp_path / "full"), arch="llama", seed=1)
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    for name in os.listdir(full):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(full, name), shape / name)
+    assert with_random_weights(full, str(tmp_path / "unused")) == full  # weights there: used as they are
+    out = with_random_weights(str(shape), str(tmp_path / "out"), seed=5)
+    model, ref = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(full)
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(full).get_vocab()
+    assert {n: p.shape for n, p in model.state_dict().items()} == {n: p.shape for n, p in ref.state_dict().items()}
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, ref.model.layers[0].mlp.up_proj.weight)
+    again = AutoModelForCausalLM.from_pretrained(with_random_weights(str(shape), str(tmp_path / "again"), seed=5))
+    for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), n  # seeded
