@@ -43,7 +43,7 @@ from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import AcceptFn
 from areal_lite.api.errors import RecurringError
 from areal_lite.api.workflow import RolloutWorkflow, check_trajectory_layout
-from areal_lite.utils.cpu import check_cores, pin_this_thread
+from areal_lite.utils.cpu import check_cores, pin_this_thread, release_openmp_threads
 from areal_lite.utils.data import concat_padded
 
 logger = logging.getLogger(__name__)
@@ -453,6 +453,9 @@ class WorkflowExecutor:
         a line is said every `WAIT_LINE_SECONDS`; a loop that leaves a ping unanswered for
         ``loop_stall_timeout`` seconds is blocked in code that does not await, and the run stops
         with `LoopStalled` naming the function it is blocked in."""
+        # The engine generates while this thread waits: this thread's OpenMP workers go, so that
+        # the engine's alone are spinning on the cores (a no-op after the first wait).
+        release_openmp_threads()
         now = time.monotonic()
         loop = self._loop
         if self._ping_sent is None and loop is not None and not loop.is_closed():

@@ -45,7 +45,7 @@ from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.adapter_slot import AdapterSlot, split_adapter_names
 from areal_lite.engines.model_runner import ModelRunner, context_length, dtype_of, load_model
 from areal_lite.engines.request import GenerationError, GenerationResult, SamplingParams, Sequence, TokenOut
-from areal_lite.utils.cpu import set_thread_intra_op_threads
+from areal_lite.utils.cpu import release_openmp_threads, set_thread_intra_op_threads
 from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.hf_layout import CheckpointLayout
@@ -350,12 +350,18 @@ class Scheduler:
             set_thread_intra_op_threads(self.config.num_threads)
         while True:
             with self._cond:
+                idle = False
                 while (
                     not self._stopping
                     and not self._commands
                     and not self._abort_pending
                     and (self._paused or not (self._waiting or runner.rows))
                 ):
+                    if not idle:
+                        # Whoever computes while the engine waits (the trainer beside it in
+                        # process) gets the cores' OpenMP threads to itself.
+                        release_openmp_threads()
+                        idle = True
                     self._cond.wait()
                 if self._stopping:
                     return
