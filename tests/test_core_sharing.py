@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -136,3 +137,75 @@ def test_the_fsdp_trainer_yields_the_engines_share_while_it_generates(
     assert out.returncode == 0, out.stderr[-3000:]
     assert expected in out.stdout, out.stdout
     assert "AFTER 2" in out.stdout
+
+
+RELEASE = textwrap.dedent(
+    """
+    import os, time, torch
+    from areal_lite.utils.cpu import release_openmp_threads
+
+    def threads(expected=None):
+        # A released worker leaves /proc a moment after it is told to exit.
+        deadline = time.monotonic() + 5
+        while True:
+            n = len(os.listdir("/proc/self/task"))
+            if expected is None or n == expected or time.monotonic() > deadline:
+                return n
+            time.sleep(0.01)
+
+    torch.set_num_threads(2)
+    base = threads()
+    torch.ones(1 << 22).sum()  # a parallel op: this thread's OpenMP team, one worker beside it
+    with_team = threads()
+    release_openmp_threads()
+    released = threads(base)
+    release_openmp_threads()  # nothing left to free
+    torch.ones(1 << 22).sum()
+    print("THREADS", with_team - base, released - base, threads() - base, torch.get_num_threads())
+    """
+)
+
+
+def test_a_thread_that_waits_frees_its_openmp_workers_and_gets_them_back() -> None:
+    """`release_openmp_threads` ends the calling thread's OpenMP workers (libgomp throttles the
+    spin-waits of every team while the process holds more such threads than CPUs); its next
+    parallel op starts them again, at the same count."""
+    out = subprocess.run([sys.executable, "-c", RELEASE], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "THREADS 1 0 1 2" in out.stdout, out.stdout
+
+
+def test_the_engine_frees_its_openmp_workers_when_it_goes_idle(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler thread frees its workers once it has nothing to run, so that a trainer in the
+    same process computes with the cores' threads to itself; not at every step."""
+    import asyncio
+    import threading
+
+    from areal_lite.api.config import LocalEngineConfig
+    from areal_lite.engines import scheduler
+    from areal_lite.engines.local import LocalInferenceEngine
+    from areal_lite.engines.request import SamplingParams
+
+    calls: list[str] = []
+    monkeypatch.setattr(scheduler, "release_openmp_threads", lambda: calls.append(threading.current_thread().name))
+    engine = LocalInferenceEngine(LocalEngineConfig(path=tiny_model_dir))
+    engine.initialize()
+    try:
+        deadline = time.monotonic() + 30
+        while not calls and time.monotonic() < deadline:  # idle from the start
+            time.sleep(0.01)
+        assert calls == ["local-engine-scheduler"]
+
+        async def two() -> list:
+            sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+            return await asyncio.gather(*[engine.scheduler.generate([5, 6, 7], sp) for _ in range(2)])
+
+        assert all(len(r.output_ids) == 40 for r in asyncio.run(two()))
+        deadline = time.monotonic() + 30
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls == ["local-engine-scheduler"] * 2  # once more when idle again, not per step
+    finally:
+        engine.destroy()
