@@ -9,8 +9,11 @@
 # It runs from the repository without installing it (PYTHONPATH), with whatever Python has torch
 # with CUDA and the package's dependencies (and `trl` for the last stages).
 # MODEL_DIR (default .gpu/smollm2-config) is SmolLM2-135M-Instruct's config and tokenizer without
-# weights (the benchmarks draw random ones: same shapes, same work) where the model itself cannot
-# be had; `make real-model` builds the full directory (then pass that instead).
+# weights (the benchmarks draw random ones: same shapes, same work), for a GPU machine that cannot
+# have the model itself; where `make real-model` has built the full directory, pass that instead.
+# Made on a machine with the model, to carry to one without (.gpu/ is ignored by git):
+#     d=$(.venv/bin/python -m areal_lite.utils.pretrained smollm2)
+#     mkdir -p .gpu/smollm2-config && cp "$d"/*.json "$d"/*.jinja .gpu/smollm2-config/
 set -u
 OUTDIR=${1:-gpu-checks}
 PY=${PY:-python3}
