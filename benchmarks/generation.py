@@ -102,9 +102,9 @@ def best_throughputs(runners: list[Callable[[], int]]) -> list[float]:
     for _ in range(REPEATS):
         for i, run in enumerate(runners):
             t0 = time.perf_counter()
-            tokens = run()
-            best[i] = max(best[i], tokens / (time.perf_counter() - t0))
-            print(f"  runner {i}: {tokens / (time.perf_counter() - t0):.0f} tokens/s", file=sys.stderr, flush=True)
+            rate = run() / (time.perf_counter() - t0)
+            best[i] = max(best[i], rate)
+            print(f"  runner {i}: {rate:.0f} tokens/s", file=sys.stderr, flush=True)
     return best
 
 

@@ -67,7 +67,6 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = {"hidden_size": 384, "num_layers": 10, "num_heads": 6, "num_kv_heads": 2, "vocab_size": 512}
 LR, CLIP, MAX_GRAD_NORM = 1e-6, 0.2, 1.0
 LORA_ALPHA = 16.0
@@ -264,7 +263,9 @@ def launch(side: str, threads: int, model: str, args: argparse.Namespace) -> tup
     cmd += ["--group", str(args.group), "--tokens", str(args.tokens)]
     cmd += [] if args.shared_prefix else ["--no-shared-prefix"]
     cmd += ["--async-engine-threads", str(args.async_engine_threads), "--device", args.device]
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    from areal_lite.launcher.local import checkout_pythonpath
+
+    path = checkout_pythonpath()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("WORKER ")]

@@ -327,6 +327,12 @@ def checkout_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def checkout_pythonpath() -> str:
+    """``PYTHONPATH`` for a child process: this checkout first, then what this environment's held
+    (packages installed elsewhere with ``--target``, say)."""
+    return os.pathsep.join(p for p in (checkout_root(), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def vllm_python(launcher: LauncherConfig) -> str:
     """The interpreter vLLM servers run with: ``launcher.vllm_python``, else
     ``$AREAL_LITE_VLLM_PYTHON``, else the checkout's ``.venv-vllm`` (``make install-vllm``) when
@@ -352,7 +358,7 @@ def vllm_server_command(plan: LaunchPlan, port: int, *, base_gpu_id: int, host: 
     with this checkout first on its ``PYTHONPATH`` (so the extension is the code that runs the
     trainer). On GPUs it sees only its own; without GPUs it takes vLLM's CPU settings."""
     cfg = plan.launcher
-    path = os.pathsep.join(p for p in (checkout_root(), os.environ.get("PYTHONPATH", "")) if p)
+    path = checkout_pythonpath()
     # The RL routes (/pause, /resume, /collective_rpc) need the dev mode.
     env = ["env", "VLLM_SERVER_DEV_MODE=1", f"PYTHONPATH={path}"]
     if os.path.isdir(plan.model_path):

@@ -15,14 +15,18 @@ import torch
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.engines.local import LocalInferenceEngine
 from areal_lite.engines.request import SamplingParams
+from areal_lite.launcher.local import checkout_pythonpath
 from areal_lite.utils.tiny import build_tiny_model
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("fsdp_nccl_worker.py")
-PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-"""The repository first, then whatever the caller's path held (packages installed with --target)."""
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": PYTHONPATH}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONPATH": checkout_pythonpath(),
+}
 
 
 @pytest.fixture(scope="module")
