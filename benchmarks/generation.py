@@ -15,7 +15,8 @@ group (trainer rank 0 in a thread of this process, the engine at rank 1).
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/generation.py [--skip-sync]
 
 On a GPU (``--device cuda``, with ``--skip-sync``: part 2 is a CPU measurement) both sides run on
-it, in ``--dtype``. ``--model DIR`` replaces the tiny model with a HF directory's; one holding
+it, in ``--dtype``, and the engine runs twice: with its decode steps replayed as CUDA graphs (the
+default) and eagerly (``cuda_graphs=False``), in the table's ``engine eager`` column. ``--model DIR`` replaces the tiny model with a HF directory's; one holding
 only a config and a tokenizer (SmolLM2-135M's, say) gets random weights of that shape.
 
 (One thread: on a loaded 2-core machine, two OpenMP threads per process made HF generation 10x
@@ -160,28 +161,39 @@ def main() -> None:
             path = build_tiny_model(f"{workdir}/model", hidden_size=args.hidden, num_layers=args.layers, vocab_size=512)
         from transformers import AutoModelForCausalLM
 
-        engine = LocalInferenceEngine(LocalEngineConfig(path=path, device=args.device, dtype=args.dtype))
-        engine.initialize()
+        # On CUDA the engine eager as well (local_engine.cuda_graphs off): what the graphs give.
+        graph_modes = [True, False] if args.device == "cuda" else [True]
+        engines = [
+            LocalInferenceEngine(LocalEngineConfig(path=path, device=args.device, dtype=args.dtype, cuda_graphs=g))
+            for g in graph_modes
+        ]
+        for engine in engines:
+            engine.initialize()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
         requests = make_requests(args.requests, seed=0, vocab=400, prompt_len=(8, 64), output_len=(8, 128))
         # The CPU demo's RL step: many short requests.
         rl_requests = make_requests(256, seed=1, vocab=400, prompt_len=(10, 20), output_len=(10, 30))
-        engine_tps, hf_tps = best_throughputs([engine_runner(engine, requests), hf_runner(model, requests)])
-        rl_engine_tps, rl_hf_tps = best_throughputs([engine_runner(engine, rl_requests), hf_runner(model, rl_requests)])
-        engine.destroy()
+        rows = [
+            (name, best_throughputs([*(engine_runner(e, reqs) for e in engines), hf_runner(model, reqs)]))
+            for name, reqs in [(f"{args.requests} mixed requests", requests), ("256 short (RL step)", rl_requests)]
+        ]
+        for engine in engines:
+            engine.destroy()
         where = torch.cuda.get_device_name() if args.device == "cuda" else cpu_kind()
         shape = args.model or f"hidden {args.hidden}, {args.layers} layers"
         print(f"{where}; {args.dtype}; {shape}")
-        print(f"{'tokens/s':<28}{'engine':>10}{'HF generate':>13}{'ratio':>8}")
-        for name, e, h in [
-            (f"{args.requests} mixed requests", engine_tps, hf_tps),
-            ("256 short (RL step)", rl_engine_tps, rl_hf_tps),
-        ]:
-            print(f"{name:<28}{e:>10.0f}{h:>13.0f}{e / h:>8.2f}")
+        eager_column = f"{'engine eager':>14}" if len(engines) > 1 else ""
+        print(f"{'tokens/s':<28}{'engine':>10}{eager_column}{'HF generate':>13}{'ratio':>8}")
+        for name, tps in rows:
+            eager = f"{tps[1]:>14.0f}" if len(engines) > 1 else ""
+            print(f"{name:<28}{tps[0]:>10.0f}{eager}{tps[-1]:>13.0f}{tps[0] / tps[-1]:>8.2f}")
+        (engine_tps, *_, hf_tps), (rl_engine_tps, *_, rl_hf_tps) = rows[0][1], rows[1][1]
         result = (
             f"RESULT engine_over_hf_generate={engine_tps / hf_tps:.2f} engine_tokens_per_s={engine_tps:.0f} "
             f"hf_tokens_per_s={hf_tps:.0f} rl_step_engine_over_hf={rl_engine_tps / rl_hf_tps:.2f}"
         )
+        if len(engines) > 1:
+            result += f" graphs_over_eager={engine_tps / rows[0][1][1]:.2f} rl_graphs_over_eager={rl_engine_tps / rows[1][1][1]:.2f}"
         if not args.skip_sync:
             n_params, disk_s, broadcast_s = bench_sync(workdir)
             print(f"{'weight sync':<28}{'seconds':>12}   ({n_params / 1e6:.0f}M parameters, fp32)")

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ParamSpec, WeightUpdateMeta
+from areal_lite.engines.decode_graphs import DecodeGraphs
 from areal_lite.engines.local import LocalInferenceEngine
 from areal_lite.engines.request import GenerationError, SamplingParams
 from areal_lite.utils.distributed import find_free_port, init_custom_process_group
@@ -367,6 +368,47 @@ def test_in_process_update_mid_generation_tags_both_versions(model_path: str, hf
         assert eng.get_version() == 1
     finally:
         eng.destroy()
+
+
+def test_fixed_shape_decode_step_equals_the_eager_one(model_path: str, hf: torch.nn.Module) -> None:
+    """The decode step the engine replays as a CUDA graph on a GPU (`DecodeGraphs`: rows padded to
+    a bucket, attention over the whole cache, a mask from the cached lengths), run eagerly here in
+    place of the engine's own decode: the same tokens for the same seeds, log-probabilities equal
+    to the eager engine's and to a HF forward, as rows finish and are refilled (every bucket from
+    1 to 8 rows) and as the cache grows past its first 256 positions (the graphs dropped and
+    recorded again)."""
+    jobs = [
+        (list(range(3, 5 + 2 * i)), SamplingParams(max_new_tokens=3 + 7 * i, seed=i, ignore_eos=True))
+        for i in range(11)
+    ] + [([1, 2, 3], SamplingParams(max_new_tokens=300, seed=99, ignore_eos=True))]
+    eager, static = make_engine(model_path, max_running_requests=8), make_engine(model_path, max_running_requests=8)
+    runner = static.scheduler._runner
+    graphs = runner.graphs = DecodeGraphs(runner, eager=True)
+    assert graphs.buckets == [1, 2, 4, 8]
+    widths, real_logits = [], graphs.logits
+
+    def logits(rows: int) -> torch.Tensor:
+        widths.append(rows)
+        return real_logits(rows)
+
+    graphs.logits = logits  # type: ignore[method-assign]
+    try:
+        expected, got = generate_all(eager, jobs), generate_all(static, jobs)
+    finally:
+        eager.destroy()
+        static.destroy()
+    assert set(widths) >= {1, 3, 8} and runner.cap > 256
+    for (prompt, _), e, g in zip(jobs, expected, got):
+        assert g.output_ids == e.output_ids
+        torch.testing.assert_close(torch.tensor(g.output_logprobs), torch.tensor(e.output_logprobs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(g.output_logprobs), hf_logprobs(hf, prompt, g.output_ids), atol=1e-4, rtol=0
+        )
+
+
+def test_no_decode_graphs_on_cpu(engine: LocalInferenceEngine) -> None:
+    """``cuda_graphs`` (on by default) is for CUDA: on CPU the engine decodes as before."""
+    assert engine.config.cuda_graphs and engine.scheduler._runner.graphs is None
 
 
 def test_keep_cache_on_update_continues_on_the_old_keys(model_path: str, hf: torch.nn.Module, monkeypatch) -> None:

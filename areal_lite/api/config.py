@@ -390,6 +390,11 @@ class LocalEngineConfig:
     requests are admitted while their prompts fit (at least one a step; samples of one prompt
     count once). 64 prompts arriving at once then get their first tokens a step at a time instead
     of all after one long prefill, and the running requests keep decoding meanwhile."""
+    cuda_graphs: bool = True
+    """On CUDA, replay each decode step (every running request, no prefill) from a CUDA graph
+    captured per padded batch size: one launch a step instead of one per kernel
+    (`areal_lite.engines.decode_graphs`). Off: every step runs eagerly. Ignored on CPU and for
+    mixture-of-experts models."""
     num_threads: int = field(default=0, metadata=at_least(0))
     """Threads of the engine's torch ops (the scheduler thread's own count; 0 = the process's).
     Where generation and training run at once in one process (asynchronous RL with the engine

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_lite.engines import decode_attention
+from areal_lite.engines.decode_graphs import DecodeGraphs
 from areal_lite.engines.request import SamplingParams, Sequence
 from areal_lite.utils.moe import NO_EXPERT, layer_routers, routing_shape
 
@@ -145,7 +146,9 @@ class ModelRunner:
     sequence; ``lens[i]`` tokens of it are cached and ``last[i]`` is the sampled token not yet fed.
     """
 
-    def __init__(self, model: torch.nn.Module, max_rows: int, context_len: int, seed: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, max_rows: int, context_len: int, seed: int, cuda_graphs: bool = False
+    ) -> None:
         cfg = model.config
         rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
         if "dynamic" in rope_type:
@@ -202,6 +205,11 @@ class ModelRunner:
         self.fused = [self._fuse(layer) for layer in self.layers]
         self.fused_views = [self._fused_views(layer) for layer in self.layers]
         """Per layer, the parameters that are views of its fused q/k/v and gate/up weights."""
+        self.graphs = (
+            DecodeGraphs(self) if cuda_graphs and self.device.type == "cuda" and self.route_shape is None else None
+        )
+        """Decode steps replayed as CUDA graphs (``cuda_graphs``, on CUDA, dense models: a
+        mixture-of-experts block's routing hooks run Python per pass), else None."""
 
     @staticmethod
     def _fused_views(layer: torch.nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
@@ -389,6 +397,8 @@ class ModelRunner:
         lens_d = pos_d + 1  # positions each decode row attends to, its new one included
         needed = int(pos_d.max()) + 1 if d else 0
         self._ensure_capacity(max([needed, *(n + 1 for n in lengths)]))
+        if d and not seqs and self.graphs is not None:
+            return self._decode_static(d)
         offsets = [d]
         for n in lengths:
             offsets.append(offsets[-1] + n)
@@ -398,13 +408,9 @@ class ModelRunner:
         pos = torch.cat(pos) if len(pos) > 1 else pos[0]
         rows_of = [[start + j for j, u in enumerate(inverse) if u == v] for v in range(len(lengths))]
         gqa = self.n_kv != self.n_heads
-        group, nkv, hd, blk = self.n_heads // self.n_kv, self.n_kv, self.head_dim, self.block
+        nkv, hd, blk = self.n_kv, self.head_dim, self.block
         kernel = self.decode_attention
-        if d and kernel is None:
-            # One additive mask row per (row, KV head), shared by that head's queries.
-            visible = torch.arange(needed, device=dev)[None, :] <= pos_d[:, None]
-            mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-            mask = mask[:, None, None].expand(d, nkv, 1, needed).reshape(d * nkv, 1, needed)
+        mask = self._decode_mask(pos_d, needed) if d and kernel is None else None
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = self.k_cache[i], self.v_cache[i]
@@ -412,21 +418,8 @@ class ModelRunner:
             if d and kernel is not None:
                 outs.append(kernel(q[:d], k[:d], v[:d], kc, vc, lens_d, self.scaling))  # writes k, v too
             elif d:
-                kc[ar, :, pos_d // blk, :, pos_d % blk] = k[:d]
-                vc[ar, :, pos_d] = v[:d]
-                # One query per row: the query heads of a KV head go in as that head's
-                # queries, so grouped-query attention reads each key once. Two batched
-                # matmuls over (row, KV head) read the cache in place; on CPU they ran
-                # 1.15-1.5x faster than SDPA's kernel (built for long query blocks) at 64
-                # rows x ~110 positions.
-                nb = -(-needed // blk)
-                keys = kc[:d, :, :nb].transpose(3, 4).reshape(d * nkv, nb * blk, hd)[:, :needed]
-                values = vc[:d, :, :needed].reshape(d * nkv, needed, hd)
-                scores = torch.baddbmm(
-                    mask, q[:d].reshape(d * nkv, group, hd), keys.transpose(1, 2), alpha=self.scaling
-                )
-                probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)  # fp32 softmax in bf16 too
-                outs.append(torch.bmm(probs, values).view(d, self.n_heads, hd))
+                assert mask is not None
+                outs.append(self._attend_cached(i, q[:d], k[:d], v[:d], ar, pos_d, mask))
             for u, (a, e) in enumerate(pairwise(offsets)):
                 ku, vu = k[a:e].transpose(0, 1), v[a:e].transpose(0, 1)  # [kv heads, L, D]
                 nb = -(-(e - a) // blk)
@@ -469,6 +462,73 @@ class ModelRunner:
             logits = self._lm_head(h if at == list(range(h.shape[0])) else h[at]).float()
             self._sample_and_append(logits, decoding + [seqs[j] for j in fresh], rows)
         return [seqs[j] for j in fresh]
+
+    def _decode_mask(self, pos: torch.Tensor, n: int) -> torch.Tensor:
+        """The additive mask [rows x KV heads, 1, n] of decode rows at ``pos`` over their first
+        ``n`` cached positions: one row per (row, KV head), shared by that head's queries."""
+        visible = torch.arange(n, device=self.device)[None, :] <= pos[:, None]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        return mask[:, None, None].expand(pos.shape[0], self.n_kv, 1, n).reshape(-1, 1, n)
+
+    def _attend_cached(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: torch.Tensor,
+        pos: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Decode attention without the compiled kernel: store ``k``, ``v`` [R, kv heads, D] of
+        cache rows ``rows`` (0..R-1) at ``pos``, then attend each row's one query (``q`` [R,
+        heads, D]) to its first ``mask.shape[-1]`` cached positions (``mask``: `_decode_mask`).
+
+        The query heads of a KV head go in as that head's queries, so grouped-query attention
+        reads each key once. Two batched matmuls over (row, KV head) read the cache in place; on
+        CPU they ran 1.15-1.5x faster than SDPA's kernel (built for long query blocks) at 64 rows
+        x ~110 positions."""
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        r, n, nkv, hd, blk = q.shape[0], mask.shape[-1], self.n_kv, self.head_dim, self.block
+        kc[rows, :, pos // blk, :, pos % blk] = k
+        vc[rows, :, pos] = v
+        nb = -(-n // blk)
+        keys = kc[:r, :, :nb].transpose(3, 4).reshape(r * nkv, nb * blk, hd)[:, :n]
+        values = vc[:r, :, :n].reshape(r * nkv, n, hd)
+        scores = torch.baddbmm(
+            mask, q.reshape(r * nkv, self.n_heads // nkv, hd), keys.transpose(1, 2), alpha=self.scaling
+        )
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)  # fp32 softmax in bf16 too
+        return torch.bmm(probs, values).view(r, self.n_heads, hd)
+
+    def static_decode_logits(self, rows: int) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of a decode step of cache rows ``0..rows-1`` (``rows`` may
+        exceed the running count: the rows past it are unused slots), every shape fixed by
+        ``rows`` and the cache capacity, nothing read back to the host: what `DecodeGraphs`
+        records. Feeds ``last``, writes each row's keys and values at ``lens`` (clamped into the
+        cache for unused slots, whose entries the next prefill there overwrites) and attends over
+        the whole capacity, masked past each row's length. Leaves ``lens`` as it was."""
+        ar = torch.arange(rows, device=self.device)
+        pos = self.lens[:rows].clamp(max=self.cap - 1)
+        mask = self._decode_mask(pos, self.cap)
+        h = self._layers_forward(
+            self.last[:rows], pos, lambda i, q, k, v: self._attend_cached(i, q, k, v, ar, pos, mask)
+        )
+        return self._lm_head(h).float()
+
+    def _decode_static(self, d: int) -> list[Sequence]:
+        """A decode step of the ``d`` running rows through `graphs` (see `DecodeGraphs`); if its
+        capture fails, this and every later step run as before."""
+        assert self.graphs is not None
+        try:
+            logits = self.graphs.logits(d)
+        except RuntimeError:
+            logger.warning("the decode step could not be captured as a CUDA graph; running it eagerly", exc_info=True)
+            self.graphs = None
+            return self._pass(d, [])
+        self.lens[:d] += 1
+        self._sample_and_append(logits, self.rows[:d], torch.arange(d, device=self.device))
+        return []
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tensor) -> None:
         """Sample one token per row of ``logits`` [n, V] (fp32) and record it with its logprob."""

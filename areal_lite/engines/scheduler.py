@@ -138,7 +138,7 @@ class Scheduler:
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.model = model
         context_len = context_length(model, cfg.max_total_tokens)
-        self._runner = ModelRunner(model, cfg.max_running_requests, context_len, cfg.seed)
+        self._runner = ModelRunner(model, cfg.max_running_requests, context_len, cfg.seed, cfg.cuda_graphs)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="local-engine-scheduler", daemon=True)
         self._thread.start()

@@ -88,6 +88,39 @@ def test_engine_on_cuda_greedy_equals_hf_greedy(model_dir: str) -> None:
         engine.destroy()
 
 
+def test_decode_graphs_replay_the_eager_steps(model_dir: str) -> None:
+    """The decode steps replayed from CUDA graphs (the default on CUDA) against the same model
+    with ``cuda_graphs`` off: the graphs were captured (no fallback to eager), the same tokens for
+    the same seeds, log-probabilities equal to a HF forward, as rows finish and are refilled
+    (buckets of 1-8 rows) and as the cache grows past its first 256 positions."""
+    from transformers import AutoModelForCausalLM
+
+    jobs = [
+        (list(range(3, 5 + 2 * i)), SamplingParams(max_new_tokens=3 + 7 * i, seed=i, ignore_eos=True))
+        for i in range(11)
+    ] + [([1, 2, 3], SamplingParams(max_new_tokens=300, seed=99, ignore_eos=True))]
+    engines = [
+        LocalInferenceEngine(LocalEngineConfig(path=model_dir, device="cuda", max_running_requests=8, cuda_graphs=g))
+        for g in (True, False)
+    ]
+    for engine in engines:
+        engine.initialize()
+    try:
+        got, expected = (generate(engine, jobs) for engine in engines)
+        graphs = engines[0].scheduler._runner.graphs
+        assert graphs is not None and graphs.captures >= 4, "the decode step fell back to eager"
+        assert engines[1].scheduler._runner.graphs is None
+        hf = AutoModelForCausalLM.from_pretrained(model_dir).cuda().eval()
+        for (prompt, _), g, e in zip(jobs, got, expected):
+            assert g.output_ids == e.output_ids
+            torch.testing.assert_close(
+                torch.tensor(g.output_logprobs), hf_logprobs(hf, prompt, g.output_ids), atol=2e-3, rtol=0
+            )
+    finally:
+        for engine in engines:
+            engine.destroy()
+
+
 def torchrun(nproc: int, *args: str, timeout: float = 600) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT)]
     out = subprocess.run([*cmd, *args], env=ENV, capture_output=True, text=True, timeout=timeout, check=False)
