@@ -44,8 +44,9 @@ from areal_lite.utils.precision import cpu_kind
 from areal_lite.utils.tiny import build_tiny_model, with_random_weights
 
 REPEATS = 5
-"""Each throughput is the best of this many runs, the engine's and HF's alternating (the machine is
-shared: the best run is the least disturbed one, and alternation exposes both to the same load)."""
+"""Each throughput is the best of this many runs (``--repeats``), the engine's and HF's alternating
+(the machine is shared: the best run is the least disturbed one, and alternation exposes both to
+the same load)."""
 
 
 def make_requests(
@@ -95,12 +96,12 @@ def hf_runner(model: torch.nn.Module, requests: list[tuple[list[int], int]]) -> 
     return run
 
 
-def best_throughputs(runners: list[Callable[[], int]]) -> list[float]:
-    """Tokens/s of each runner: best of REPEATS alternating runs, after one warm-up run each."""
+def best_throughputs(runners: list[Callable[[], int]], repeats: int = REPEATS) -> list[float]:
+    """Tokens/s of each runner: best of ``repeats`` alternating runs, after one warm-up run each."""
     best = [0.0] * len(runners)
     for run in runners:
         run()
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         for i, run in enumerate(runners):
             t0 = time.perf_counter()
             rate = run() / (time.perf_counter() - t0)
@@ -153,6 +154,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides run")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="both sides' dtype")
     parser.add_argument("--skip-sync", action="store_true", help="skip the ~100M-parameter weight-sync part")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per side (the best counts)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         if args.model:
@@ -174,7 +176,10 @@ def main() -> None:
         # The CPU demo's RL step: many short requests.
         rl_requests = make_requests(256, seed=1, vocab=400, prompt_len=(10, 20), output_len=(10, 30))
         rows = [
-            (name, best_throughputs([*(engine_runner(e, reqs) for e in engines), hf_runner(model, reqs)]))
+            (
+                name,
+                best_throughputs([*(engine_runner(e, reqs) for e in engines), hf_runner(model, reqs)], args.repeats),
+            )
             for name, reqs in [(f"{args.requests} mixed requests", requests), ("256 short (RL step)", rl_requests)]
         ]
         for engine in engines:

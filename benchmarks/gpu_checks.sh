@@ -37,9 +37,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 TAIL=40 stage test_gpu 200 env OMP_NUM_THREADS=1 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
     --timeout 170 -rfEs
-stage generation 90 env OMP_NUM_THREADS=4 "$PY" benchmarks/generation.py --device cuda --dtype bfloat16 \
-    --skip-sync --model "$MODEL_DIR"
-stage grpo_smollm2 180 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --model "$MODEL_DIR" \
+stage generation 120 env OMP_NUM_THREADS=4 "$PY" benchmarks/generation.py --device cuda --dtype bfloat16 \
+    --skip-sync --model "$MODEL_DIR" --requests 32 --repeats 3
+stage grpo_smollm2 160 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --model "$MODEL_DIR" \
     --threads-list 4 --prompts 4 --group 8 --tokens 64 --steps 3 --warmup 2
 stage grpo_20m 100 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --threads-list 4 --steps 3 \
     --warmup 2
