@@ -50,6 +50,7 @@ from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.hf_layout import CheckpointLayout
 from areal_lite.utils.lora import read_adapter
+from areal_lite.utils.malloc import keep_freed_memory, release_freed_memory
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -116,6 +117,8 @@ class Scheduler:
         self._admitting: list[Sequence] = []
         """Taken from the queue, not yet in the batch (an abort must still find them)."""
         self._thread: threading.Thread | None = None
+        self._keeps_freed_memory = False
+        """Whether this engine holds `keep_freed_memory` (on CPU, from `start` to `stop`)."""
         self._group: CustomGroup | None = None
         self._group_backend = "gloo"
         self._eos_ids: frozenset[int] = frozenset()
@@ -139,6 +142,11 @@ class Scheduler:
         self.model = model
         context_len = context_length(model, cfg.max_total_tokens)
         self._runner = ModelRunner(model, cfg.max_running_requests, context_len, cfg.seed, cfg.cuda_graphs)
+        if self._runner.device.type == "cpu" and not self._keeps_freed_memory:
+            # Every step frees and reallocates its [rows, vocab] logits and probabilities (39 MB
+            # each at 64 rows of a 151936-token vocabulary): kept, they cost no page faults. With
+            # glibc's defaults such a step faulted 19 thousand times (tests/test_malloc.py).
+            self._keeps_freed_memory = keep_freed_memory()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="local-engine-scheduler", daemon=True)
         self._thread.start()
@@ -162,6 +170,9 @@ class Scheduler:
         self._group = None
         self.model = None
         self._runner = None
+        if self._keeps_freed_memory:
+            self._keeps_freed_memory = False
+            release_freed_memory()
 
     @property
     def context_len(self) -> int:

@@ -11,8 +11,14 @@ so the step's time moved with the state of the machine. With mmap off and the tr
 blocks stay in the heap and the next step reuses them: no faults after the second step. The cost
 is that the process keeps its peak heap (it would reach that peak every step anyway).
 
+The embedded engine on CPU holds them too while it runs: each decode step frees and reallocates
+its ``[rows, vocab]`` logits and probabilities. (Its thread's blocks come from a glibc arena of
+its own, where a block above 64 MiB is mapped afresh whatever these settings, so its sampler makes
+no ``[rows, vocab]`` float64 copy: see ``inverse_cdf`` in the engine's model runner.)
+
 The settings are process-wide, so they last only while a holder needs them: each
-`keep_freed_memory` is matched by a `release_freed_memory` (the CPU train engine's ``destroy``),
+`keep_freed_memory` is matched by a `release_freed_memory` (the CPU train engine's ``destroy``, the
+embedded engine's ``stop``),
 and when the last holder releases them glibc's default thresholds come back and the kept memory is
 given back to the kernel (``malloc_trim``). A process that builds engines now and then (a test
 suite, a notebook) keeps glibc's usual behaviour between them.
