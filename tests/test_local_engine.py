@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ParamSpec, WeightUpdateMeta
-from areal_lite.engines.decode_graphs import DecodeGraphs
 from areal_lite.engines.local import LocalInferenceEngine
 from areal_lite.engines.request import GenerationError, SamplingParams
 from areal_lite.utils.distributed import find_free_port, init_custom_process_group
@@ -383,7 +382,7 @@ def test_fixed_shape_decode_step_equals_the_eager_one(model_path: str, hf: torch
     ] + [([1, 2, 3], SamplingParams(max_new_tokens=300, seed=99, ignore_eos=True))]
     eager, static = make_engine(model_path, max_running_requests=8), make_engine(model_path, max_running_requests=8)
     runner = static.scheduler._runner
-    graphs = runner.graphs = DecodeGraphs(runner, eager=True)
+    graphs = runner.graphs = runner.decode_graphs(eager=True)
     assert graphs.buckets == [1, 2, 4, 8]
     widths, real_logits = [], graphs.logits
 

@@ -65,8 +65,9 @@ def test_freed_blocks_are_reused_without_page_faults() -> None:
 
 def test_user_malloc_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000")
+    before = kept_holders()
     assert keep_freed_memory() is False
-    assert kept_holders() == 0
+    assert kept_holders() == before
 
 
 def test_release_without_keep_is_an_error() -> None:
@@ -106,46 +107,48 @@ def test_cpu_inference_engine_holds_the_setting_until_destroy(tmp_path, monkeypa
     assert kept_holders() == before
 
 
-_ENGINE_PROBE = """
-import asyncio, resource, sys
-from areal_lite.api.config import LocalEngineConfig
-from areal_lite.engines.local import LocalInferenceEngine
-from areal_lite.engines.request import SamplingParams
-engine = LocalInferenceEngine(LocalEngineConfig(path=sys.argv[1], max_running_requests=64))
-engine.initialize()
-tokens = 24
-async def run():
-    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    await asyncio.gather(*[engine.scheduler.generate([5 + i, 6, 7], params) for i in range(64)])
-asyncio.run(run())  # the first batch: the cache and the heap grow to the step's size
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-asyncio.run(run())
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / tokens)
-engine.destroy()
+_SAMPLER_PROBE = """
+import resource, sys, threading, torch
+from areal_lite.engines.model_runner import inverse_cdf
+from areal_lite.utils.malloc import keep_freed_memory
+torch.set_num_threads(1)
+assert keep_freed_memory()
+
+def one_level(probs, u):
+    cdf = probs.double().cumsum_(dim=-1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+
+sampler = inverse_cdf if sys.argv[1] == "ours" else one_level
+probs = torch.softmax(torch.randn(64, 151936), dim=-1)
+u = torch.rand(64, 1, dtype=torch.float64)
+
+def run():  # in a thread of its own, as the engine samples
+    for _ in range(3):
+        sampler(probs, u)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        sampler(probs, u)
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+
+t = threading.Thread(target=run)
+t.start()
+t.join()
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux-only")
-def test_engine_steps_reuse_their_sampling_buffers(tmp_path) -> None:
-    """64 rows of a 151936-token vocabulary (Qwen's): a step's logits and probabilities are 39 MB
-    each. The engine keeps freed memory and its sampling makes no [rows, vocab] float64 copy
-    (78 MB: glibc maps a block that large afresh in the engine thread's arena whatever the
-    settings), so a step in the second batch faults (nearly) no page in; with the user's own glibc
-    settings (which the engine leaves alone), every step maps its buffers afresh."""
-    from transformers import AutoModelForCausalLM
-
-    path = build_tiny_model(str(tmp_path / "m"), hidden_size=32, num_layers=1)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    model.resize_token_embeddings(151936)  # the tokenizer's own vocabulary is small
-    model.save_pretrained(path)
+def test_sampling_in_the_engine_thread_faults_no_pages() -> None:
+    """64 rows of a 151936-token vocabulary (Qwen's), sampled in a thread of its own as the engine
+    samples, with freed memory kept: the engine's sampler reuses its memory from call to call,
+    where one float64 running sum over each row (a 78 MB copy: glibc maps a block that large
+    afresh in a thread's own arena whatever the settings) faulted it in at every call."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
 
-    def faults_per_step(extra: dict[str, str]) -> float:
-        cmd = [sys.executable, "-c", _ENGINE_PROBE, path]
-        out = subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True, check=True, timeout=300)
+    def faults_per_call(sampler: str) -> float:
+        cmd = [sys.executable, "-c", _SAMPLER_PROBE, sampler]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=300)
         return float(out.stdout.split()[-1])
 
-    assert faults_per_step({}) < 1000  # 19 thousand before either change
+    assert faults_per_call("ours") < 100
     if "[always]" not in _thp_mode():
-        # glibc's default, set by the user: 78 MB of 4 KiB pages mapped afresh is 19 thousand faults
-        assert faults_per_step({"MALLOC_MMAP_MAX_": "65536"}) > 5000
+        assert faults_per_call("one_level") > 10000  # 78 MB of 4 KiB pages is 19 thousand

@@ -20,12 +20,9 @@ engine's own decode, so the graphs replay a computation tested where no GPU is.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
-
-if TYPE_CHECKING:
-    from areal_lite.engines.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +40,27 @@ def buckets(max_rows: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """The decode step of ``runner``'s rows, replayed from a CUDA graph per (bucket, capacity),
-    or with ``eager`` run as is (same computation, no capture)."""
+    """The decode step ``step(bucket)`` (fp32 logits [bucket, vocab] of rows ``0..bucket-1``, every
+    shape fixed by ``bucket`` and the cache capacity ``capacity()``) of up to ``max_rows`` rows on
+    ``device``, replayed from a CUDA graph per (bucket, capacity), or with ``eager`` run as is."""
 
-    def __init__(self, runner: ModelRunner, eager: bool = False) -> None:
-        self.runner = runner
+    def __init__(
+        self,
+        step: Callable[[int], torch.Tensor],
+        capacity: Callable[[], int],
+        max_rows: int,
+        device: torch.device,
+        eager: bool = False,
+    ) -> None:
+        self.step = step
+        self.capacity = capacity
+        self.device = device
         self.eager = eager
-        self.buckets = buckets(runner.max_rows)
+        self.buckets = buckets(max_rows)
         self.captures = 0
         """Graphs captured so far (for tests and logs)."""
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._cap = runner.cap
+        self._cap = capacity()
         self._pool = None if eager else torch.cuda.graph_pool_handle()
 
     def bucket(self, rows: int) -> int:
@@ -61,13 +68,13 @@ class DecodeGraphs:
 
     def logits(self, rows: int) -> torch.Tensor:
         """fp32 logits [rows, vocab] of one decode step of rows ``0..rows-1`` (their keys and
-        values written to the cache; the caller advances ``lens`` and samples)."""
+        values written to the cache; the caller advances the lengths and samples)."""
         bucket = self.bucket(rows)
         if self.eager:
-            return self.runner.static_decode_logits(bucket)[:rows]
-        if self._cap != self.runner.cap:  # the cache grew: every graph reads the old tensors
+            return self.step(bucket)[:rows]
+        if self._cap != self.capacity():  # the cache grew: every graph reads the old tensors
             self._graphs.clear()
-            self._cap = self.runner.cap
+            self._cap = self.capacity()
         entry = self._graphs.get(bucket)
         if entry is None:
             entry = self._graphs[bucket] = self._capture(bucket)
@@ -76,19 +83,18 @@ class DecodeGraphs:
         return out[:rows]
 
     def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        runner = self.runner
-        stream = torch.cuda.Stream(device=runner.device)
-        stream.wait_stream(torch.cuda.current_stream(runner.device))
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             # Writing the same keys and values to the same positions each time: the runs leave
             # the cache as the replay will.
             for _ in range(WARMUP_RUNS):
-                runner.static_decode_logits(bucket)
-        torch.cuda.current_stream(runner.device).wait_stream(stream)
+                self.step(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread of the process (a trainer) may use CUDA meanwhile.
         with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-            out = runner.static_decode_logits(bucket)
+            out = self.step(bucket)
         self.captures += 1
-        logger.info("captured the decode step for %d rows (cache capacity %d)", bucket, runner.cap)
+        logger.info("captured the decode step for %d rows (cache capacity %d)", bucket, self._cap)
         return graph, out

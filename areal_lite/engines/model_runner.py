@@ -206,7 +206,7 @@ class ModelRunner:
         self.fused_views = [self._fused_views(layer) for layer in self.layers]
         """Per layer, the parameters that are views of its fused q/k/v and gate/up weights."""
         self.graphs = (
-            DecodeGraphs(self) if cuda_graphs and self.device.type == "cuda" and self.route_shape is None else None
+            self.decode_graphs() if cuda_graphs and self.device.type == "cuda" and self.route_shape is None else None
         )
         """Decode steps replayed as CUDA graphs (``cuda_graphs``, on CUDA, dense models: a
         mixture-of-experts block's routing hooks run Python per pass), else None."""
@@ -500,6 +500,10 @@ class ModelRunner:
         )
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)  # fp32 softmax in bf16 too
         return torch.bmm(probs, values).view(r, self.n_heads, hd)
+
+    def decode_graphs(self, eager: bool = False) -> DecodeGraphs:
+        """`DecodeGraphs` of this runner's `static_decode_logits` (``eager``: run, not captured)."""
+        return DecodeGraphs(self.static_decode_logits, lambda: self.cap, self.max_rows, self.device, eager)
 
     def static_decode_logits(self, rows: int) -> torch.Tensor:
         """fp32 logits [rows, vocab] of a decode step of cache rows ``0..rows-1`` (``rows`` may

@@ -144,8 +144,8 @@ class Scheduler:
         self._runner = ModelRunner(model, cfg.max_running_requests, context_len, cfg.seed, cfg.cuda_graphs)
         if self._runner.device.type == "cpu" and not self._keeps_freed_memory:
             # Every step frees and reallocates its [rows, vocab] logits and probabilities (39 MB
-            # each at 64 rows of a 151936-token vocabulary): kept, they cost no page faults. With
-            # glibc's defaults such a step faulted 19 thousand times (tests/test_malloc.py).
+            # each at 64 rows of a 151936-token vocabulary): kept, they are reused instead of
+            # faulted in afresh (docs/performance.md, "Sampling without a float64 copy").
             self._keeps_freed_memory = keep_freed_memory()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="local-engine-scheduler", daemon=True)
