@@ -33,15 +33,11 @@ import torch
 
 from areal_lite.engines import model_runner
 from areal_lite.engines.model_runner import inverse_cdf
+from areal_lite.engines.model_runner import running_sum_sample as one_level
 from areal_lite.utils.malloc import keep_freed_memory
 from areal_lite.utils.precision import cpu_kind
 
 SHAPES = [(32, 512), (64, 49152), (64, 151936), (128, 151936)]
-
-
-def one_level(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    cdf = probs.double().cumsum_(dim=-1)
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
 
 
 def multinomial(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -633,6 +633,16 @@ SMALL_VOCAB = 2048
 512 entries, `benchmarks/sampling.py`)."""
 
 
+def running_sum_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`inverse_cdf` by one float64 running sum over each whole row (a [n, V] float64 copy): what
+    it does up to `SMALL_VOCAB` entries, and what the engine did at every size before."""
+    running = probs.double().cumsum_(dim=-1)
+    total = running[:, -1:]
+    # Below the total even where u x total rounds up to it: the token found has a positive share.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(running, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """A token per row of ``probs`` [n, V] (non-negative, fp32): the first whose running sum of
     the row exceeds ``u`` [n, 1] (float64 uniforms in [0, 1)) times the row's total, so drawn
@@ -649,21 +659,18 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     reading the probabilities takes 0.62 and 1.98."""
     n, v = probs.shape
     if v <= SMALL_VOCAB:
-        running = probs.double().cumsum_(dim=-1)
-    else:
-        full = v // CDF_BLOCK
-        # Each block summed in float32 (torch's cascade sum, exact to ~1e-7 of the block's mass:
-        # a sum with dtype=float64 would first copy the whole row to float64), the blocks in float64.
-        sums = probs[:, : full * CDF_BLOCK].reshape(n, full, CDF_BLOCK).sum(dim=-1)
-        if full * CDF_BLOCK < v:
-            sums = torch.cat([sums, probs[:, full * CDF_BLOCK :].sum(dim=-1, keepdim=True)], dim=1)
-        running = sums.double().cumsum_(dim=-1)
+        return running_sum_sample(probs, u)
+    full = v // CDF_BLOCK
+    # Each block summed in float32 (torch's cascade sum, exact to ~1e-7 of the block's mass: a
+    # sum with dtype=float64 would first copy the whole row to float64), the blocks in float64.
+    sums = probs[:, : full * CDF_BLOCK].reshape(n, full, CDF_BLOCK).sum(dim=-1)
+    if full * CDF_BLOCK < v:
+        sums = torch.cat([sums, probs[:, full * CDF_BLOCK :].sum(dim=-1, keepdim=True)], dim=1)
+    running = sums.double().cumsum_(dim=-1)
     total = running[:, -1:]
-    # Below the total even where u x total rounds up to it: what is found has a positive share.
+    # Below the total even where u x total rounds up to it: the block found has a positive sum.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     found = torch.searchsorted(running, target, right=True).clamp_(max=running.shape[1] - 1)
-    if v <= SMALL_VOCAB:
-        return found[:, 0]
     before = torch.where(found > 0, running.gather(1, (found - 1).clamp(min=0)), 0.0)
     at = found * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)
     within = probs.gather(1, at.clamp(max=v - 1)).double().masked_fill_(at >= v, 0.0).cumsum_(dim=-1)
