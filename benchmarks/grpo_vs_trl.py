@@ -158,6 +158,11 @@ def run_trl(path: str, args: argparse.Namespace) -> tuple[list[float], list[floa
     return times, tokens
 
 
+def cores(text: str) -> list[int]:
+    """``"0,1"`` -> ``[0, 1]``; ``""`` -> ``[]``."""
+    return [int(c) for c in text.split(",") if c.strip()]
+
+
 def run_ours(path: str, args: argparse.Namespace, eta: int) -> tuple[list[float], list[float], list[float]]:
     """Step times, tokens per step and training seconds per step (advantages, update and weight
     sync; the rest of a step is waiting for the batch) of our loop at staleness bound ``eta``."""
@@ -204,6 +209,7 @@ def run_ours(path: str, args: argparse.Namespace, eta: int) -> tuple[list[float]
                 max_running_requests=2 * args.prompts * args.group,
                 # Generation beside training (async) on its own share of the threads, if asked.
                 num_threads=args.async_engine_threads if args.side == "async_split" else 0,
+                cores=cores(args.engine_cores) if args.side == "async_split" else [],
             )
         ),
         InferenceEngineConfig(
@@ -263,6 +269,7 @@ def launch(side: str, threads: int, model: str, args: argparse.Namespace) -> tup
     cmd += ["--group", str(args.group), "--tokens", str(args.tokens)]
     cmd += [] if args.shared_prefix else ["--no-shared-prefix"]
     cmd += ["--async-engine-threads", str(args.async_engine_threads), "--device", args.device]
+    cmd += ["--engine-cores", args.engine_cores]
     from areal_lite.launcher.local import checkout_pythonpath
 
     path = checkout_pythonpath()
@@ -299,6 +306,11 @@ def main() -> None:
         type=int,
         default=0,
         help="run the async_split side: the async loop with its engine on this many threads (0: not run)",
+    )
+    parser.add_argument(
+        "--engine-cores",
+        default="",
+        help="async_split's engine pinned to these cores, e.g. 0 (local_engine.cores; empty: not pinned)",
     )
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)

@@ -209,3 +209,48 @@ def test_the_engine_frees_its_openmp_workers_when_it_goes_idle(
         assert calls == ["local-engine-scheduler"] * 2  # once more when idle again, not per step
     finally:
         engine.destroy()
+
+
+def _allowed_cores(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/status") as f:
+        return next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_the_engine_pins_its_scheduler_thread_and_its_workers_to_its_cores(tiny_model_dir: str) -> None:
+    """`local_engine.cores`: the scheduler thread runs on those cores only (the threads it starts,
+    its OpenMP workers among them, inherit them); the thread that started the engine keeps its own."""
+    import asyncio
+    import os
+    import threading
+
+    from areal_lite.api.config import LocalEngineConfig
+    from areal_lite.engines.local import LocalInferenceEngine
+    from areal_lite.engines.request import SamplingParams
+
+    core = max(os.sched_getaffinity(0))
+    before = {int(t) for t in os.listdir("/proc/self/task")}
+    mine = _allowed_cores(threading.get_native_id())
+    engine = LocalInferenceEngine(LocalEngineConfig(path=tiny_model_dir, cores=[core], num_threads=2))
+    engine.initialize()
+    try:
+        sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+        out = asyncio.run(engine.scheduler.generate(list(range(1, 200)), sp))
+        assert len(out.output_ids) == 8
+        scheduler = engine.scheduler._thread
+        assert scheduler is not None and scheduler.native_id is not None
+        assert _allowed_cores(scheduler.native_id) == str(core)
+        assert scheduler.native_id in {int(t) for t in os.listdir("/proc/self/task")} - before
+        assert _allowed_cores(threading.get_native_id()) == mine
+    finally:
+        engine.destroy()
+
+
+def test_cores_this_machine_lacks_are_refused_naming_the_key(tiny_model_dir: str) -> None:
+    from areal_lite.api.config import LocalEngineConfig
+    from areal_lite.engines.local import LocalInferenceEngine
+
+    engine = LocalInferenceEngine(LocalEngineConfig(path=tiny_model_dir, cores=[4096]))
+    with pytest.raises(ValueError, match=r"local_engine.cores=\[4096\]: no core \[4096\]"):
+        engine.initialize()
+    engine.destroy()

@@ -45,7 +45,7 @@ from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.adapter_slot import AdapterSlot, split_adapter_names
 from areal_lite.engines.model_runner import ModelRunner, context_length, dtype_of, load_model
 from areal_lite.engines.request import GenerationError, GenerationResult, SamplingParams, Sequence, TokenOut
-from areal_lite.utils.cpu import release_openmp_threads, set_thread_intra_op_threads
+from areal_lite.utils.cpu import check_cores, pin_this_thread, release_openmp_threads, set_thread_intra_op_threads
 from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 from areal_lite.utils.hf_layout import CheckpointLayout
@@ -132,6 +132,7 @@ class Scheduler:
     def start(self) -> None:
         """Load the model and tokenizer and start the scheduler thread."""
         cfg = self.config
+        check_cores(cfg.cores, "local_engine.cores")
         model, self.tokenizer = load_model(cfg.path, dtype_of(cfg.dtype), cfg.device)
         eos = (
             model.generation_config.eos_token_id
@@ -357,6 +358,7 @@ class Scheduler:
     def _loop(self) -> None:
         runner = self._runner
         assert runner is not None
+        pin_this_thread(self.config.cores)
         if self.config.num_threads:
             set_thread_intra_op_threads(self.config.num_threads)
         while True:
