@@ -33,12 +33,14 @@ Each configuration runs in its own process (``OMP_NUM_THREADS`` and ``torch.set_
 1 or 2); configurations alternate over ``--repeats`` rounds. ``--async-engine-threads N`` adds a
 side, ``async_split``: the async loop with its engine on N threads (``local_engine.num_threads``),
 so that generation and training running at once do not each take every thread; it runs where N
-is below the configuration's thread count. A configuration's figure is its median
+is below the configuration's thread count; ``--engine-cores 1`` adds ``async_pinned``, the same
+with the engine's scheduler thread pinned to core 1 (``local_engine.cores``), so that the two are
+measured side by side. A configuration's figure is its median
 step time after ``--warmup`` steps, the best round's. The last line is
 ``RESULT best_over_trl=<TRL's best step time / ours at its best> ...``.
 
     OMP_NUM_THREADS=1 python benchmarks/grpo_vs_trl.py [--steps 8] [--repeats 1] [--model 20m|smollm2]
-        [--lora 16] [--dtype float32|bfloat16]
+        [--lora 16] [--dtype float32|bfloat16] [--async-engine-threads 1 [--engine-cores 1]]
 
 On a GPU (``--device cuda``) both sides train and generate on it (TRL without ``use_cpu``, our
 engine with ``local_engine.device=cuda``; the trainer takes the GPU where there is one); the
@@ -70,9 +72,11 @@ import time
 MODEL = {"hidden_size": 384, "num_layers": 10, "num_heads": 6, "num_kv_heads": 2, "vocab_size": 512}
 LR, CLIP, MAX_GRAD_NORM = 1e-6, 0.2, 1.0
 LORA_ALPHA = 16.0
-SIDES = ("trl", "sync", "async", "async_split")
+SIDES = ("trl", "sync", "async", "async_split", "async_pinned")
 """``async_split``: the async loop with its engine on ``--async-engine-threads`` threads (run only
-where that is fewer than the configuration's threads)."""
+where that is fewer than the configuration's threads); ``async_pinned``: the same with the engine's
+scheduler thread pinned to ``--engine-cores`` (run only where those are given)."""
+SPLIT = ("async_split", "async_pinned")
 
 
 def digit_share(text: str) -> float:
@@ -208,8 +212,8 @@ def run_ours(path: str, args: argparse.Namespace, eta: int) -> tuple[list[float]
                 device=args.device,
                 max_running_requests=2 * args.prompts * args.group,
                 # Generation beside training (async) on its own share of the threads, if asked.
-                num_threads=args.async_engine_threads if args.side == "async_split" else 0,
-                cores=cores(args.engine_cores) if args.side == "async_split" else [],
+                num_threads=args.async_engine_threads if args.side in SPLIT else 0,
+                cores=cores(args.engine_cores) if args.side == "async_pinned" else [],
             )
         ),
         InferenceEngineConfig(
@@ -310,7 +314,8 @@ def main() -> None:
     parser.add_argument(
         "--engine-cores",
         default="",
-        help="async_split's engine pinned to these cores, e.g. 0 (local_engine.cores; empty: not pinned)",
+        help="run the async_pinned side: async_split with its engine pinned to these cores, e.g. 1 "
+        "(local_engine.cores; empty: not run)",
     )
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -337,9 +342,13 @@ def main() -> None:
             model = build_tiny_model(f"{tmp}/model", **MODEL)
         else:
             model = with_random_weights(args.model, f"{tmp}/model")
-        configs = [
-            (side, t) for t in threads for side in SIDES if side != "async_split" or 0 < args.async_engine_threads < t
-        ]
+
+        def runs(side: str, t: int) -> bool:
+            if side in SPLIT and not 0 < args.async_engine_threads < t:
+                return False
+            return side != "async_pinned" or bool(cores(args.engine_cores))
+
+        configs = [(side, t) for t in threads for side in SIDES if runs(side, t)]
         for r in range(args.repeats):
             for side, t in configs if r % 2 == 0 else reversed(configs):
                 seconds, n, train_s = launch(side, t, model, args)
@@ -357,12 +366,12 @@ def main() -> None:
     print(
         f"{args.prompts} prompts x {args.group} samples x {args.tokens} tokens per step, {name}, {args.dtype}, {mode}"
     )
-    print(f"{'side':<8}{'threads':>8}{'s/step':>9}{'train s':>9}{'tokens/step':>13}{'tokens/s':>10}{'TRL / this':>12}")
+    print(f"{'side':<13}{'threads':>8}{'s/step':>9}{'train s':>9}{'tokens/step':>13}{'tokens/s':>10}{'TRL / this':>12}")
     for side, t in configs:
         s = best[side, t]
         train_col = f"{train[side, t]:>9.2f}" if side != "trl" else f"{'':>9}"
         print(
-            f"{side:<8}{t:>8}{s:>9.2f}{train_col}{tokens[side, t]:>13.0f}{tokens[side, t] / s:>10.0f}"
+            f"{side:<13}{t:>8}{s:>9.2f}{train_col}{tokens[side, t]:>13.0f}{tokens[side, t] / s:>10.0f}"
             f"{best['trl', t] / s:>12.2f}"
         )
     # The most any schedule could give: the synchronous step's training alone, as if generation
