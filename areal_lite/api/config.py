@@ -401,9 +401,9 @@ class LocalEngineConfig:
     in-process), giving each part of the cores keeps them from oversubscribing them."""
     cores: list[int] = field(default_factory=list)
     """CPU cores for the engine's scheduler thread and the OpenMP workers it starts (empty = no
-    pinning). An unpinned thread that the kernel moves between cores loses its caches each time:
-    on a 2-core machine, 32 requests x 64 tokens of a 20M model took 1.76-1.84 s on a thread
-    pinned to one core against 1.98-2.60 s unpinned (docs/performance.md)."""
+    pinning; cores the machine lacks are refused at start). For a process that generates and
+    trains at once: beside the trainer an unpinned scheduler thread moves between the cores and
+    generates more slowly (docs/performance.md, "The engine's thread on a core of its own")."""
 
 
 @dataclass
