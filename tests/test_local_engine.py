@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ParamSpec, WeightUpdateMeta
+from areal_lite.engines import fused_ops
 from areal_lite.engines.local import LocalInferenceEngine
 from areal_lite.engines.request import GenerationError, SamplingParams
 from areal_lite.utils.distributed import find_free_port, init_custom_process_group
@@ -63,12 +64,17 @@ def generate_all(engine: LocalInferenceEngine, jobs: list[tuple[list[int], Sampl
     return asyncio.run(run())
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-ops", "torch-ops"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_logprobs_equal_hf_forward(arch: str, tmp_path) -> None:
+def test_logprobs_equal_hf_forward(arch: str, fused: bool, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the compiled norm, rotary and SiLU ops (`fused_ops`) and with the torch ops they stand in for."""
+    if not fused:
+        monkeypatch.setenv(fused_ops.ENV, "0")
     path = build_tiny_model(str(tmp_path / arch), arch=arch, hidden_size=64, num_layers=2)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     eng = make_engine(path, max_running_requests=4)  # fewer slots than requests: rows get reused
     try:
+        assert (eng.scheduler._runner.ops is not None) == fused
         jobs = [
             ([3 + i, 40 + 2 * i, 7] * (1 + i % 4), SamplingParams(max_new_tokens=4 + 5 * i, ignore_eos=True))
             for i in range(7)

@@ -7,12 +7,9 @@ decode step, at a few GB/s of cache read. This kernel walks each pair's keys and
 with the scores of a block of positions in vector registers, softmax and the value sum in float32,
 and each row only as far as its own length (no mask, no padding to the longest row).
 
-It is compiled with the system's C++ compiler (``$CXX`` or ``g++``, OpenMP, ``-march=native``, or
-the architecture in ``$AREAL_LITE_KERNEL_ARCH``: ``x86-64-v3`` builds the AVX2 code of the CPUs
-without AVX-512, which runs on either kind) for one (dtype, head dim, query heads per KV head) and
-cached under
-``$AREAL_LITE_KERNEL_CACHE`` (default ``~/.cache/areal_lite/kernels``), keyed by the source, the
-flags, the compiler and the CPU's flags. Where it cannot be built (no compiler, another device or
+It is compiled at run time (`cpu_kernels`: the system's C++ compiler, ``-march=native`` or
+``$AREAL_LITE_KERNEL_ARCH``, cached) for one (dtype, head dim, query heads per KV head). Where it
+cannot be built (no compiler, another device or
 dtype, a head dimension not a multiple of 16, ``AREAL_LITE_DECODE_KERNEL=0``), `load` returns None and the model runner keeps its
 batched matmuls, with a warning naming the reason.
 """
@@ -20,26 +17,17 @@ batched matmuls, with a warning naming the reason.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from areal_lite.engines import cpu_kernels
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
-FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c++20", "-shared", "-fPIC")
-"""Besides ``-march``: -ffast-math lets the compiler vectorize ``exp`` (glibc's vector math); the
-kernel sees only finite values."""
-ARCH_ENV = "AREAL_LITE_KERNEL_ARCH"
-"""The ``-march`` the kernel is built for (default ``native``: this CPU's instruction set)."""
+ARCH_ENV = cpu_kernels.ARCH_ENV
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 BLOCK = 16
 """Positions per block of the key cache the kernel reads: keys are stored [rows, kv heads,
@@ -56,61 +44,12 @@ scale) -> [rows, heads, D]``: writes each row's new key and value at its positio
 then attends to positions ``0 .. lens - 1``."""
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("AREAL_LITE_KERNEL_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "areal_lite", "kernels"
-    )
-    return Path(root)
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _arch() -> str:
-    return os.environ.get(ARCH_ENV, "").strip() or "native"
-
-
-def _build(compiler: str, macros: list[str], arch: str) -> Path:
-    """The shared library for ``macros`` and ``-march=arch``, compiled unless the cache holds it."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    flags = [*FLAGS, f"-march={arch}"]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, *macros, version, _cpu_flags()]).encode()).hexdigest()
-    key = key[:24]
-    lib = _cache_dir() / f"decode_attention_{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    # Compiled to a temporary name and renamed: processes building the same kernel at once
-    # never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *flags, *macros, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
-
-
-def _load_kernel(dtype: torch.dtype, head_dim: int, group: int, arch: str) -> Callable[..., None] | None:
-    compiler = os.environ.get("CXX") or "g++"
-    if shutil.which(compiler) is None:
-        logger.warning("no C++ compiler (%s): decode attention runs as batched matmuls", compiler)
-        return None
+def _load_kernel(dtype: torch.dtype, head_dim: int, group: int, march: str) -> Callable[..., None] | None:
     macros = [f"-DBF16={_DTYPES[dtype]}", f"-DHD={head_dim}", f"-DGROUP={group}"]
-    try:
-        lib = _build(compiler, macros, arch)
-        fn = ctypes.CDLL(str(lib)).decode_attention
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("could not build the decode attention kernel: %s; running batched matmuls", detail[-2000:])
+    lib = cpu_kernels.load_library(SOURCE, macros, march, "decode attention runs as batched matmuls")
+    if lib is None:
         return None
+    fn = lib.decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
     fn.restype = None
@@ -128,7 +67,7 @@ def load(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) ->
     ):
         return None
     with _lock:
-        key = (dtype, head_dim, group, _arch())
+        key = (dtype, head_dim, group, cpu_kernels.arch())
         if key not in _loaded:
             _loaded[key] = _load_kernel(*key)
         fn = _loaded[key]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from areal_lite.engines import decode_attention
+from areal_lite.engines import decode_attention, fused_ops
 from areal_lite.engines.decode_graphs import DecodeGraphs
 from areal_lite.engines.request import SamplingParams, Sequence
 from areal_lite.utils.moe import NO_EXPERT, layer_routers, routing_shape
@@ -182,6 +182,11 @@ class ModelRunner:
         """The compiled decode attention (CPU, fp32 or bf16), None where it is unavailable:
         then decode attention is two batched matmuls."""
         self.block = decode_attention.BLOCK if self.decode_attention is not None else 1
+        self.ops = fused_ops.load(self.device, self.dtype)
+        """The compiled residual add and norm, rotary embedding and SiLU product (CPU, fp32 or
+        bf16), None where they are unavailable: then torch ops."""
+        self.silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")
+        """Whether the MLPs' activation is SiLU (the fused product's)."""
         self.k_cache: list[torch.Tensor] = []
         """Per layer, [max_rows, kv heads, capacity / block, head_dim, block]: keys in blocks of
         ``block`` positions, transposed within a block, as the decode attention kernel reads them
@@ -290,29 +295,53 @@ class ModelRunner:
         ``_captured``."""
         self._captured.clear()
         n = ids.shape[0]
-        cos = self.cos[positions][:, None]  # [N, 1, D]
-        sin = self.sin[positions][:, None]
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        h = self.base.embed_tokens(ids)
+        h, x = self._add_norm(self.base.embed_tokens(ids), None, self.layers[0].input_layernorm)
+        rotary = None if self.ops is not None and not self.has_qk_norm else self._rotary(positions)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             w_qkv, b_qkv, w_gate_up, b_gate_up = self.fused[i]
             qkv_views, gate_up_views = self.fused_views[i]
-            x = _rms_norm(layer.input_layernorm, h)
-            qk, v = self.linear(x, w_qkv, b_qkv, qkv_views).view(n, nh + 2 * nkv, hd).split([nh + nkv, nkv], dim=1)
-            if self.has_qk_norm:
-                qk = torch.cat([attn.q_norm(qk[:, :nh]), attn.k_norm(qk[:, nh:])], dim=1)
-            # Rotary embedding on queries and keys in one go.
-            q, k = self._rope(qk, cos, sin).split([nh, nkv], dim=1)
+            qkv = self.linear(x, w_qkv, b_qkv, qkv_views)
+            if rotary is None:
+                assert self.ops is not None
+                q, k, v = self.ops.rope_split(qkv, self.cos, self.sin, positions, nh, nkv)
+            else:
+                qk, v = qkv.view(n, nh + 2 * nkv, hd).split([nh + nkv, nkv], dim=1)
+                if self.has_qk_norm:
+                    qk = torch.cat([attn.q_norm(qk[:, :nh]), attn.k_norm(qk[:, nh:])], dim=1)
+                # Rotary embedding on queries and keys in one go.
+                q, k = self._rope(qk, *rotary).split([nh, nkv], dim=1)
             o = attend(i, q, k, v)
-            h = h + self.linear(o.reshape(n, nh * hd), attn.o_proj.weight, attn.o_proj.bias)
-            x = _rms_norm(layer.post_attention_layernorm, h)
+            o = self.linear(o.reshape(n, nh * hd), attn.o_proj.weight, attn.o_proj.bias)
+            h, x = self._add_norm(h, o, layer.post_attention_layernorm)
             if w_gate_up is None:
-                h = h + mlp(x[None])[0]
-                continue
-            gate, up = self.linear(x, w_gate_up, b_gate_up, gate_up_views).chunk(2, dim=-1)
-            h = h + self.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        return _rms_norm(self.base.norm, h)
+                out = mlp(x[None])[0]
+            else:
+                gate_up = self.linear(x, w_gate_up, b_gate_up, gate_up_views)
+                if self.ops is not None and self.silu:
+                    act = self.ops.silu_mul(gate_up)
+                else:
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    act = mlp.act_fn(gate) * up
+                out = self.linear(act, mlp.down_proj.weight, mlp.down_proj.bias)
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.base.norm
+            h, x = self._add_norm(h, out, after)
+        return x
+
+    def _add_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream ``h + delta`` (``h`` for None) and its RMS norm by ``norm``; the
+        fused ops add into ``h`` in place."""
+        if self.ops is not None:
+            return h, self.ops.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+        h = h if delta is None else h + delta
+        return h, _rms_norm(norm, h)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables' rows at ``positions``, [N, 1, D] each (cos, sin)."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
 
     def _pass_routes(self, n: int) -> torch.Tensor:
         """The routes [n, layers, top_k] of the ``n`` tokens of the last forward pass."""
