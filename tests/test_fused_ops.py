@@ -108,3 +108,75 @@ def test_fused_ops_are_off_where_they_do_not_apply(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(fused_ops, "_loaded", {})
     assert fused_ops.load(cpu, torch.float32) is None
+
+
+def check_training(module_class: type, make_args, threads: int) -> None:
+    """A patched copy of an HF module against the module itself: output, input gradient and
+    parameter gradients of one forward and backward in fp32."""
+    torch.manual_seed(threads)
+    plain, patched = module_class(*make_args()), module_class(*make_args())
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.normal_(mean=1.0 if p.dim() == 1 else 0.0, std=0.2)  # a norm's scale, a layer's weights
+    patched.load_state_dict(plain.state_dict())
+    assert fused_ops.patch_for_training(patched) == 1
+    width = next(plain.parameters()).shape[-1]
+    x = torch.randn(2, 37, width)
+    grad_out = torch.randn(2, 37, width)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        grads = []
+        for module in (plain, patched):
+            xi = x.clone().requires_grad_()
+            out = module(xi)
+            out.backward(grad_out)
+            grads.append((out, xi.grad, [p.grad for p in module.parameters()]))
+    finally:
+        torch.set_num_threads(previous)
+    (out_a, dx_a, dp_a), (out_b, dx_b, dp_b) = grads
+    torch.testing.assert_close(out_b, out_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx_b, dx_a, atol=1e-5, rtol=1e-5)
+    for a, b in zip(dp_a, dp_b):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_training_norm_matches_hf_forward_and_backward(threads: int) -> None:
+    check_training(LlamaRMSNorm, lambda: (72,), threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_training_silu_mlp_matches_hf_forward_and_backward(threads: int) -> None:
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    config = LlamaConfig(hidden_size=72, intermediate_size=100, num_attention_heads=6)
+    check_training(LlamaMLP, lambda: (config,), threads)
+
+
+def test_patched_modules_leave_bf16_to_hf() -> None:
+    """Inputs the fused functions do not take (bf16 here) run the module's own forward."""
+    norm = LlamaRMSNorm(16).to(torch.bfloat16)
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = norm(x)
+        fused_ops.patch_for_training(norm)
+        torch.testing.assert_close(norm(x), expected, atol=0, rtol=0)
+
+
+def test_a_whole_model_is_patched_and_trains_as_hf(tmp_path) -> None:
+    """Every norm and MLP of a tiny Qwen2 is patched; its loss and gradients equal the unpatched
+    model's."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.utils.tiny import build_tiny_model
+
+    path = build_tiny_model(str(tmp_path / "m"), hidden_size=64, num_layers=3)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    patched = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert fused_ops.patch_for_training(patched) == 3 * 3 + 1  # two norms and an MLP a layer, the final norm
+    ids = torch.randint(3, 200, (2, 20))
+    for model in (plain, patched):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), b in zip(plain.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)

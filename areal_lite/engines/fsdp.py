@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import InferenceEngine, LossFn, PackedBatch
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
+from areal_lite.engines import fused_ops
 from areal_lite.engines.train_base import TrainEngineBase
 from areal_lite.utils.cpu import CoreSharing
 from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatches, unpack_sequences
@@ -260,6 +261,9 @@ class FSDPEngine(TrainEngineBase):
         else:
             hf = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         hf.config.use_cache = False
+        # RMS norms and SiLU products in one compiled pass each, forward and backward, where they
+        # run in fp32 on CPU (fused_ops; AREAL_LITE_FUSED_OPS=0 keeps HF's ops).
+        fused_ops.patch_for_training(hf)
         return hf
 
     def _add_adapters(self, hf: nn.Module) -> nn.Module:

@@ -10,6 +10,7 @@
 //
 // Rows are split over `threads` OpenMP threads where there are enough of them.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -114,5 +115,87 @@ extern "C" void rope_split(const T* qkv, const T* cos, const T* sin, const int64
     T* vd = v + i * nkv * hd;
 #pragma omp simd
     for (int64_t j = 0; j < nkv * hd; j++) vd[j] = vs[j];
+  }
+}
+
+// ---- Training (float32): forward and backward of the RMS norm and of SiLU times up, for the
+// trainer's autograd functions (fused_ops.py). Same formulas as HF's modules in float32.
+
+// y = w * x * rstd, rstd[i] = 1 / sqrt(mean(x[i]^2) + eps) kept for the backward.
+extern "C" void rms_norm_forward(const float* x, const float* w, float* y, float* rstd, int64_t n, int64_t width,
+                                 float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && n >= MIN_ROWS * threads) schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+    const float* xr = x + i * width;
+    float* yr = y + i * width;
+    float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t j = 0; j < width; j++) sq += xr[j] * xr[j];
+    const float r = 1.0f / std::sqrt(sq / static_cast<float>(width) + eps);
+    rstd[i] = r;
+#pragma omp simd
+    for (int64_t j = 0; j < width; j++) yr[j] = w[j] * (xr[j] * r);
+  }
+}
+
+// With xh = x * rstd and g = w * dy: dx = rstd * (g - xh * mean(g * xh)); dw = sum over rows of
+// dy * xh (each thread sums its rows, then the threads' sums are added).
+extern "C" void rms_norm_backward(const float* x, const float* w, const float* rstd, const float* dy, float* dx,
+                                  float* dw, int64_t n, int64_t width, int threads) {
+  for (int64_t j = 0; j < width; j++) dw[j] = 0.0f;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n >= MIN_ROWS * threads)
+  {
+    float* part = new float[width]();
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+      const float* xr = x + i * width;
+      const float* gr = dy + i * width;
+      float* dr = dx + i * width;
+      const float r = rstd[i];
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < width; j++) {
+        const float xh = xr[j] * r;
+        dot += w[j] * gr[j] * xh;
+        part[j] += gr[j] * xh;
+      }
+      const float mean = dot / static_cast<float>(width);
+#pragma omp simd
+      for (int64_t j = 0; j < width; j++) dr[j] = r * (w[j] * gr[j] - xr[j] * r * mean);
+    }
+#pragma omp critical
+    for (int64_t j = 0; j < width; j++) dw[j] += part[j];
+    delete[] part;
+  }
+}
+
+// Elements per chunk of the elementwise loops below: a chunk is one thread's work item and one
+// vectorized inner loop (GCC vectorizes `parallel for simd` over the whole range poorly: 5x slower).
+constexpr int64_t CHUNK = 4096;
+
+// out = silu(g) * u over `count` elements.
+extern "C" void silu_mul_forward(const float* g, const float* u, float* out, int64_t count, int threads) {
+  const int64_t chunks = (count + CHUNK - 1) / CHUNK;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && chunks >= 16) schedule(static)
+  for (int64_t c = 0; c < chunks; c++) {
+    const int64_t end = std::min(count, (c + 1) * CHUNK);
+#pragma omp simd
+    for (int64_t j = c * CHUNK; j < end; j++) out[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+  }
+}
+
+// With s = sigmoid(g): du = dout * g * s, dg = dout * u * s * (1 + g * (1 - s)).
+extern "C" void silu_mul_backward(const float* g, const float* u, const float* dout, float* dg, float* du, int64_t count,
+                                  int threads) {
+  const int64_t chunks = (count + CHUNK - 1) / CHUNK;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && chunks >= 16) schedule(static)
+  for (int64_t c = 0; c < chunks; c++) {
+    const int64_t end = std::min(count, (c + 1) * CHUNK);
+#pragma omp simd
+    for (int64_t j = c * CHUNK; j < end; j++) {
+      const float s = 1.0f / (1.0f + std::exp(-g[j]));
+      du[j] = dout[j] * g[j] * s;
+      dg[j] = dout[j] * u[j] * s * (1.0f + g[j] * (1.0f - s));
+    }
   }
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,7 +42,17 @@ class FusedOps:
         self._silu.argtypes = [ptr, ptr, i64, i64, i64, c_int]
         self._rope = lib.rope_split
         self._rope.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, c_int]
-        for fn in (self._norm, self._silu, self._rope):
+        self.norm_forward = lib.rms_norm_forward
+        self.norm_forward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int]
+        self.norm_backward = lib.rms_norm_backward
+        self.norm_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, c_int]
+        self.silu_forward = lib.silu_mul_forward
+        self.silu_forward.argtypes = [ptr, ptr, ptr, i64, c_int]
+        self.silu_backward = lib.silu_mul_backward
+        self.silu_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, c_int]
+        for fn in (self._norm, self._silu, self._rope, self.norm_forward, self.norm_backward):
+            fn.restype = None
+        for fn in (self.silu_forward, self.silu_backward):
             fn.restype = None
 
     def add_rms_norm(
@@ -105,3 +116,117 @@ def load(device: torch.device, dtype: torch.dtype) -> FusedOps | None:
             )
         lib = _loaded[key]
     return None if lib is None else FusedOps(lib, dtype)
+
+
+# ---- Training: the RMS norms and SiLU products of an HF model, fp32 on CPU, as autograd functions.
+
+NORM_CLASSES = frozenset(
+    f"{m}RMSNorm" for m in ("Llama", "Qwen2", "Qwen3", "Mistral", "Qwen2Moe", "Qwen3Moe", "Mixtral")
+)
+"""HF norm modules computing ``weight * x / sqrt(mean(x^2) + eps)`` (Gemma's ``1 + weight`` is not one)."""
+MLP_CLASSES = frozenset(f"{m}MLP" for m in ("Llama", "Qwen2", "Qwen3", "Mistral", "Qwen2Moe", "Qwen3Moe"))
+"""HF MLP modules computing ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, ops: FusedOps) -> torch.Tensor:
+        x2 = x.contiguous().view(-1, x.shape[-1])
+        y = torch.empty_like(x2)
+        rstd = torch.empty(x2.shape[0], dtype=x.dtype)
+        n, width = x2.shape
+        ops.norm_forward(
+            x2.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), n, width, eps, torch.get_num_threads()
+        )
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.ops, ctx.shape = ops, x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        x2, weight, rstd = ctx.saved_tensors
+        dy2 = dy.contiguous().view(x2.shape)
+        dx, dw = torch.empty_like(x2), torch.empty_like(weight)
+        n, width = x2.shape
+        ctx.ops.norm_backward(
+            x2.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dy2.data_ptr(), dx.data_ptr(), dw.data_ptr(),
+            n, width, torch.get_num_threads(),
+        )  # fmt: skip
+        return dx.view(ctx.shape), dw, None, None
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, ops: FusedOps) -> torch.Tensor:
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        ops.silu_forward(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), torch.get_num_threads())
+        ctx.save_for_backward(gate, up)
+        ctx.ops = ops
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        gate, up = ctx.saved_tensors
+        dout = dout.contiguous()
+        dg, du = torch.empty_like(gate), torch.empty_like(up)
+        ctx.ops.silu_backward(
+            gate.data_ptr(), up.data_ptr(), dout.data_ptr(), dg.data_ptr(), du.data_ptr(), gate.numel(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return dg, du, None
+
+
+def _fits(*tensors: torch.Tensor) -> bool:
+    """Whether the fused functions take these tensors: plain fp32 CPU tensors (FSDP gives its
+    modules plain unsharded parameters in their forward)."""
+    return all(
+        type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"
+        for t in tensors
+    )
+
+
+def patch_for_training(model: torch.nn.Module) -> int:
+    """Route the forward of ``model``'s HF RMS norms and SiLU MLPs (`NORM_CLASSES`, `MLP_CLASSES`)
+    through the fused functions where their inputs are fp32 on CPU; other inputs (bf16, CUDA) go to
+    the module's own forward. Returns the number of modules patched (0 where the fused ops are off
+    or cannot be built)."""
+    ops = load(torch.device("cpu"), torch.float32)
+    if ops is None:
+        return 0
+    patched = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name in NORM_CLASSES and hasattr(module, "variance_epsilon"):
+            module.forward = _norm_forward(module, ops)
+        elif name in MLP_CLASSES and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"):
+            module.forward = _mlp_forward(module, ops)
+        else:
+            continue
+        patched += 1
+    return patched
+
+
+def _norm_forward(module: torch.nn.Module, ops: FusedOps) -> Callable[[torch.Tensor], torch.Tensor]:
+    original = module.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not _fits(x, module.weight):
+            return original(x)
+        return _RMSNorm.apply(x, module.weight, module.variance_epsilon, ops)
+
+    return forward
+
+
+def _mlp_forward(module: torch.nn.Module, ops: FusedOps) -> Callable[[torch.Tensor], torch.Tensor]:
+    original = module.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not _fits(x):
+            return original(x)
+        gate, up = module.gate_proj(x), module.up_proj(x)
+        if not _fits(gate, up):
+            return module.down_proj(module.act_fn(gate) * up)
+        return module.down_proj(_SiluMul.apply(gate, up, ops))
+
+    return forward
