@@ -93,6 +93,16 @@ def test_logprobs_equal_hf_forward(arch: str, fused: bool, tmp_path, monkeypatch
         eng.destroy()
 
 
+def test_a_position_past_the_rotary_tables_is_an_error_not_a_stray_read(engine: LocalInferenceEngine) -> None:
+    """The compiled rotary reads its tables without bounds checks; the runner checks the pass's
+    positions first, as torch's indexing would."""
+    runner = engine.scheduler._runner
+    assert runner.ops is not None
+    past = runner.cos.shape[0]
+    with pytest.raises(IndexError, match=f"position {past} is past the rotary tables"):
+        runner._layers_forward(torch.tensor([5]), torch.tensor([past]), lambda *a: pytest.fail("attended"))
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "llama-biases"])
 def test_logprobs_equal_hf_forward_other_layouts(kind: str, tmp_path) -> None:
     """Qwen3 (q/k norms) and Llama with biases on attention and MLP, from configs (no tokenizer)."""

@@ -298,6 +298,9 @@ class ModelRunner:
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         h, x = self._add_norm(self.base.embed_tokens(ids), None, self.layers[0].input_layernorm)
         rotary = None if self.ops is not None and not self.has_qk_norm else self._rotary(positions)
+        if rotary is None and n and int(positions.max()) >= self.cos.shape[0]:
+            # The compiled rotary reads the tables unchecked (torch's indexing would raise).
+            raise IndexError(f"position {int(positions.max())} is past the rotary tables ({self.cos.shape[0]})")
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             w_qkv, b_qkv, w_gate_up, b_gate_up = self.fused[i]
