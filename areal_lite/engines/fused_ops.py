@@ -8,6 +8,10 @@ rounding where HF's eager modules round (see there), and `ModelRunner` uses it o
 bf16 for models with SiLU MLPs; elsewhere, or where it cannot be built (no compiler,
 ``AREAL_LITE_FUSED_OPS=0``), the runner keeps the torch ops, with a warning naming the reason.
 Built and cached as `cpu_kernels` says.
+
+The trainer's side (`patch_for_training`): the RMS norms and SiLU products of an HF model, forward
+and backward in one fp32 pass each, as autograd functions that `FSDPEngine` puts in place of the
+modules' forward where they run in fp32 on CPU.
 """
 
 from __future__ import annotations
