@@ -597,6 +597,21 @@ def test_engine_failure_fails_the_running_requests_and_keeps_serving(model_path:
         eng.destroy()
 
 
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
+def test_a_model_that_outputs_nan_fails_its_requests_saying_so(model_path: str, greedy: bool) -> None:
+    """NaN logits (diverged weights) fail the request with a message that says so, not with an
+    index error from sampling nor, greedy, with NaN log-probabilities."""
+    eng = make_engine(model_path)
+    try:
+        with torch.no_grad():
+            eng.scheduler._runner.base.norm.weight.fill_(float("nan"))
+        params = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0.0 if greedy else 1.0)
+        with pytest.raises(GenerationError, match="probabilities are not finite"):
+            generate_all(eng, [([1, 2, 3], params)])
+    finally:
+        eng.destroy()
+
+
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_command_its_caller_gave_up_leaves_the_scheduler_serving(model_path: str) -> None:
     """A weight update or adapter call whose caller cancelled the future (an HTTP handler

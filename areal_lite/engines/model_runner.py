@@ -130,6 +130,9 @@ class PackedLinears:
         return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
 
 
+NOT_FINITE = "the model's next-token probabilities are not finite (NaN): its weights or inputs have diverged"
+"""Why a decode step fails when the model outputs NaN, instead of an index error from sampling."""
+
 PACK_BATCH = 16
 """The batch size oneDNN lays a weight out for (any batch works; decode batches are 16-64)."""
 
@@ -605,8 +608,12 @@ class ModelRunner:
                 if any(greedy)
                 else sampled
             )
+        if bool((tokens >= logits.shape[-1]).any()):  # sampling past the vocabulary: NaN probabilities
+            raise FloatingPointError(NOT_FINITE)
         self.last[rows] = tokens
         chosen = policy.gather(1, tokens[:, None])[:, 0]
+        if bool(chosen.isnan().any()):  # a greedy row's argmax over NaN logits
+            raise FloatingPointError(NOT_FINITE)
         tiny = chosen < 1e-30
         chosen = chosen.log()
         if bool(tiny.any()):
