@@ -9,9 +9,9 @@ and each row only as far as its own length (no mask, no padding to the longest r
 
 It is compiled at run time (`cpu_kernels`: the system's C++ compiler, ``-march=native`` or
 ``$AREAL_LITE_KERNEL_ARCH``, cached) for one (dtype, head dim, query heads per KV head). Where it
-cannot be built (no compiler, another device or
-dtype, a head dimension not a multiple of 16, ``AREAL_LITE_DECODE_KERNEL=0``), `load` returns None and the model runner keeps its
-batched matmuls, with a warning naming the reason.
+does not apply or cannot be built (no compiler, another device or dtype, a head dimension not a
+multiple of 16, ``AREAL_LITE_DECODE_KERNEL=0``), `load` returns None and the model runner keeps
+its batched matmuls, with a warning naming the reason.
 """
 
 from __future__ import annotations

@@ -261,9 +261,10 @@ class FSDPEngine(TrainEngineBase):
         else:
             hf = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         hf.config.use_cache = False
-        # RMS norms and SiLU products in one compiled pass each, forward and backward, where they
-        # run in fp32 on CPU (fused_ops; AREAL_LITE_FUSED_OPS=0 keeps HF's ops).
-        fused_ops.patch_for_training(hf)
+        if self.device.type == "cpu":
+            # RMS norms and SiLU products in one compiled pass each, forward and backward, where
+            # they run in fp32 (fused_ops; AREAL_LITE_FUSED_OPS=0 keeps HF's ops).
+            fused_ops.patch_for_training(hf)
         return hf
 
     def _add_adapters(self, hf: nn.Module) -> nn.Module:

@@ -35,7 +35,8 @@ _loaded: dict[tuple[torch.dtype, str], ctypes.CDLL | None] = {}
 
 
 class FusedOps:
-    """The library's three operations on torch tensors of one dtype (CPU)."""
+    """The library's operations: the engine's three on torch tensors of one dtype (CPU), and the
+    trainer's raw fp32 functions that `_RMSNorm` and `_SiluMul` call."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -54,10 +55,9 @@ class FusedOps:
         self.silu_forward.argtypes = [ptr, ptr, ptr, i64, c_int]
         self.silu_backward = lib.silu_mul_backward
         self.silu_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, c_int]
-        for fn in (self._norm, self._silu, self._rope, self.norm_forward, self.norm_backward):
+        for fn in (self._norm, self._silu, self._rope, self.norm_forward, self.norm_backward, self.silu_forward):
             fn.restype = None
-        for fn in (self.silu_forward, self.silu_backward):
-            fn.restype = None
+        self.silu_backward.restype = None
 
     def add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
+NOT_FINITE = "the model's next-token probabilities are not finite (NaN): its weights or inputs have diverged"
+"""Why a decode step fails when the model outputs NaN, instead of an index error from sampling."""
 PREFILL_TOKENS = 16 * 1024
 """A batched prefill is split when its distinct sequences hold more tokens than this."""
 
@@ -129,9 +131,6 @@ class PackedLinears:
             entry = self._packed[id(weight)] = (weight, version, packed)
         return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
 
-
-NOT_FINITE = "the model's next-token probabilities are not finite (NaN): its weights or inputs have diverged"
-"""Why a decode step fails when the model outputs NaN, instead of an index error from sampling."""
 
 PACK_BATCH = 16
 """The batch size oneDNN lays a weight out for (any batch works; decode batches are 16-64)."""
