@@ -66,6 +66,7 @@ from areal_lite.api.config import LauncherConfig, LocalEngineConfig, RecoverConf
 from areal_lite.engines.request import SamplingParams
 from areal_lite.engines.scheduler import Scheduler
 from areal_lite.launcher.local import LaunchPlan, is_healthy, server_command, spawn, stop, vllm_python
+from areal_lite.utils.cpu import release_openmp_threads
 from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.precision import cpu_kind, native_bf16
 
@@ -298,6 +299,9 @@ def run_sides(
                     for k in range(len(opened)):
                         one = opened[(turn + k) % len(opened)]
                         limits = measure_limits(torch_dtype)
+                        # The limits' matmul gave this thread an OpenMP team: freed, so that its
+                        # docked workers do not slow the embedded engine's (`release_openmp_threads`).
+                        release_openmp_threads()
                         p = one.run(reqs, c)
                         whole, wave = bounds(shape, reqs, c, limits, itemsize)
                         p.fraction, p.ttft_fraction = whole / p.seconds, wave / p.wave_ttft

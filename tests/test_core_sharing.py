@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -194,9 +195,11 @@ def test_the_engine_frees_its_openmp_workers_when_it_goes_idle(
     engine.initialize()
     try:
         deadline = time.monotonic() + 30
-        while not calls and time.monotonic() < deadline:  # idle from the start
+        while "local-engine-scheduler" not in calls and time.monotonic() < deadline:  # idle from the start
             time.sleep(0.01)
-        assert calls == ["local-engine-scheduler"]
+        # The thread that started the engine frees the workers its loading gave it, once.
+        assert sorted(calls) == ["MainThread", "local-engine-scheduler"]
+        calls.remove("MainThread")
 
         async def two() -> list:
             sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -209,6 +212,41 @@ def test_the_engine_frees_its_openmp_workers_when_it_goes_idle(
         assert calls == ["local-engine-scheduler"] * 2  # once more when idle again, not per step
     finally:
         engine.destroy()
+
+
+STARTER = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    from areal_lite.api.config import LocalEngineConfig
+    from areal_lite.engines.local import LocalInferenceEngine
+
+    torch.set_num_threads(2)
+    before = set(os.listdir("/proc/self/task"))
+    torch.ones(1 << 22).sum()  # this thread's OpenMP team: a worker beside it
+    workers = set(os.listdir("/proc/self/task")) - before
+    engine = LocalInferenceEngine(LocalEngineConfig(path=sys.argv[1]))
+    engine.initialize()
+    deadline = time.monotonic() + 5  # a released worker leaves /proc a moment after
+    while workers & set(os.listdir("/proc/self/task")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("WORKERS", len(workers), len(workers & set(os.listdir("/proc/self/task"))))
+    engine.destroy()
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_starting_the_engine_frees_the_starting_threads_openmp_workers(tiny_model_dir: str) -> None:
+    """Loading the model runs parallel ops on the thread that starts the engine; its OpenMP workers
+    would stay docked (a server's main thread then only serves HTTP) and make libgomp wake the
+    scheduler's workers through a futex at every op: at 2 threads on 2 CPUs the decode step ran
+    at one thread's speed. The engine frees them once started."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run(
+        [sys.executable, "-c", STARTER, tiny_model_dir], check=False, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "WORKERS 1 0" in out.stdout, out.stdout
 
 
 def _allowed_cores(tid: int) -> str:

@@ -152,6 +152,11 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="local-engine-scheduler", daemon=True)
         self._thread.start()
         freeze_startup_objects()
+        # Loading ran parallel ops on the calling thread, which gave it an OpenMP team of its own.
+        # Kept, its docked workers count against the CPUs, and libgomp then wakes the scheduler's
+        # workers through a futex at every op instead of spinning: at 2 threads on 2 CPUs the
+        # decode step ran at one thread's speed. The caller gets a team again if it computes.
+        release_openmp_threads()
 
     def stop(self) -> None:
         """Stop the thread; queued and running requests end aborted, pending commands fail."""
