@@ -243,7 +243,12 @@ def test_starting_the_engine_frees_the_starting_threads_openmp_workers(tiny_mode
     at one thread's speed. The engine frees them once started."""
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     out = subprocess.run(
-        [sys.executable, "-c", STARTER, tiny_model_dir], check=False, capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", STARTER, tiny_model_dir],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "WORKERS 1 0" in out.stdout, out.stdout
