@@ -25,7 +25,8 @@ before the pass, in the pass's dtype; 1.0 = at the limit); time to first token: 
 the pass's requests, and the first wave's fraction (its ``C`` prompts' prefill at the limit over
 the time the last of them got its first token). A side's figure is its best pass (``--repeats``),
 its fraction that pass's. The sides run at the same time and take turns pass by pass, so that a
-load change on a shared machine falls on all of them alike. The limits are `roofline.measure_limits` (a 1024^3 matmul in the dtype,
+load change on a shared machine falls on all of them alike. The limits are `roofline.measure_limits` (sampled
+``SETTLE_S`` after the previous pass; a 1024^3 matmul in the dtype,
 a 256 MiB copy).
 
 Models: ``20m`` (the roofline's 20M Qwen2: hidden 384, 10 layers, 6 heads of 64, 512 tokens of
@@ -78,6 +79,10 @@ PROMPT_LEN = (16, 256)
 OUTPUT_LEN = (32, 128)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 STARTUP_TIMEOUT_S = 900.0
+SETTLE_S = 2.0
+"""Pause before each pass's limit sample: vLLM's processes kept one CPU busy for 1-1.5 s after
+their last response (2 threads, SmolLM2, 2026-11-27), which read the next limit low (85-134
+against 270-389 GFLOP/s in bf16) and slowed the next side's start."""
 
 
 @dataclass
@@ -298,6 +303,7 @@ def run_sides(
                 for reqs in reqs_list:
                     for k in range(len(opened)):
                         one = opened[(turn + k) % len(opened)]
+                        time.sleep(SETTLE_S)
                         limits = measure_limits(torch_dtype)
                         # The limits' matmul gave this thread an OpenMP team: freed, so that its
                         # docked workers do not slow the embedded engine's (`release_openmp_threads`).
