@@ -55,9 +55,9 @@ class FusedOps:
         self.silu_forward.argtypes = [ptr, ptr, ptr, i64, c_int]
         self.silu_backward = lib.silu_mul_backward
         self.silu_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, c_int]
-        for fn in (self._norm, self._silu, self._rope, self.norm_forward, self.norm_backward, self.silu_forward):
+        trainer = (self.norm_forward, self.norm_backward, self.silu_forward, self.silu_backward)
+        for fn in (self._norm, self._silu, self._rope, *trainer):
             fn.restype = None
-        self.silu_backward.restype = None
 
     def add_rms_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
