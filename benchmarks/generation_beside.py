@@ -41,8 +41,8 @@ import time
 from collections.abc import Callable
 
 import torch
+from grpo_vs_trl import MODEL  # the 20M model of the GRPO benchmark
 
-MODEL = {"hidden_size": 384, "num_layers": 10, "num_heads": 6, "num_kv_heads": 2, "vocab_size": 512}
 TRAIN_SHAPE = (4, 528)
 """Sequences x tokens of the training loop: the 20M benchmark's update (2112 tokens)."""
 LOADS = ("small matmul", "large matmul", "memory copy")
@@ -70,13 +70,14 @@ def load_loop(kind: str, seconds: float) -> float:
             dst.copy_(src)
     else:
         raise ValueError(f"unknown load {kind!r}")
-    return _rate(body, seconds, threading.Event())
+    return _rate(body, seconds)
 
 
-def _rate(body: Callable[[], None], seconds: float, stop: threading.Event) -> float:
+def _rate(body: Callable[[], None], seconds: float, stop: threading.Event | None = None) -> float:
+    """Calls of ``body`` per second, for ``seconds`` or until ``stop`` is set."""
     n, t0 = 0, time.perf_counter()
     end = t0 + seconds
-    while time.perf_counter() < end and not stop.is_set():
+    while time.perf_counter() < end and not (stop and stop.is_set()):
         body()
         n += 1
     return n / (time.perf_counter() - t0)
@@ -156,7 +157,7 @@ def worker(args: argparse.Namespace) -> None:
     pin(1)
     if args.worker == "training":
         torch.set_num_threads(1)
-        rate = _rate(training_loop(args.model_dir), args.seconds, threading.Event())
+        rate = _rate(training_loop(args.model_dir), args.seconds)
     else:
         rate = load_loop(args.worker, args.seconds)
     print("WORKER " + json.dumps({"rate": rate}), flush=True)

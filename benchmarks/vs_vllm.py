@@ -25,9 +25,9 @@ before the pass, in the pass's dtype; 1.0 = at the limit); time to first token: 
 the pass's requests, and the first wave's fraction (its ``C`` prompts' prefill at the limit over
 the time the last of them got its first token). A side's figure is its best pass (``--repeats``),
 its fraction that pass's. The sides run at the same time and take turns pass by pass, so that a
-load change on a shared machine falls on all of them alike. The limits are `roofline.measure_limits` (sampled
-``SETTLE_S`` after the previous pass; a 1024^3 matmul in the dtype,
-a 256 MiB copy).
+load change on a shared machine falls on all of them alike. The limits are
+`roofline.measure_limits` (sampled ``SETTLE_S`` after the previous pass; a 1024^3 matmul in the
+dtype, a 256 MiB copy).
 
 Models: ``20m`` (the roofline's 20M Qwen2: hidden 384, 10 layers, 6 heads of 64, 512 tokens of
 vocabulary, built here) and ``smollm2`` (SmolLM2-135M-Instruct, `smollm2_dir`: ``make
