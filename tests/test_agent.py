@@ -160,8 +160,9 @@ def test_streaming_models_and_bad_requests_through_the_sdk(tok) -> None:
     async def agent(client: openai.AsyncOpenAI) -> None:
         assert [m.id for m in (await client.models.list()).data] == ["areal-lite-policy"]
         messages = [{"role": "user", "content": "hi"}]
-        with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        with pytest.raises(openai.BadRequestError, match="frequency_penalty") as refused:
             await client.chat.completions.create(model="m", messages=messages, frequency_penalty=1.0)
+        assert refused.value.param == "frequency_penalty"
         with pytest.raises(openai.BadRequestError, match="n must be 1"):
             await client.chat.completions.create(model="m", messages=messages, n=2)
         stream = await client.chat.completions.create(
@@ -175,6 +176,10 @@ def test_streaming_models_and_bad_requests_through_the_sdk(tok) -> None:
         assert (
             done.choices[0].finish_reason == "length"
             and [e.logprob for e in done.choices[0].logprobs.content] == [-0.25] * 3
+        )
+        # Each entry's bytes are its token's own: joined, they are the answer's text.
+        assert bytes(b for e in done.choices[0].logprobs.content for b in e.bytes).decode() == (
+            done.choices[0].message.content
         )
         with pytest.raises(openai.BadRequestError, match="2 model calls are used up"):
             await client.chat.completions.create(model="m", messages=messages)

@@ -459,3 +459,140 @@ def test_inference_generate_token_in_token_out(base_url: str, model_path: str) -
     )
     bad = httpx.post(f"{root}/inference/v1/generate", json={"token_ids": prompt}, headers=headers)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params"
+
+
+def test_usage_counts_each_prompt_once_whatever_n(base_url: str, model_path: str) -> None:
+    """OpenAI's ``usage.prompt_tokens`` is the prompt's length, however many choices share it
+    (``n``); completions count each prompt of a batch once."""
+    client = openai.OpenAI(base_url=base_url, api_key=KEY)
+    common = {"model": model_path, "messages": QUESTION, "max_tokens": 3, "extra_body": {"ignore_eos": True}}
+    one = client.chat.completions.create(**common).usage
+    three = client.chat.completions.create(n=3, **common).usage
+    assert three.prompt_tokens == one.prompt_tokens and three.completion_tokens == 9
+    assert three.total_tokens == three.prompt_tokens + 9
+    [*_, last] = client.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **common)
+    assert last.usage.prompt_tokens == one.prompt_tokens and last.usage.completion_tokens == 6
+    done = client.completions.create(model=model_path, prompt=[[11, 12, 13], [14, 15]], n=2, max_tokens=2,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (5, 8, 13)
+
+
+def test_logprob_bytes_are_the_tokens_own_and_add_up_to_the_content(base_url: str, model_path: str) -> None:
+    """``bytes`` is a token's own UTF-8 bytes (OpenAI: "characters represented by multiple tokens ...
+    their byte representations must be combined"), so a token that ends inside a character has the
+    bytes it holds, not those of a replacement character, and the bytes of all tokens are the text."""
+    client = openai.OpenAI(base_url=base_url, api_key=KEY)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    common = {"model": model_path, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64,
+              "logprobs": True, "top_logprobs": 2, "seed": 3, "temperature": 2.0,
+              "extra_body": {"ignore_eos": True, "skip_special_tokens": False, "return_token_ids": True}}  # fmt: skip
+    choice = client.chat.completions.create(**common).choices[0]
+    entries = choice.logprobs.content
+    ids = choice.model_extra["token_ids"]
+    joined = b"".join(bytes(e.bytes) for e in entries)  # may end inside a character: the tokens' text does
+    assert joined.decode(errors="replace") == tok.decode(ids, skip_special_tokens=False)
+    assert any(bytes(e.bytes) != e.token.encode() for e in entries), "no token ended inside a character"
+    assert all(bytes(t.bytes).decode(errors="replace") == t.token for e in entries for t in e.top_logprobs)
+    streamed = [e for c in client.chat.completions.create(stream=True, **common) if c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert [e.bytes for e in streamed] == [e.bytes for e in entries]
+
+
+def test_sampling_options_out_of_range_are_a_400_naming_the_field(base_url: str, model_path: str) -> None:
+    """OpenAI's ranges: temperature 0 to 2, top_p at most 1, a 64-bit seed, n 1 to 128; each outside
+    is a 400 (never a 500 or a hang) whose ``param`` names the field, and the server keeps serving."""
+    client = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
+    common = {"model": model_path, "messages": QUESTION, "max_tokens": 2}
+    for field, value in [
+        ("temperature", 2.5),
+        ("temperature", -0.5),
+        ("top_p", 1.5),
+        ("seed", 2**70),
+        ("n", "2"),
+        ("n", 129),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**common, **{field: value})
+        assert e.value.status_code == 400 and e.value.body["param"] == field, (field, e.value.body)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_path, prompt="hi", temperature=3, max_tokens=2)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model_path, input="hi", temperature=3, max_output_tokens=2)
+    assert e.value.body["param"] == "temperature"
+    for prompt in ([-1], [10**7], [[1], [-1]]):
+        with pytest.raises(openai.BadRequestError, match="token ids"):
+            client.completions.create(model=model_path, prompt=prompt, max_tokens=2, echo=True)
+    assert client.chat.completions.create(**common, temperature=2, seed=2**63 - 1, n=2).choices
+
+
+def test_a_prompt_past_the_context_is_context_length_exceeded(base_url: str, model_path: str) -> None:
+    """OpenAI's error for a prompt (with its token budget) past the context: a 400 with code
+    ``context_length_exceeded``, streamed or not, on chat, completions and the Responses API."""
+    client = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
+    long = "hello world " * 400
+    calls = [
+        (lambda: client.chat.completions.create(model=model_path, messages=[{"role": "user", "content": long}]),
+         "messages"),
+        (lambda: list(client.chat.completions.create(model=model_path, messages=[{"role": "user", "content": long}],
+                                                     stream=True)), "messages"),
+        (lambda: client.completions.create(model=model_path, prompt=long, max_tokens=2), "prompt"),
+        (lambda: client.completions.create(model=model_path, prompt=[1, 2, 3], max_tokens=10_000), "max_tokens"),
+        (lambda: client.responses.create(model=model_path, input=long, max_output_tokens=2), "input"),
+    ]  # fmt: skip
+    for call, param in calls:
+        with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
+            call()
+        assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == param, e.value.body
+    assert client.chat.completions.create(model=model_path, messages=QUESTION, max_tokens=2).choices
+
+
+def test_completions_echo_the_prompt(base_url: str, model_path: str) -> None:
+    """``echo: true`` puts the prompt before the completion in ``text`` and, with ``logprobs``, its
+    tokens before the output's (the first with no log-probability); ``max_tokens: 0`` scores the
+    prompt alone. Streamed, the prompt comes first."""
+    client = openai.OpenAI(base_url=base_url, api_key=KEY)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    hf = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    common = {"model": model_path, "max_tokens": 5, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    plain = client.completions.create(prompt="The quick brown", **common).choices[0]
+    echoed = client.completions.create(prompt="The quick brown", echo=True, **common).choices[0]
+    assert echoed.text == "The quick brown" + plain.text
+    streamed = client.completions.create(prompt="The quick brown", echo=True, stream=True, **common)
+    assert "".join(c.choices[0].text for c in streamed) == echoed.text
+
+    prompt = [11, 12, 13, 14]
+    done = client.completions.create(prompt=prompt, echo=True, logprobs=2, n=2,
+                                     **{**common, "temperature": 1.0})  # fmt: skip
+    assert done.usage.prompt_tokens == 4 and done.usage.completion_tokens == 10
+    for c in done.choices:
+        lp = c.logprobs
+        assert c.text.startswith(tok.decode(prompt)) and len(lp.tokens) == len(lp.token_logprobs) == 9
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+        assert lp.tokens[:4] == [tok.decode([t]) for t in prompt] and all(x <= 0 for x in lp.token_logprobs[1:])
+    scored = client.completions.create(model=model_path, prompt=prompt, echo=True, logprobs=0, max_tokens=0)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == tok.decode(prompt) and scored.usage.completion_tokens == 0
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:]), hf_logprobs(hf, prompt[:1], prompt[1:]),
+                               atol=1e-4, rtol=0)  # fmt: skip
+
+
+def test_malformed_messages_are_a_400_naming_the_field(base_url: str, model_path: str) -> None:
+    """Messages OpenAI refuses are a 400 naming the field at fault: no messages, not objects, an
+    unknown role, and a message without the content its role requires (all but an assistant's with
+    tool calls)."""
+    client = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
+    for messages, param in [
+        ([], "messages"),
+        (["hi"], "messages[0]"),
+        ([{"content": "hi"}], "messages[0].role"),
+        ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "system", "content": "be brief"}, {"role": "user", "content": None}], "messages[1].content"),
+        ([*QUESTION, {"role": "assistant"}], "messages[1].content"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model_path, messages=messages, max_tokens=2)
+        assert e.value.body["param"] == param, (messages, e.value.body)
+    called = [*QUESTION, {**CALLED, "content": None}, RESULT]
+    assert client.chat.completions.create(model=model_path, messages=called, max_tokens=2).choices

@@ -1,12 +1,14 @@
 """`TextDeltas`, the streamed text of our server's OpenAI routes: the pieces it hands out add up to
 the whole answer's text, a multi-byte character is never split, a stop string never leaks into the
-stream (even in part), and nothing from a ``<tool_call>`` on is streamed as text."""
+stream (even in part), and nothing from a ``<tool_call>`` on is streamed as text; and `TokenBytes`,
+the bytes of each token in ``logprobs``, which add up to the text where a token splits a character."""
 
 from __future__ import annotations
 
 import pytest
 
 from areal_lite.engines.openai_stream import TOOL_CALL_START, TextDeltas
+from areal_lite.engines.server_common import TokenBytes
 from areal_lite.utils.tiny import build_tokenizer
 
 
@@ -45,3 +47,13 @@ def test_nothing_from_a_tool_call_on_is_streamed_as_text(tok) -> None:
     assert deltas.frozen and "<" not in streamed and "Let me check. ".startswith(streamed)
     # The whole answer's content strips the space before the call: the stream keeps it.
     assert streamed == "Let me check. " and deltas.rest("Let me check.") == ""
+
+
+def test_token_bytes_add_up_to_the_text_where_tokens_split_characters(tok) -> None:
+    text = "naïve café — 東京 🙂 ok <|im_end|>"
+    ids = tok.encode(text, add_special_tokens=False)
+    token_bytes = TokenBytes(tok)
+    pieces = [bytes(token_bytes(t, tok.decode([t]))) for t in ids]
+    assert b"".join(pieces) == text.encode()
+    assert any(p.decode(errors="replace") != p.decode(errors="ignore") for p in pieces)  # some split a character
+    assert TokenBytes(None)(7, "token_id:7") == list(b"token_id:7")

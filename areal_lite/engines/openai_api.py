@@ -15,10 +15,12 @@ the scheduler produces it (`areal_lite.engines.openai_stream`). ``seed`` gives a
 stream of its own (choice ``i`` of ``n`` uses ``seed + i``): the same seed, the same tokens.
 ``top_logprobs`` (chat) and ``logprobs`` (completions) report up to `MAX_TOP_LOGPROBS` most likely
 tokens per position, the policy's own (temperature 1, before top-p / top-k), like the sampled
-token's. Refused with a 400: penalties, logit biases, structured output, forced tool choice. Every
-error is OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``); an unknown
-model is a 404, as in vLLM, and so are routes this server does not serve (embeddings, images,
-audio, moderations), with a message that says so.
+token's; a chat entry's ``bytes`` are the token's own (`TokenBytes`). ``echo`` (completions) puts
+the prompt before the answer. Refused with a 400: penalties, logit biases, structured output,
+forced tool choice, and what OpenAI's ranges exclude (``temperature`` above 2, ``n`` above
+`MAX_N`). Every error is OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``);
+an unknown model is a 404, as in vLLM, and so are routes this server does not serve (embeddings,
+images, audio, moderations), with a message that says so.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ from aiohttp import web
 from areal_lite.engines.openai_stream import TOOL_CALL_START, TextDeltas, merged, send_events
 from areal_lite.engines.request import GenerationResult, SamplingParams, TokenOut
 from areal_lite.engines.scheduler import Scheduler
-from areal_lite.engines.server_common import output_text, read_json, token_ids
+from areal_lite.engines.server_common import TokenBytes, output_text, read_json, token_ids
 from areal_lite.utils.openai_chat import (
     BadRequest,
     assistant_message,
     bool_field,
     chat_finish_reason,
+    chat_messages,
     chat_tools,
     float_field,
     int_field,
@@ -65,6 +68,12 @@ NOT_SERVED = (
     "/v1/moderations",
 )
 """OpenAI routes a text-generation server does not serve: answered with a 404 that says so."""
+
+MAX_N = 128
+"""The most choices a request may ask for (OpenAI's limit on ``n``)."""
+
+MAX_TEMPERATURE = 2.0
+"""OpenAI's upper bound on ``temperature`` (the API reference: "between 0 and 2")."""
 
 
 def finish_type(r: GenerationResult) -> str:
@@ -122,6 +131,18 @@ def top_logprobs_field(body: dict[str, object], key: str) -> int:
     return n
 
 
+def check_messages(body: dict[str, object]) -> None:
+    """Raise `BadRequest` naming ``messages`` for a chat request's messages OpenAI refuses: none,
+    not objects with a known role, or a message without content where its role needs some (every
+    role but an assistant's message with tool calls)."""
+    chat_messages(body.get("messages"))
+    for i, m in enumerate(body["messages"]):  # type: ignore[arg-type]
+        if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise BadRequest(
+                f"messages[{i}].content is required for a {m['role']} message", param=f"messages[{i}].content"
+            )
+
+
 class OpenAIRoutes:
     """Handlers of the OpenAI-compatible routes over the server's `Scheduler`.
 
@@ -134,6 +155,7 @@ class OpenAIRoutes:
             raise ValueError("give the server at least one model name")
         self.scheduler = scheduler
         self.model_names = list(model_names)
+        self.token_bytes = TokenBytes(scheduler.tokenizer)
 
     def register(self, router: web.UrlDispatcher) -> None:
         router.add_get("/v1/models", self.models)
@@ -183,33 +205,55 @@ class OpenAIRoutes:
         return str(model)
 
     def sampling(
-        self, body: dict[str, object], max_tokens: int | None, prompt_len: int, top_logprobs: int = 0
+        self,
+        body: dict[str, object],
+        max_tokens: int | None,
+        prompt_len: int,
+        top_logprobs: int = 0,
+        prompt_key: str = "messages",
+        budget_key: str = "max_tokens",
     ) -> SamplingParams:
-        """The request's sampling options; ``max_tokens`` None = up to the context length."""
+        """The request's sampling options; ``max_tokens`` None = up to the context length.
+        ``prompt_key`` and ``budget_key`` are the request's names of the prompt and of the token
+        budget, named by a 400 for a prompt past the context (``context_length_exceeded``)."""
         context = self.scheduler.context_len
+        if prompt_len >= context:
+            raise BadRequest(
+                f"This model's maximum context length is {context} tokens. However, your {prompt_key} "
+                f"resulted in {prompt_len} tokens. Please reduce the length of the {prompt_key}.",
+                param=prompt_key,
+                code="context_length_exceeded",
+            )
         if max_tokens is None:
-            max_tokens = max(context - prompt_len, 0)
+            max_tokens = context - prompt_len
         if max_tokens < 0:
-            raise BadRequest(f"max_tokens must be >= 0, got {max_tokens}", param="max_tokens")
+            raise BadRequest(f"{budget_key} must be >= 0, got {max_tokens}", param=budget_key)
         if prompt_len + max_tokens > context:
             raise BadRequest(
                 f"This model's maximum context length is {context} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} to generate).",
-                param="max_tokens",
+                param=budget_key,
+                code="context_length_exceeded",
             )
         stop_ids = body.get("stop_token_ids") or []
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
             raise BadRequest("stop_token_ids must be a list of integers", param="stop_token_ids")
         top_k = int_field(body, "top_k", -1)
         seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise BadRequest(f"seed must be an integer, got {seed!r}", param="seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63):
+            raise BadRequest(f"seed must be a 64-bit integer, got {seed!r}", param="seed")
+        temperature = float_field(body, "temperature", 1.0)
+        if not 0 <= temperature <= MAX_TEMPERATURE:
+            raise BadRequest(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}", param="temperature")
+        top_p = float_field(body, "top_p", 1.0)
+        if not 0 < top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1], got {top_p}", param="top_p")
         try:
             return SamplingParams(
                 max_new_tokens=max_tokens,
                 min_new_tokens=int_field(body, "min_tokens", 0),
-                temperature=float_field(body, "temperature", 1.0),
-                top_p=float_field(body, "top_p", 1.0),
+                temperature=temperature,
+                top_p=top_p,
                 top_k=-1 if top_k == 0 else top_k,  # vLLM: 0 or -1 = every token
                 stop=stop_strings(body),
                 stop_token_ids=list(stop_ids),
@@ -225,8 +269,8 @@ class OpenAIRoutes:
     ) -> list[tuple[list[int], SamplingParams, str]]:
         """(prompt, params, rid) of each choice: ``n`` of each prompt, in the order prompt 0's
         choices, prompt 1's, ...; choice ``i`` of a seeded request samples with ``seed + i``."""
-        if n < 1:
-            raise BadRequest(f"n must be >= 1, got {n}", param="n")
+        if not 1 <= n <= MAX_N:
+            raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", param="n")
         try:
             for p in prompts:
                 self.scheduler.validate_request(p, params)
@@ -251,15 +295,15 @@ class OpenAIRoutes:
 
     def chat_logprobs(self, tokens: list[int], logprobs: list[float], tops: list | None) -> list[dict[str, object]]:
         """Chat's ``logprobs.content`` entries for these output tokens (``tops``: their top lists)."""
-        out = []
-        for k, (token, lp) in enumerate(zip(tokens, logprobs)):
-            s = self.token_text(token)
-            top = [
-                {"token": (t := self.token_text(tid)), "logprob": v, "bytes": list(t.encode())}
-                for tid, v in (tops[k] if tops else [])
-            ]
-            out.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": top})
-        return out
+
+        def entry(token: int, logprob: float) -> dict[str, object]:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": self.token_bytes(token, text)}
+
+        return [
+            {**entry(token, lp), "top_logprobs": [entry(tid, v) for tid, v in (tops[k] if tops else [])]}
+            for k, (token, lp) in enumerate(zip(tokens, logprobs))
+        ]
 
     @staticmethod
     def usage(results: list[GenerationResult], prompt_tokens: int) -> dict[str, int]:
@@ -272,61 +316,89 @@ class OpenAIRoutes:
 
     # ----- /v1/completions -----------------------------------------------------------------
 
-    def _completion_prompts(self, prompt: object) -> list[list[int]]:
-        """The prompt as token-id lists: a string, a list of strings, token ids, lists of token ids."""
+    def _completion_prompts(self, prompt: object) -> tuple[list[list[int]], list[str] | None]:
+        """The prompts as token-id lists (from a string, a list of strings, token ids, lists of
+        token ids) and the strings given (None for token ids)."""
+        tok = self.scheduler.tokenizer
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-            return [token_ids(p, "prompt") for p in prompt]
+            return [token_ids(p, "prompt") for p in prompt], None
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) and not isinstance(prompt[0], bool):
-            return [token_ids(prompt, "prompt")]
+            return [token_ids(prompt, "prompt")], None
         texts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
             raise BadRequest(
                 "prompt must be a non-empty string, a list of strings, token ids or lists of token ids", param="prompt"
             )
-        if self.scheduler.tokenizer is None:
+        if tok is None:
             raise BadRequest("this model directory has no tokenizer: send the prompt as token ids", param="prompt")
-        return [self.scheduler.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return [tok.encode(t, add_special_tokens=False) for t in texts], texts
+
+    async def _prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float | None]]:
+        """Each prompt's tokens' log-probabilities (the first None), for ``echo`` with ``logprobs``."""
+        jobs = [(p, SamplingParams(max_new_tokens=0), None) for p in prompts]
+        results = await self.scheduler.generate_many(jobs, return_input_logprobs=True)
+        return [r.input_logprobs or [] for r in results]
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         model = self.model_name(body)
-        refuse_unsupported(body)
-        prompts = self._completion_prompts(body.get("prompt"))
+        echo = bool_field(body, "echo", False)
+        refuse_unsupported({k: v for k, v in body.items() if k != "echo"})  # echo is served here
+        prompts, prompt_texts = self._completion_prompts(body.get("prompt"))
         logprobs = body.get("logprobs")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
             raise BadRequest(f"logprobs must be an integer, got {logprobs!r}", param="logprobs")
         top_n = top_logprobs_field(body, "logprobs")
         o = Options.parse(body)
-        params = self.sampling(body, int_field(body, "max_tokens", 16), max(len(p) for p in prompts), top_n)
+        max_tokens = int_field(body, "max_tokens", 16)
+        params = self.sampling(body, max_tokens, max(len(p) for p in prompts), top_n, prompt_key="prompt")
         jobs = self.jobs(prompts, params, o.n, o.request_id)
         as_ids = bool_field(body, "return_tokens_as_token_ids", False)
         head = {"id": f"cmpl-{o.request_id}", "object": "text_completion", "created": int(time.time()), "model": model}
-        prompt_tokens = sum(len(p) for p in prompts) * o.n
+        prompt_tokens = sum(len(p) for p in prompts)
 
-        def logprob_block(tokens: list[int], lps: list[float], tops: list | None, offset: int) -> dict[str, object]:
+        def logprob_block(
+            tokens: list[int], lps: list[float] | list[float | None], tops: list | None, offset: int
+        ) -> dict[str, list]:
             strings = [self.token_text(t, as_ids) for t in tokens]
             offsets = []
             for s in strings:
                 offsets.append(offset)
                 offset += len(s)
-            top = []
+            top: list[dict[str, float] | None] = []
             for k, (s, lp) in enumerate(zip(strings, lps)):
+                if lp is None:  # an echoed prompt's first token
+                    top.append(None)
+                    continue
                 entry = {s: lp}  # vLLM: the sampled token, then the most likely ones
                 for tid, v in tops[k] if tops else []:
                     entry.setdefault(self.token_text(tid, as_ids), v)
                 top.append(entry)
-            return {"tokens": strings, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+            return {"tokens": strings, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
+
+        # Echoed, a choice's text and log-probabilities start with its prompt's (no top ones for those).
+        tok = self.scheduler.tokenizer
+        if prompt_texts is None:  # token ids, checked by self.jobs: decoded
+            prompt_texts = [tok.decode(p) if tok is not None else "" for p in prompts]
+        echoed = [prompt_texts[i // o.n] if echo else "" for i in range(len(jobs))]
+        echo_blocks: list[dict[str, list] | None] = [None] * len(jobs)
+        if echo and logprobs is not None:
+            prompt_lps = await self._prompt_logprobs(prompts)
+            echo_blocks = [logprob_block(p, prompt_lps[i // o.n], None, 0) for i, (p, _, _) in enumerate(jobs)]
+
+        def with_echo(i: int, block: dict[str, list]) -> dict[str, list]:
+            pre = echo_blocks[i]
+            return {k: pre[k] + v for k, v in block.items()} if pre is not None else block
 
         if not o.stream:
             results = await self.generate(jobs)
             choices = []
             for i, r in enumerate(results):
+                block = logprob_block(r.output_ids, r.output_logprobs, r.output_top_logprobs, len(echoed[i]))
                 choice: dict[str, object] = {
                     "index": i,
-                    "text": self.text_of(r, o),
-                    "logprobs": logprob_block(r.output_ids, r.output_logprobs, r.output_top_logprobs, 0)
-                    if logprobs is not None
-                    else None,
+                    "text": echoed[i] + self.text_of(r, o),
+                    "logprobs": with_echo(i, block) if logprobs is not None else None,
                     "finish_reason": finish_type(r),
                     "stop_reason": _stop_reason(r),
                 }
@@ -340,15 +412,23 @@ class OpenAIRoutes:
                 TextDeltas(self.scheduler.tokenizer, o.skip_special, () if o.keep_stop else params.stop) for _ in jobs
             ]
             first = [True] * len(jobs)
-            offsets = [0] * len(jobs)
+            offsets = [len(e) for e in echoed]
+            if echo:
+                for i, (prompt, _, _) in enumerate(jobs):
+                    choice: dict[str, object] = {"index": i, "text": echoed[i], "logprobs": echo_blocks[i],
+                                                 "finish_reason": None}  # fmt: skip
+                    if o.with_ids:
+                        choice["prompt_token_ids"] = prompt
+                    first[i] = False
+                    yield {**head, "choices": [choice]}
             results: list[GenerationResult] = []
             async for i, event in merged(self.scheduler, jobs):
                 if isinstance(event, TokenOut):
-                    choice: dict[str, object] = {"index": i, "text": texts[i].add(event.token), "finish_reason": None}
+                    choice = {"index": i, "text": texts[i].add(event.token), "finish_reason": None}
                     tops = [event.top] if event.top is not None else None
                     block = logprob_block([event.token], [event.logprob], tops, offsets[i])
                     choice["logprobs"] = block if logprobs is not None else None
-                    offsets[i] += len(block["tokens"][0])  # type: ignore[index]
+                    offsets[i] += len(block["tokens"][0])
                     if o.with_ids:
                         choice["token_ids"] = [event.token]
                         if first[i]:
@@ -374,6 +454,7 @@ class OpenAIRoutes:
         body = await read_json(request)
         model = self.model_name(body)
         refuse_unsupported(body)
+        check_messages(body)
         tools = chat_tools(body)
         tok = self.scheduler.tokenizer
         prompt = tok.encode(render_chat(tok, body, tools), add_special_tokens=False)  # type: ignore[union-attr]
@@ -382,10 +463,11 @@ class OpenAIRoutes:
         if top_n and not want_logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         o = Options.parse(body)
-        params = self.sampling(body, max_completion_tokens(body), len(prompt), top_n)
+        budget = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        params = self.sampling(body, max_completion_tokens(body), len(prompt), top_n, budget_key=budget)
         jobs = self.jobs([prompt], params, o.n, o.request_id)
         head = {"id": f"chatcmpl-{o.request_id}", "created": int(time.time()), "model": model}
-        prompt_tokens = len(prompt) * o.n
+        prompt_tokens = len(prompt)
 
         def answer(r: GenerationResult) -> tuple[str, list]:
             text = self.text_of(r, o)

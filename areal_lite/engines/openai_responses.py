@@ -58,7 +58,9 @@ class ResponsesRoute:
         tok = self.routes.scheduler.tokenizer
         prompt = tok.encode(render_chat(tok, chat, tools), add_special_tokens=False)  # type: ignore[union-attr]
         top_n = top_logprobs_field(chat, "top_logprobs")
-        params = self.routes.sampling(chat, max_completion_tokens(chat), len(prompt), top_n)
+        params = self.routes.sampling(
+            chat, max_completion_tokens(chat), len(prompt), top_n, prompt_key="input", budget_key="max_output_tokens"
+        )
         response_id = new_response_id()
         jobs = self.routes.jobs([prompt], params, 1, response_id)
         with_logprobs = wants_logprobs(body)

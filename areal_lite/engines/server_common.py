@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from areal_lite.engines.request import GenerationResult
-from areal_lite.utils.openai_chat import BadRequest, bool_field, error_body, float_field, int_field
+from areal_lite.utils.openai_chat import BadRequest, TokenBytes, bool_field, error_body, float_field, int_field
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = [  # the typed fields and BadRequest are the shared OpenAI request parsing's, re-exported
+__all__ = [  # the typed fields, BadRequest and TokenBytes are the shared OpenAI parsing's, re-exported
     "BadRequest",
+    "TokenBytes",
     "bool_field",
     "error_response",
     "float_field",
@@ -52,7 +53,7 @@ def token_ids(value: object, name: str) -> list[int]:
         or not value
         or not all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     ):
-        raise BadRequest(f"{name} must be a non-empty list of integers")
+        raise BadRequest(f"{name} must be a non-empty list of integers", param=name)
     return value
 
 

@@ -4,13 +4,15 @@ recording proxy (`areal_lite.workflows.openai_proxy`).
 
 Pure functions over the request's JSON body and a HF tokenizer: the typed fields, the options no
 areal-lite generator can honour, the messages as a chat template wants them, the tools, the prompt
-text the template renders, and the assistant message of an answer. Bad input raises `BadRequest`,
-which servers answer with a 400 (404 for an unknown model) and OpenAI's error object (`error_body`).
+text the template renders, the assistant message of an answer, and the bytes of each token of
+its log-probabilities. Bad input raises `BadRequest` naming the field at fault, which servers
+answer with a 400 (404 for an unknown model) and OpenAI's error object (`error_body`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from areal_lite.utils.tool_calls import ToolCall
 
@@ -57,7 +59,7 @@ def int_field(d: dict[str, object], key: str, default: int) -> int:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest(f"{key} must be an integer, got {v!r}")
+        raise BadRequest(f"{key} must be an integer, got {v!r}", param=key)
     return v
 
 
@@ -66,7 +68,7 @@ def float_field(d: dict[str, object], key: str, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise BadRequest(f"{key} must be a number, got {v!r}")
+        raise BadRequest(f"{key} must be a number, got {v!r}", param=key)
     return float(v)
 
 
@@ -75,7 +77,7 @@ def bool_field(d: dict[str, object], key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise BadRequest(f"{key} must be a boolean, got {v!r}")
+        raise BadRequest(f"{key} must be a boolean, got {v!r}", param=key)
     return v
 
 
@@ -85,10 +87,10 @@ def refuse_unsupported(body: dict[str, object]) -> None:
     for key, default in REFUSED.items():
         value = body.get(key)
         if value is not None and value != default and value not in ({}, []):
-            raise BadRequest(f"{key} is not supported by areal-lite")
+            raise BadRequest(f"{key} is not supported by areal-lite", param=key)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise BadRequest("response_format other than text is not supported by areal-lite")
+        raise BadRequest("response_format other than text is not supported by areal-lite", param="response_format")
 
 
 def stop_strings(body: dict[str, object]) -> list[str]:
@@ -96,15 +98,16 @@ def stop_strings(body: dict[str, object]) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise BadRequest("stop must be a string or a list of strings")
+        raise BadRequest("stop must be a string or a list of strings", param="stop")
     return stop
 
 
 def max_completion_tokens(body: dict[str, object]) -> int | None:
     """``max_completion_tokens`` or its older name ``max_tokens``; None when neither is given."""
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise BadRequest(f"max_tokens must be an integer, got {value!r}")
+        raise BadRequest(f"{key} must be an integer, got {value!r}", param=key)
     return value
 
 
@@ -113,21 +116,26 @@ def chat_messages(raw: object) -> list[dict[str, object]]:
     ""), and the arguments of an assistant's tool calls as objects rather than JSON strings (what
     templates that write ``arguments | tojson`` expect, as vLLM passes them)."""
     if not isinstance(raw, list) or not raw:
-        raise BadRequest("messages must be a non-empty list of objects")
+        raise BadRequest("messages must be a non-empty list of objects", param="messages")
     out = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise BadRequest(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}")
+            field = f"messages[{i}].role" if isinstance(m, dict) else f"messages[{i}]"
+            raise BadRequest(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}", param=field)
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):  # fmt: skip
-                raise BadRequest(f"messages[{i}].content: only text parts are supported")
+                raise BadRequest(
+                    f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content"
+                )
             content = "".join(p["text"] for p in content)
         elif content is None:
             content = ""
         elif not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string, a list of text parts or null")
+            raise BadRequest(
+                f"messages[{i}].content must be a string, a list of text parts or null", param=f"messages[{i}].content"
+            )
         message = {**m, "content": content}
         if m.get("tool_calls"):
             message["tool_calls"] = _template_tool_calls(m["tool_calls"], i)
@@ -141,7 +149,8 @@ def _template_tool_calls(calls: object, i: int) -> list[dict[str, object]]:
         for c in calls
     ):  # fmt: skip
         raise BadRequest(
-            f'messages[{i}].tool_calls must be a list of {{"function": {{"name": ..., "arguments": ...}}}}'
+            f'messages[{i}].tool_calls must be a list of {{"function": {{"name": ..., "arguments": ...}}}}',
+            param=f"messages[{i}].tool_calls",
         )
     out = []
     for c in calls:
@@ -165,10 +174,10 @@ def chat_tools(body: dict[str, object]) -> list[dict[str, object]] | None:
         and isinstance(t["function"].get("name"), str)
         for t in tools
     ):  # fmt: skip
-        raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ..., ...}}')
+        raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ..., ...}}', param="tools")
     choice = body.get("tool_choice", "auto")
     if choice not in ("auto", "none", None):
-        raise BadRequest("tool_choice other than auto or none is not supported by areal-lite")
+        raise BadRequest("tool_choice other than auto or none is not supported by areal-lite", param="tool_choice")
     return None if choice == "none" or not tools else tools
 
 
@@ -182,7 +191,7 @@ def render_chat(
         raise BadRequest("this model directory has no tokenizer with a chat template")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
-        raise BadRequest("chat_template_kwargs must be an object")
+        raise BadRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
     try:
         return tokenizer.apply_chat_template(  # type: ignore[attr-defined]
             chat_messages(body.get("messages")),
@@ -194,7 +203,7 @@ def render_chat(
     except BadRequest:
         raise
     except Exception as e:
-        raise BadRequest(f"the chat template failed on these messages: {e}") from e
+        raise BadRequest(f"the chat template failed on these messages: {e}", param="messages") from e
 
 
 def assistant_message(content: str, calls: list[ToolCall]) -> dict[str, object]:
@@ -208,3 +217,37 @@ def assistant_message(content: str, calls: list[ToolCall]) -> dict[str, object]:
 def chat_finish_reason(reason: str, calls: list[ToolCall]) -> str:
     """``tool_calls`` for an answer that stopped on its own with calls in it, else ``reason``."""
     return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte in a vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+class TokenBytes:
+    """The UTF-8 bytes a token stands for (OpenAI's ``logprobs.content[].bytes``): a token that
+    ends inside a character holds part of it, and the bytes of the tokens of a text, joined, are
+    the text, where each token's decoded text has a replacement character instead. Read from the
+    vocabulary for byte-level BPE tokenizers (GPT-2's alphabet: Qwen, Llama 3) and SentencePiece
+    byte-fallback tokens (``<0xE6>``); any other token (special and added ones included) is its
+    decoded text's bytes."""
+
+    def __init__(self, tokenizer: object | None) -> None:
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
+        self.alphabet = _byte_alphabet()
+        self.added = set(tokenizer.added_tokens_decoder) if tokenizer is not None else set()  # type: ignore[attr-defined]
+
+    def __call__(self, token: int, text: str) -> list[int]:
+        """The bytes of ``token``, whose decoded text is ``text``."""
+        if self.tokenizer is None or token in self.added:
+            return list(text.encode())
+        piece = self.tokenizer.convert_ids_to_tokens(token)  # type: ignore[attr-defined]
+        if self.byte_level and all(c in self.alphabet for c in piece):
+            return [self.alphabet[c] for c in piece]
+        if m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            return [int(m[1], 16)]
+        return list(text.encode())

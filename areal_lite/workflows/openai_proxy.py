@@ -46,6 +46,7 @@ from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse
 from areal_lite.utils.openai_chat import (
     BadRequest,
+    TokenBytes,
     assistant_message,
     bool_field,
     chat_finish_reason,
@@ -131,6 +132,7 @@ class RecordingProxy:
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)
         self.gconfig = gconfig.new(n_samples=1)
         self.max_calls = max_calls
         self.max_context_tokens = max_context_tokens
@@ -303,7 +305,9 @@ class RecordingProxy:
             entries = []
             for token, logprob in zip(resp.output_tokens, resp.output_logprobs):
                 s = self._decode([token], skip_special=False)
-                entries.append({"token": s, "logprob": logprob, "bytes": list(s.encode()), "top_logprobs": []})
+                entries.append(
+                    {"token": s, "logprob": logprob, "bytes": self.token_bytes(token, s), "top_logprobs": []}
+                )
             choice["logprobs"] = {"content": entries}
         out: dict[str, object] = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
