@@ -283,6 +283,7 @@ def test_same_seed_same_tokens_whatever_runs_beside(base_url: str, model_path: s
 def test_served_model_names_and_model_retrieval(base_url: str, model_path: str) -> None:
     client = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == [model_path, *ALIASES]
+    assert 0 < client.models.list().data[0].created <= time.time()
     hub = client.models.retrieve("Qwen/Qwen2.5-0.5B-Instruct")
     assert hub.id == "Qwen/Qwen2.5-0.5B-Instruct" and hub.model_extra["max_model_len"] > 0
     answer = client.chat.completions.create(model="Qwen/Qwen2.5-0.5B-Instruct", messages=QUESTION, max_tokens=3)
@@ -353,6 +354,7 @@ def test_responses_api_plain_streamed_and_with_tools(base_url: str, model_path: 
     plain = client.responses.create(**story)
     assert plain.status == "incomplete" and plain.incomplete_details.reason == "max_output_tokens"
     assert plain.output[0].type == "message" and plain.output_text and plain.usage.output_tokens == 8
+    assert plain.temperature == 0 and plain.top_p == 1.0  # the values sampled with, given or not
 
     events = list(client.responses.create(**story, stream=True))
     kinds = [e.type for e in events]

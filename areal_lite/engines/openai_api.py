@@ -156,6 +156,8 @@ class OpenAIRoutes:
         self.scheduler = scheduler
         self.model_names = list(model_names)
         self.token_bytes = TokenBytes(scheduler.tokenizer)
+        self.created = int(time.time())
+        """The models' ``created`` (Unix seconds): when the server started serving them."""
 
     def register(self, router: web.UrlDispatcher) -> None:
         router.add_get("/v1/models", self.models)
@@ -171,7 +173,7 @@ class OpenAIRoutes:
         return {
             "id": name,
             "object": "model",
-            "created": 0,
+            "created": self.created,
             "owned_by": "areal-lite",
             "root": self.scheduler.config.path,
             "parent": None,

@@ -232,11 +232,11 @@ def response_object(
         "previous_response_id": None,
         "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
         "store": False,
-        "temperature": body.get("temperature"),
+        "temperature": 1.0 if body.get("temperature") is None else body["temperature"],  # what sampled
         "text": {"format": {"type": "text"}, **{k: v for k, v in text.items() if k != "format"}},  # type: ignore[union-attr]
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [],
-        "top_p": body.get("top_p"),
+        "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
         "truncation": body.get("truncation") or "disabled",
         "usage": usage_,
         "user": body.get("user"),
