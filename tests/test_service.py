@@ -3,7 +3,8 @@ SDK over HTTP on 127.0.0.1, on a tiny model: a supervised loop lowers the NLL, a
 (sample, reward, ``importance_sampling``, ``optim_step``) raises the reward, save then load gives
 identical log-probabilities and identical next steps, two LoRA clients training at once do not
 touch each other's weights, every built-in loss has the value of its definition (sums, per-datum
-weights, ``loss_fn_config``), sampler snapshots stay fixed, and bad requests fail clearly. Raw HTTP
+weights, ``loss_fn_config``), sampler snapshots stay fixed, and bad requests fail clearly (a refused
+training request in its turn: the client's later requests run). Raw HTTP
 covers what the SDK hides: JSON and protobuf bodies (zstd or not), request order, ``try_again``,
 heartbeats."""
 
@@ -257,6 +258,36 @@ def test_builtin_losses_are_sums_of_their_definitions(service, model: str, token
         tc.optim_step(types.AdamParams(learning_rate=0.0)).result()  # drop the gradient
 
 
+def test_an_optional_input_some_datums_leave_out_takes_its_default(service, model: str, tokenizer) -> None:
+    """``weights`` defaults to 1 per datum: a batch where only some datums carry it is the batch
+    with ones filled in (and likewise a per-token clip threshold and its ``loss_fn_config``)."""
+    tc = service.create_lora_training_client(base_model=model, rank=4, seed=13).result()
+    weighted = sft_datum(tokenizer, SENTENCES[0], weight=2.0)
+    ids = tokenizer.encode(SENTENCES[1])
+    bare = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
+    out = tc.forward([weighted, bare], "cross_entropy").result()
+    expected = tc.forward([weighted, sft_datum(tokenizer, SENTENCES[1])], "cross_entropy").result()
+    assert out.metrics["loss:sum"] == pytest.approx(expected.metrics["loss:sum"], rel=1e-6)
+    rl = [
+        types.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={
+                "target_tokens": d.loss_fn_inputs["target_tokens"],
+                "logprobs": [-3.0] * d.model_input.length,
+                "advantages": [1.0] * d.model_input.length,
+                **extra,
+            },
+        )
+        for d, extra in ((weighted, {"clip_high_threshold": [1.1] * weighted.model_input.length}), (bare, {}))
+    ]
+    config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.5}
+    both = [rl[0], types.Datum(model_input=bare.model_input, loss_fn_inputs={**rl[1].loss_fn_inputs,
+            "clip_high_threshold": [1.5] * bare.model_input.length})]  # fmt: skip
+    assert tc.forward(rl, "ppo", config).result().metrics["loss:sum"] == pytest.approx(
+        tc.forward(both, "ppo", config).result().metrics["loss:sum"], rel=1e-6
+    )
+
+
 def test_sums_scale_the_gradient_with_data_and_weights(service, model: str, tokenizer) -> None:
     tc = service.create_lora_training_client(base_model=model, rank=4, seed=4).result()
     once = [sft_datum(tokenizer, SENTENCES[1])]
@@ -441,6 +472,45 @@ def test_bad_requests_fail_clearly_and_the_client_goes_on(service, model: str, t
     # the failed requests kept their places in the client's order: training goes on
     assert tc.forward_backward(good, "cross_entropy").result().metrics["loss:sum"] > 0
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+
+@pytest.mark.filterwarnings("ignore:.*load_state:FutureWarning")
+def test_a_refused_training_request_keeps_its_place_and_the_client_goes_on(service, model: str, tokenizer) -> None:
+    """A training request the service refuses (a checkpoint that does not exist, a bad name) fails
+    as its own future, in its turn: the requests after it run instead of waiting for it forever."""
+    tc = service.create_lora_training_client(base_model=model, rank=4, seed=12).result()
+    good = [sft_datum(tokenizer, SENTENCES[0])]
+    for refused, message in (
+        (lambda: tc.load_state("tinker://no-such-run/weights/x"), "no checkpoint"),
+        (lambda: tc.load_state_with_optimizer("tinker://no-such-run/sampler_weights/x"), "no checkpoint"),
+        (lambda: tc.save_state("a/b"), "cannot be empty or contain '/'"),
+        (lambda: tc.save_weights_for_sampler("a/b"), "cannot be empty or contain '/'"),
+    ):
+        with pytest.raises(tinker.RequestFailedError, match=message) as err:
+            refused().result(timeout=60)
+        assert err.value.category == types.RequestErrorCategory.User
+        assert tc.forward_backward(good, "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
+    sampler_path = tc.save_weights_for_sampler("s").result(timeout=60).path
+    with pytest.raises(tinker.RequestFailedError, match="training checkpoint"):
+        tc.load_state(sampler_path).result(timeout=60)
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60)
+
+
+def test_rest_client_lists_runs_checkpoints_and_sessions(service, url: str, model: str) -> None:
+    tc = service.create_lora_training_client(base_model=model, rank=4, seed=14).result()
+    state = tc.save_state("listed").result().path
+    sampler = tc.save_weights_for_sampler("listed").result().path
+    rest = tinker.RestClient(base_url=url, api_key=KEY)
+    runs = rest.list_training_runs(limit=1000).result()
+    assert tc.model_id in [r.training_run_id for r in runs.training_runs]
+    assert runs.cursor.total_count == len(runs.training_runs) and runs.training_runs[0].training_run_id == tc.model_id
+    assert len(rest.list_training_runs(limit=1).result().training_runs) == 1
+    listed = rest.list_user_checkpoints().result()
+    assert [c.tinker_path for c in listed.checkpoints[:2]] == [sampler, state]  # newest first
+    assert listed.cursor.total_count >= 2
+    session_id = service.holder.get_session_id()
+    assert session_id in rest.list_sessions().result().sessions
+    assert tc.model_id in rest.get_session(session_id).result().training_run_ids
 
 
 # ---------------------------------------------------------------------------------- raw HTTP

@@ -1,12 +1,15 @@
 """The Tinker API over aiohttp: sessions, training runs, samplers and futures.
 
 Routes are those the ``tinker`` SDK calls (``/api/v1/...``; bodies in `areal_lite.service.wire`).
-Handlers only parse, check what can be checked at once, and queue work: every call that touches a
-model runs on one engine thread (`concurrent.futures.ThreadPoolExecutor` of one worker), in the
-order each training client numbered its requests (`areal_lite.service.futures.Sequencer`), and
-its result waits in a future for ``retrieve_future``. A training call's error never fails its HTTP
+Handlers only parse and queue work: every call that touches a model runs on one engine thread
+(`concurrent.futures.ThreadPoolExecutor` of one worker), in the order each training client
+numbered its requests (`areal_lite.service.futures.Sequencer`), and its result waits in a future
+for ``retrieve_future``. A training call's error never fails its HTTP
 request: the request is accepted (it holds a place in the client's order) and its future fails
 with ``{error, category}``, ``user`` for what the caller sent wrong, ``server`` otherwise.
+So a training call's checks (a checkpoint that does not exist, a bad name, its data) run in its
+turn, not in its handler: refused there, it would leave a gap in the order that every later
+request of the client waits on.
 
 Sessions end when the client says so (``/sessions/{id}/finish``) or after ``session_timeout``
 seconds without a heartbeat or request; their runs' adapters or engines and their samplers are then
@@ -128,7 +131,11 @@ class Service:
         post(f"{v1}/asample", self.asample)
         post(f"{v1}/retrieve_future", self.retrieve_future)
         post(f"{v1}/cancel_future", self.cancel_future)
+        get(f"{v1}/training_runs", self.list_training_runs)
         get(f"{v1}/training_runs/{{model_id}}", self.training_run)
+        get(f"{v1}/checkpoints", self.list_user_checkpoints)
+        get(f"{v1}/sessions", self.list_sessions)
+        get(f"{v1}/sessions/{{session_id}}", self.get_session)
         get(f"{v1}/training_runs/{{model_id}}/checkpoints", self.list_checkpoints)
         app.router.add_delete(
             f"{v1}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:.+}}", self.delete_checkpoint
@@ -360,18 +367,23 @@ class Service:
         model_id = _str(body, "model_id")
         run = self._run(model_id)
         params = body.get("adam_params") or body.get("optim_params") or body.get("optimizer_params")
-        if not isinstance(params, dict):
-            raise BadRequest("optim_step needs adam_params")
-        return self._sequenced(model_id, _int(body, "seq_id"), lambda: {"metrics": run.optim_step(params)})
+
+        def step() -> dict[str, object]:
+            if not isinstance(params, dict):
+                raise BadRequest("optim_step needs adam_params")
+            return {"metrics": run.optim_step(params)}
+
+        return self._sequenced(model_id, _int(body, "seq_id"), step)
 
     async def save_weights(self, request: web.Request) -> web.Response:
         body = wire.json_object(await request.read())
         model_id = _str(body, "model_id")
         run = self._run(model_id)
-        path, directory = self.storage.checkpoint(model_id, "weights", str(body.get("path") or self._new_id("state-")))
+        name = str(body.get("path") or self._new_id("state-"))
         overwrite = bool(body.get("overwrite", False))
 
         def save() -> dict[str, object]:
+            path, directory = self.storage.checkpoint(model_id, "weights", name)
             _fresh(directory, path, overwrite)
             run.save_state(directory)
             return {"type": "save_weights", "path": path}
@@ -382,9 +394,9 @@ class Service:
         body = wire.json_object(await request.read())
         model_id = _str(body, "model_id")
         run = self._run(model_id)
-        path, directory = self.storage.checkpoint(model_id, "external_weights", _str(body, "path"))
 
         def save() -> dict[str, object]:
+            path, directory = self.storage.checkpoint(model_id, "external_weights", _str(body, "path"))
             _fresh(directory, path, overwrite=False)
             run.save_external(directory)
             return {"type": "save_weights_external", "path": path, "size_bytes": _size(directory)}
@@ -397,40 +409,42 @@ class Service:
         run = self._run(model_id)
         session = self.sessions[model_id.split(":train:")[0]]
         name = body.get("path")
-        if name is None:
+
+        def unnamed() -> dict[str, object]:
             sid = f"{session.session_id}:sample:{_int(body, 'sampling_session_seq_id')}"
-
-            def unnamed() -> dict[str, object]:
-                # kind="inflight" gets a snapshot too: its contract (the saved weights or newer) holds.
-                self._add_sampler(SamplerSession(sid, session.session_id, run.snapshot(None), sid), run.info.model_id)
-                return {"type": "save_weights_for_sampler", "sampling_session_id": sid}
-
-            return self._sequenced(model_id, _int(body, "seq_id"), unnamed)
-        path, directory = self.storage.checkpoint(model_id, "sampler_weights", str(name))
+            # kind="inflight" gets a snapshot too: its contract (the saved weights or newer) holds.
+            self._add_sampler(SamplerSession(sid, session.session_id, run.snapshot(None), sid), run.info.model_id)
+            return {"type": "save_weights_for_sampler", "sampling_session_id": sid}
 
         def named() -> dict[str, object]:
+            path, directory = self.storage.checkpoint(model_id, "sampler_weights", str(name))
             _fresh(directory, path, overwrite=False)
             run.snapshot(directory)
             return {"type": "save_weights_for_sampler", "path": path}
 
-        return self._sequenced(model_id, _int(body, "seq_id"), named)
+        return self._sequenced(model_id, _int(body, "seq_id"), unnamed if name is None else named)
 
-    async def load_weights(self, request: web.Request) -> web.Response:
-        body = wire.json_object(await request.read())
+    def _training_checkpoint(self, body: dict[str, object]) -> tuple[RunInfo, str]:
+        """The run and directory of the training checkpoint ``body["path"]`` names."""
         source, kind, directory = self.storage.resolve(_str(body, "path"))
         if kind != "weights":
             raise BadRequest(f"load a training checkpoint (tinker://<run>/weights/<name>), not {kind}")
+        return source, directory
+
+    async def load_weights(self, request: web.Request) -> web.Response:
+        body = wire.json_object(await request.read())
         with_optimizer = bool(body.get("optimizer", False))
-        path = str(body["path"])
+        path = str(body.get("path"))
         if body.get("model_id") is not None:  # into an existing run, as its next request
             model_id = _str(body, "model_id")
             run = self._run(model_id)
 
             def load() -> dict[str, object]:
-                run.load_state(source, directory, with_optimizer)
+                run.load_state(*self._training_checkpoint(body), with_optimizer)
                 return {"type": "load_weights", "path": path, "model_id": model_id}
 
             return self._sequenced(model_id, _int(body, "seq_id"), load)
+        source, directory = self._training_checkpoint(body)
         # A new run made from the checkpoint: its first request.
         session = self._session(_str(body, "session_id"))
         model_id = f"{session.session_id}:train:{_int(body, 'model_seq_id')}"
@@ -568,24 +582,48 @@ class Service:
 
     # ---------------------------------------------------------------- runs and checkpoints (REST)
 
-    async def training_run(self, request: web.Request) -> web.Response:
-        model_id = request.match_info["model_id"]
+    def _training_run(self, model_id: str) -> dict[str, object]:
         info = self.storage.read_info(model_id)
         checkpoints = self.storage.checkpoints(model_id)
         last = {kind: c for c in checkpoints for kind in [c[1]]}
-        return _json(
-            {
-                "training_run_id": model_id,
-                "base_model": info.base_model,
-                "model_owner": "local",
-                "is_lora": info.lora is not None,
-                "lora_rank": None if info.lora is None else info.lora["rank"],
-                "last_request_time": _iso(info.created),
-                "last_checkpoint": _checkpoint(last["weights"]) if "weights" in last else None,
-                "last_sampler_checkpoint": _checkpoint(last["sampler_weights"]) if "sampler_weights" in last else None,
-                "user_metadata": {k: str(v) for k, v in info.user_metadata.items()},
-            }
-        )
+        return {
+            "training_run_id": model_id,
+            "base_model": info.base_model,
+            "model_owner": "local",
+            "is_lora": info.lora is not None,
+            "lora_rank": None if info.lora is None else info.lora["rank"],
+            "last_request_time": _iso(info.created),
+            "last_checkpoint": _checkpoint(last["weights"]) if "weights" in last else None,
+            "last_sampler_checkpoint": _checkpoint(last["sampler_weights"]) if "sampler_weights" in last else None,
+            "user_metadata": {k: str(v) for k, v in info.user_metadata.items()},
+        }
+
+    async def training_run(self, request: web.Request) -> web.Response:
+        return _json(self._training_run(request.match_info["model_id"]))
+
+    async def list_training_runs(self, request: web.Request) -> web.Response:
+        ids = self.storage.run_ids()
+        offset, limit = _page(request, 20)
+        page = [self._training_run(m) for m in ids[offset : offset + limit]]
+        return _json({"training_runs": page, "cursor": _cursor(offset, limit, len(ids))})
+
+    async def list_user_checkpoints(self, request: web.Request) -> web.Response:
+        every = sorted(
+            (c for m in self.storage.run_ids() for c in self.storage.checkpoints(m)), key=lambda c: c[2], reverse=True
+        )  # newest first, as Tinker lists them
+        offset, limit = _page(request, 100)
+        page = [_checkpoint(c) for c in every[offset : offset + limit]]
+        return _json({"checkpoints": page, "cursor": _cursor(offset, limit, len(every))})
+
+    async def list_sessions(self, request: web.Request) -> web.Response:
+        offset, limit = _page(request, 20)
+        return _json({"sessions": list(self.sessions)[offset : offset + limit]})
+
+    async def get_session(self, request: web.Request) -> web.Response:
+        session = self.sessions.get(request.match_info["session_id"])
+        if session is None:
+            return _error("no such session", 404)
+        return _json({"training_run_ids": session.runs, "sampler_ids": session.samplers})
 
     async def list_checkpoints(self, request: web.Request) -> web.Response:
         model_id = request.match_info["model_id"]
@@ -620,6 +658,21 @@ def _fresh(directory: str, path: str, overwrite: bool) -> None:
 
 def _size(directory: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
+
+
+def _page(request: web.Request, default_limit: int) -> tuple[int, int]:
+    """``(offset, limit)`` of a listing's query string."""
+    try:
+        offset, limit = int(request.query.get("offset", 0)), int(request.query.get("limit", default_limit))
+    except ValueError as e:
+        raise BadRequest(f"offset and limit must be integers: {e}") from e
+    if offset < 0 or limit < 0:
+        raise BadRequest("offset and limit must be >= 0")
+    return offset, limit
+
+
+def _cursor(offset: int, limit: int, total: int) -> dict[str, int]:
+    return {"offset": offset, "limit": limit, "total_count": total}
 
 
 def _iso(t: float) -> str:

@@ -69,9 +69,13 @@ def _ones(logp: torch.Tensor) -> torch.Tensor:
 
 
 def _thresholds(inputs: dict[str, torch.Tensor], config: dict[str, float]) -> tuple[object, object]:
-    """PPO-style epsilons from Tinker's ratio thresholds, per token when given per token."""
+    """PPO-style epsilons from Tinker's ratio thresholds, per token when either is given per token
+    (then both are: ``clamp`` takes two numbers or two tensors)."""
     low = inputs.get("clip_low_threshold", config["clip_low_threshold"])
     high = inputs.get("clip_high_threshold", config["clip_high_threshold"])
+    per_token = next((t for t in (low, high) if isinstance(t, torch.Tensor)), None)
+    if per_token is not None:
+        low, high = (torch.as_tensor(t, dtype=per_token.dtype).expand_as(per_token) for t in (low, high))
     return 1.0 - low, high - 1.0  # type: ignore[operator]
 
 
@@ -185,12 +189,6 @@ def check_data(data: list[Datum], loss: TinkerLoss, vocab_size: int, max_len: in
     with target tokens inside the vocabulary and N + 1 positions within ``max_len``."""
     if not data:
         raise BadRequest("no data: forward_backward needs at least one datum")
-    for key in loss.optional:
-        given = sum(key in d.inputs for d in data)
-        if 0 < given < len(data):
-            raise BadRequest(
-                f"loss_fn_inputs[{key!r}] is given for {given} of {len(data)} datums: give it for all or none"
-            )
     for i, d in enumerate(data):
         n = len(d.tokens)
         if n == 0:
@@ -220,6 +218,25 @@ def check_data(data: list[Datum], loss: TinkerLoss, vocab_size: int, max_len: in
             raise BadRequest(f"datum {i}: target_tokens must be integers (int64)")
         if targets.min() < 0 or targets.max() >= vocab_size:
             raise BadRequest(f"datum {i}: target_tokens outside the vocabulary [0, {vocab_size})")
+
+
+_DEFAULTS: dict[str, Callable[[dict[str, np.ndarray], dict[str, float]], np.ndarray]] = {
+    "weights": lambda inputs, cfg: np.ones(len(inputs[TARGETS]), np.float32),
+    "clip_low_threshold": lambda inputs, cfg: np.full(len(inputs[TARGETS]), cfg["clip_low_threshold"], np.float32),
+    "clip_high_threshold": lambda inputs, cfg: np.full(len(inputs[TARGETS]), cfg["clip_high_threshold"], np.float32),
+    "sequence_ratio_mask": lambda inputs, cfg: (inputs["advantages"] != 0).astype(np.float32),
+}
+"""Each optional input's value where a datum leaves it out: what its loss uses in its absence."""
+
+
+def fill_defaults(data: list[Datum], loss: TinkerLoss, config: dict[str, float]) -> None:
+    """Give every datum the optional inputs that another datum of the batch carries, at their
+    defaults: the batch holds one tensor per input, and each datum is its own (a checked batch)."""
+    for key in loss.optional:
+        if any(key in d.inputs for d in data):
+            for d in data:
+                if key not in d.inputs:
+                    d.inputs[key] = _DEFAULTS[key](d.inputs, config)
 
 
 def tinker_batch(data: list[Datum]) -> TensorDict:

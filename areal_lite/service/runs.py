@@ -156,6 +156,15 @@ class Storage:
         except FileNotFoundError:
             raise BadRequest(f"no training run {model_id!r} in {self.root}") from None
 
+    def run_ids(self) -> list[str]:
+        """Every run with metadata here, newest first."""
+        base = os.path.join(self.root, "runs")
+        infos = [os.path.join(base, m, "run.json") for m in os.listdir(base)] if os.path.isdir(base) else []
+        return [
+            os.path.basename(os.path.dirname(f))
+            for f in sorted(filter(os.path.isfile, infos), key=os.path.getmtime, reverse=True)
+        ]
+
     def checkpoints(self, model_id: str) -> list[tuple[str, str, float]]:
         """(tinker path, kind, modification time) of every checkpoint of a run."""
         out = []
@@ -220,6 +229,7 @@ class Run:
             for datum in data:
                 sampler_logprobs(datum, recorded)
         losses.check_data(data, loss, self.base.vocab_size, self.base.max_len)
+        losses.fill_defaults(data, loss, config)
         batch = losses.tinker_batch(data)
         engine = self._select()
         if call.forward_only:
