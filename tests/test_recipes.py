@@ -6,6 +6,7 @@ packed, generation uses the current weights, ``train_grpo`` then ``optim_step`` 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import sys
 import threading
 from dataclasses import replace
@@ -238,6 +239,40 @@ def test_train_tangents_from_autodiff_of_the_grpo_loss_equals_train_grpo(model_d
         await b.optim_step()
         worst = largest_difference(before, a, b)
         assert worst < 1e-6, worst
+        await shutdown(a, b)
+
+    run(go())
+
+
+def test_train_calls_count_at_the_call_whether_awaited_or_not(model_dir):
+    """The reference interface's walkthrough calls ``model.train_grpo(...)`` without ``await``: every
+    ``train_*`` call queues its sample when it returns (a bare call counts, no coroutine is left
+    unawaited), and awaiting it, or mapping it with `async_map`, works as before and trains alike."""
+
+    async def go():
+        a = await ModelBuilder(model_dir, sgd_config()).spawn_train("bare_a")
+        b = await ModelBuilder(model_dir, sgd_config()).spawn_train("bare_b")
+        samples, _, old, ref, adv = await grpo_inputs(a, 4, seed=12)
+        before = params(a.engine)
+        for i, s in enumerate(samples):
+            queued = a.train_grpo(s, old[i], ref[i], [adv[i]] * s.n_trained, 0.2, 0.05)
+            assert not inspect.iscoroutine(queued)
+        await async_map(lambda i: b.train_grpo(samples[i], old[i], ref[i], adv[i], 0.2, 0.05), range(4))
+        assert (await a.optim_step(1e-3))["n_samples"] == 4
+        await b.optim_step(1e-3)
+        assert largest_difference(before, a, b) < 1e-7
+
+        a.train_sft(samples[0])
+        a.train_ppo(samples[1], old[1], torch.tensor(adv[1]))  # a 0-d tensor is one advantage
+        a.train_gspo(samples[2], old[2], ref[2], adv[2])
+        a.train_dpo(samples[0], samples[3], ref[0], ref[3])
+        a.train_tangents(samples[3], [0.1] * samples[3].n_trained)
+        stats = await a.optim_step(1e-3)
+        assert stats["n_samples"] == 5, stats
+        assert await a.train_sft(samples[0]) is None, "awaiting a train_* call gives None"
+        with pytest.raises(ValueError, match="no assistant turn"):
+            a.train_grpo(await a.tokenize_thread(StringThread([("user", "q")])), [], [], 1.0)  # raises at the call
+        await a.optim_step(1e-3)
         await shutdown(a, b)
 
     run(go())
@@ -490,6 +525,12 @@ def test_bad_input_gets_a_clear_error(model_dir):
             await model.tokenize_thread(StringThread([("user", "x " * 200)]))
         with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
             await model.logprobs_per_token(sample([1, 2], [10**6]))
+        with pytest.raises(TypeError, match="tokenize_thread takes a StringThread, got dict"):
+            await model.tokenize_thread({"turns": []})  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="detokenize_thread takes a TokenizedThread, got StringThread"):
+            await model.detokenize_thread(StringThread([("user", "q")]))  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="generate takes a StringThread"):
+            await model.generate([("user", "q")])  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="exists already"):
             await ModelBuilder(model_dir).spawn_train("errors")
         await shutdown(model)
@@ -667,3 +708,23 @@ def test_graders(model_dir):
         await shutdown()
 
     run(go())
+
+
+def test_a_custom_grader_only_needs_score_float_value():
+    """A grader written inside a recipe may be any object with ``score_float_value``: CombinedGrader
+    sets up and closes the children that have ``setup`` / ``close``, and refuses at once an object
+    that cannot score."""
+
+    class Mine:
+        async def score_float_value(self, thread: StringThread) -> float:
+            return 2.0
+
+    async def go():
+        combined = CombinedGrader({"mine": Mine(), "one": FunctionGrader(lambda t: 1.0)}, {"mine": 0.5})  # type: ignore[dict-item]
+        await combined.setup()
+        assert await combined.score_float_value(StringThread([("user", "q")]).assistant("a")) == 2.0
+        await combined.close()
+
+    run(go())
+    with pytest.raises(TypeError, match="score_float_value"):
+        CombinedGrader({"fn": lambda t: 1.0})  # type: ignore[dict-item]

@@ -10,6 +10,9 @@ grading) and an async ``score_float_value(thread)``. Shipped:
 - `JudgeGrader`: asks a model (an `InferenceModel`, or one it spawns in ``setup``) whether the
   completion is right, with the yes/no prompt of `areal_lite.rewards.judge`;
 - `CombinedGrader`: a weighted sum of named graders; its ``setup`` sets every child up.
+
+A grader written inside a recipe may subclass `Grader` or be any object with an async
+``score_float_value`` (`CombinedGrader` calls ``setup`` and ``close`` where they exist).
 """
 
 from __future__ import annotations
@@ -131,7 +134,9 @@ class JudgeGrader(Grader):
 
 class CombinedGrader(Grader):
     """``sum(weight * score)`` over named graders (weights default to 1). ``setup`` sets every
-    child up; `score_components` gives each child's score and the ``total``."""
+    child up; `score_components` gives each child's score and the ``total``. A child may be any
+    object with an async ``score_float_value`` (a grader written in a recipe); one without is a
+    TypeError here."""
 
     def __init__(
         self, graders: Mapping[str, Grader] | list[Grader], weights: Mapping[str, float] | list[float] | None = None
@@ -146,6 +151,9 @@ class CombinedGrader(Grader):
             raise ValueError("CombinedGrader needs at least one grader")
         if "total" in named:
             raise ValueError("'total' is reserved for the weighted sum")
+        for name, g in named.items():
+            if not callable(getattr(g, "score_float_value", None)):
+                raise TypeError(f"grader {name!r} ({type(g).__name__}) has no score_float_value method")
         if weights is None:
             w = dict.fromkeys(named, 1.0)
         elif isinstance(weights, Mapping):
@@ -161,7 +169,7 @@ class CombinedGrader(Grader):
         self.weights = w
 
     async def setup(self) -> None:
-        await asyncio.gather(*(g.setup() for g in self.graders.values()))
+        await asyncio.gather(*(g.setup() for g in self.graders.values() if hasattr(g, "setup")))
 
     async def score_components(self, thread: StringThread) -> dict[str, float]:
         """Each grader's score by name, and ``total``, the weighted sum."""
@@ -174,4 +182,4 @@ class CombinedGrader(Grader):
         return (await self.score_components(thread))["total"]
 
     async def close(self) -> None:
-        await asyncio.gather(*(g.close() for g in self.graders.values()))
+        await asyncio.gather(*(g.close() for g in self.graders.values() if hasattr(g, "close")))

@@ -86,9 +86,14 @@ class InferenceModel:
 
     async def tokenize_thread(self, thread: StringThread) -> TokenizedThread:
         """``thread`` as token ids with per-token weights (`areal_lite.recipes.thread`)."""
+        if not isinstance(thread, StringThread):
+            raise TypeError(f"tokenize_thread takes a StringThread, got {type(thread).__name__}")
         return await asyncio.to_thread(self.threads.tokenize, thread)
 
     async def detokenize_thread(self, thread: TokenizedThread) -> StringThread:
+        """``thread`` as text turns (the contents it was tokenized or generated from)."""
+        if not isinstance(thread, TokenizedThread):
+            raise TypeError(f"detokenize_thread takes a TokenizedThread, got {type(thread).__name__}")
         return self.threads.detokenize(thread)
 
     async def serialize_tokenized_thread(self, thread: TokenizedThread) -> tuple[list[int], list[object], list[float]]:
@@ -136,6 +141,10 @@ class InferenceModel:
 
     async def generate(self, thread: StringThread, gconfig: GenerationConfig | None = None) -> StringThread:
         """``thread`` with a sampled assistant turn appended."""
+        if not isinstance(thread, StringThread):
+            raise TypeError(
+                f"generate takes a StringThread (generate_tokens a TokenizedThread), got {type(thread).__name__}"
+            )
         tokens = await self.generate_tokens(await self.tokenize_thread(thread), gconfig)
         return await self.detokenize_thread(tokens)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import numbers
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import TypeVar
 
 import torch
@@ -37,9 +37,14 @@ from areal_lite.recipes.thread import StringThread, TokenizedThread
 T = TypeVar("T")
 
 
+def is_scalar(value: object) -> bool:
+    """A single number: a Python or numpy float, or a 0-d array or tensor (``advantages[i]``)."""
+    return isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0
+
+
 def per_token(name: str, values: float | Sequence[float], thread: TokenizedThread) -> list[float]:
-    """``values`` as one float per trained token of ``thread`` (a single float is repeated)."""
-    if isinstance(values, numbers.Real):
+    """``values`` as one float per trained token of ``thread`` (a single number is repeated)."""
+    if is_scalar(values):
         return [float(values)] * thread.n_trained
     out = [float(v) for v in values]
     if len(out) != thread.n_trained:
@@ -63,6 +68,22 @@ def train_row(thread: TokenizedThread, **values: list[float]) -> TrainRow:
             full[i] = v
         row.values[key] = full
     return row
+
+
+class Queued:
+    """What a ``train_*`` call returns: the sample is queued (or the call has raised) by the time
+    the call returns, so a bare ``model.train_grpo(...)`` counts, as the reference interface's
+    walkthrough writes it; ``await`` on it gives None, so awaiting the call or mapping it with
+    `async_map` works too."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[None, None, None]:
+        return
+        yield  # makes this a generator that finishes at once: there is nothing left to wait for
+
+
+QUEUED = Queued()
 
 
 def _free_name(path: str) -> str:
@@ -94,10 +115,11 @@ class _Trainable(InferenceModel):
         self.threads.check(sample)
         return sample
 
-    def _queue(self, loss: Loss, *rows: TrainRow) -> None:
+    def _queue(self, loss: Loss, *rows: TrainRow) -> Queued:
         if self._closed:
             raise RuntimeError(f"model {self.name!r} is closed")
         self._queued.append((loss, list(rows)))
+        return QUEUED
 
     async def optim_step(
         self, lr: float | None = None, wd: float | None = None, max_grad_norm: float | None = None
@@ -177,10 +199,11 @@ class _Trainable(InferenceModel):
 class TrainingModel(_Trainable):
     """A policy being trained. Build one with `ModelBuilder.spawn_train`.
 
-    The ``train_*`` methods add one sample's share of a gradient; ``optim_step`` applies it. Their
-    per-token arguments (``logprobs``, ``advantages``, ``tangents``...) have one value per trained
-    token of the sample (``sample.n_trained``: its tokens of weight > 0); ``advantages`` may also be
-    one float for the whole sample.
+    The ``train_*`` methods add one sample's share of a gradient; ``optim_step`` applies it. They
+    check their arguments and queue the sample when called (a bare call counts; awaiting one works
+    too, see `Queued`). Their per-token arguments (``logprobs``, ``advantages``, ``tangents``...)
+    have one value per trained token of the sample (``sample.n_trained``: its tokens of weight > 0);
+    ``advantages`` may also be one number for the whole sample.
     """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -234,19 +257,23 @@ class TrainingModel(_Trainable):
 
     # ---------------------------------------------------------------- gradient contributions
 
-    async def train_sft(self, sample: TokenizedThread | StringThread) -> None:
-        """Supervised fine-tuning: the token-mean negative log-likelihood of the trained tokens."""
+    def train_sft(self, sample: TokenizedThread | StringThread) -> Awaitable[None]:
+        """Supervised fine-tuning: the token-mean negative log-likelihood of the trained tokens.
+        A `StringThread` is tokenized off the event loop first: that call counts once awaited."""
         if isinstance(sample, StringThread):
-            sample = await self.tokenize_thread(sample)
-        self._queue(SFTLoss(), train_row(self._trainable(sample, "train_sft")))
+            return self._train_sft_text(sample)
+        return self._queue(SFTLoss(), train_row(self._trainable(sample, "train_sft")))
 
-    async def train_ppo(
+    async def _train_sft_text(self, thread: StringThread) -> None:
+        self.train_sft(await self.tokenize_thread(thread))
+
+    def train_ppo(
         self,
         sample: TokenizedThread,
         logprobs: Sequence[float],
         advantages: float | Sequence[float],
         clip_range: float = 0.2,
-    ) -> None:
+    ) -> Queued:
         """PPO's clipped surrogate (Schulman et al. 2017, eq. 7) with the ratio against
         ``logprobs`` (the policy that sampled the tokens) and per-token ``advantages`` (e.g. GAE)."""
         sample = self._trainable(sample, "train_ppo")
@@ -254,9 +281,9 @@ class TrainingModel(_Trainable):
         adv = per_token("advantages", advantages, sample)
         zeros = [0.0] * len(lp)  # no reference: the loss drops these
         row = train_row(sample, advantages=adv, prox_logp=lp, behav_logp=lp, ref_logp=zeros)
-        self._queue(PolicyLoss(eps_clip=clip_range, reference=False), row)
+        return self._queue(PolicyLoss(eps_clip=clip_range, reference=False), row)
 
-    async def train_grpo(
+    def train_grpo(
         self,
         sample: TokenizedThread,
         logprobs: Sequence[float],
@@ -267,7 +294,7 @@ class TrainingModel(_Trainable):
         *,
         kl_estimator: str = "k3",
         loss_agg: str = "token-mean",
-    ) -> None:
+    ) -> Queued:
         """GRPO (Shao et al. 2024, eq. 3): the clipped surrogate against ``logprobs`` plus
         ``kl_beta`` times a KL estimate to the reference (``kl_estimator`` k1, k2 or k3; eq. 4 is
         k3), token-averaged over every sample of the step (``loss_agg``)."""
@@ -277,9 +304,9 @@ class TrainingModel(_Trainable):
         adv = per_token("advantages", advantages, sample)
         row = train_row(sample, advantages=adv, prox_logp=lp, behav_logp=lp, ref_logp=ref)
         loss = PolicyLoss(eps_clip=clip_range, kl_beta=kl_beta, kl_estimator=kl_estimator, loss_agg=loss_agg)
-        self._queue(loss, row)
+        return self._queue(loss, row)
 
-    async def train_gspo(
+    def train_gspo(
         self,
         sample: TokenizedThread,
         logprobs: Sequence[float],
@@ -288,7 +315,7 @@ class TrainingModel(_Trainable):
         left_clip: float = 3e-4,
         right_clip: float = 4e-4,
         kl_beta: float = 0.0,
-    ) -> None:
+    ) -> Queued:
         """GSPO (Zheng et al. 2025, eq. 5-7): a sequence-level ratio clipped to
         ``[1 - left_clip, 1 + right_clip]``, the sequence's ``advantage``, sequence-averaged."""
         sample = self._trainable(sample, "train_gspo")
@@ -300,16 +327,16 @@ class TrainingModel(_Trainable):
             policy_loss="gspo", eps_clip=left_clip, eps_clip_higher=right_clip, kl_beta=kl_beta,
             loss_agg="seq-mean-token-mean",
         )  # fmt: skip
-        self._queue(loss, row)
+        return self._queue(loss, row)
 
-    async def train_dpo(
+    def train_dpo(
         self,
         sample_pos: TokenizedThread,
         sample_neg: TokenizedThread,
         ref_logprobs_pos: float | Sequence[float],
         ref_logprobs_neg: float | Sequence[float],
         beta: float = 0.1,
-    ) -> None:
+    ) -> Queued:
         """DPO (Rafailov et al. 2023, eq. 7) on one preference pair. The reference
         log-probabilities are per trained token (`logprobs_per_token` of the reference) or their
         sum over the sample."""
@@ -322,14 +349,14 @@ class TrainingModel(_Trainable):
                 (neg, ref_logprobs_neg, "ref_logprobs_neg"),
             )
         ]
-        self._queue(DPOLoss(beta=beta), *rows)
+        return self._queue(DPOLoss(beta=beta), *rows)
 
-    async def train_tangents(
+    def train_tangents(
         self,
         sample: TokenizedThread | Sequence[int],
         tangents: Sequence[float] | Sequence[object],
         *serialized: Sequence[float] | Sequence[int],
-    ) -> None:
+    ) -> Queued:
         """Bring your own loss: add ``sum_t tangents[t] * dlog p_t/dtheta`` over the trained tokens,
         ``tangents`` being ``dL/dlog p`` of any loss ``L`` of the log-probabilities (closed form or
         autodiff of the values ``logprobs_per_token`` gave). With one rank the gradients of
@@ -339,12 +366,11 @@ class TrainingModel(_Trainable):
         image_patches, tangents, target_tokens)`` with ``input_tokens = tokens[:-1]``,
         ``target_tokens = tokens[1:]`` and one tangent per target (0 where nothing is trained)."""
         if serialized:
-            self._queue(TangentLoss(), self._serialized_row(sample, tangents, *serialized))  # type: ignore[arg-type]
-            return
+            return self._queue(TangentLoss(), self._serialized_row(sample, tangents, *serialized))  # type: ignore[arg-type]
         sample = self._trainable(sample, "train_tangents")  # type: ignore[arg-type]
-        if isinstance(tangents, numbers.Real):
+        if is_scalar(tangents):
             raise TypeError("tangents must hold one value per trained token, not a single number")
-        self._queue(TangentLoss(), train_row(sample, tangents=per_token("tangents", tangents, sample)))  # type: ignore[arg-type]
+        return self._queue(TangentLoss(), train_row(sample, tangents=per_token("tangents", tangents, sample)))  # type: ignore[arg-type]
 
     def _serialized_row(
         self, inputs: Sequence[int], image_patches: Sequence[object], tangents: Sequence[float], targets: Sequence[int]
@@ -407,7 +433,7 @@ class TrainingModel(_Trainable):
 def _sequence_or_tokens(name: str, ref: float | Sequence[float], sample: TokenizedThread) -> list[float]:
     """Per-token reference log-probabilities, or a sequence total placed on the first trained
     token (DPO only uses their sum)."""
-    if isinstance(ref, numbers.Real):
+    if is_scalar(ref):
         return [float(ref)] + [0.0] * (sample.n_trained - 1)
     return per_token(name, ref, sample)
 
@@ -425,20 +451,20 @@ class ValueModel(_Trainable):
     async def logprobs_per_token(self, thread: TokenizedThread) -> list[float]:
         raise TypeError("a ValueModel has values (values_per_token), not log-probabilities")
 
-    async def train_value(
+    def train_value(
         self,
         sample: TokenizedThread,
         values: Sequence[float],
         returns: Sequence[float],
         clip_range: float | None = 0.2,
-    ) -> None:
+    ) -> Queued:
         """PPO's clipped value loss toward ``returns``, the new values clipped to within
         ``clip_range`` of ``values`` (the ones the returns were computed with)."""
         sample = self._trainable(sample, "train_value")
         row = train_row(
             sample, values=per_token("values", values, sample), returns=per_token("returns", returns, sample)
         )
-        self._queue(ValueLoss(eps_clip=clip_range), row)
+        return self._queue(ValueLoss(eps_clip=clip_range), row)
 
     async def generate_tokens(
         self, thread: TokenizedThread, gconfig: GenerationConfig | None = None
