@@ -6,6 +6,7 @@ OpenAI and vLLM routes (tests/test_openai_api.py drives the OpenAI routes with t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import sys
@@ -144,6 +145,97 @@ def test_info_endpoints_and_api_key(server: str, model_path: str) -> None:
     torch.testing.assert_close(torch.tensor(values), model.lm_head.weight.flatten()[:5])
 
 
+async def stream_events(url: str, body: object) -> tuple[int, str, list[object]]:
+    """(status, content type, the JSON of each ``data:`` line) of a streamed call; ``[DONE]`` is
+    kept as the string."""
+    async with aiohttp.ClientSession(headers=AUTH) as s, s.post(url + "/generate", json=body) as r:
+        events = []
+        async for line in r.content:
+            text = line.decode().strip()
+            if text.startswith("data:"):
+                data = text[len("data:") :].strip()
+                events.append(data if data == "[DONE]" else json.loads(data))
+        return r.status, r.headers.get("Content-Type", ""), events
+
+
+def test_generate_sglang_request_forms(server: str, model_path: str) -> None:
+    """What SGLang's docs (sampling params, native API) let a /generate request say: a list of
+    ``sampling_params`` for a batch, per-prompt ``return_logprob``, ``return_text_in_logprobs``,
+    the ``input_token_logprobs`` that ``return_logprob`` always brings, PUT as well as POST."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    body = {
+        "input_ids": [[5, 6, 7], [8, 9]],
+        "sampling_params": [
+            {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
+            {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+        ],
+        "return_logprob": [True, False],
+    }
+    status, out = run(call(server, "/generate", body))
+    assert status == 200, out
+    assert [len(o["output_ids"]) for o in out] == [2, 5]
+    assert "output_token_logprobs" in out[0]["meta_info"] and "output_token_logprobs" not in out[1]["meta_info"]
+    # The first prompt alone gives the same tokens: each prompt got its own sampling_params.
+    single = {"input_ids": [8, 9], "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    assert run(call(server, "/generate", single))[1]["output_ids"] == out[1]["output_ids"]
+
+    body = {
+        "text": "What is",
+        "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+        "return_logprob": True,
+        "return_text_in_logprobs": True,
+    }
+    status, out = run(call(server, "/generate", body))
+    meta = out["meta_info"]
+    assert status == 200 and [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert [text for _, _, text in meta["output_token_logprobs"]] == [tok.decode([t]) for t in out["output_ids"]]
+    # logprob_start_len -1 (the default): the prompt's last token only, as SGLang answers.
+    prompt = tok.encode("What is", add_special_tokens=False)
+    assert meta["input_token_logprobs"] == [[None, prompt[-1], tok.decode([prompt[-1]])]]
+
+    async def put() -> tuple[int, object]:
+        async with aiohttp.ClientSession(headers=AUTH) as s, s.put(server + "/generate", json=single) as r:
+            return r.status, await r.json()
+
+    status, out = run(put())
+    assert status == 200 and len(out["output_ids"]) == 5
+    status, out = run(call(server, "/get_weight_version", method="GET"))
+    assert status == 200 and out == {
+        "weight_version": run(call(server, "/model_info", method="GET"))[1]["weight_version"]
+    }
+
+
+def test_generate_stream(server: str) -> None:
+    """``stream: true`` answers server-sent events as SGLang's docs show: ``data: {...}`` lines
+    with the text and output ids so far (the last with ``finish_reason``), then ``data: [DONE]``;
+    the tokens are those of the same request unstreamed. A batch tags each event with ``index``."""
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    whole = run(call(server, "/generate", {"text": "What is", "sampling_params": sp, "return_logprob": True}))[1]
+    status, ctype, events = run(
+        stream_events(server, {"text": "What is", "sampling_params": sp, "return_logprob": True, "stream": True})
+    )
+    assert status == 200 and ctype.startswith("text/event-stream") and events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) >= 2 and all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last["output_ids"] == whole["output_ids"] and last["text"] == whole["text"]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert last["meta_info"]["completion_tokens"] == 6
+    assert [x[1] for x in last["meta_info"]["output_token_logprobs"]] == whole["output_ids"]
+    for before, after in itertools.pairwise(chunks):  # cumulative, as the docs' client reads it
+        assert after["text"].startswith(before["text"])
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+
+    status, _, events = run(
+        stream_events(server, {"input_ids": [[5, 6], [7]], "rid": ["s0", "s1"], "sampling_params": sp, "stream": True})
+    )
+    finals = {c["index"]: c for c in events[:-1] if c["meta_info"]["finish_reason"] is not None}
+    assert status == 200 and events[-1] == "[DONE]" and sorted(finals) == [0, 1]
+    assert [finals[i]["meta_info"]["id"] for i in (0, 1)] == ["s0", "s1"]
+
+
 BAD_INPUTS = [
     ("/generate", b'{"input_ids": [1, 2', "malformed JSON"),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokenz": 3}}, "unknown sampling_params keys"),
@@ -156,6 +248,21 @@ BAD_INPUTS = [
     ("/generate", {"text": "a", "input_ids": [1]}, "exactly one"),
     ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
     ("/generate", {"input_ids": [1], "sampling_params": {"repetition_penalty": 1.3}}, "not supported"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"structural_tag": "{}"}}, "not supported"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop_regex": "a+"}}, "not supported"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 5}}, "min_new_tokens"),
+    ("/generate", {"text": "a", "image_data": "cat.png"}, "image_data"),
+    ("/generate", {"input_embeds": [[0.5, 0.5]]}, "input_embeds"),
+    ("/generate", {"input_ids": [1], "return_logprob": True, "token_ids_logprob": [3]}, "token_ids_logprob"),
+    ("/generate", {"input_ids": [1], "custom_logit_processor": "{}"}, "custom_logit_processor"),
+    ("/generate", {"input_ids": [1], "return_hidden_states": True}, "return_hidden_states"),
+    ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
+    ("/generate", {"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]}, "the same n"),
+    ("/generate", {"input_ids": [[1], [2]], "return_logprob": [True]}, "return_logprob"),
+    ("/generate", {"text": []}, "text"),
+    ("/generate", {"input_ids": [[]]}, "empty"),
+    ("/generate", {"input_ids": [1], "stream": "yes"}, "boolean"),
+    ("/generate", {"input_ids": [1], "sampling_params": "greedy"}, "sampling_params"),
     (
         "/update_weights_from_distributed",
         {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1, 2]]},

@@ -15,9 +15,9 @@ error, on every route (unknown routes and methods included), is OpenAI's error o
 
 Deliberate differences from SGLang: weight versions are integers (as strings on the wire, "0" at
 start); ``meta_info`` carries one extra key, ``output_token_versions`` (the version of each output
-token, which can change inside one request when weights are updated in place); ``stream`` on
-``/generate`` and the penalty / min-p sampling options are refused with a 400 rather than
-silently ignored. A mixture-of-experts model answers ``return_routed_experts`` as SGLang started
+token, which can change inside one request when weights are updated in place); the penalty /
+min-p / grammar sampling options and the multimodal, hidden-state and custom-logit-processor
+inputs of ``/generate`` are refused with a 400 rather than silently ignored. A mixture-of-experts model answers ``return_routed_experts`` as SGLang started
 with ``--enable-return-routed-experts`` does (``meta_info["routed_experts"]``, base64 of int32
 ``[prompt + completion tokens - 1, layers, top_k]``); a dense model refuses it with a 400.
 """
@@ -31,7 +31,9 @@ import dataclasses
 import logging
 import sys
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -40,6 +42,7 @@ from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.lora_routes import LoRARoutes, check_lora_path
 from areal_lite.engines.openai_api import MAX_TOP_LOGPROBS, OpenAIRoutes
 from areal_lite.engines.openai_responses import ResponsesRoute
+from areal_lite.engines.openai_stream import TextDeltas, merged, send_events
 from areal_lite.engines.request import GenerationResult, SamplingParams
 from areal_lite.engines.scheduler import Scheduler
 from areal_lite.engines.server_common import (
@@ -56,6 +59,7 @@ from areal_lite.engines.vllm_routes import VLLMRoutes
 from areal_lite.utils.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger("areal_lite.server")
+T = TypeVar("T")
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
 SWITCH_INTERVAL_S = 0.0005
@@ -85,6 +89,9 @@ SAMPLING_DEFAULTS: dict[str, object] = {
     "ebnf": None,
     "custom_params": None,
     "logit_bias": None,
+    "structural_tag": None,
+    "stop_regex": None,
+    "stream_interval": None,
 }
 """Every key SGLang accepts in ``sampling_params`` with its default; any other key is a 400."""
 
@@ -97,8 +104,36 @@ UNSUPPORTED_SAMPLING = (
     "regex",
     "ebnf",
     "logit_bias",
+    "structural_tag",
+    "stop_regex",
 )
 """Keys this server accepts only at their default (no-op) value."""
+
+REFUSED_INPUTS: dict[str, object] = {
+    "input_embeds": None,
+    "image_data": None,
+    "audio_data": None,
+    "video_data": None,
+    "token_ids_logprob": None,
+    "custom_logit_processor": None,
+    "return_hidden_states": False,
+    "session_params": None,
+}
+"""Top-level ``/generate`` keys of SGLang's ``GenerateReqInput`` that this server cannot honour:
+a 400 at any value but this default, since ignoring them would change the answer."""
+
+
+@dataclass
+class AnswerOptions:
+    """How the answers to one prompt of a ``/generate`` call are written."""
+
+    skip_special_tokens: bool
+    no_stop_trim: bool
+    return_logprob: bool
+    logprob_start_len: int
+    """-1: output log-probabilities only (and the prompt's last token, as SGLang answers)."""
+    return_text_in_logprobs: bool
+    return_routed_experts: bool
 
 
 def parse_sampling_params(raw: object) -> tuple[SamplingParams, int, bool, bool]:
@@ -124,6 +159,9 @@ def parse_sampling_params(raw: object) -> tuple[SamplingParams, int, bool, bool]
     n = int_field(raw, "n", 1)
     if n < 1:
         raise BadRequest(f"n must be >= 1, got {n}")
+    max_new, min_new = int_field(raw, "max_new_tokens", 128), int_field(raw, "min_new_tokens", 0)
+    if max_new >= 0 and min_new > max_new:
+        raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens={max_new}], got {min_new}")
     try:
         params = SamplingParams(
             max_new_tokens=int_field(raw, "max_new_tokens", 128),
@@ -143,6 +181,24 @@ def parse_sampling_params(raw: object) -> tuple[SamplingParams, int, bool, bool]
 
 def _optional_int(d: dict[str, object], key: str) -> int | None:
     return None if d.get(key) is None else int_field(d, key, 0)
+
+
+def _per_prompt(
+    body: dict[str, object], key: str, count: int, read: Callable[[dict, str, T], T], default: T
+) -> list[T]:
+    """``body[key]`` for each of ``count`` prompts: SGLang takes one value for all or a list, one per prompt."""
+    value = body.get(key)
+    if isinstance(value, list):
+        if len(value) != count:
+            raise BadRequest(
+                f"{key} has {len(value)} entries for {count} prompts (give one, or one per prompt)", param=key
+            )
+        return [read({key: v}, key, default) for v in value]
+    return [read(body, key, default)] * count
+
+
+def _raw(d: dict[str, object], key: str, default: object) -> object:
+    return d.get(key, default)
 
 
 @dataclass
@@ -178,6 +234,8 @@ class Server:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=1024**3)
         r = app.router
         r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
+        r.add_get("/get_weight_version", self.get_weight_version)
         for path in ("/health", "/health_generate", "/ready"):
             r.add_get(path, self.health)
         for path in ("/model_info", "/get_model_info"):
@@ -251,48 +309,106 @@ class Server:
 
     # ----- generation ----------------------------------------------------------------------
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
-        if body.get("stream"):
-            raise BadRequest("stream is not supported by the areal-lite server")
-        top_n = int_field(body, "top_logprobs_num", 0)
-        if not 0 <= top_n <= MAX_TOP_LOGPROBS:
-            raise BadRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_n}")
+        for key, default in REFUSED_INPUTS.items():
+            if body.get(key) is not None and body[key] != default:
+                raise BadRequest(f"{key} is not supported by the areal-lite server", param=key)
+        stream = bool_field(body, "stream", False)
         has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
         if has_text == has_ids:
             raise BadRequest("give exactly one of text and input_ids")
         prompts = self._prompts(body)
         is_batch = isinstance(body["text"], list) if has_text else isinstance(body["input_ids"][0], list)  # type: ignore[index]
-        params, n, skip_special, no_stop_trim = parse_sampling_params(body.get("sampling_params"))
-        check_lora_path(body.get("lora_path"), len(prompts), self.scheduler.adapter.name)
-        return_logprob = bool_field(body, "return_logprob", False)
-        if return_logprob and top_n:
-            params.top_logprobs = top_n
-        start_len = int_field(body, "logprob_start_len", -1)
+        count = len(prompts)
+        parsed = [parse_sampling_params(raw) for raw in _per_prompt(body, "sampling_params", count, _raw, None)]
+        n = parsed[0][1]
+        if any(p[1] != n for p in parsed):
+            raise BadRequest("every prompt of a batch must ask for the same n (as SGLang requires)", param="n")
+        check_lora_path(body.get("lora_path"), count, self.scheduler.adapter.name)
+        return_logprob = _per_prompt(body, "return_logprob", count, bool_field, False)
+        start_lens = _per_prompt(body, "logprob_start_len", count, int_field, -1)
+        top_ns = _per_prompt(body, "top_logprobs_num", count, int_field, 0)
+        if not all(0 <= k <= MAX_TOP_LOGPROBS for k in top_ns):
+            raise BadRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_ns}")
+        want_input = any(r and s >= 0 for r, s in zip(return_logprob, start_lens))
+        if stream and want_input:
+            raise BadRequest("logprob_start_len >= 0 (prompt log-probabilities) is not supported with stream")
+        want_routes = bool_field(body, "return_routed_experts", False)
+        if want_routes and self.scheduler.routing_shape is None:
+            raise BadRequest("return_routed_experts: this model has no mixture-of-experts layers")
+        text_in_logprobs = bool_field(body, "return_text_in_logprobs", False)
         rids = body.get("rid")
         if rids is None:
             rids = [uuid.uuid4().hex for _ in prompts] if is_batch else uuid.uuid4().hex
         rid_list = rids if isinstance(rids, list) else [rids]
-        if len(rid_list) != len(prompts) or not all(isinstance(r, str) for r in rid_list):
+        if len(rid_list) != count or not all(isinstance(r, str) for r in rid_list):
             raise BadRequest("rid must be a string (a list of strings for a batch, one per prompt)")
-        jobs = []
-        for prompt, rid in zip(prompts, rid_list):
+        jobs: list[tuple[list[int], SamplingParams, str]] = []
+        options: list[AnswerOptions] = []
+        for i, (prompt, rid, (params, _, skip_special, no_stop_trim)) in enumerate(zip(prompts, rid_list, parsed)):
+            if return_logprob[i] and top_ns[i]:
+                params = dataclasses.replace(params, top_logprobs=top_ns[i])
+            opts = AnswerOptions(
+                skip_special, no_stop_trim, return_logprob[i], start_lens[i], text_in_logprobs, want_routes
+            )
             for k in range(n):
                 # The samples of a seeded request differ: sample k draws with seed + k.
                 sample = params if params.seed is None or n == 1 else dataclasses.replace(params, seed=params.seed + k)
                 jobs.append((prompt, sample, rid if n == 1 else f"{rid}-{k}"))
-        want_input = return_logprob and start_len >= 0
-        want_routes = bool_field(body, "return_routed_experts", False)
-        if want_routes and self.scheduler.routing_shape is None:
-            raise BadRequest("return_routed_experts: this model has no mixture-of-experts layers")
+                options.append(opts)
         try:
-            for prompt, _, _ in jobs:
+            for prompt, params, _ in jobs:
                 self.scheduler.validate_request(prompt, params)
         except ValueError as e:
             raise BadRequest(str(e)) from e
+        if stream:
+            return await send_events(request, self._stream(jobs, options, tagged=is_batch or n > 1))
         results = await self.scheduler.generate_many(jobs, want_input)
-        out = [self._response(r, return_logprob, start_len, skip_special, no_stop_trim, want_routes) for r in results]
+        out = [self._answer(r, opts) for r, opts in zip(results, options)]
         return web.json_response(out if is_batch or n > 1 else out[0])
+
+    async def _stream(
+        self, jobs: list[tuple[list[int], SamplingParams, str]], options: list[AnswerOptions], tagged: bool
+    ) -> AsyncIterator[dict[str, object]]:
+        """SGLang's streamed answers: one per token, each with the text, ids and log-probabilities
+        so far and ``finish_reason`` null, the last the whole answer; ``index`` (the job) when
+        ``tagged``. Text that could be the start of a stop string is held back until it is not."""
+        tokenizer = self.scheduler.tokenizer
+        deltas = [
+            TextDeltas(tokenizer, o.skip_special_tokens, () if o.no_stop_trim else p.stop)
+            for (_, p, _), o in zip(jobs, options)
+        ]
+        partial = [
+            GenerationResult(
+                rid=rid,
+                input_ids=prompt,
+                output_ids=[],
+                output_logprobs=[],
+                output_versions=[],
+                finish_reason={},
+                input_logprobs=None,
+                latency=0.0,
+                ttft=0.0,
+                output_top_logprobs=[] if p.top_logprobs else None,
+            )
+            for prompt, p, rid in jobs
+        ]
+        async for i, event in merged(self.scheduler, jobs):
+            if isinstance(event, GenerationResult):
+                answer = self._answer(event, options[i])
+            else:
+                r = partial[i]
+                r.output_ids.append(event.token)
+                r.output_logprobs.append(event.logprob)
+                r.output_versions.append(event.version)
+                if r.output_top_logprobs is not None and event.top is not None:
+                    r.output_top_logprobs.append(event.top)
+                deltas[i].add(event.token)
+                answer = self._answer(r, options[i], text=deltas[i].sent)
+            if tagged:
+                answer["index"] = i
+            yield answer
 
     def _prompts(self, body: dict[str, object]) -> list[list[int]]:
         if body.get("input_ids") is not None:
@@ -306,42 +422,46 @@ class Server:
             return batch  # type: ignore[return-value]
         text = body["text"]
         texts = text if isinstance(text, list) else [text]
-        if not all(isinstance(t, str) for t in texts):
-            raise BadRequest("text must be a string or a list of strings")
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text must be a string or a non-empty list of strings")
         if self.scheduler.tokenizer is None:
             raise BadRequest("this model directory has no tokenizer: send input_ids")
         return [self.scheduler.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
-    def _response(
-        self,
-        r: GenerationResult,
-        return_logprob: bool,
-        start_len: int,
-        skip_special: bool,
-        no_stop_trim: bool,
-        return_routes: bool = False,
-    ) -> dict[str, object]:
-        text = output_text(self.scheduler.tokenizer, r, skip_special, no_stop_trim)
+    def _answer(self, r: GenerationResult, opts: AnswerOptions, text: str | None = None) -> dict[str, object]:
+        """SGLang's answer to one prompt (one sample of it): ``text`` given, a streamed answer so far
+        (``finish_reason`` null, no latency yet)."""
+        tokenizer = self.scheduler.tokenizer
+        final = text is None
+        if text is None:
+            text = output_text(tokenizer, r, opts.skip_special_tokens, opts.no_stop_trim)
+
+        def entry(lp: float | None, t: int) -> list[object]:
+            shown = tokenizer.decode([t]) if opts.return_text_in_logprobs and tokenizer is not None else None
+            return [lp, t, shown]
+
         meta: dict[str, object] = {
             "id": r.rid,
             "prompt_tokens": len(r.input_ids),
             "completion_tokens": len(r.output_ids),
             "cached_tokens": 0,
             "weight_version": str(r.output_versions[-1]) if r.output_versions else self.weight_version,
-            "finish_reason": r.finish_reason,
-            "e2e_latency": r.latency,
+            "finish_reason": r.finish_reason if final else None,
             "output_token_versions": r.output_versions,
         }
-        if return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
+        if final:
+            meta["e2e_latency"] = r.latency
+        if opts.return_logprob:
+            meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(r.output_logprobs, r.output_ids)]
             if r.output_top_logprobs is not None:
-                meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in r.output_top_logprobs]
-            if r.input_logprobs is not None:
-                start = max(start_len, 0)
-                meta["input_token_logprobs"] = [
-                    [lp, t, None] for lp, t in list(zip(r.input_logprobs, r.input_ids))[start:]
-                ]
-        if return_routes and r.routed_experts is not None:
+                meta["output_top_logprobs"] = [[entry(lp, t) for t, lp in top] for top in r.output_top_logprobs]
+            if r.input_logprobs is not None and opts.logprob_start_len >= 0:
+                pairs = list(zip(r.input_logprobs, r.input_ids))[opts.logprob_start_len :]
+                meta["input_token_logprobs"] = [entry(lp, t) for lp, t in pairs]
+            else:
+                # SGLang's default start is the prompt's last token, whose entry is always null.
+                meta["input_token_logprobs"] = [entry(None, r.input_ids[-1])]
+        if opts.return_routed_experts and r.routed_experts is not None:
             # SGLang's encoding: the int32 ids, row-major, base64 (JSON lists of ids are too slow).
             meta["routed_experts"] = base64.b64encode(r.routed_experts.numpy().tobytes()).decode("ascii")
         return {"text": text, "output_ids": r.output_ids, "meta_info": meta}
@@ -373,6 +493,9 @@ class Server:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.ready else 503)
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.weight_version})
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response(
