@@ -164,8 +164,8 @@ def parse_sampling_params(raw: object) -> tuple[SamplingParams, int, bool, bool]
         raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens={max_new}], got {min_new}")
     try:
         params = SamplingParams(
-            max_new_tokens=int_field(raw, "max_new_tokens", 128),
-            min_new_tokens=int_field(raw, "min_new_tokens", 0),
+            max_new_tokens=max_new,
+            min_new_tokens=min_new,
             temperature=float_field(raw, "temperature", 1.0),
             top_p=float_field(raw, "top_p", 1.0),
             top_k=int_field(raw, "top_k", -1),
