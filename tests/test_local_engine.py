@@ -212,15 +212,32 @@ def test_greedy_equals_hf_generate(engine: LocalInferenceEngine, hf: torch.nn.Mo
 
 
 def test_prompt_logprobs_equal_hf_forward(engine: LocalInferenceEngine, hf: torch.nn.Module) -> None:
+    """The prompt's log-probabilities and, with ``top_logprobs``, its most likely tokens per
+    position equal a HF forward; a stream hands both over with its first token."""
     prompt = [7, 8, 9, 10, 200, 31]
 
     async def run():
-        return await engine.scheduler.generate(prompt, SamplingParams(max_new_tokens=0), return_input_logprobs=True)
+        return await engine.scheduler.generate(
+            prompt, SamplingParams(max_new_tokens=0, top_logprobs=3), return_input_logprobs=True
+        )
 
     r = asyncio.run(run())
     assert r.output_ids == [] and r.input_logprobs[0] is None
     expected = hf_logprobs(hf, prompt[:1], prompt[1:])
     torch.testing.assert_close(torch.tensor(r.input_logprobs[1:]), expected, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        top = torch.log_softmax(hf(torch.tensor([prompt])).logits.float(), dim=-1)[0, :-1].topk(3, dim=-1)
+    assert r.input_top_logprobs[0] is None
+    assert [[t for t, _ in row] for row in r.input_top_logprobs[1:]] == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor([[v for _, v in row] for row in r.input_top_logprobs[1:]]), top.values)
+
+    async def first_token():
+        params = SamplingParams(max_new_tokens=2, temperature=0.0, top_logprobs=3)
+        async for event in engine.scheduler.stream(prompt, params, return_input_logprobs=True):
+            return event
+
+    event = asyncio.run(first_token())
+    assert event.input_logprobs == r.input_logprobs and event.input_top == r.input_top_logprobs
 
 
 def test_sampling_parameters(engine: LocalInferenceEngine, model_path: str) -> None:

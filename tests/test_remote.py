@@ -160,6 +160,30 @@ def test_generation_logprobs_routing_and_mid_generation_update(servers, kind: st
         engine.destroy()
 
 
+def test_generation_past_the_context_ends_there_as_in_the_embedded_engine(servers, kind: str, model_path: str) -> None:
+    """Servers refuse prompt + max_new_tokens past the context (a 400 from SGLang and vLLM); the
+    client reads the context length once and asks for no more than fits, so a long episode ends
+    with ``length`` at the context, alone or in a batch, and a prompt that fills it is an error."""
+    _, addresses = servers
+    engine = client(addresses, kind)
+    try:
+        reset_weights(engine, model_path)
+        assert engine.context_len == 512  # the tiny model's max_position_embeddings
+        g = GenerationConfig(max_new_tokens=50, min_new_tokens=50, ignore_eos=True)
+        prompt = [5 + i % 200 for i in range(507)]
+        one = asyncio.run(engine.agenerate(ModelRequest(input_ids=prompt, gconfig=g)))
+        assert (one.output_len, one.stop_reason) == (5, "length")
+
+        async def group():
+            return await engine.agenerate_batch([ModelRequest(input_ids=p, gconfig=g) for p in (prompt, prompt[:-2])])
+
+        assert [(r.output_len, r.stop_reason) for r in asyncio.run(group())] == [(5, "length"), (7, "length")]
+        with pytest.raises(ValueError, match="the context length is 512"):
+            asyncio.run(engine.agenerate(ModelRequest(input_ids=[5] * 512, gconfig=g)))
+    finally:
+        engine.destroy()
+
+
 def test_batch_requests_go_to_one_server_and_resume_across_an_update(
     servers, kind: str, model_path: str, tmp_path
 ) -> None:

@@ -236,6 +236,99 @@ def test_generate_stream(server: str) -> None:
     assert [finals[i]["meta_info"]["id"] for i in (0, 1)] == ["s0", "s1"]
 
 
+def test_prompt_logprobs_and_top_logprobs_as_sglang(server: str, model_path: str) -> None:
+    """``logprob_start_len`` with ``top_logprobs_num``: ``input_token_logprobs`` and
+    ``input_top_logprobs`` from that position on, the first entry null (SGLang reports none at the
+    start position), the rest equal to a HF forward; the same in every streamed event from the
+    first token on; a start past the prompt is SGLang's 400."""
+    prompt = [11, 12, 13, 14, 15]
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    body = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True, "logprob_start_len": 2}
+    body["top_logprobs_num"] = 3
+    status, whole = run(call(server, "/generate", body))
+    assert status == 200, whole
+    meta = whole["meta_info"]
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(model_path)(torch.tensor([prompt])).logits.float()
+    logp = torch.log_softmax(logits, dim=-1)[0]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == [13, 14, 15]
+    assert meta["input_token_logprobs"][0][0] is None
+    want = torch.stack([logp[2, 14], logp[3, 15]])
+    torch.testing.assert_close(
+        torch.tensor([lp for lp, _, _ in meta["input_token_logprobs"][1:]]), want, atol=1e-4, rtol=0
+    )
+    tops = meta["input_top_logprobs"]
+    assert len(tops) == 3 and tops[0] is None
+    top = logp[2:4].topk(3, dim=-1)
+    assert [[t for _, t, _ in row] for row in tops[1:]] == top.indices.tolist()
+    torch.testing.assert_close(
+        torch.tensor([[v for v, _, _ in row] for row in tops[1:]]), top.values, atol=1e-4, rtol=0
+    )
+    assert len(meta["output_top_logprobs"]) == 4
+
+    status, _, events = run(stream_events(server, {**body, "stream": True}))
+    chunks = events[:-1]
+    assert status == 200 and events[-1] == "[DONE]" and chunks[-1]["output_ids"] == whole["output_ids"]
+    for chunk in chunks:
+        assert chunk["meta_info"]["input_token_logprobs"] == meta["input_token_logprobs"]
+        assert chunk["meta_info"]["input_top_logprobs"] == tops
+
+    status, out = run(call(server, "/generate", {**body, "logprob_start_len": len(prompt) + 1}))
+    assert status == 400 and "is higher than the number of input tokens" in out["error"]["message"]
+
+
+def test_context_length_as_sglang(server: str, model_path: str) -> None:
+    """A ``max_new_tokens`` that takes prompt + completion past the context is SGLang's 400 (its
+    message); without one, generation just ends at the context. ``--allow-auto-truncate`` shrinks
+    ``max_new_tokens`` (and cuts a prompt that fills the context) instead, as SGLang's flag does."""
+    prompt = [7] * (CONTEXT - 12)
+    too_long = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
+    status, out = run(call(server, "/generate", too_long))
+    assert status == 400
+    message = out["error"]["message"]
+    assert message.startswith(f"Requested token count exceeds the model's maximum context length of {CONTEXT}")
+    assert f"a total of {CONTEXT + 8} tokens: {CONTEXT - 12} tokens from the input" in message
+    status, out = run(call(server, "/generate", {"input_ids": prompt, "sampling_params": {"ignore_eos": True}}))
+    assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    status, out = run(call(server, "/generate", {"input_ids": [7] * CONTEXT}))
+    assert status == 400
+    assert (
+        out["error"]["message"]
+        == f"The input ({CONTEXT} tokens) is longer than the model's context length ({CONTEXT} tokens)."
+    )
+
+    procs, addresses = start_servers(model_path, 1, ["--context-length", str(CONTEXT), "--allow-auto-truncate"])
+    try:
+        url = f"http://{addresses[0]}"
+        status, out = run(call(url, "/generate", too_long))
+        assert status == 200 and len(out["output_ids"]) == 12
+        status, out = run(
+            call(url, "/generate", {"input_ids": [7] * (CONTEXT + 5), "sampling_params": {"max_new_tokens": 3}})
+        )
+        assert status == 200 and out["meta_info"]["prompt_tokens"] == CONTEXT - 1
+    finally:
+        stop_servers(procs)
+
+
+def test_server_info_and_rids_as_sglang(server: str, model_path: str) -> None:
+    """``/get_server_info`` has what SGLang's clients read (``internal_states[0]["last_gen_throughput"]``,
+    ``max_total_num_tokens``, ``served_model_name`` as a string, ``version``); a batch's string
+    ``rid`` names its prompts ``rid_0``, ``rid_1``; a rid list of the wrong length and per-prompt
+    log-probability options with ``n > 1`` are SGLang's 400s."""
+    sp = {"max_new_tokens": 3, "ignore_eos": True}
+    status, out = run(call(server, "/generate", {"input_ids": [[5, 6], [7]], "rid": "grp", "sampling_params": sp}))
+    assert status == 200 and [o["meta_info"]["id"] for o in out] == ["grp_0", "grp_1"]
+    status, info = run(call(server, "/get_server_info", method="GET"))
+    assert status == 200 and info["internal_states"][0]["last_gen_throughput"] > 0
+    assert info["served_model_name"] == model_path and info["tokenizer_path"] == model_path
+    assert info["max_total_num_tokens"] >= CONTEXT and info["max_req_input_len"] < CONTEXT and info["version"]
+    status, out = run(call(server, "/generate", {"input_ids": [[5], [7]], "rid": ["a", "b", "c"]}))
+    assert status == 400 and "mismatch" in out["error"]["message"]
+    bad_n = {"input_ids": [[5], [7]], "sampling_params": {"n": 2}, "return_logprob": [True, False]}
+    status, out = run(call(server, "/generate", bad_n))
+    assert status == 400 and "parallel_sample_num" in out["error"]["message"]
+
+
 BAD_INPUTS = [
     ("/generate", b'{"input_ids": [1, 2', "malformed JSON"),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokenz": 3}}, "unknown sampling_params keys"),
@@ -465,7 +558,7 @@ def test_weight_updates_disk_and_broadcast(server: str, model_path: str, tmp_pat
                 "/init_weights_update_group",
                 {
                     "master_address": "127.0.0.1",
-                    "master_port": port,
+                    "master_port": str(port),  # as AReaL's client sends it; SGLang takes both
                     "rank_offset": 1,
                     "world_size": 2,
                     "group_name": "g",

@@ -120,6 +120,12 @@ def test_generation_versions_logprobs_samples_and_stop_tokens(servers, model_pat
         first = free.output_tokens.index(stop)
         stopped = generate(engine, [ModelRequest(input_ids=[5, 17, 30], gconfig=greedy.new(stop_token_ids=[stop]))])[0]
         assert stopped.output_tokens == free.output_tokens[: first + 1] and stopped.stop_reason == "stop"
+
+        # vLLM refuses prompt + max_tokens past max_model_len; the client asks for what fits.
+        assert engine.context_len == CONTEXT
+        near = ModelRequest(input_ids=[5] * (CONTEXT - 4), gconfig=GenerationConfig(max_new_tokens=50, ignore_eos=True))
+        end = generate(engine, [near])[0]
+        assert (end.output_len, end.stop_reason) == (4, "length")
     finally:
         engine.destroy()
 

@@ -489,6 +489,9 @@ class ModelRunner:
                 a, e = offsets[inverse[j]], offsets[inverse[j] + 1]
                 logp = torch.log_softmax(self._lm_head(h[a : e - 1]).float(), dim=-1)
                 s.input_logprobs = [None] + logp.gather(1, ids[a + 1 : e, None])[:, 0].tolist()
+                if s.params.top_logprobs:
+                    values, top_ids = logp.topk(min(s.params.top_logprobs, logp.shape[-1]), dim=-1)
+                    s.input_top = [None] + [list(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
         if d or fresh:
             # The decode rows' hidden states and each fresh sequence's last prompt position.
             at = list(range(d)) + [offsets[inverse[j] + 1] - 1 for j in fresh]

@@ -172,15 +172,23 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         self._resumed.set()
         self._route_shape: tuple[int, int] | None = None
         """(layers, top_k) of the served model's routes, read when first needed."""
+        self.context_len: int | None = None
+        """The served model's context length (prompt and completion tokens), read from the servers
+        at `initialize`; None where they do not say."""
 
     # ----- the protocol ---------------------------------------------------------------------
 
     @abc.abstractmethod
     def _generate_call(
-        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int
+        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int
     ) -> tuple[str, dict[str, object]]:
         """(path, payload) of one generation call for ``prompts`` (one, or a batch of several)
-        that have each produced ``produced`` of ``g``'s tokens so far."""
+        that have each produced ``produced`` of ``g``'s tokens so far, for at most ``budget`` more
+        (what is left of ``g.max_new_tokens``, or less where the context ends first)."""
+
+    @abc.abstractmethod
+    async def _context_len_call(self) -> int | None:
+        """The served model's context length as a live server reports it (None: not reported)."""
 
     @abc.abstractmethod
     def _answers(self, data: object, count: int) -> list[Answer]:
@@ -222,6 +230,7 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         `ServerFleet`)."""
         self.fleet.start()
         self.fleet.call(self.fleet.wait_healthy()).result()
+        self.context_len = self.fleet.call(self._context_len_call()).result()
         self.fleet.on_return = self._on_return
         self.fleet.start_monitor()
         freeze_startup_objects()
@@ -294,9 +303,23 @@ class RemoteEngine(InferenceEngine, abc.ABC):
             return await super().agenerate_batch(reqs)
         return await asyncio.wrap_future(self.fleet.call(self._generate_batch(reqs)))
 
+    def _budget(self, req: ModelRequest, part: _Partial) -> int:
+        """The tokens ``req`` may still produce: what is left of its ``max_new_tokens``, and no
+        more than fit in the context after its prompt and what it produced (servers refuse a
+        request past the context; the embedded engine ends it there, ``length``, and so does this
+        client). A prompt that fills the context is an error, as in the embedded engine."""
+        left = req.gconfig.max_new_tokens - len(part.out_ids)
+        if self.context_len is None:
+            return left
+        used = len(req.input_ids) + len(part.out_ids)
+        if len(req.input_ids) >= self.context_len:
+            raise ValueError(f"the prompt has {len(req.input_ids)} tokens; the context length is {self.context_len}")
+        return min(left, self.context_len - used)
+
     def _call_for(self, reqs: list[ModelRequest], parts: list[_Partial]) -> tuple[str, dict[str, object]]:
         prompts = [list(r.input_ids) + p.out_ids for r, p in zip(reqs, parts)]
-        return self._generate_call(prompts, [r.rid for r in reqs], reqs[0].gconfig, len(parts[0].out_ids))
+        budget = min(self._budget(r, p) for r, p in zip(reqs, parts))
+        return self._generate_call(prompts, [r.rid for r in reqs], reqs[0].gconfig, len(parts[0].out_ids), budget)
 
     async def _generate_batch(
         self, reqs: list[ModelRequest], parts: list[_Partial] | None = None
@@ -307,9 +330,10 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         asynchronous RL, which aborts every group in flight, is not followed by one call per
         sample. If a call fails, its requests are retried one by one in `_generate`, from what
         they had produced before it."""
-        if len(reqs) == 1 and parts is not None:
-            return [await self._generate(reqs[0], parts[0])]
         parts = parts or [_Partial() for _ in reqs]
+        budgets = {self._budget(r, p) for r, p in zip(reqs, parts)}
+        if len(reqs) == 1 or len(budgets) > 1:  # one call has one budget
+            return list(await asyncio.gather(*(self._generate(r, p) for r, p in zip(reqs, parts))))
         await self._until_resumed()
         await self.fleet.until_any_live(self.config.request_timeout)
         sent_version = self._version
@@ -325,7 +349,7 @@ class RemoteEngine(InferenceEngine, abc.ABC):
             reason = part.absorb(answer, sent_version)
             if reason != "abort":
                 out[i] = part.response(req, reason)
-            elif len(part.out_ids) >= req.gconfig.max_new_tokens:
+            elif self._budget(req, part) <= 0:
                 out[i] = part.response(req, "length")
             else:
                 by_budget.setdefault(len(part.out_ids), []).append(i)
@@ -374,7 +398,7 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         failures = 0
         failed_on: set[int] = set()
         while True:
-            if len(part.out_ids) >= req.gconfig.max_new_tokens:
+            if self._budget(req, part) <= 0:
                 return part.response(req, "length")
             # Also after an abort by our pause: resume as prompt + generated once it ends.
             await self._until_resumed()
@@ -573,11 +597,11 @@ class RemoteSGLangEngine(RemoteEngine):
         """The config of the adapter the servers hold (loaded or registered by this client)."""
 
     def _generate_call(
-        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int
+        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int
     ) -> tuple[str, dict[str, object]]:
         params = g.to_sglang()
-        params["max_new_tokens"] = g.max_new_tokens - produced
-        params["min_new_tokens"] = max(0, g.min_new_tokens - produced)
+        params["max_new_tokens"] = budget
+        params["min_new_tokens"] = min(budget, max(0, g.min_new_tokens - produced))
         batch = len(prompts) > 1  # SGLang's list forms of input_ids, rid and lora_path
         payload: dict[str, object] = {
             "input_ids": prompts if batch else prompts[0],
@@ -590,6 +614,19 @@ class RemoteSGLangEngine(RemoteEngine):
         if self.adapter_name is not None:
             payload["lora_path"] = [self.adapter_name] * len(prompts) if batch else self.adapter_name
         return "/generate", payload
+
+    async def _context_len_call(self) -> int | None:
+        """SGLang's ``/get_server_info`` reports ``max_req_input_len`` (the context less one: a
+        prompt must leave room for a token); None from a server that does not answer it."""
+        try:
+            info = await self.fleet.request(
+                self.fleet.live()[0], "/get_server_info", None, self.config.request_timeout, method="GET"
+            )
+        except ServerError as e:
+            logger.warning("no context length from the servers (%s): requests are not capped at it", e)
+            return None
+        limit = info.get("max_req_input_len") if isinstance(info, dict) else None
+        return limit + 1 if isinstance(limit, int) else None
 
     def _answers(self, data: object, count: int) -> list[Answer]:
         answers = data if count > 1 else [data]

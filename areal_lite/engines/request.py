@@ -91,6 +91,9 @@ class GenerationResult:
     routed_experts: torch.Tensor | None = None
     """A mixture-of-experts model's routes: int32 [prompt + output tokens - 1, layers, top_k], the
     experts each token that went through the model was sent to (-1 on layers without experts)."""
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """With prompt log-probabilities and ``top_logprobs`` > 0: the most likely tokens at each
+    prompt position, as ``output_top_logprobs`` (None at position 0)."""
 
 
 @dataclass
@@ -101,6 +104,10 @@ class TokenOut:
     logprob: float
     version: int
     top: list[tuple[int, float]] | None
+    input_logprobs: list[float | None] | None = None
+    """The prompt's log-probabilities (and below, its most likely tokens), on the first token of a
+    request that asked for them: a stream can answer them before the generation ends."""
+    input_top: list[list[tuple[int, float]] | None] | None = None
 
 
 class GenerationError(RuntimeError):
@@ -112,8 +119,8 @@ class Sequence:
     (plain attributes: touched once per token)."""
 
     __slots__ = (
-        "abort_message", "deliver", "input_logprobs", "logprobs", "on_token", "out", "params", "prompt", "rid", "rng",
-        "routes", "stop_ids", "t0", "top", "ttft", "versions", "want_input_logprobs",
+        "abort_message", "deliver", "input_logprobs", "input_top", "logprobs", "on_token", "out", "params", "prompt",
+        "rid", "rng", "routes", "stop_ids", "t0", "top", "ttft", "versions", "want_input_logprobs",
     )  # fmt: skip
 
     def __init__(
@@ -141,6 +148,7 @@ class Sequence:
         self.stop_ids = stop_ids
         self.want_input_logprobs = want_input_logprobs
         self.input_logprobs: list[float | None] | None = None
+        self.input_top: list[list[tuple[int, float]] | None] | None = None
         self.t0 = time.monotonic()
         self.ttft = 0.0
         self.abort_message: str | None = None
@@ -161,10 +169,14 @@ class Sequence:
             output_top_logprobs=self.top if self.params.top_logprobs else None,
             # A request admitted only for its prompt's log-probabilities cached its whole prompt.
             routed_experts=None if self.routes is None else self.routes[: len(self.prompt) + len(self.out) - 1],
+            input_top_logprobs=self.input_top,
         )
 
     def emit(self) -> None:
         """Hand the last token to ``on_token`` (if any)."""
         if self.on_token is not None:
             top = self.top[-1] if self.params.top_logprobs else None
-            self.on_token(TokenOut(self.out[-1], self.logprobs[-1], self.versions[-1], top))
+            out = TokenOut(self.out[-1], self.logprobs[-1], self.versions[-1], top)
+            if len(self.out) == 1:
+                out.input_logprobs, out.input_top = self.input_logprobs, self.input_top
+            self.on_token(out)

@@ -34,6 +34,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING
@@ -56,6 +57,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+THROUGHPUT_STEPS = 40
+"""`Scheduler.gen_throughput` averages over this many generation steps (SGLang logs its decode
+throughput every 40 steps)."""
 
 
 def _complete(fut: Future, fn: Callable[[], object]) -> None:
@@ -126,6 +130,8 @@ class Scheduler:
         """The LoRA adapter merged into the weights, if any (read it from the scheduler thread)."""
         self._layout: CheckpointLayout | None = None
         """The model's checkpoint layout, built when a tensor first arrives under a checkpoint name."""
+        self._recent_steps: deque[tuple[float, int]] = deque(maxlen=THROUGHPUT_STEPS)
+        """(seconds, tokens produced) of the last generation steps, for `gen_throughput`."""
 
     # ----- lifecycle -----------------------------------------------------------------------
 
@@ -190,6 +196,14 @@ class Scheduler:
         """(layers, top_k) of the routes a mixture-of-experts model records; None for a dense model."""
         assert self._runner is not None, "call start() first"
         return self._runner.route_shape
+
+    @property
+    def gen_throughput(self) -> float:
+        """Tokens produced per second of generation over the last `THROUGHPUT_STEPS` steps (time
+        spent idle not counted; 0 before any step): SGLang's ``last_gen_throughput``."""
+        steps = list(self._recent_steps)  # the scheduler thread appends meanwhile
+        seconds = sum(t for t, _ in steps)
+        return sum(n for _, n in steps) / seconds if seconds > 0 else 0.0
 
     @property
     def num_running(self) -> int:
@@ -280,17 +294,18 @@ class Scheduler:
         return list(results)
 
     async def stream(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, return_input_logprobs: bool = False
     ) -> AsyncIterator[TokenOut | GenerationResult]:
-        """`generate` token by token: yields each `TokenOut` as the scheduler produces it, then
-        the `GenerationResult`. Closing the iterator early aborts the request."""
+        """`generate` token by token: yields each `TokenOut` as the scheduler produces it (the first
+        carries the prompt's log-probabilities when asked for), then the `GenerationResult`.
+        Closing the iterator early aborts the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenOut | GenerationResult] = asyncio.Queue()
 
         def put(item: TokenOut | GenerationResult) -> None:
             _call_in_loop(loop, queue.put_nowait, item)
 
-        rid = self.submit_request(input_ids, params, put, rid, on_token=put)
+        rid = self.submit_request(input_ids, params, put, rid, return_input_logprobs, on_token=put)
         finished = False
         try:
             while True:
@@ -400,7 +415,9 @@ class Scheduler:
             try:
                 version = self.version
                 running = len(runner.rows)
+                t0 = time.monotonic()
                 fresh = runner.step(admitted)
+                self._recent_steps.append((time.monotonic() - t0, running + len(fresh)))
                 with self._cond:
                     self._admitting = []
                 for s in runner.rows[:running]:  # each got one token

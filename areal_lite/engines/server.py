@@ -43,7 +43,7 @@ from areal_lite.engines.lora_routes import LoRARoutes, check_lora_path
 from areal_lite.engines.openai_api import MAX_TOP_LOGPROBS, OpenAIRoutes
 from areal_lite.engines.openai_responses import ResponsesRoute
 from areal_lite.engines.openai_stream import TextDeltas, merged, send_events
-from areal_lite.engines.request import GenerationResult, SamplingParams
+from areal_lite.engines.request import GenerationResult, SamplingParams, TokenOut
 from areal_lite.engines.scheduler import Scheduler
 from areal_lite.engines.server_common import (
     BadRequest,
@@ -201,6 +201,36 @@ def _raw(d: dict[str, object], key: str, default: object) -> object:
     return d.get(key, default)
 
 
+def _rids(rid: object, batch: int | None) -> list[str]:
+    """The request id of each prompt (``batch`` of them; None: one, not a batch) as SGLang names
+    them: fresh ones when absent, ``rid_0``, ``rid_1``, ... from one string for a batch."""
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(batch or 1)]
+    if batch is None:
+        if not isinstance(rid, str):
+            raise BadRequest("rid must be a string (a list of strings for a batch, one per prompt)", param="rid")
+        return [rid]
+    if isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(batch)]
+    if not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
+        raise BadRequest("The rid should be a string or a list of strings.", param="rid")
+    if len(rid) != batch:
+        raise BadRequest("The specified rids length mismatch with the batch_size for batch processing.", param="rid")
+    return rid
+
+
+class _PromptLogprobStreams:
+    """The scheduler as `merged` uses it, with each stream asking for the prompt's log-probabilities."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def stream(
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None
+    ) -> AsyncIterator[TokenOut | GenerationResult]:
+        return self.scheduler.stream(input_ids, params, rid, return_input_logprobs=True)
+
+
 @dataclass
 class ServerArgs:
     """Command-line arguments (names follow SGLang's ``launch_server``)."""
@@ -217,6 +247,7 @@ class ServerArgs:
     weight_version: str = "0"
     keep_cache_on_update: bool = False
     served_model_name: list[str] | None = None
+    allow_auto_truncate: bool = False
 
 
 class Server:
@@ -321,10 +352,14 @@ class Server:
         prompts = self._prompts(body)
         is_batch = isinstance(body["text"], list) if has_text else isinstance(body["input_ids"][0], list)  # type: ignore[index]
         count = len(prompts)
-        parsed = [parse_sampling_params(raw) for raw in _per_prompt(body, "sampling_params", count, _raw, None)]
+        raw_params = _per_prompt(body, "sampling_params", count, _raw, None)
+        parsed = [parse_sampling_params(raw) for raw in raw_params]
         n = parsed[0][1]
         if any(p[1] != n for p in parsed):
             raise BadRequest("every prompt of a batch must ask for the same n (as SGLang requires)", param="n")
+        for key in ("return_logprob", "logprob_start_len", "top_logprobs_num") if n > 1 else ():
+            if isinstance(body.get(key), list):
+                raise BadRequest(f"Cannot use list {key} with parallel_sample_num > 1", param=key)
         check_lora_path(body.get("lora_path"), count, self.scheduler.adapter.name)
         return_logprob = _per_prompt(body, "return_logprob", count, bool_field, False)
         start_lens = _per_prompt(body, "logprob_start_len", count, int_field, -1)
@@ -332,21 +367,23 @@ class Server:
         if not all(0 <= k <= MAX_TOP_LOGPROBS for k in top_ns):
             raise BadRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_ns}")
         want_input = any(r and s >= 0 for r, s in zip(return_logprob, start_lens))
-        if stream and want_input:
-            raise BadRequest("logprob_start_len >= 0 (prompt log-probabilities) is not supported with stream")
         want_routes = bool_field(body, "return_routed_experts", False)
         if want_routes and self.scheduler.routing_shape is None:
             raise BadRequest("return_routed_experts: this model has no mixture-of-experts layers")
         text_in_logprobs = bool_field(body, "return_text_in_logprobs", False)
-        rids = body.get("rid")
-        if rids is None:
-            rids = [uuid.uuid4().hex for _ in prompts] if is_batch else uuid.uuid4().hex
-        rid_list = rids if isinstance(rids, list) else [rids]
-        if len(rid_list) != count or not all(isinstance(r, str) for r in rid_list):
-            raise BadRequest("rid must be a string (a list of strings for a batch, one per prompt)")
+        rids = _rids(body.get("rid"), count if is_batch else None)
         jobs: list[tuple[list[int], SamplingParams, str]] = []
         options: list[AnswerOptions] = []
-        for i, (prompt, rid, (params, _, skip_special, no_stop_trim)) in enumerate(zip(prompts, rid_list, parsed)):
+        for i, (prompt, rid, raw, (params, _, skip_special, no_stop_trim)) in enumerate(
+            zip(prompts, rids, raw_params, parsed)
+        ):
+            prompt, params = self._fit_context(prompt, raw, params)
+            if return_logprob[i] and start_lens[i] > len(prompt):
+                raise BadRequest(
+                    f"logprob_start_len={start_lens[i]} is higher than the number of input tokens "
+                    f"({len(prompt)}). Please use a smaller logprob_start_len.",
+                    param="logprob_start_len",
+                )
             if return_logprob[i] and top_ns[i]:
                 params = dataclasses.replace(params, top_logprobs=top_ns[i])
             opts = AnswerOptions(
@@ -363,17 +400,53 @@ class Server:
         except ValueError as e:
             raise BadRequest(str(e)) from e
         if stream:
-            return await send_events(request, self._stream(jobs, options, tagged=is_batch or n > 1))
+            return await send_events(request, self._stream(jobs, options, is_batch or n > 1, want_input))
         results = await self.scheduler.generate_many(jobs, want_input)
         out = [self._answer(r, opts) for r, opts in zip(results, options)]
         return web.json_response(out if is_batch or n > 1 else out[0])
 
+    def _fit_context(self, prompt: list[int], raw: object, params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """SGLang's length checks: a prompt that fills the context, or an explicit
+        ``max_new_tokens`` that takes prompt + completion past it, is a 400 with SGLang's
+        message; with ``--allow-auto-truncate`` the prompt keeps its head and ``max_new_tokens``
+        shrinks instead. An absent ``max_new_tokens`` (128) just ends at the context's end."""
+        context = self.scheduler.context_len
+        truncate = self.args.allow_auto_truncate
+        if len(prompt) >= context:
+            if not truncate:
+                raise BadRequest(
+                    f"The input ({len(prompt)} tokens) is longer than the model's context length ({context} tokens)."
+                )
+            prompt = prompt[: context - 1]  # our engine keeps one position for the first generated token
+        asked = raw.get("max_new_tokens") if isinstance(raw, dict) else None
+        if asked is not None and len(prompt) + params.max_new_tokens > context:
+            if not truncate:
+                raise BadRequest(
+                    "Requested token count exceeds the model's maximum context length of "
+                    f"{context} tokens. You requested a total of {len(prompt) + params.max_new_tokens} tokens: "
+                    f"{len(prompt)} tokens from the input messages and {params.max_new_tokens} tokens for the "
+                    "completion. Please reduce the number of tokens in the input messages or the completion to "
+                    "fit within the limit.",
+                    param="max_new_tokens",
+                )
+            params = dataclasses.replace(
+                params,
+                max_new_tokens=context - len(prompt),
+                min_new_tokens=min(params.min_new_tokens, context - len(prompt)),
+            )
+        return prompt, params
+
     async def _stream(
-        self, jobs: list[tuple[list[int], SamplingParams, str]], options: list[AnswerOptions], tagged: bool
+        self,
+        jobs: list[tuple[list[int], SamplingParams, str]],
+        options: list[AnswerOptions],
+        tagged: bool,
+        want_input: bool,
     ) -> AsyncIterator[dict[str, object]]:
         """SGLang's streamed answers: one per token, each with the text, ids and log-probabilities
-        so far and ``finish_reason`` null, the last the whole answer; ``index`` (the job) when
-        ``tagged``. Text that could be the start of a stop string is held back until it is not."""
+        so far (the prompt's too, from the first token on, with ``want_input``) and
+        ``finish_reason`` null, the last the whole answer; ``index`` (the job) when ``tagged``.
+        Text that could be the start of a stop string is held back until it is not."""
         tokenizer = self.scheduler.tokenizer
         deltas = [
             TextDeltas(tokenizer, o.skip_special_tokens, () if o.no_stop_trim else p.stop)
@@ -394,7 +467,9 @@ class Server:
             )
             for prompt, p, rid in jobs
         ]
-        async for i, event in merged(self.scheduler, jobs):
+        # `merged` only calls `stream`: the wrapper asks each stream for the prompt's log-probabilities.
+        engine = _PromptLogprobStreams(self.scheduler) if want_input else self.scheduler
+        async for i, event in merged(engine, jobs):  # type: ignore[arg-type]
             if isinstance(event, GenerationResult):
                 answer = self._answer(event, options[i])
             else:
@@ -404,6 +479,8 @@ class Server:
                 r.output_versions.append(event.version)
                 if r.output_top_logprobs is not None and event.top is not None:
                     r.output_top_logprobs.append(event.top)
+                if event.input_logprobs is not None:
+                    r.input_logprobs, r.input_top_logprobs = event.input_logprobs, event.input_top
                 deltas[i].add(event.token)
                 answer = self._answer(r, options[i], text=deltas[i].sent)
             if tagged:
@@ -453,14 +530,20 @@ class Server:
             meta["e2e_latency"] = r.latency
         if opts.return_logprob:
             meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(r.output_logprobs, r.output_ids)]
+            # The prompt from logprob_start_len on (SGLang's default, -1, starts at its last token),
+            # the first entry null as in SGLang: it reports no log-probability at the start position.
+            start = opts.logprob_start_len if opts.logprob_start_len >= 0 else len(r.input_ids) - 1
+            lps = r.input_logprobs if r.input_logprobs is not None else [None] * len(r.input_ids)
+            meta["input_token_logprobs"] = [
+                entry(None if k == start else lps[k], r.input_ids[k]) for k in range(start, len(r.input_ids))
+            ]
             if r.output_top_logprobs is not None:
+                tops = r.input_top_logprobs or [None] * len(r.input_ids)
+                meta["input_top_logprobs"] = [
+                    None if k == start or tops[k] is None else [entry(lp, t) for t, lp in tops[k]]
+                    for k in range(start, len(r.input_ids))
+                ]
                 meta["output_top_logprobs"] = [[entry(lp, t) for t, lp in top] for top in r.output_top_logprobs]
-            if r.input_logprobs is not None and opts.logprob_start_len >= 0:
-                pairs = list(zip(r.input_logprobs, r.input_ids))[opts.logprob_start_len :]
-                meta["input_token_logprobs"] = [entry(lp, t) for lp, t in pairs]
-            else:
-                # SGLang's default start is the prompt's last token, whose entry is always null.
-                meta["input_token_logprobs"] = [entry(None, r.input_ids[-1])]
         if opts.return_routed_experts and r.routed_experts is not None:
             # SGLang's encoding: the int32 ids, row-major, base64 (JSON lists of ids are too slow).
             meta["routed_experts"] = base64.b64encode(r.routed_experts.numpy().tobytes()).decode("ascii")
@@ -510,8 +593,25 @@ class Server:
         )
 
     async def server_info(self, request: web.Request) -> web.Response:
-        info = {k: v for k, v in vars(self.args).items() if k != "api_key"}
-        info.update(version="areal-lite", weight_version=self.weight_version, context_length=self.scheduler.context_len)
+        """SGLang's answer: its arguments (never the API key), what the scheduler reports
+        (``max_total_num_tokens``, ``max_req_input_len``), ``internal_states`` (one per data-parallel
+        rank: ``last_gen_throughput``, which SGLang's benchmarks read) and ``version``."""
+        args = self.args
+        context = self.scheduler.context_len
+        info: dict[str, object] = {k: v for k, v in vars(args).items() if k != "api_key"}
+        info.update(
+            served_model_name=(args.served_model_name or [args.model_path])[0],  # a string in SGLang
+            tokenizer_path=args.model_path,
+            skip_tokenizer_init=False,
+            tp_size=1,
+            dp_size=1,
+            context_length=context,
+            weight_version=self.weight_version,
+            max_total_num_tokens=context * args.max_running_requests,  # a KV row of the context per request
+            max_req_input_len=context - 1,
+            internal_states=[{"last_gen_throughput": self.scheduler.gen_throughput}],
+            version="areal-lite",
+        )
         return web.json_response(info)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -544,7 +644,7 @@ class Server:
         meta = WeightUpdateMeta(
             type="distributed",
             master_address=address,
-            master_port=int_field(body, "master_port", 0),
+            master_port=_port(body.get("master_port")),
             world_size=int_field(body, "world_size", 0),
             group_name=str(group_name),
             backend=str(backend),
@@ -618,6 +718,16 @@ class Server:
             raise BadRequest(str(e)) from e
 
 
+def _port(value: object) -> int:
+    """A port as an integer or a string of digits: AReaL's client sends ``str(port)``, and SGLang's
+    request model takes both."""
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"master_port must be an integer, got {value!r}", param="master_port")
+    return value
+
+
 def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
     """An error aiohttp raised (no such route, a method the route does not take, ...) as
     OpenAI's error object, so that SDKs show its message rather than a bare status."""
@@ -649,6 +759,11 @@ def argument_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         help="the names the OpenAI routes answer to (e.g. a hub name that clients send); default: the model path",
+    )
+    p.add_argument(
+        "--allow-auto-truncate",
+        action="store_true",
+        help="as SGLang: cut a prompt that fills the context and shrink a max_new_tokens past it, instead of a 400",
     )
     p.add_argument(
         "--keep-cache-on-update",

@@ -30,11 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.io import GenerationConfig, WeightUpdateMeta
 from areal_lite.engines.remote import Answer, RemoteEngine
+from areal_lite.engines.server_fleet import ServerError
 from areal_lite.engines.vllm_worker import JOIN_GROUP, LEAVE_GROUP, LOAD_FROM_DISK, RECEIVE
+
+logger = logging.getLogger(__name__)
 
 FINISH = {"length": "length", "abort": "abort"}
 """vLLM's finish reasons that are not a stop (``stop``, or a model-specific one such as ``repetition``)."""
@@ -77,14 +81,14 @@ class RemoteVLLMEngine(RemoteEngine):
         super().__init__(config, control_servers)
 
     def _generate_call(
-        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int
+        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int
     ) -> tuple[str, dict[str, object]]:
         if g.return_routed_experts:
             raise ValueError("routed experts come from SGLang-protocol servers: use launcher.backend sglang or areal")
         body: dict[str, object] = {
             "prompt": prompts if len(prompts) > 1 else prompts[0],
-            "max_tokens": g.max_new_tokens - produced,
-            "min_tokens": max(0, g.min_new_tokens - produced),
+            "max_tokens": budget,
+            "min_tokens": min(budget, max(0, g.min_new_tokens - produced)),
             "temperature": 0.0 if g.greedy else g.temperature,
             "top_p": g.top_p,
             "top_k": g.top_k,
@@ -98,6 +102,19 @@ class RemoteVLLMEngine(RemoteEngine):
         if g.stop:
             body["stop"] = list(g.stop)
         return "/v1/completions", body
+
+    async def _context_len_call(self) -> int | None:
+        """vLLM's ``/v1/models`` gives the served model's ``max_model_len``."""
+        try:
+            models = await self.fleet.request(
+                self.fleet.live()[0], "/v1/models", None, self.config.request_timeout, method="GET"
+            )
+        except ServerError as e:
+            logger.warning("no context length from the servers (%s): requests are not capped at it", e)
+            return None
+        data = models.get("data") if isinstance(models, dict) else None
+        limit = data[0].get("max_model_len") if isinstance(data, list) and data and isinstance(data[0], dict) else None
+        return limit if isinstance(limit, int) else None
 
     def _answers(self, data: object, count: int) -> list[Answer]:
         assert isinstance(data, dict), f"a /v1/completions answer is an object, got {type(data).__name__}"
