@@ -190,6 +190,15 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     async def _context_len_call(self) -> int | None:
         """The served model's context length as a live server reports it (None: not reported)."""
 
+    async def _context_info(self, path: str) -> object:
+        """GET ``path`` from a live server, for `_context_len_call`; None (and a warning) when it
+        answers an error."""
+        try:
+            return await self.fleet.request(self.fleet.live()[0], path, None, self.config.request_timeout, method="GET")
+        except ServerError as e:
+            logger.warning("no context length from the servers (%s): requests are not capped at it", e)
+            return None
+
     @abc.abstractmethod
     def _answers(self, data: object, count: int) -> list[Answer]:
         """The ``count`` answers of a generation call, in the order of its prompts."""
@@ -618,13 +627,7 @@ class RemoteSGLangEngine(RemoteEngine):
     async def _context_len_call(self) -> int | None:
         """SGLang's ``/get_server_info`` reports ``max_req_input_len`` (the context less one: a
         prompt must leave room for a token); None from a server that does not answer it."""
-        try:
-            info = await self.fleet.request(
-                self.fleet.live()[0], "/get_server_info", None, self.config.request_timeout, method="GET"
-            )
-        except ServerError as e:
-            logger.warning("no context length from the servers (%s): requests are not capped at it", e)
-            return None
+        info = await self._context_info("/get_server_info")
         limit = info.get("max_req_input_len") if isinstance(info, dict) else None
         return limit + 1 if isinstance(limit, int) else None
 

@@ -30,15 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.io import GenerationConfig, WeightUpdateMeta
 from areal_lite.engines.remote import Answer, RemoteEngine
-from areal_lite.engines.server_fleet import ServerError
 from areal_lite.engines.vllm_worker import JOIN_GROUP, LEAVE_GROUP, LOAD_FROM_DISK, RECEIVE
-
-logger = logging.getLogger(__name__)
 
 FINISH = {"length": "length", "abort": "abort"}
 """vLLM's finish reasons that are not a stop (``stop``, or a model-specific one such as ``repetition``)."""
@@ -105,13 +101,7 @@ class RemoteVLLMEngine(RemoteEngine):
 
     async def _context_len_call(self) -> int | None:
         """vLLM's ``/v1/models`` gives the served model's ``max_model_len``."""
-        try:
-            models = await self.fleet.request(
-                self.fleet.live()[0], "/v1/models", None, self.config.request_timeout, method="GET"
-            )
-        except ServerError as e:
-            logger.warning("no context length from the servers (%s): requests are not capped at it", e)
-            return None
+        models = await self._context_info("/v1/models")
         data = models.get("data") if isinstance(models, dict) else None
         limit = data[0].get("max_model_len") if isinstance(data, list) and data and isinstance(data[0], dict) else None
         return limit if isinstance(limit, int) else None
