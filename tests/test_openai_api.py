@@ -197,8 +197,10 @@ def test_sdk_raises_bad_request_and_not_found_and_server_keeps_serving(base_url:
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
         client.chat.completions.create(model=model_path, messages=messages, frequency_penalty=0.5)
-    with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        client.completions.create(model=model_path, prompt=[1, 2, 3], max_tokens=10_000)
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1, got 0"):
+        client.completions.create(model=model_path, prompt=[1, 2, 3], max_tokens=0)  # vLLM's 400 (0 with echo scores)
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens must be at least 1, got 0"):
+        client.chat.completions.create(model=model_path, messages=messages, max_completion_tokens=0)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-nope", messages=messages)
     with pytest.raises(openai.AuthenticationError):
@@ -529,8 +531,10 @@ def test_sampling_options_out_of_range_are_a_400_naming_the_field(base_url: str,
 
 
 def test_a_prompt_past_the_context_is_context_length_exceeded(base_url: str, model_path: str) -> None:
-    """OpenAI's error for a prompt (with its token budget) past the context: a 400 with code
-    ``context_length_exceeded``, streamed or not, on chat, completions and the Responses API."""
+    """OpenAI's error for a prompt past the context: a 400 with code ``context_length_exceeded``,
+    streamed or not, on chat, completions and the Responses API. A token budget that only the
+    prompt and the completion together take past it is cut to what fits, as vLLM does (its
+    `get_max_tokens`): the answer ends with ``length`` at the context."""
     client = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
     long = "hello world " * 400
     calls = [
@@ -539,7 +543,6 @@ def test_a_prompt_past_the_context_is_context_length_exceeded(base_url: str, mod
         (lambda: list(client.chat.completions.create(model=model_path, messages=[{"role": "user", "content": long}],
                                                      stream=True)), "messages"),
         (lambda: client.completions.create(model=model_path, prompt=long, max_tokens=2), "prompt"),
-        (lambda: client.completions.create(model=model_path, prompt=[1, 2, 3], max_tokens=10_000), "max_tokens"),
         (lambda: client.responses.create(model=model_path, input=long, max_output_tokens=2), "input"),
     ]  # fmt: skip
     for call, param in calls:
@@ -547,6 +550,14 @@ def test_a_prompt_past_the_context_is_context_length_exceeded(base_url: str, mod
             call()
         assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == param, e.value.body
     assert client.chat.completions.create(model=model_path, messages=QUESTION, max_tokens=2).choices
+    context = client.models.list().data[0].model_extra["max_model_len"]
+    cut = client.completions.create(
+        model=model_path, prompt=[1, 2, 3], max_tokens=context, extra_body={"ignore_eos": True}
+    )
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == context - 3
+    with pytest.raises(openai.BadRequestError, match="cannot be greater than the context length") as e:
+        client.completions.create(model=model_path, prompt=[1, 2, 3], max_tokens=context + 1)  # vLLM's 400 too
+    assert e.value.body["param"] == "max_tokens"
 
 
 def test_completions_echo_the_prompt(base_url: str, model_path: str) -> None:

@@ -34,6 +34,7 @@ from urllib.parse import unquote
 
 from aiohttp import web
 
+from areal_lite import __version__
 from areal_lite.engines.openai_stream import TOOL_CALL_START, TextDeltas, merged, send_events
 from areal_lite.engines.request import GenerationResult, SamplingParams, TokenOut
 from areal_lite.engines.scheduler import Scheduler
@@ -68,6 +69,10 @@ NOT_SERVED = (
     "/v1/moderations",
 )
 """OpenAI routes a text-generation server does not serve: answered with a 404 that says so."""
+
+SYSTEM_FINGERPRINT = f"areal-lite-{__version__}"
+"""An answer's ``system_fingerprint`` (vLLM's names its version): the server software that
+answered, for telling answers of different builds apart."""
 
 MAX_N = 128
 """The most choices a request may ask for (OpenAI's limit on ``n``)."""
@@ -214,10 +219,13 @@ class OpenAIRoutes:
         top_logprobs: int = 0,
         prompt_key: str = "messages",
         budget_key: str = "max_tokens",
+        scoring: bool = False,
     ) -> SamplingParams:
-        """The request's sampling options; ``max_tokens`` None = up to the context length.
-        ``prompt_key`` and ``budget_key`` are the request's names of the prompt and of the token
-        budget, named by a 400 for a prompt past the context (``context_length_exceeded``)."""
+        """The request's sampling options; ``max_tokens`` None = up to the context length, and
+        no more than fits after the prompt (vLLM's rule; OpenAI's service answers a 400 instead).
+        A prompt that fills the context is a 400 (``context_length_exceeded``) naming
+        ``prompt_key``; a budget below 1 is a 400 naming ``budget_key``, except 0 when
+        ``scoring`` (a completion echoing its prompt, to score it)."""
         context = self.scheduler.context_len
         if prompt_len >= context:
             raise BadRequest(
@@ -228,15 +236,17 @@ class OpenAIRoutes:
             )
         if max_tokens is None:
             max_tokens = context - prompt_len
-        if max_tokens < 0:
-            raise BadRequest(f"{budget_key} must be >= 0, got {max_tokens}", param=budget_key)
-        if prompt_len + max_tokens > context:
+        if max_tokens < (0 if scoring else 1):
+            raise BadRequest(f"{budget_key} must be at least 1, got {max_tokens}", param=budget_key)
+        if max_tokens > context:
             raise BadRequest(
-                f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} to generate).",
+                f"{budget_key}={max_tokens} cannot be greater than the context length {context}. "
+                "Please request fewer output tokens.",
                 param=budget_key,
-                code="context_length_exceeded",
             )
+        # As vLLM: a budget that only the prompt takes past the context is cut to what fits
+        # (the answer ends with `length`).
+        max_tokens = min(max_tokens, context - prompt_len)
         stop_ids = body.get("stop_token_ids") or []
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
             raise BadRequest("stop_token_ids must be a list of integers", param="stop_token_ids")
@@ -353,10 +363,16 @@ class OpenAIRoutes:
         top_n = top_logprobs_field(body, "logprobs")
         o = Options.parse(body)
         max_tokens = int_field(body, "max_tokens", 16)
-        params = self.sampling(body, max_tokens, max(len(p) for p in prompts), top_n, prompt_key="prompt")
+        params = self.sampling(body, max_tokens, max(len(p) for p in prompts), top_n, prompt_key="prompt", scoring=echo)
         jobs = self.jobs(prompts, params, o.n, o.request_id)
         as_ids = bool_field(body, "return_tokens_as_token_ids", False)
-        head = {"id": f"cmpl-{o.request_id}", "object": "text_completion", "created": int(time.time()), "model": model}
+        head = {
+            "id": f"cmpl-{o.request_id}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+        }
         prompt_tokens = sum(len(p) for p in prompts)
 
         def logprob_block(
@@ -468,7 +484,12 @@ class OpenAIRoutes:
         budget = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         params = self.sampling(body, max_completion_tokens(body), len(prompt), top_n, budget_key=budget)
         jobs = self.jobs([prompt], params, o.n, o.request_id)
-        head = {"id": f"chatcmpl-{o.request_id}", "created": int(time.time()), "model": model}
+        head = {
+            "id": f"chatcmpl-{o.request_id}",
+            "created": int(time.time()),
+            "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+        }
         prompt_tokens = len(prompt)
 
         def answer(r: GenerationResult) -> tuple[str, list]:
