@@ -91,16 +91,17 @@ class TextDeltas:
 
 
 async def merged(
-    scheduler: Scheduler, jobs: list[tuple[list[int], SamplingParams, str]]
+    scheduler: Scheduler, jobs: list[tuple[list[int], SamplingParams, str]], input_logprobs: bool = False
 ) -> AsyncIterator[tuple[int, TokenOut | GenerationResult]]:
     """Run ``jobs`` (prompt, params, rid) at once and yield ``(job index, event)`` as each token
-    is produced, a job's `GenerationResult` last. An engine failure is raised; leaving early
-    aborts what is still running."""
+    is produced, a job's `GenerationResult` last (with ``input_logprobs``, each job's first token
+    carries its prompt's log-probabilities). An engine failure is raised; leaving early aborts
+    what is still running."""
     queue: asyncio.Queue[tuple[int, TokenOut | GenerationResult | BaseException]] = asyncio.Queue()
 
     async def pump(i: int, prompt: list[int], params: SamplingParams, rid: str) -> None:
         try:
-            async for event in scheduler.stream(prompt, params, rid):
+            async for event in scheduler.stream(prompt, params, rid, return_input_logprobs=input_logprobs):
                 queue.put_nowait((i, event))
         except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
             queue.put_nowait((i, e))

@@ -43,7 +43,7 @@ from areal_lite.engines.lora_routes import LoRARoutes, check_lora_path
 from areal_lite.engines.openai_api import MAX_TOP_LOGPROBS, OpenAIRoutes
 from areal_lite.engines.openai_responses import ResponsesRoute
 from areal_lite.engines.openai_stream import TextDeltas, merged, send_events
-from areal_lite.engines.request import GenerationResult, SamplingParams, TokenOut
+from areal_lite.engines.request import GenerationResult, SamplingParams
 from areal_lite.engines.scheduler import Scheduler
 from areal_lite.engines.server_common import (
     BadRequest,
@@ -217,18 +217,6 @@ def _rids(rid: object, batch: int | None) -> list[str]:
     if len(rid) != batch:
         raise BadRequest("The specified rids length mismatch with the batch_size for batch processing.", param="rid")
     return rid
-
-
-class _PromptLogprobStreams:
-    """The scheduler as `merged` uses it, with each stream asking for the prompt's log-probabilities."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-
-    def stream(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None
-    ) -> AsyncIterator[TokenOut | GenerationResult]:
-        return self.scheduler.stream(input_ids, params, rid, return_input_logprobs=True)
 
 
 @dataclass
@@ -467,9 +455,7 @@ class Server:
             )
             for prompt, p, rid in jobs
         ]
-        # `merged` only calls `stream`: the wrapper asks each stream for the prompt's log-probabilities.
-        engine = _PromptLogprobStreams(self.scheduler) if want_input else self.scheduler
-        async for i, event in merged(engine, jobs):  # type: ignore[arg-type]
+        async for i, event in merged(self.scheduler, jobs, want_input):
             if isinstance(event, GenerationResult):
                 answer = self._answer(event, options[i])
             else:
