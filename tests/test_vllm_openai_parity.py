@@ -32,23 +32,19 @@ import pytest
 import requests
 from openai._models import construct_type
 
-from areal_lite.utils.tiny import build_tiny_model
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 from inference_servers import start_servers, stop_servers
-from vllm_servers import start_vllm_servers, stop_vllm_servers
+from vllm_servers import start_vllm_servers, stop_vllm_servers, tiny_vllm_model
 
 pytestmark = pytest.mark.vllm
 
-TINY = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 260}
-"""Head size 32, which vLLM's CPU attention takes."""
 CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = str(tmp_path_factory.mktemp("parity") / "m")
-    return build_tiny_model(path, **TINY, max_position_embeddings=CONTEXT)  # type: ignore[arg-type]
+    return tiny_vllm_model(path, CONTEXT)
 
 
 @pytest.fixture(scope="module")

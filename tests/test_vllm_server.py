@@ -31,13 +31,11 @@ from areal_lite.utils.tiny import build_tiny_model
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 from inference_servers import perturbed_copy
 from test_fsdp import torchrun
-from vllm_servers import generating_on, start_vllm_servers, stop_vllm_servers
+from vllm_servers import TINY, generating_on, start_vllm_servers, stop_vllm_servers, tiny_vllm_model
 
 pytestmark = pytest.mark.vllm
 
 SCRIPTS = Path(__file__).parent / "scripts"
-TINY = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 260}
-"""Head size 32: vLLM's CPU attention takes 32, 64, 80, 96, 112, 128 and more (not our usual 8)."""
 LONG = 3000
 """Tokens of each generation that a test interrupts: vLLM decodes this model at about 2000 tokens/s
 on one thread, so 4 requests of 400 tokens could end on a server before a poll saw them running
@@ -48,7 +46,7 @@ CONTEXT = 4096
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = str(tmp_path_factory.mktemp("vllm") / "m")
-    return build_tiny_model(path, **TINY, max_position_embeddings=CONTEXT)  # type: ignore[arg-type]
+    return tiny_vllm_model(path, CONTEXT)
 
 
 @pytest.fixture(scope="module")

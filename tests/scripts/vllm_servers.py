@@ -17,8 +17,17 @@ import aiohttp
 from areal_lite.api.config import LauncherConfig, RecoverConfig
 from areal_lite.launcher.local import LaunchPlan, is_healthy, spawn, stop, vllm_python, vllm_server_command
 from areal_lite.utils.distributed import find_free_port
+from areal_lite.utils.tiny import build_tiny_model
 
 STARTUP_TIMEOUT_S = 600.0
+TINY = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 260}
+"""A tiny model vLLM serves: head size 32 (vLLM's CPU attention takes 32, 64, 80, 96, 112, 128 and
+more, not our usual 8)."""
+
+
+def tiny_vllm_model(path: str, context: int) -> str:
+    """Build `TINY` at ``path`` with a context of ``context`` tokens; returns the path."""
+    return build_tiny_model(path, **TINY, max_position_embeddings=context)  # type: ignore[arg-type]
 
 
 def start_vllm_servers(
