@@ -279,7 +279,7 @@ def test_prompt_logprobs_and_top_logprobs_as_sglang(server: str, model_path: str
 
 def test_context_length_as_sglang(server: str, model_path: str) -> None:
     """A ``max_new_tokens`` that takes prompt + completion past the context is SGLang's 400 (its
-    message); without one, generation just ends at the context. ``--allow-auto-truncate`` shrinks
+    message; streamed, the one event of a 200, as SGLang answers); without one, generation just ends at the context. ``--allow-auto-truncate`` shrinks
     ``max_new_tokens`` (and cuts a prompt that fills the context) instead, as SGLang's flag does."""
     prompt = [7] * (CONTEXT - 12)
     too_long = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
@@ -290,6 +290,9 @@ def test_context_length_as_sglang(server: str, model_path: str) -> None:
     assert f"a total of {CONTEXT + 8} tokens: {CONTEXT - 12} tokens from the input" in message
     status, out = run(call(server, "/generate", {"input_ids": prompt, "sampling_params": {"ignore_eos": True}}))
     assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    status, _, events = run(stream_events(server, {**too_long, "stream": True}))  # SGLang's way: in the stream
+    assert status == 200 and events[-1] == "[DONE]" and len(events) == 2
+    assert events[0]["error"]["message"].startswith("Requested token count exceeds")
     status, out = run(call(server, "/generate", {"input_ids": [7] * CONTEXT}))
     assert status == 400
     assert (

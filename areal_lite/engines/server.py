@@ -330,6 +330,15 @@ class Server:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
+        try:
+            return await self._generate(request, body)
+        except BadRequest as e:
+            if body.get("stream") is not True:
+                raise
+            # SGLang checks a streamed request inside its stream: a 200 whose one event is the error.
+            return await send_events(request, _events({"error": {"message": str(e)}}))
+
+    async def _generate(self, request: web.Request, body: dict[str, object]) -> web.StreamResponse:
         for key, default in REFUSED_INPUTS.items():
             if body.get(key) is not None and body[key] != default:
                 raise BadRequest(f"{key} is not supported by the areal-lite server", param=key)
@@ -702,6 +711,11 @@ class Server:
             return web.json_response(self.scheduler.get_weights_by_name(name, size))
         except ValueError as e:
             raise BadRequest(str(e)) from e
+
+
+async def _events(*events: dict[str, object]) -> AsyncIterator[dict[str, object]]:
+    for event in events:
+        yield event
 
 
 def _port(value: object) -> int:
