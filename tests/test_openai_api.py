@@ -1,8 +1,9 @@
 """Our server's OpenAI-compatible routes through the real ``openai`` SDK and the ``openai-agents``
 SDK: sync and async clients, token-by-token streaming, tool calls, token ids, log-probabilities and
 top log-probabilities (equal to a HF forward), seeds, served model names, the Responses API (plain,
-streamed, function tools; openai-agents' default model), ``/inference/v1/generate``, and bad input
-surfacing as the SDK's errors with OpenAI's error object while the server keeps serving. The model
+streamed, function tools; openai-agents' default model), ``/inference/v1/generate``, vLLM's rule
+for the token a generation stops on, echoed prompts' top log-probabilities, and bad input surfacing
+as the SDK's errors with OpenAI's error object while the server keeps serving. The model
 is a tiny one taught (in a few seconds of SFT) to answer one question with a Hermes-format tool
 call, so that the tool-call path runs on what the model really generates."""
 
@@ -609,3 +610,76 @@ def test_malformed_messages_are_a_400_naming_the_field(base_url: str, model_path
         assert e.value.body["param"] == param, (messages, e.value.body)
     called = [*QUESTION, {**CALLED, "content": None}, RESULT]
     assert client.chat.completions.create(model=model_path, messages=called, max_tokens=2).choices
+
+
+def test_the_token_a_generation_stops_on_is_counted_but_not_in_its_text(base_url: str, model_path: str) -> None:
+    """vLLM's rule for a generation that ends on a token (end of sequence, or one of
+    ``stop_token_ids``): the token counts (usage, token ids) but its text is not part of the
+    answer's unless ``include_stop_str_in_output``, streamed or not, on chat, completions and the
+    Responses API; ``stop_reason`` names a stop token id and is null at the end of sequence."""
+    client = openai.OpenAI(base_url=base_url, api_key=KEY)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    common = {"model": model_path, "messages": QUESTION, "temperature": 0, "max_tokens": 200}
+    shown = {"skip_special_tokens": False, "return_token_ids": True}  # the end of sequence would show
+    [ended] = client.chat.completions.create(**common, extra_body=shown).choices
+    ids = ended.model_extra["token_ids"]
+    assert ids[-1] == tok.eos_token_id and ended.finish_reason == "stop" and ended.model_extra["stop_reason"] is None
+    assert ended.message.content == CALL
+    streamed = client.chat.completions.create(**common, stream=True, extra_body=shown)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == CALL
+
+    k = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k] and tok.decode(ids[k]).strip())
+    stop = {"stop_token_ids": [ids[k]]}
+    [cut] = client.chat.completions.create(**common, extra_body=stop).choices
+    assert (cut.message.content, cut.finish_reason, cut.model_extra["stop_reason"]) == (
+        tok.decode(ids[:k]),
+        "stop",
+        ids[k],
+    )
+    kept = client.chat.completions.create(**common, extra_body={**stop, "include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == tok.decode(ids[: k + 1]) and kept.usage.completion_tokens == k + 1
+    chunks = list(client.chat.completions.create(**common, stream=True, extra_body=stop))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == tok.decode(ids[:k])
+    assert chunks[-1].choices[0].model_extra["stop_reason"] == ids[k]
+
+    prompt = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    plain = {"model": model_path, "prompt": prompt, "temperature": 0, "max_tokens": 200, "extra_body": stop}
+    assert client.completions.create(**plain).choices[0].text == tok.decode(ids[:k])
+    assert "".join(c.choices[0].text for c in client.completions.create(**plain, stream=True)) == tok.decode(ids[:k])
+    answer = client.responses.create(model=model_path, input=QUESTION, temperature=0, extra_body=stop)
+    assert answer.output_text == tok.decode(ids[:k])
+
+
+def test_echoed_prompt_tokens_have_their_top_logprobs(base_url: str, model_path: str) -> None:
+    """``echo`` with ``logprobs: n``: each prompt token after the first has its ``n`` most likely
+    tokens in ``top_logprobs`` (after the token itself), as vLLM and OpenAI answer, streamed or not."""
+    client = openai.OpenAI(base_url=base_url, api_key=KEY)
+    hf = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    prompt = [11, 12, 13, 14]
+    with torch.no_grad():
+        best = torch.log_softmax(hf(torch.tensor([prompt])).logits.float(), dim=-1)[0, :-1].max(-1).values
+    common = {"model": model_path, "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 1}
+    for top in (
+        client.completions.create(**common).choices[0].logprobs.top_logprobs,
+        next(iter(client.completions.create(**common, stream=True))).choices[0].logprobs.top_logprobs,
+    ):
+        assert top[0] is None and all(2 <= len(t) <= 3 for t in top[1:4])
+        torch.testing.assert_close(torch.tensor([max(t.values()) for t in top[1:4]]), best, atol=1e-4, rtol=0)
+
+
+def test_stop_and_min_tokens_refused_naming_the_field(base_url: str, model_path: str) -> None:
+    """A ``stop`` that is not strings and a ``min_tokens`` above ``max_tokens`` (vLLM's 400) are
+    400s whose ``param`` names the field."""
+    client = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
+    for extra, param in [({"stop": 5}, "stop"), ({"min_tokens": 5}, "min_tokens"), ({"min_tokens": -1}, "min_tokens")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model_path, prompt="hi", max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == param, (extra, e.value.body)
+
+
+def test_chat_message_has_a_null_refusal(base_url: str, model_path: str) -> None:
+    """An answer's message carries ``refusal: null``, a field OpenAI's answers (and vLLM's) always have."""
+    body = {"model": model_path, "messages": QUESTION, "max_tokens": 2}
+    r = httpx.post(f"{base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    message = r.json()["choices"][0]["message"]
+    assert message["refusal"] is None and message["role"] == "assistant"

@@ -57,3 +57,15 @@ def test_token_bytes_add_up_to_the_text_where_tokens_split_characters(tok) -> No
     assert b"".join(pieces) == text.encode()
     assert any(p.decode(errors="replace") != p.decode(errors="ignore") for p in pieces)  # some split a character
     assert TokenBytes(None)(7, "token_id:7") == list(b"token_id:7")
+
+
+def test_a_token_that_may_end_the_generation_waits_for_the_next(tok) -> None:
+    """A token of ``held_ids`` (a stop token id) adds nothing until another follows it: the token
+    a generation stops on is not part of its streamed text, one it did not stop on is."""
+    [semicolon] = tok.encode(";", add_special_tokens=False)
+    ab, cd = tok.encode("ab", add_special_tokens=False), tok.encode("cd", add_special_tokens=False)
+    deltas = TextDeltas(tok, skip_special=True, held_ids={semicolon})
+    pieces = [deltas.add(t) for t in [*ab, semicolon, *cd, semicolon]]
+    assert "".join(pieces) == "ab;cd" and pieces[len(ab)] == "" and pieces[-1] == ""
+    assert deltas.rest("ab;cd") == ""  # it stopped on the last one
+    assert deltas.rest("ab;cd;") == ";"  # it ran out of tokens there: the final text has it

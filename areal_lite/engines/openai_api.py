@@ -4,10 +4,13 @@
 
 They answer as vLLM's OpenAI server does, vLLM's extensions included: prompts as token ids, token
 ids back with ``return_token_ids``, ``top_k`` / ``min_tokens`` / ``stop_token_ids`` /
-``ignore_eos``, ``finish_reason: "abort"`` for a generation ended by a pause. Agent frameworks and
-the ``openai`` SDK talk to them, and `RemoteVLLMEngine` is tested against them. Tool calls are read
-from the completion in the Hermes format (`areal_lite.utils.tool_calls`); what a chat request
-says is read by `areal_lite.utils.openai_chat`, shared with the agent workflows' recording proxy.
+``ignore_eos``, ``finish_reason: "abort"`` for a generation ended by a pause, and vLLM's rule for
+the token a generation stops on (end of sequence or a stop token id): counted, but left out of the
+text unless ``include_stop_str_in_output``, and named by ``stop_reason`` only when it is a stop
+token id. Agent frameworks and the ``openai`` SDK talk to them, and `RemoteVLLMEngine` is tested
+against them. Tool calls are read from the completion in the Hermes format
+(`areal_lite.utils.tool_calls`); what a chat request says is read by `areal_lite.utils.openai_chat`,
+shared with the agent workflows' recording proxy.
 
 The server answers to the names it is given (``--served-model-name``, default the model path), so
 a client that sends a hub name works once that name is served. ``stream: true`` sends each token as
@@ -86,9 +89,20 @@ def finish_type(r: GenerationResult) -> str:
     return str(r.finish_reason["type"])
 
 
-def _stop_reason(r: GenerationResult) -> int | str | None:
+def stop_reason(r: GenerationResult, params: SamplingParams) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or ``stop_token_ids`` token a generation ended on;
+    None for any other end, end of sequence included."""
     matched = r.finish_reason.get("matched")
-    return matched if isinstance(matched, (int, str)) else None
+    return matched if isinstance(matched, str) or matched in params.stop_token_ids else None
+
+
+def without_stop_token(r: GenerationResult, keep: bool) -> GenerationResult:
+    """``r`` without the token it stopped on (end of sequence or a ``stop_token_ids`` one), whose
+    text vLLM leaves out of the answer's unless ``include_stop_str_in_output`` (``keep``); its
+    log-probability and usage still count it."""
+    if keep or not isinstance(r.finish_reason.get("matched"), int):
+        return r
+    return dataclasses.replace(r, output_ids=r.output_ids[:-1])
 
 
 @dataclass
@@ -250,6 +264,12 @@ class OpenAIRoutes:
         stop_ids = body.get("stop_token_ids") or []
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
             raise BadRequest("stop_token_ids must be a list of integers", param="stop_token_ids")
+        min_tokens = int_field(body, "min_tokens", 0)
+        if not 0 <= min_tokens <= max_tokens:  # vLLM's rule
+            raise BadRequest(
+                f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}", param="min_tokens"
+            )
+        stop = stop_strings(body)
         top_k = int_field(body, "top_k", -1)
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63):
@@ -263,11 +283,11 @@ class OpenAIRoutes:
         try:
             return SamplingParams(
                 max_new_tokens=max_tokens,
-                min_new_tokens=int_field(body, "min_tokens", 0),
+                min_new_tokens=min_tokens,
                 temperature=temperature,
                 top_p=top_p,
                 top_k=-1 if top_k == 0 else top_k,  # vLLM: 0 or -1 = every token
-                stop=stop_strings(body),
+                stop=stop,
                 stop_token_ids=list(stop_ids),
                 ignore_eos=bool_field(body, "ignore_eos", False),
                 top_logprobs=top_logprobs,
@@ -303,7 +323,16 @@ class OpenAIRoutes:
         return f"token_id:{token}" if as_ids or tok is None else tok.decode([token])
 
     def text_of(self, r: GenerationResult, o: Options) -> str:
-        return output_text(self.scheduler.tokenizer, r, o.skip_special, o.keep_stop)
+        return output_text(self.scheduler.tokenizer, without_stop_token(r, o.keep_stop), o.skip_special, o.keep_stop)
+
+    def ending_ids(self, params: SamplingParams, keep: bool = False) -> frozenset[int]:
+        """The tokens a generation of ``params`` may stop on, which a stream holds back
+        (`TextDeltas`): none when ``keep`` (their text is kept)."""
+        if keep:
+            return frozenset()
+        # The end-of-sequence ids the scheduler itself stops on (`Scheduler.submit_request`).
+        eos = frozenset() if params.ignore_eos else self.scheduler._eos_ids
+        return frozenset(params.stop_token_ids) | eos
 
     def chat_logprobs(self, tokens: list[int], logprobs: list[float], tops: list | None) -> list[dict[str, object]]:
         """Chat's ``logprobs.content`` entries for these output tokens (``tops``: their top lists)."""
@@ -345,11 +374,11 @@ class OpenAIRoutes:
             raise BadRequest("this model directory has no tokenizer: send the prompt as token ids", param="prompt")
         return [tok.encode(t, add_special_tokens=False) for t in texts], texts
 
-    async def _prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float | None]]:
-        """Each prompt's tokens' log-probabilities (the first None), for ``echo`` with ``logprobs``."""
-        jobs = [(p, SamplingParams(max_new_tokens=0), None) for p in prompts]
-        results = await self.scheduler.generate_many(jobs, return_input_logprobs=True)
-        return [r.input_logprobs or [] for r in results]
+    async def _prompt_logprobs(self, prompts: list[list[int]], top_n: int) -> list[GenerationResult]:
+        """Each prompt's tokens' log-probabilities (the first None) and ``top_n`` most likely
+        tokens at each position, for ``echo`` with ``logprobs``."""
+        jobs = [(p, SamplingParams(max_new_tokens=0, top_logprobs=top_n), None) for p in prompts]
+        return await self.scheduler.generate_many(jobs, return_input_logprobs=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
@@ -394,15 +423,19 @@ class OpenAIRoutes:
                 top.append(entry)
             return {"tokens": strings, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
 
-        # Echoed, a choice's text and log-probabilities start with its prompt's (no top ones for those).
+        # Echoed, a choice's text and log-probabilities start with its prompt's (top ones included,
+        # as vLLM and OpenAI answer).
         tok = self.scheduler.tokenizer
         if prompt_texts is None:  # token ids, checked by self.jobs: decoded
             prompt_texts = [tok.decode(p) if tok is not None else "" for p in prompts]
         echoed = [prompt_texts[i // o.n] if echo else "" for i in range(len(jobs))]
         echo_blocks: list[dict[str, list] | None] = [None] * len(jobs)
         if echo and logprobs is not None:
-            prompt_lps = await self._prompt_logprobs(prompts)
-            echo_blocks = [logprob_block(p, prompt_lps[i // o.n], None, 0) for i, (p, _, _) in enumerate(jobs)]
+            scored = await self._prompt_logprobs(prompts, top_n)
+            echo_blocks = [
+                logprob_block(p, scored[i // o.n].input_logprobs or [], scored[i // o.n].input_top_logprobs, 0)
+                for i, (p, _, _) in enumerate(jobs)
+            ]
 
         def with_echo(i: int, block: dict[str, list]) -> dict[str, list]:
             pre = echo_blocks[i]
@@ -418,7 +451,7 @@ class OpenAIRoutes:
                     "text": echoed[i] + self.text_of(r, o),
                     "logprobs": with_echo(i, block) if logprobs is not None else None,
                     "finish_reason": finish_type(r),
-                    "stop_reason": _stop_reason(r),
+                    "stop_reason": stop_reason(r, params),
                 }
                 if o.with_ids:
                     choice.update(prompt_token_ids=r.input_ids, token_ids=r.output_ids)
@@ -427,7 +460,13 @@ class OpenAIRoutes:
 
         async def chunks() -> AsyncIterator[dict[str, object]]:
             texts = [
-                TextDeltas(self.scheduler.tokenizer, o.skip_special, () if o.keep_stop else params.stop) for _ in jobs
+                TextDeltas(
+                    self.scheduler.tokenizer,
+                    o.skip_special,
+                    () if o.keep_stop else params.stop,
+                    held_ids=self.ending_ids(params, o.keep_stop),
+                )
+                for _ in jobs
             ]
             first = [True] * len(jobs)
             offsets = [len(e) for e in echoed]
@@ -459,7 +498,7 @@ class OpenAIRoutes:
                 if rest:
                     yield {**head, "choices": [{"index": i, "text": rest, "logprobs": None, "finish_reason": None}]}
                 end = {"index": i, "text": "", "logprobs": None, "finish_reason": finish_type(event),
-                       "stop_reason": _stop_reason(event)}  # fmt: skip
+                       "stop_reason": stop_reason(event, params)}  # fmt: skip
                 yield {**head, "choices": [end]}
             if o.include_usage:
                 yield {**head, "choices": [], "usage": self.usage(results, prompt_tokens)}
@@ -507,7 +546,7 @@ class OpenAIRoutes:
                     "message": assistant_message(content, calls),
                     "logprobs": {"content": entries} if want_logprobs else None,
                     "finish_reason": chat_finish_reason(finish_type(r), calls),
-                    "stop_reason": _stop_reason(r),
+                    "stop_reason": stop_reason(r, params),
                 }
                 if o.with_ids:
                     choice["token_ids"] = r.output_ids
@@ -523,7 +562,8 @@ class OpenAIRoutes:
         async def chunks() -> AsyncIterator[dict[str, object]]:
             stop = () if o.keep_stop else params.stop
             markers = (TOOL_CALL_START,) if tools else ()
-            texts = [TextDeltas(tok, o.skip_special, stop, markers) for _ in jobs]
+            held = self.ending_ids(params, o.keep_stop)
+            texts = [TextDeltas(tok, o.skip_special, stop, markers, held) for _ in jobs]
             for i in range(len(jobs)):
                 first: dict[str, object] = {"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}  # fmt: skip
@@ -558,7 +598,7 @@ class OpenAIRoutes:
                     )
                 reason = chat_finish_reason(finish_type(event), calls)
                 yield chunk({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason,
-                             "stop_reason": _stop_reason(event)})  # fmt: skip
+                             "stop_reason": stop_reason(event, params)})  # fmt: skip
             if o.include_usage:
                 yield {
                     **head,

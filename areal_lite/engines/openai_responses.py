@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from areal_lite.engines.openai_api import OpenAIRoutes, finish_type, top_logprobs_field
+from areal_lite.engines.openai_api import OpenAIRoutes, finish_type, top_logprobs_field, without_stop_token
 from areal_lite.engines.openai_stream import TOOL_CALL_START, TextDeltas, merged, send_events
 from areal_lite.engines.request import GenerationResult, TokenOut
 from areal_lite.engines.server_common import output_text, read_json
@@ -67,7 +67,7 @@ class ResponsesRoute:
         skip_special = bool_field(chat, "skip_special_tokens", True)
 
         def answer(r: GenerationResult) -> tuple[str, list[ToolCall]]:
-            text = output_text(tok, r, skip_special, False)
+            text = output_text(tok, without_stop_token(r, False), skip_special, False)
             return parse_tool_calls(text) if tools else (text, [])
 
         def logprobs(tokens: list[int], lps: list[float], tops: list | None) -> list[dict[str, object]] | None:
@@ -86,7 +86,8 @@ class ResponsesRoute:
             stream = ResponseEvents(body, response_id, model)
             for e in stream.start():
                 yield e
-            texts = TextDeltas(tok, skip_special, params.stop, (TOOL_CALL_START,) if tools else ())
+            markers = (TOOL_CALL_START,) if tools else ()
+            texts = TextDeltas(tok, skip_special, params.stop, markers, self.routes.ending_ids(params))
             all_lps: list[dict[str, object]] = []
             async for _, event in merged(self.routes.scheduler, jobs):
                 if isinstance(event, TokenOut):

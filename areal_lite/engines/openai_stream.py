@@ -5,7 +5,9 @@ server-sent events.
 `TextDeltas` turns a growing list of token ids into pieces of text that never need taking back:
 a token that ends inside a multi-byte character adds nothing until the character is complete, the
 last characters that could still be the start of a stop string (or of a ``<tool_call>`` block,
-when tools are offered) are held back, and nothing is sent from a complete one on. The final text,
+when tools are offered) are held back, and nothing is sent from a complete one on. A token that
+may end the generation (a stop token id, end of sequence) is held back until the next one shows
+it did not: as in vLLM, the token a generation stops on is not part of its text. The final text,
 cut at its stop string and with its tool calls parsed out, supplies the rest.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -36,6 +38,7 @@ class TextDeltas:
         skip_special: drop special tokens from the text, as the whole answer does.
         stop: stop strings that end the generation and are cut from its text.
         markers: strings after whose start nothing more is sent as text (``<tool_call>``).
+        held_ids: tokens that may end the generation, held back until a token follows them.
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class TextDeltas:
         skip_special: bool,
         stop: Sequence[str] = (),
         markers: Sequence[str] = (),
+        held_ids: Collection[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special
@@ -59,9 +63,20 @@ class TextDeltas:
         self.sent = ""
         self.frozen = False
         """A marker was seen: the rest comes from the final text."""
+        self.held_ids = held_ids
+        self.held: int | None = None
+        """The last token, when it is one of ``held_ids``: not decoded until another follows."""
 
     def add(self, token: int) -> str:
         """The text that ``token`` adds and that can be sent now (possibly "")."""
+        held, self.held = self.held, None
+        delta = self._add(held) if held is not None else ""
+        if token in self.held_ids:
+            self.held = token
+            return delta
+        return delta + self._add(token)
+
+    def _add(self, token: int) -> str:
         self.ids.append(token)
         if self.tokenizer is None or self.frozen:
             return ""

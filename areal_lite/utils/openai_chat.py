@@ -207,8 +207,9 @@ def render_chat(
 
 
 def assistant_message(content: str, calls: list[ToolCall]) -> dict[str, object]:
-    """The ``message`` of a chat completion choice: content null when the answer is only calls."""
-    message: dict[str, object] = {"role": "assistant", "content": content or (None if calls else "")}
+    """The ``message`` of a chat completion choice: content null when the answer is only calls;
+    ``refusal`` null, as OpenAI's (where it is a required field) and vLLM's answers have it."""
+    message: dict[str, object] = {"role": "assistant", "content": content or (None if calls else ""), "refusal": None}
     if calls:
         message["tool_calls"] = [c.to_openai() for c in calls]
     return message

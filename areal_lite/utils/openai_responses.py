@@ -219,7 +219,7 @@ def response_object(
     return {
         "id": response_id,
         "object": "response",
-        "created_at": time.time(),
+        "created_at": int(time.time()),  # an integer, as OpenAI and vLLM send it
         "status": status,
         "error": None,
         "incomplete_details": incomplete,
