@@ -328,11 +328,7 @@ class OpenAIRoutes:
     def ending_ids(self, params: SamplingParams, keep: bool = False) -> frozenset[int]:
         """The tokens a generation of ``params`` may stop on, which a stream holds back
         (`TextDeltas`): none when ``keep`` (their text is kept)."""
-        if keep:
-            return frozenset()
-        # The end-of-sequence ids the scheduler itself stops on (`Scheduler.submit_request`).
-        eos = frozenset() if params.ignore_eos else self.scheduler._eos_ids
-        return frozenset(params.stop_token_ids) | eos
+        return frozenset() if keep else self.scheduler.stop_ids(params)
 
     def chat_logprobs(self, tokens: list[int], logprobs: list[float], tops: list | None) -> list[dict[str, object]]:
         """Chat's ``logprobs.content`` entries for these output tokens (``tops``: their top lists)."""

@@ -186,6 +186,11 @@ class Scheduler:
             self._keeps_freed_memory = False
             release_freed_memory()
 
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The token ids a generation of ``params`` ends on: its ``stop_token_ids`` and, unless
+        ``ignore_eos``, the model's end-of-sequence ids."""
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
+
     @property
     def context_len(self) -> int:
         assert self._runner is not None, "call start() first"
@@ -243,7 +248,7 @@ class Scheduler:
         result, and ``on_token`` (if given) with each token as it is produced, before that.
         Returns the rid. Raises ValueError for an empty or too long prompt."""
         self.validate_request(input_ids, params)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
+        stop_ids = self.stop_ids(params)
         rid = rid or uuid.uuid4().hex
         seq = Sequence(rid, list(input_ids), params, deliver, stop_ids, return_input_logprobs, on_token)
         if params.max_new_tokens == 0 and not return_input_logprobs:
