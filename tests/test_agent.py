@@ -50,13 +50,14 @@ THINK_DROPPING = (  # Qwen3-like: earlier assistant turns lose their reasoning
 
 class ScriptedEngine:
     """Replies with the given texts in order (version 7, log-probability -0.25 per token); a reply
-    ending in eos stops. Records every prompt it is sent."""
+    ending in eos stops. Records every prompt it is sent, and its sampling options."""
 
     def __init__(self, tokenizer, replies: list[str]) -> None:
-        self.tok, self.replies, self.prompts = tokenizer, list(replies), []
+        self.tok, self.replies, self.prompts, self.gconfigs = tokenizer, list(replies), [], []
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         self.prompts.append(list(req.input_ids))
+        self.gconfigs.append(req.gconfig)
         text = self.replies.pop(0)
         out = self.tok(text, add_special_tokens=False)["input_ids"]
         stop = "stop" if text.endswith(EOS) and len(out) <= req.gconfig.max_new_tokens else "length"
@@ -160,8 +161,11 @@ def test_streaming_models_and_bad_requests_through_the_sdk(tok) -> None:
     async def agent(client: openai.AsyncOpenAI) -> None:
         assert [m.id for m in (await client.models.list()).data] == ["areal-lite-policy"]
         messages = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.BadRequestError, match="logit_bias") as refused:
+            await client.chat.completions.create(model="m", messages=messages, logit_bias={"3": 1.0})
+        assert refused.value.param == "logit_bias"
         with pytest.raises(openai.BadRequestError, match="frequency_penalty") as refused:
-            await client.chat.completions.create(model="m", messages=messages, frequency_penalty=1.0)
+            await client.chat.completions.create(model="m", messages=messages, frequency_penalty=2.5)
         assert refused.value.param == "frequency_penalty"
         with pytest.raises(openai.BadRequestError, match="n must be 1"):
             await client.chat.completions.create(model="m", messages=messages, n=2)
@@ -172,7 +176,10 @@ def test_streaming_models_and_bad_requests_through_the_sdk(tok) -> None:
         [call] = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
         assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "2+3"}
         assert chunks[-2].choices[0].finish_reason == "tool_calls" and chunks[-1].usage.completion_tokens > 0
-        done = await client.chat.completions.create(model="m", messages=messages, max_tokens=3, logprobs=True)
+        done = await client.chat.completions.create(
+            model="m", messages=messages, max_tokens=3, logprobs=True, presence_penalty=0.5, extra_body={"min_p": 0.1}
+        )
+        assert engine.gconfigs[-1].shaping() == {"presence_penalty": 0.5, "min_p": 0.1}
         assert (
             done.choices[0].finish_reason == "length"
             and [e.logprob for e in done.choices[0].logprobs.content] == [-0.25] * 3

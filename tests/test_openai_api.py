@@ -197,7 +197,9 @@ def test_sdk_raises_bad_request_and_not_found_and_server_keeps_serving(base_url:
     client = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
-        client.chat.completions.create(model=model_path, messages=messages, frequency_penalty=0.5)
+        client.chat.completions.create(model=model_path, messages=messages, frequency_penalty=2.5)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=model_path, messages=messages, response_format={"type": "json_object"})
     with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1, got 0"):
         client.completions.create(model=model_path, prompt=[1, 2, 3], max_tokens=0)  # vLLM's 400 (0 with echo scores)
     with pytest.raises(openai.BadRequestError, match="max_completion_tokens must be at least 1, got 0"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from areal_lite.engines.openai_stream import TOOL_CALL_START, TextDeltas
-from areal_lite.engines.server_common import TokenBytes
+from areal_lite.engines.server_common import TokenBytes, token_text
 from areal_lite.utils.tiny import build_tokenizer
 
 
@@ -69,3 +69,17 @@ def test_a_token_that_may_end_the_generation_waits_for_the_next(tok) -> None:
     assert "".join(pieces) == "ab;cd" and pieces[len(ab)] == "" and pieces[-1] == ""
     assert deltas.rest("ab;cd") == ""  # it stopped on the last one
     assert deltas.rest("ab;cd;") == ";"  # it ran out of tokens there: the final text has it
+
+
+@pytest.mark.parametrize("text", ["naïve café — 東京 🙂 ok", "plain ascii", "🙂🙂"])
+def test_token_texts_join_into_the_text_as_vllm_gives_them(tok, text: str) -> None:
+    """`token_text`: a token that ends inside a character is "" (vLLM's), the one that completes
+    it carries the whole character, so the texts of the tokens, each read after the ones before
+    it, join into the text."""
+    ids = tok.encode(text, add_special_tokens=False)
+    texts = [token_text(tok, t, ids[:k]) for k, t in enumerate(ids)]
+    alone = [tok.decode([t]) for t in ids]
+    assert "".join(texts) == text and not any("\ufffd" in t for t in texts)
+    assert any("\ufffd" in a for a in alone) == (text != "plain ascii")  # decoded alone: replacement characters
+    assert "" in texts or text == "plain ascii"
+    assert all(t == a for t, a in zip(texts, alone) if "\ufffd" not in a)

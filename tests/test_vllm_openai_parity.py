@@ -17,7 +17,9 @@ the prompt takes past the context is cut to what fits (one above the context its
 ``max_tokens`` 0 is a 400 unless ``echo``, a request without ``model`` is served by the first
 served name. vLLM's extensions answer as vLLM's: the token a generation stops on (end of sequence
 or ``stop_token_ids``) is left out of its text unless ``include_stop_str_in_output``, and
-``stop_reason`` names only a stop string or stop token id.
+``stop_reason`` names only a stop string or stop token id. Penalties, ``min_p`` and
+``logit_bias`` shape the greedy tokens alike, and the log-probabilities reported beside them are
+the unshaped model's on both sides (vLLM's default ``raw_logprobs``).
 
 Deliberate differences, not compared (ours is what OpenAI's API reference documents): the error
 object's ``type`` and ``code`` (vLLM: ``"BadRequestError"``, ``400``; ours: ``"invalid_request_error"``
@@ -28,8 +30,7 @@ other), a message with a role OpenAI does not know or a user message without con
 renders them, ours is OpenAI's 400), an incomplete Responses answer (vLLM ends its stream with
 ``response.completed``, ours with OpenAI's ``response.incomplete``), ``GET /v1/models/{id}`` and
 404 bodies (vLLM: FastAPI's ``{"detail": ...}``; ours: OpenAI's). Options the embedded engine cannot
-honour are a 400 where vLLM applies them: ``logit_bias``, penalties, ``best_of``, structured
-``response_format``. Also left aside: the bytes of a token that ends inside a character (vLLM
+honour are a 400 where vLLM applies them: ``best_of``, structured ``response_format``. Also left aside: the bytes of a token that ends inside a character (vLLM
 gives none, ours what OpenAI documents: the bytes it holds) and the completion tokens of
 ``max_tokens`` 0 with ``echo`` (vLLM counts one it does not return).
 """
@@ -158,6 +159,33 @@ ANSWERS = [
     (CH, {"messages": PARTS, "max_tokens": 3, **GREEDY}),
     (CH, {"messages": MESSAGES, "max_tokens": 2, "stop": "zz", **OPENAI_ONLY, **GREEDY}),
     (CH, {"messages": MESSAGES, "max_tokens": 4, **STOP_AT_ONCE}),
+    # Penalties and biases change the greedy tokens (test_shaping checks that they do), the same way.
+    (C, {"prompt": "ab", "max_tokens": 10, "repetition_penalty": 1.8, "logprobs": 1, **GREEDY}),
+    (C, {"prompt": "ab", "max_tokens": 10, "frequency_penalty": 1.5, **GREEDY}),
+    (C, {"prompt": [7, 8, 9], "max_tokens": 10, "presence_penalty": 2, "frequency_penalty": -0.5, **GREEDY}),
+    (C, {"prompt": "ab", "max_tokens": 4, "logit_bias": {"42": 100, "43": -100}, "logprobs": 2, **GREEDY}),
+    (
+        CH,
+        {
+            "messages": MESSAGES,
+            "max_tokens": 4,
+            "logit_bias": {"77": 30},
+            "logprobs": True,
+            "top_logprobs": 1,
+            **GREEDY,
+        },
+    ),
+    (
+        CH,
+        {
+            "messages": MESSAGES,
+            "max_tokens": 6,
+            "presence_penalty": 1,
+            "repetition_penalty": 1.3,
+            "min_p": 0.5,
+            **GREEDY,
+        },
+    ),
 ]
 REFUSED = [  # (route, body, status, the param ours names)
     (C, {"model": "no-such-model", "prompt": "ab"}, 404, "model"),
@@ -194,6 +222,10 @@ REFUSED = [  # (route, body, status, the param ours names)
     (CH, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 25}, 400, "top_logprobs"),
     (CH, {"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (CH, {"messages": MESSAGES, "presence_penalty": 3}, 400, "presence_penalty"),
+    (C, {"prompt": "ab", "frequency_penalty": -2.5}, 400, "frequency_penalty"),
+    (C, {"prompt": "ab", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (C, {"prompt": "ab", "min_p": 1.5}, 400, "min_p"),
+    (C, {"prompt": "ab", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     (CH, {"messages": [{"role": "user", "content": "a b " * 400}]}, 400, "messages"),
     (R, {"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
     (R, {"input": []}, 400, "input"),

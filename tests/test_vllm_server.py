@@ -119,6 +119,16 @@ def test_generation_versions_logprobs_samples_and_stop_tokens(servers, model_pat
         stopped = generate(engine, [ModelRequest(input_ids=[5, 17, 30], gconfig=greedy.new(stop_token_ids=[stop]))])[0]
         assert stopped.output_tokens == free.output_tokens[: first + 1] and stopped.stop_reason == "stop"
 
+        # The config's penalties and min-p reach vLLM: greedy with a repetition penalty decodes as
+        # HF generate does with it, and the log-probabilities stay the model's own.
+        req = ModelRequest(input_ids=[5, 17, 30], gconfig=greedy.new(repetition_penalty=1.8, min_p=0.1))
+        shaped = generate(engine, [req])[0]
+        expected = model.generate(
+            torch.tensor([req.input_ids]), max_new_tokens=10, min_new_tokens=10, do_sample=False, repetition_penalty=1.8
+        )[0, 3:]
+        assert shaped.output_tokens == expected.tolist() != free.output_tokens
+        assert_scored_by(model, req, shaped)
+
         # vLLM refuses prompt + max_tokens past max_model_len; the client asks for what fits.
         assert engine.context_len == CONTEXT
         near = ModelRequest(input_ids=[5] * (CONTEXT - 4), gconfig=GenerationConfig(max_new_tokens=50, ignore_eos=True))

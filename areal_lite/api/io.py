@@ -77,6 +77,16 @@ class GenerationConfig:
     """Strings that end generation once the decoded output contains them."""
     ignore_eos: bool = False
     """Keep generating after eos (benchmarks)."""
+    min_p: float = field(default=0.0, metadata=between(0.0, 1.0))
+    """Drop the tokens less likely than this fraction of the most likely one (0 = off)."""
+    frequency_penalty: float = field(default=0.0, metadata=between(-2.0, 2.0))
+    """Subtracted from a token's logit for each time it is already in the output (0 = off)."""
+    presence_penalty: float = field(default=0.0, metadata=between(-2.0, 2.0))
+    """Subtracted from a token's logit once it is in the output (0 = off)."""
+    repetition_penalty: float = field(default=1.0, metadata=more_than(0.0))
+    """Divides a positive logit (multiplies a negative one) of a token already in the prompt or
+    the output (1 = off). Penalties and ``min_p`` shape what is sampled, not the reported
+    log-probabilities, which stay the policy's: a penalized rollout is slightly off-policy."""
     return_routed_experts: bool = False
     """Mixture-of-experts models: return the experts each token was routed to
     (`ModelResponse.routed_experts`; SGLang's ``return_routed_experts``), which the trajectory
@@ -100,7 +110,13 @@ class GenerationConfig:
             params["stop_token_ids"] = list(self.stop_token_ids)
         if self.stop:
             params["stop"] = list(self.stop)
-        return params
+        return {**params, **self.shaping()}
+
+    def shaping(self) -> dict[str, float]:
+        """The ``min_p`` and penalty options not at their off value, under the names SGLang's
+        and vLLM's requests both use."""
+        off = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+        return {key: getattr(self, key) for key, value in off.items() if getattr(self, key) != value}
 
 
 @dataclass

@@ -15,8 +15,9 @@ finished request takes with it (`routes_of`): routing replay in the train engine
 A position's routes are those of the pass that computed its cached keys and values: recomputing a
 request's cache after a weight update records them again.
 
-Reported log-probabilities are those of the policy itself (temperature 1, before top-p/top-k and
-before min-token suppression), as the train engine recomputes them.
+Reported log-probabilities are those of the policy itself (temperature 1, before top-p/top-k/min-p,
+min-token suppression, logit biases and penalties: `areal_lite.engines.shaping`), as the train
+engine recomputes them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from areal_lite.engines import decode_attention, fused_ops
 from areal_lite.engines.decode_graphs import DecodeGraphs
 from areal_lite.engines.request import SamplingParams, Sequence
+from areal_lite.engines.shaping import min_p_masked, shaped
 from areal_lite.utils.moe import NO_EXPERT, layer_routers, routing_shape
 
 if TYPE_CHECKING:
@@ -579,21 +581,17 @@ class ModelRunner:
         # besides cost one more pass over the vocabulary and one more [n, V] buffer per step.
         raw, policy = logits, torch.softmax(logits, dim=-1)
         params = [s.params for s in seqs]
-        suppress = [(j, s.stop_ids) for j, s in enumerate(seqs) if s.stop_ids and len(s.out) < s.params.min_new_tokens]
-        if suppress:
-            logits = logits.clone()
-            for j, ids in suppress:
-                logits[j, list(ids)] = float("-inf")
+        logits = shaped(logits, seqs)  # min-token suppression, logit bias, penalties
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
             temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
             filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
-            if not suppress and not filtered and all(t == 1.0 for t in temps):
+            if logits is raw and not filtered and all(t == 1.0 and p.min_p == 0 for t, p in zip(temps, params)):
                 scores = None
             else:
-                scores = logits / torch.tensor(temps, device=logits.device)[:, None]
+                scores = min_p_masked(logits / torch.tensor(temps, device=logits.device)[:, None], params)
             if filtered:
                 scores = _top_k_top_p(scores, params)
             probs = policy if scores is None else torch.softmax(scores, dim=-1)
@@ -621,7 +619,8 @@ class ModelRunner:
         if bool(tiny.any()):
             # Far below one in 1e30 the float32 probability loses precision (and underflows to
             # 0 past ~1e-45): those rows' log-probabilities come from the logits directly.
-            # (Possible only for a token sampled at a temperature above 1 or after suppression.)
+            # (Possible only for a token sampled at a temperature above 1, or after suppression,
+            # a bias or a penalty.)
             at = tiny.nonzero()[:, 0]
             chosen[at] = raw[at].gather(1, tokens[at, None])[:, 0] - torch.logsumexp(raw[at], dim=-1)
         for s, t, lp in zip(seqs, tokens.tolist(), chosen.tolist()):

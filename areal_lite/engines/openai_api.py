@@ -19,7 +19,9 @@ stream of its own (choice ``i`` of ``n`` uses ``seed + i``): the same seed, the 
 ``top_logprobs`` (chat) and ``logprobs`` (completions) report up to `MAX_TOP_LOGPROBS` most likely
 tokens per position, the policy's own (temperature 1, before top-p / top-k), like the sampled
 token's; a chat entry's ``bytes`` are the token's own (`TokenBytes`). ``echo`` (completions) puts
-the prompt before the answer. Refused with a 400: penalties, logit biases, structured output,
+the prompt before the answer. ``frequency_penalty``, ``presence_penalty``, ``logit_bias`` and vLLM's
+``repetition_penalty`` and ``min_p`` shape what is sampled (`areal_lite.engines.shaping`), not the
+reported log-probabilities. Refused with a 400: structured output,
 forced tool choice, and what OpenAI's ranges exclude (``temperature`` above 2, ``n`` above
 `MAX_N`). Every error is OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``);
 an unknown model is a 404, as in vLLM, and so are routes this server does not serve (embeddings,
@@ -31,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote
 
@@ -41,7 +43,7 @@ from areal_lite import __version__
 from areal_lite.engines.openai_stream import TOOL_CALL_START, TextDeltas, merged, send_events
 from areal_lite.engines.request import GenerationResult, SamplingParams, TokenOut
 from areal_lite.engines.scheduler import Scheduler
-from areal_lite.engines.server_common import TokenBytes, output_text, read_json, token_ids
+from areal_lite.engines.server_common import CONTEXT_TOKENS, TokenBytes, output_text, read_json, token_ids, token_text
 from areal_lite.utils.openai_chat import (
     BadRequest,
     assistant_message,
@@ -54,6 +56,7 @@ from areal_lite.utils.openai_chat import (
     max_completion_tokens,
     refuse_unsupported,
     render_chat,
+    shaping_fields,
     stop_strings,
 )
 from areal_lite.utils.tool_calls import parse_tool_calls
@@ -280,6 +283,7 @@ class OpenAIRoutes:
         top_p = float_field(body, "top_p", 1.0)
         if not 0 < top_p <= 1:
             raise BadRequest(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+        shaping = shaping_fields(body)  # before the try: its BadRequest names the field
         try:
             return SamplingParams(
                 max_new_tokens=max_tokens,
@@ -292,6 +296,7 @@ class OpenAIRoutes:
                 ignore_eos=bool_field(body, "ignore_eos", False),
                 top_logprobs=top_logprobs,
                 seed=seed,
+                **shaping,
             )
         except ValueError as e:
             raise BadRequest(str(e)) from e
@@ -318,9 +323,10 @@ class OpenAIRoutes:
         """The results of ``jobs`` (prompt, params, rid), not streamed: no per-token hand-over."""
         return await self.scheduler.generate_many(jobs)
 
-    def token_text(self, token: int, as_ids: bool = False) -> str:
+    def token_text(self, token: int, as_ids: bool = False, before: Sequence[int] = ()) -> str:
+        """A token's text in log-probabilities (`token_text`: vLLM's, ``before`` the tokens before it)."""
         tok = self.scheduler.tokenizer
-        return f"token_id:{token}" if as_ids or tok is None else tok.decode([token])
+        return f"token_id:{token}" if as_ids or tok is None else token_text(tok, token, before)
 
     def text_of(self, r: GenerationResult, o: Options) -> str:
         return output_text(self.scheduler.tokenizer, without_stop_token(r, o.keep_stop), o.skip_special, o.keep_stop)
@@ -330,17 +336,22 @@ class OpenAIRoutes:
         (`TextDeltas`): none when ``keep`` (their text is kept)."""
         return frozenset() if keep else self.scheduler.stop_ids(params)
 
-    def chat_logprobs(self, tokens: list[int], logprobs: list[float], tops: list | None) -> list[dict[str, object]]:
-        """Chat's ``logprobs.content`` entries for these output tokens (``tops``: their top lists)."""
+    def chat_logprobs(
+        self, tokens: list[int], logprobs: list[float], tops: list | None, before: Sequence[int] = ()
+    ) -> list[dict[str, object]]:
+        """Chat's ``logprobs.content`` entries for these output tokens (``tops``: their top lists;
+        ``before``: the output tokens before them, in a stream)."""
 
-        def entry(token: int, logprob: float) -> dict[str, object]:
-            text = self.token_text(token)
+        def entry(token: int, logprob: float, context: list[int]) -> dict[str, object]:
+            text = self.token_text(token, before=context)
             return {"token": text, "logprob": logprob, "bytes": self.token_bytes(token, text)}
 
-        return [
-            {**entry(token, lp), "top_logprobs": [entry(tid, v) for tid, v in (tops[k] if tops else [])]}
-            for k, (token, lp) in enumerate(zip(tokens, logprobs))
-        ]
+        out = []
+        for k, (token, lp) in enumerate(zip(tokens, logprobs)):
+            context = [*before[-CONTEXT_TOKENS:], *tokens[:k]]
+            top = [entry(tid, v, context) for tid, v in (tops[k] if tops else [])]
+            out.append({**entry(token, lp, context), "top_logprobs": top})
+        return out
 
     @staticmethod
     def usage(results: list[GenerationResult], prompt_tokens: int) -> dict[str, int]:
@@ -401,9 +412,17 @@ class OpenAIRoutes:
         prompt_tokens = sum(len(p) for p in prompts)
 
         def logprob_block(
-            tokens: list[int], lps: list[float] | list[float | None], tops: list | None, offset: int
+            tokens: list[int],
+            lps: list[float] | list[float | None],
+            tops: list | None,
+            offset: int,
+            before: Sequence[int] = (),
         ) -> dict[str, list]:
-            strings = [self.token_text(t, as_ids) for t in tokens]
+            # vLLM reads each token's text after the tokens before it that have log-probabilities
+            # (not an echoed prompt's first token); ``before``: a stream's earlier output tokens.
+            contexts = [[*before[-CONTEXT_TOKENS:], *(t for t, lp in zip(tokens[:k], lps) if lp is not None)]
+                        for k in range(len(tokens))]  # fmt: skip
+            strings = [self.token_text(t, as_ids, c) for t, c in zip(tokens, contexts)]
             offsets = []
             for s in strings:
                 offsets.append(offset)
@@ -415,7 +434,7 @@ class OpenAIRoutes:
                     continue
                 entry = {s: lp}  # vLLM: the sampled token, then the most likely ones
                 for tid, v in tops[k] if tops else []:
-                    entry.setdefault(self.token_text(tid, as_ids), v)
+                    entry.setdefault(self.token_text(tid, as_ids, contexts[k]), v)
                 top.append(entry)
             return {"tokens": strings, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
 
@@ -466,6 +485,7 @@ class OpenAIRoutes:
             ]
             first = [True] * len(jobs)
             offsets = [len(e) for e in echoed]
+            sent: list[list[int]] = [[] for _ in jobs]
             if echo:
                 for i, (prompt, _, _) in enumerate(jobs):
                     choice: dict[str, object] = {"index": i, "text": echoed[i], "logprobs": echo_blocks[i],
@@ -479,9 +499,10 @@ class OpenAIRoutes:
                 if isinstance(event, TokenOut):
                     choice = {"index": i, "text": texts[i].add(event.token), "finish_reason": None}
                     tops = [event.top] if event.top is not None else None
-                    block = logprob_block([event.token], [event.logprob], tops, offsets[i])
+                    block = logprob_block([event.token], [event.logprob], tops, offsets[i], sent[i])
                     choice["logprobs"] = block if logprobs is not None else None
                     offsets[i] += len(block["tokens"][0])
+                    sent[i].append(event.token)
                     if o.with_ids:
                         choice["token_ids"] = [event.token]
                         if first[i]:
@@ -560,6 +581,7 @@ class OpenAIRoutes:
             markers = (TOOL_CALL_START,) if tools else ()
             held = self.ending_ids(params, o.keep_stop)
             texts = [TextDeltas(tok, o.skip_special, stop, markers, held) for _ in jobs]
+            sent: list[list[int]] = [[] for _ in jobs]
             for i in range(len(jobs)):
                 first: dict[str, object] = {"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}  # fmt: skip
@@ -573,13 +595,14 @@ class OpenAIRoutes:
                     c: dict[str, object] = {
                         "index": i,
                         "delta": {"content": texts[i].add(event.token)},
-                        "logprobs": {"content": self.chat_logprobs([event.token], [event.logprob], tops)}
+                        "logprobs": {"content": self.chat_logprobs([event.token], [event.logprob], tops, sent[i])}
                         if want_logprobs
                         else None,
                         "finish_reason": None,
                     }
                     if o.with_ids:
                         c["token_ids"] = [event.token]
+                    sent[i].append(event.token)
                     yield chunk(c)
                     continue
                 results.append(event)

@@ -70,8 +70,10 @@ class ResponsesRoute:
             text = output_text(tok, without_stop_token(r, False), skip_special, False)
             return parse_tool_calls(text) if tools else (text, [])
 
-        def logprobs(tokens: list[int], lps: list[float], tops: list | None) -> list[dict[str, object]] | None:
-            return self.routes.chat_logprobs(tokens, lps, tops) if with_logprobs else None
+        def logprobs(
+            tokens: list[int], lps: list[float], tops: list | None, before: list[int] | None = None
+        ) -> list[dict[str, object]] | None:
+            return self.routes.chat_logprobs(tokens, lps, tops, before or []) if with_logprobs else None
 
         if not bool_field(body, "stream", False):
             [r] = await self.routes.generate(jobs)
@@ -89,9 +91,12 @@ class ResponsesRoute:
             markers = (TOOL_CALL_START,) if tools else ()
             texts = TextDeltas(tok, skip_special, params.stop, markers, self.routes.ending_ids(params))
             all_lps: list[dict[str, object]] = []
+            sent: list[int] = []
             async for _, event in merged(self.routes.scheduler, jobs):
                 if isinstance(event, TokenOut):
-                    lps = logprobs([event.token], [event.logprob], [event.top] if event.top is not None else None)
+                    tops = [event.top] if event.top is not None else None
+                    lps = logprobs([event.token], [event.logprob], tops, sent)
+                    sent.append(event.token)
                     all_lps += lps or []
                     for e in stream.text(texts.add(event.token), lps):
                         yield e

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,17 @@ class SamplingParams:
     seed: int | None = None
     """Sample from a random stream of this request's own: the same seed gives the same tokens
     (None: the engine's shared stream)."""
+    min_p: float = 0.0
+    """Drop the tokens less likely than this fraction of the most likely one (after temperature)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once for each time it is already in the output (OpenAI's)."""
+    presence_penalty: float = 0.0
+    """Subtracted from a token's logit if it is already in the output (OpenAI's)."""
+    repetition_penalty: float = 1.0
+    """A token already in the prompt or the output has its logit divided by this when positive,
+    multiplied when negative (CTRL's, as HF, vLLM and SGLang apply it)."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to the logits of these token ids (OpenAI's ``logit_bias``, clamped to [-100, 100])."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -48,10 +60,27 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
         if self.top_logprobs < 0:
             raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number above 0, got {self.repetition_penalty}")
+        if not all(math.isfinite(b) for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be finite numbers")
+        self.logit_bias = {t: min(100.0, max(-100.0, b)) for t, b in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def reshapes_logits(self) -> bool:
+        """Whether a bias or a penalty changes the logits this request samples from."""
+        return bool(
+            self.logit_bias or self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+        )
 
     @classmethod
     def from_gconfig(cls, g: GenerationConfig) -> SamplingParams:
@@ -64,6 +93,10 @@ class SamplingParams:
             stop=list(g.stop),
             stop_token_ids=list(g.stop_token_ids),
             ignore_eos=g.ignore_eos,
+            min_p=g.min_p,
+            frequency_penalty=g.frequency_penalty,
+            presence_penalty=g.presence_penalty,
+            repetition_penalty=g.repetition_penalty,
         )
 
 

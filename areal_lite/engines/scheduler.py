@@ -220,7 +220,8 @@ class Scheduler:
 
     def validate_request(self, input_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request the engine cannot serve (empty or too long prompt,
-        token ids outside the vocabulary, stop strings without a tokenizer)."""
+        token ids outside the vocabulary, in the prompt or ``logit_bias``, stop strings without a
+        tokenizer)."""
         if self._runner is None:
             raise RuntimeError("the scheduler is not started: call start() first")
         if not input_ids:
@@ -232,6 +233,9 @@ class Scheduler:
         vocab = self._runner.model.config.vocab_size
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab})")
+        outside = [t for t in params.logit_bias if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab - 1}], got {outside[0]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model directory has none")
 

@@ -15,8 +15,8 @@ error, on every route (unknown routes and methods included), is OpenAI's error o
 
 Deliberate differences from SGLang: weight versions are integers (as strings on the wire, "0" at
 start); ``meta_info`` carries one extra key, ``output_token_versions`` (the version of each output
-token, which can change inside one request when weights are updated in place); the penalty /
-min-p / grammar sampling options and the multimodal, hidden-state and custom-logit-processor
+token, which can change inside one request when weights are updated in place); the grammar
+sampling options and the multimodal, hidden-state and custom-logit-processor
 inputs of ``/generate`` are refused with a 400 rather than silently ignored. A mixture-of-experts model answers ``return_routed_experts`` as SGLang started
 with ``--enable-return-routed-experts`` does (``meta_info["routed_experts"]``, base64 of int32
 ``[prompt + completion tokens - 1, layers, top_k]``); a dense model refuses it with a 400.
@@ -57,6 +57,7 @@ from areal_lite.engines.server_common import (
 from areal_lite.engines.tokens_api import TokensRoute
 from areal_lite.engines.vllm_routes import VLLMRoutes
 from areal_lite.utils.gc_freeze import freeze_startup_objects
+from areal_lite.utils.openai_chat import shaping_fields
 
 logger = logging.getLogger("areal_lite.server")
 T = TypeVar("T")
@@ -96,14 +97,9 @@ SAMPLING_DEFAULTS: dict[str, object] = {
 """Every key SGLang accepts in ``sampling_params`` with its default; any other key is a 400."""
 
 UNSUPPORTED_SAMPLING = (
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
     "json_schema",
     "regex",
     "ebnf",
-    "logit_bias",
     "structural_tag",
     "stop_regex",
 )
@@ -162,6 +158,7 @@ def parse_sampling_params(raw: object) -> tuple[SamplingParams, int, bool, bool]
     max_new, min_new = int_field(raw, "max_new_tokens", 128), int_field(raw, "min_new_tokens", 0)
     if max_new >= 0 and min_new > max_new:
         raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens={max_new}], got {min_new}")
+    shaping = shaping_fields(raw)  # before the try: its BadRequest names the field
     try:
         params = SamplingParams(
             max_new_tokens=max_new,
@@ -173,6 +170,7 @@ def parse_sampling_params(raw: object) -> tuple[SamplingParams, int, bool, bool]
             stop_token_ids=list(stop_ids),
             ignore_eos=bool_field(raw, "ignore_eos", False),
             seed=_optional_int(raw, "sampling_seed"),
+            **shaping,
         )
     except ValueError as e:
         raise BadRequest(str(e)) from e

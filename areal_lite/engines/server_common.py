@@ -1,10 +1,13 @@
 """What our server's route modules (SGLang, OpenAI and vLLM routes) share: reading a JSON body,
 typed fields, the error that bad input gets (OpenAI's error object ``{"error": {"message", "type",
-"param", "code"}}``, 400 unless said otherwise), and the decoded text of a generation."""
+"param", "code"}}``, 400 unless said otherwise), the decoded text of a generation, and of each
+token in log-probabilities."""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -25,6 +28,7 @@ __all__ = [  # the typed fields, BadRequest and TokenBytes are the shared OpenAI
     "output_text",
     "read_json",
     "token_ids",
+    "token_text",
 ]
 
 
@@ -68,3 +72,31 @@ def output_text(
     if isinstance(matched, str) and not keep_stop and matched in text:
         text = text[: text.index(matched)]
     return text
+
+
+CONTEXT_TOKENS = 4
+"""How many tokens before one that ends inside a character `token_text` looks back (vLLM's)."""
+
+
+def token_text(tokenizer: PreTrainedTokenizerBase, token: int, before: Sequence[int] = ()) -> str:
+    """A token's text in log-probabilities, as vLLM gives it: the token decoded alone; where that
+    ends inside a character (a byte-level token decodes to U+FFFD), the character it completes
+    after up to `CONTEXT_TOKENS` of the tokens ``before`` it (oldest first), with the bytes those
+    left unfinished, or "" when it completes none. So the texts of a run of tokens join into the
+    text they decode to together, where decoding each alone would give replacement characters."""
+    text = tokenizer.decode([token])
+    if not text.endswith("\ufffd"):
+        return text
+    context = list(before)[-CONTEXT_TOKENS:]
+    for n in range(1, len(context) + 1):
+        window = context[-n:]
+        whole = tokenizer.decode([*window, token])
+        if whole.endswith("\ufffd"):
+            continue
+        # The window's tokens that themselves end inside a character left their bytes to this one.
+        clean = len(window)
+        while clean and tokenizer.decode([window[clean - 1]]).endswith("\ufffd"):
+            clean -= 1
+        prefix = tokenizer.decode(window[:clean]) if clean else ""
+        return whole[len(os.path.commonprefix([prefix, whole])) :]
+    return ""

@@ -4,9 +4,10 @@ token-in-token-out route answers it (docs/protocol.md, "Token in, token out").
 It is the route of verifiers' ``TrainClient`` and of prime-rl's orchestrator: the client renders
 the chat itself, so what the model saw is exactly the ids it sent, and trains on the ids and
 log-probabilities that come back. Request: ``token_ids``, ``sampling_params`` (vLLM's
-``SamplingParams``: ``max_tokens``, ``min_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
-``n``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``logprobs``, ``skip_special_tokens``,
-``include_stop_str_in_output``; unknown keys are ignored, as vLLM does), ``request_id``, ``model``,
+``SamplingParams``: ``max_tokens``, ``min_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``seed``, ``n``, ``stop``, ``stop_token_ids``, ``ignore_eos``, the penalties, ``logit_bias``,
+``logprobs``, ``skip_special_tokens``, ``include_stop_str_in_output``; unknown keys are ignored, as
+vLLM does), ``request_id``, ``model``,
 ``stream`` (+ ``stream_options.include_usage``), ``return_token_ids``. Answer: ``request_id``,
 ``usage``, ``prompt_token_ids`` (with ``return_token_ids``), and per choice ``token_ids``,
 ``finish_reason``, ``stop_reason``, ``logprobs.content`` and ``weight_versions`` (spans of output
@@ -17,7 +18,7 @@ A ``logprobs.content`` entry carries the sampled token both as vLLM 0.32 writes 
 earlier vLLM and the ``renderers`` package that verifiers 0.4 uses read it (``token``:
 ``"token_id:N"``), so both generations of clients read it. Differences from vLLM: ``output_mode``
 ``text`` is refused (the client detokenizes), and so are the sampling options our engine cannot
-honour (penalties, ``min_p``, logit biases, structured output, prompt log-probabilities).
+honour (allowed token ids, bad words, structured output, prompt log-probabilities).
 """
 
 from __future__ import annotations
@@ -33,14 +34,9 @@ from areal_lite.engines.openai_stream import merged, send_events
 from areal_lite.engines.request import GenerationResult, SamplingParams, TokenOut
 from areal_lite.engines.scheduler import Scheduler
 from areal_lite.engines.server_common import read_json, token_ids
-from areal_lite.utils.openai_chat import BadRequest, bool_field, float_field, int_field, stop_strings
+from areal_lite.utils.openai_chat import BadRequest, bool_field, float_field, int_field, shaping_fields, stop_strings
 
 REFUSED_SAMPLING: dict[str, object] = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "logit_bias": None,
     "allowed_token_ids": None,
     "bad_words": None,
     "structured_outputs": None,
@@ -74,6 +70,7 @@ def _sampling(sp: dict[str, object], prompt_len: int, context: int) -> tuple[Sam
         raise BadRequest("stop_token_ids must be a list of integers", param="stop_token_ids")
     seed = sp.get("seed")
     top_k = int_field(sp, "top_k", -1)
+    shaping = shaping_fields(sp)  # before the try: its BadRequest names the field
     try:
         params = SamplingParams(
             max_new_tokens=max_tokens,
@@ -87,6 +84,7 @@ def _sampling(sp: dict[str, object], prompt_len: int, context: int) -> tuple[Sam
             # -1 asks vLLM for the whole vocabulary; we cap it at the route's limit.
             top_logprobs=MAX_TOP_LOGPROBS if logprobs == -1 else (logprobs or 0),
             seed=None if seed is None else int_field(sp, "seed", 0),
+            **shaping,
         )
     except ValueError as e:
         raise BadRequest(str(e)) from e

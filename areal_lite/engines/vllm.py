@@ -92,6 +92,7 @@ class RemoteVLLMEngine(RemoteEngine):
             "logprobs": 0,
             "return_token_ids": True,
             "request_id": rids[0],  # vLLM numbers a batch's prompts under one id
+            **g.shaping(),
         }
         if g.stop_token_ids:
             body["stop_token_ids"] = list(g.stop_token_ids)

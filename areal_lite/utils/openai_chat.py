@@ -12,16 +12,12 @@ answer with a 400 (404 for an unknown model) and OpenAI's error object (`error_b
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from areal_lite.utils.tool_calls import ToolCall
 
 REFUSED: dict[str, object] = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "logit_bias": None,
     "use_beam_search": False,
     "best_of": 1,
     "echo": False,
@@ -91,6 +87,45 @@ def refuse_unsupported(body: dict[str, object]) -> None:
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise BadRequest("response_format other than text is not supported by areal-lite", param="response_format")
+
+
+def shaping_fields(body: dict[str, object]) -> dict[str, object]:
+    """A request's ``min_p``, ``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``
+    and ``logit_bias`` (token ids, as strings or integers, to numbers), under the names vLLM's
+    requests, SGLang's ``sampling_params`` and `SamplingParams` share; BadRequest naming the field
+    for a value of the wrong type or outside vLLM's ranges."""
+    out: dict[str, object] = {
+        "min_p": float_field(body, "min_p", 0.0),
+        "frequency_penalty": float_field(body, "frequency_penalty", 0.0),
+        "presence_penalty": float_field(body, "presence_penalty", 0.0),
+        "repetition_penalty": float_field(body, "repetition_penalty", 1.0),
+    }
+    if not 0.0 <= out["min_p"] <= 1.0:
+        raise BadRequest(f"min_p must be in [0, 1], got {out['min_p']}.", param="min_p")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if not -2.0 <= out[key] <= 2.0:
+            raise BadRequest(f"{key} must be in [-2, 2], got {out[key]}.", param=key)
+    if not 0.0 < out["repetition_penalty"] < float("inf"):
+        raise BadRequest(
+            f"repetition_penalty must be a finite number greater than zero, got {out['repetition_penalty']}.",
+            param="repetition_penalty",
+        )
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise BadRequest("logit_bias must be an object mapping token ids to numbers", param="logit_bias")
+    out["logit_bias"] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise BadRequest(
+                f"logit_bias contains key(s) that cannot be converted to integer token IDs: {[key]!r}",
+                param="logit_bias",
+            ) from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise BadRequest(f"logit_bias values must be finite numbers, got {value!r}", param="logit_bias")
+        out["logit_bias"][token] = float(value)
+    return out
 
 
 def stop_strings(body: dict[str, object]) -> list[str]:

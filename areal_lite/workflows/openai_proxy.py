@@ -57,6 +57,7 @@ from areal_lite.utils.openai_chat import (
     max_completion_tokens,
     refuse_unsupported,
     render_chat,
+    shaping_fields,
     stop_strings,
 )
 from areal_lite.utils.openai_responses import (
@@ -279,7 +280,11 @@ class RecordingProxy:
             budget = min(budget, room)
         temperature = float_field(body, "temperature", 0.0 if g.greedy else g.temperature)
         top_k = int_field(body, "top_k", g.top_k)
+        shaping = {k: v for k, v in shaping_fields(body).items() if body.get(k) is not None}
+        if shaping.pop("logit_bias", None):
+            raise BadRequest("logit_bias is not supported by the recording proxy", param="logit_bias")
         return g.new(
+            **shaping,
             max_new_tokens=budget,
             min_new_tokens=min(int_field(body, "min_tokens", g.min_new_tokens), budget),
             greedy=temperature < 1e-6,
