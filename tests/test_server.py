@@ -14,13 +14,13 @@ import sys
 import aiohttp
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_lite.utils.distributed import find_free_port, init_custom_process_group
 from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-from inference_servers import start_servers, stop_servers
+from inference_servers import start_servers, stop_servers, with_bos
 
 KEY = "secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -716,3 +716,28 @@ def test_lora_adapter_routes(server: str, model_path: str, tmp_path) -> None:
     run(broadcast())
     assert_serves(second, "policy")
     assert run(call(server, "/unload_lora_adapter", {"lora_name": "policy"}))[0] == 200
+
+
+def test_text_prompts_get_the_tokenizers_special_tokens_as_sglang_and_vllm_encode_them(tmp_path) -> None:
+    """With a tokenizer that starts what it encodes with a BOS (Llama's kind): SGLang's text prompt
+    and a completion's (vLLM's ``add_special_tokens``, true by default) count it, a chat's does not
+    (false by default: the template writes its own start). test_vllm_openai_parity holds the
+    OpenAI side to a real vLLM on such a tokenizer."""
+    path = build_tiny_model(str(tmp_path / "m"), hidden_size=64, num_layers=2)
+    with_bos(path)
+    procs, addresses = start_servers(path, 1)
+    url = f"http://{addresses[0]}"
+    try:
+        bare = len(AutoTokenizer.from_pretrained(path).encode("ab", add_special_tokens=False))
+        _, out = run(call(url, "/generate", {"text": "ab", "sampling_params": {"max_new_tokens": 1}}))
+        assert out["meta_info"]["prompt_tokens"] == bare + 1
+        for special, expected in ((None, bare + 1), (True, bare + 1), (False, bare)):
+            body = {"prompt": "ab", "max_tokens": 1, **({} if special is None else {"add_special_tokens": special})}
+            _, out = run(call(url, "/v1/completions", body))
+            assert out["usage"]["prompt_tokens"] == expected, (special, out)
+        chat = {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 1}
+        _, plain = run(call(url, "/v1/chat/completions", chat))
+        _, with_special = run(call(url, "/v1/chat/completions", {**chat, "add_special_tokens": True}))
+        assert with_special["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] + 1
+    finally:
+        stop_servers(procs)

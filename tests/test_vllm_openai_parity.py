@@ -51,7 +51,7 @@ from openai._models import construct_type
 from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-from inference_servers import start_servers, stop_servers
+from inference_servers import start_servers, stop_servers, with_bos
 from vllm_servers import TINY, start_vllm_servers, stop_vllm_servers, tiny_vllm_model
 
 pytestmark = pytest.mark.vllm
@@ -61,8 +61,9 @@ CONTEXT = 512
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.mktemp("parity") / "m")
-    return tiny_vllm_model(path, CONTEXT)
+    path = tiny_vllm_model(str(tmp_path_factory.mktemp("parity") / "m"), CONTEXT)
+    with_bos(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +143,14 @@ ANSWERS = [
     (C, {"prompt": "abcd", "max_tokens": 2, "logprobs": 0, **GREEDY}),
     (C, {"prompt": "ab", "max_tokens": 3, "n": 2, "logprobs": 2, "echo": True, "ignore_eos": True}),
     (C, {"prompt": ["ab", "cde"], "max_tokens": 2, **GREEDY}),
+    (C, {"prompt": ["ab", ""], "max_tokens": 2, **GREEDY}),  # "" is the BOS alone
     (C, {"prompt": [[5, 6], [7, 8, 9]], "max_tokens": 2, "n": 2, "logprobs": 1, "ignore_eos": True}),
     (C, {"prompt": [5, 6, 7], "max_tokens": 2, "seed": 3, "stop": ["x", "y"], "ignore_eos": True}),
     (C, {"prompt": "ab", "max_tokens": 0, "echo": True, "logprobs": 1}),
     (C, {"prompt": [5] * 500, "max_tokens": 20, **GREEDY}),  # cut to the 12 tokens that fit
     (C, {"prompt": "ab", "max_tokens": 2, "user": "u", "unknown_field": 1, **GREEDY}),
+    (C, {"prompt": "ab", "max_tokens": 2, "add_special_tokens": False, "logprobs": 0, "echo": True, **GREEDY}),
+    (CH, {"messages": MESSAGES, "max_tokens": 2, "add_special_tokens": True, **GREEDY}),
     (C, {"prompt": "ab", "max_tokens": 4, "min_tokens": 2, "top_k": 5, "stop": [], **GREEDY}),
     (C, {"prompt": "ab", "max_tokens": 4, "logprobs": 1, **STOP_AT_ONCE}),
     (C, {"prompt": "ab", "max_tokens": 4, "include_stop_str_in_output": True, **STOP_AT_ONCE}),
@@ -208,7 +212,6 @@ REFUSED = [  # (route, body, status, the param ours names)
     (C, {"prompt": 5}, 400, "prompt"),
     (C, {"prompt": []}, 400, "prompt"),
     (C, {"prompt": [[]]}, 400, "prompt"),
-    (C, {"prompt": ["ab", ""]}, 400, "prompt"),
     (C, {"prompt": [5] * 600, "max_tokens": 2}, 400, "prompt"),
     (C, {"prompt": [10**6]}, 400, None),
     (CH, {"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),

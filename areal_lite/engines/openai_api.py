@@ -364,22 +364,27 @@ class OpenAIRoutes:
 
     # ----- /v1/completions -----------------------------------------------------------------
 
-    def _completion_prompts(self, prompt: object) -> tuple[list[list[int]], list[str] | None]:
+    def _completion_prompts(self, prompt: object, special: bool) -> tuple[list[list[int]], list[str] | None]:
         """The prompts as token-id lists (from a string, a list of strings, token ids, lists of
-        token ids) and the strings given (None for token ids)."""
+        token ids; strings encoded with the tokenizer's special tokens when ``special``, vLLM's
+        ``add_special_tokens``, true by default for a completion) and the strings given (None for
+        token ids)."""
         tok = self.scheduler.tokenizer
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
             return [token_ids(p, "prompt") for p in prompt], None
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) and not isinstance(prompt[0], bool):
             return [token_ids(prompt, "prompt")], None
         texts = [prompt] if isinstance(prompt, str) else prompt
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        if prompt == "" or not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
             raise BadRequest(
                 "prompt must be a non-empty string, a list of strings, token ids or lists of token ids", param="prompt"
             )
         if tok is None:
             raise BadRequest("this model directory has no tokenizer: send the prompt as token ids", param="prompt")
-        return [tok.encode(t, add_special_tokens=False) for t in texts], texts
+        prompts = [tok.encode(t, add_special_tokens=special) for t in texts]
+        if not all(prompts):  # as in vLLM, "" in a list is a prompt where the tokenizer adds a BOS
+            raise BadRequest("the prompt cannot be empty", param="prompt")
+        return prompts, texts
 
     async def _prompt_logprobs(self, prompts: list[list[int]], top_n: int) -> list[GenerationResult]:
         """Each prompt's tokens' log-probabilities (the first None) and ``top_n`` most likely
@@ -392,7 +397,9 @@ class OpenAIRoutes:
         model = self.model_name(body)
         echo = bool_field(body, "echo", False)
         refuse_unsupported({k: v for k, v in body.items() if k != "echo"})  # echo is served here
-        prompts, prompt_texts = self._completion_prompts(body.get("prompt"))
+        # vLLM's default for a completion's text: the tokenizer's special tokens too (a BOS, for Llama's).
+        special = bool_field(body, "add_special_tokens", True)
+        prompts, prompt_texts = self._completion_prompts(body.get("prompt"), special)
         logprobs = body.get("logprobs")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
             raise BadRequest(f"logprobs must be an integer, got {logprobs!r}", param="logprobs")
@@ -452,6 +459,9 @@ class OpenAIRoutes:
                 for i, (p, _, _) in enumerate(jobs)
             ]
 
+        # A choice's output offsets go on from its echoed tokens' texts (a BOS's included, as vLLM counts).
+        starts = [len(e) if b is None else sum(map(len, b["tokens"])) for e, b in zip(echoed, echo_blocks)]
+
         def with_echo(i: int, block: dict[str, list]) -> dict[str, list]:
             pre = echo_blocks[i]
             return {k: pre[k] + v for k, v in block.items()} if pre is not None else block
@@ -460,7 +470,7 @@ class OpenAIRoutes:
             results = await self.generate(jobs)
             choices = []
             for i, r in enumerate(results):
-                block = logprob_block(r.output_ids, r.output_logprobs, r.output_top_logprobs, len(echoed[i]))
+                block = logprob_block(r.output_ids, r.output_logprobs, r.output_top_logprobs, starts[i])
                 choice: dict[str, object] = {
                     "index": i,
                     "text": echoed[i] + self.text_of(r, o),
@@ -484,7 +494,7 @@ class OpenAIRoutes:
                 for _ in jobs
             ]
             first = [True] * len(jobs)
-            offsets = [len(e) for e in echoed]
+            offsets = list(starts)
             sent: list[list[int]] = [[] for _ in jobs]
             if echo:
                 for i, (prompt, _, _) in enumerate(jobs):
@@ -531,7 +541,9 @@ class OpenAIRoutes:
         check_messages(body)
         tools = chat_tools(body)
         tok = self.scheduler.tokenizer
-        prompt = tok.encode(render_chat(tok, body, tools), add_special_tokens=False)  # type: ignore[union-attr]
+        # vLLM's default for a chat: none added (the template writes its own).
+        special = bool_field(body, "add_special_tokens", False)
+        prompt = tok.encode(render_chat(tok, body, tools), add_special_tokens=special)  # type: ignore[union-attr]
         want_logprobs = bool_field(body, "logprobs", False)
         top_n = top_logprobs_field(body, "top_logprobs")
         if top_n and not want_logprobs:

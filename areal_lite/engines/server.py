@@ -496,7 +496,8 @@ class Server:
             raise BadRequest("text must be a string or a non-empty list of strings")
         if self.scheduler.tokenizer is None:
             raise BadRequest("this model directory has no tokenizer: send input_ids")
-        return [self.scheduler.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        # As SGLang's tokenizer manager: the tokenizer's special tokens too (a BOS, for Llama's).
+        return [self.scheduler.tokenizer.encode(t) for t in texts]
 
     def _answer(self, r: GenerationResult, opts: AnswerOptions, text: str | None = None) -> dict[str, object]:
         """SGLang's answer to one prompt (one sample of it): ``text`` given, a streamed answer so far

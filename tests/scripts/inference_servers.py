@@ -92,3 +92,22 @@ def perturbed_copy(model_path: str, out: str) -> torch.nn.Module:
             p.add_(0.1 * torch.randn(p.shape, generator=g))
     model.save_pretrained(out)
     return model
+
+
+def with_bos(path: str) -> None:
+    """Make the tokenizer at ``path`` start what it encodes with a BOS token (``<|endoftext|>``),
+    as Llama's does: a completion's text prompt then counts it (vLLM's ``add_special_tokens``
+    defaults to true there, and SGLang encodes text with it), a chat's does not (false there:
+    the template writes its own start)."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    bos = "<|endoftext|>"
+    template = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.convert_tokens_to_ids(bos))]
+    )
+    tok.backend_tokenizer.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False), template])
+    tok.bos_token = bos
+    tok.save_pretrained(path)
+    assert AutoTokenizer.from_pretrained(path).encode("ab")[0] == tok.convert_tokens_to_ids(bos)
