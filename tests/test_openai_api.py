@@ -199,7 +199,7 @@ def test_sdk_raises_bad_request_and_not_found_and_server_keeps_serving(base_url:
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
         client.chat.completions.create(model=model_path, messages=messages, frequency_penalty=2.5)
     with pytest.raises(openai.BadRequestError, match="response_format"):
-        client.chat.completions.create(model=model_path, messages=messages, response_format={"type": "json_object"})
+        client.chat.completions.create(model=model_path, messages=messages, response_format={"type": "xml"})
     with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1, got 0"):
         client.completions.create(model=model_path, prompt=[1, 2, 3], max_tokens=0)  # vLLM's 400 (0 with echo scores)
     with pytest.raises(openai.BadRequestError, match="max_completion_tokens must be at least 1, got 0"):

@@ -163,6 +163,25 @@ ANSWERS = [
     (CH, {"messages": PARTS, "max_tokens": 3, **GREEDY}),
     (CH, {"messages": MESSAGES, "max_tokens": 2, "stop": "zz", **OPENAI_ONLY, **GREEDY}),
     (CH, {"messages": MESSAGES, "max_tokens": 4, **STOP_AT_ONCE}),
+    # Structured output (llguidance here, xgrammar in vLLM): the same greedy tokens.
+    (C, {"prompt": "ab", "max_tokens": 10, "structured_outputs": {"choice": ["left", "right on"]}, "temperature": 0}),
+    (C, {"prompt": "ab", "max_tokens": 10, "structured_outputs": {"regex": "[a-c]{3}-[0-9]"}, "temperature": 0}),
+    (CH, {"messages": MESSAGES, "max_tokens": 60, "response_format": {"type": "json_object"}, "temperature": 0}),
+    (
+        CH,
+        {
+            "messages": MESSAGES,
+            "max_tokens": 60,
+            "temperature": 0,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "v",
+                    "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+                },
+            },
+        },
+    ),
     # Penalties and biases change the greedy tokens (test_shaping checks that they do), the same way.
     (C, {"prompt": "ab", "max_tokens": 10, "repetition_penalty": 1.8, "logprobs": 1, **GREEDY}),
     (C, {"prompt": "ab", "max_tokens": 10, "frequency_penalty": 1.5, **GREEDY}),
@@ -229,6 +248,17 @@ REFUSED = [  # (route, body, status, the param ours names)
     (C, {"prompt": "ab", "repetition_penalty": 0}, 400, "repetition_penalty"),
     (C, {"prompt": "ab", "min_p": 1.5}, 400, "min_p"),
     (C, {"prompt": "ab", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    (C, {"prompt": "ab", "structured_outputs": {"regex": "(unclosed"}}, 400, "structured_outputs"),
+    (C, {"prompt": "ab", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "structured_outputs"),
+    (
+        CH,
+        {
+            "messages": MESSAGES,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+        },
+        400,
+        "response_format",
+    ),
     (CH, {"messages": [{"role": "user", "content": "a b " * 400}]}, 400, "messages"),
     (R, {"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
     (R, {"input": []}, 400, "input"),

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from areal_lite.engines import decode_attention, fused_ops
+from areal_lite.engines import decode_attention, fused_ops, grammar
 from areal_lite.engines.decode_graphs import DecodeGraphs
 from areal_lite.engines.request import SamplingParams, Sequence
 from areal_lite.engines.shaping import min_p_masked, shaped
@@ -626,6 +626,7 @@ class ModelRunner:
         for s, t, lp in zip(seqs, tokens.tolist(), chosen.tolist()):
             s.out.append(t)
             s.logprobs.append(lp)
+            grammar.advance(s, t)
         k = max(p.top_logprobs for p in params)
         if k:
             logp = torch.log_softmax(raw, dim=-1)

@@ -21,7 +21,9 @@ tokens per position, the policy's own (temperature 1, before top-p / top-k), lik
 token's; a chat entry's ``bytes`` are the token's own (`TokenBytes`). ``echo`` (completions) puts
 the prompt before the answer. ``frequency_penalty``, ``presence_penalty``, ``logit_bias`` and vLLM's
 ``repetition_penalty`` and ``min_p`` shape what is sampled (`areal_lite.engines.shaping`), not the
-reported log-probabilities. Refused with a 400: structured output,
+reported log-probabilities. ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+``structured_outputs`` (``json``, ``json_object``, ``regex``, ``choice``, ``grammar``) constrain the
+output (`areal_lite.engines.grammar`). Refused with a 400:
 forced tool choice, and what OpenAI's ranges exclude (``temperature`` above 2, ``n`` above
 `MAX_N`). Every error is OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``);
 an unknown model is a 404, as in vLLM, and so are routes this server does not serve (embeddings,
@@ -40,6 +42,7 @@ from urllib.parse import unquote
 from aiohttp import web
 
 from areal_lite import __version__
+from areal_lite.engines import grammar
 from areal_lite.engines.openai_stream import TOOL_CALL_START, TextDeltas, merged, send_events
 from areal_lite.engines.request import GenerationResult, SamplingParams, TokenOut
 from areal_lite.engines.scheduler import Scheduler
@@ -285,6 +288,17 @@ class OpenAIRoutes:
             raise BadRequest(f"top_p must be in (0, 1], got {top_p}", param="top_p")
         shaping = shaping_fields(body)  # before the try: its BadRequest names the field
         try:
+            constraint = grammar.requested(body.get("response_format"), body.get("structured_outputs"))
+            if constraint is not None:
+                self.scheduler.grammars.matcher(constraint)  # compiles, or says why not
+        except ValueError as e:
+            key = (
+                "response_format"
+                if body.get("response_format") not in (None, {"type": "text"})
+                else "structured_outputs"
+            )
+            raise BadRequest(str(e), param=key) from e
+        try:
             return SamplingParams(
                 max_new_tokens=max_tokens,
                 min_new_tokens=min_tokens,
@@ -297,6 +311,7 @@ class OpenAIRoutes:
                 top_logprobs=top_logprobs,
                 seed=seed,
                 **shaping,
+                grammar=constraint,
             )
         except ValueError as e:
             raise BadRequest(str(e)) from e
@@ -396,7 +411,7 @@ class OpenAIRoutes:
         body = await read_json(request)
         model = self.model_name(body)
         echo = bool_field(body, "echo", False)
-        refuse_unsupported({k: v for k, v in body.items() if k != "echo"})  # echo is served here
+        refuse_unsupported({k: v for k, v in body.items() if k != "echo"}, structured=True)  # echo is served here
         # vLLM's default for a completion's text: the tokenizer's special tokens too (a BOS, for Llama's).
         special = bool_field(body, "add_special_tokens", True)
         prompts, prompt_texts = self._completion_prompts(body.get("prompt"), special)
@@ -537,7 +552,7 @@ class OpenAIRoutes:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         model = self.model_name(body)
-        refuse_unsupported(body)
+        refuse_unsupported(body, structured=True)
         check_messages(body)
         tools = chat_tools(body)
         tok = self.scheduler.tokenizer

@@ -53,7 +53,7 @@ class ResponsesRoute:
     async def create(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         model = self.routes.model_name(body)
-        chat = chat_body(body)
+        chat = chat_body(body, structured=True)
         tools = chat_tools(chat)
         tok = self.routes.scheduler.tokenizer
         # vLLM's Responses route encodes the rendered chat with the tokenizer's special tokens

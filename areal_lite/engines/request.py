@@ -13,6 +13,7 @@ from areal_lite.api.io import GenerationConfig
 
 if TYPE_CHECKING:
     import torch
+    from llguidance import LLMatcher
 
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures below this mean greedy decoding (SGLang's convention)."""
@@ -46,6 +47,9 @@ class SamplingParams:
     multiplied when negative (CTRL's, as HF, vLLM and SGLang apply it)."""
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Added to the logits of these token ids (OpenAI's ``logit_bias``, clamped to [-100, 100])."""
+    grammar: str | None = None
+    """Structured output: llguidance's grammar the output must follow (`areal_lite.engines.grammar`
+    builds it from a JSON schema, a regex, a choice or EBNF)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -152,8 +156,8 @@ class Sequence:
     (plain attributes: touched once per token)."""
 
     __slots__ = (
-        "abort_message", "deliver", "input_logprobs", "input_top", "logprobs", "on_token", "out", "params", "prompt",
-        "rid", "rng", "routes", "stop_ids", "t0", "top", "ttft", "versions", "want_input_logprobs",
+        "abort_message", "deliver", "input_logprobs", "input_top", "logprobs", "matcher", "on_token", "out", "params",
+        "prompt", "rid", "rng", "routes", "stop_ids", "t0", "top", "ttft", "versions", "want_input_logprobs",
     )  # fmt: skip
 
     def __init__(
@@ -187,6 +191,8 @@ class Sequence:
         self.abort_message: str | None = None
         self.routes: torch.Tensor | None = None
         """Set by the scheduler as the request leaves the batch (mixture-of-experts models)."""
+        self.matcher: LLMatcher | None = None
+        """The grammar's state (``params.grammar``), set by the scheduler, fed each token."""
 
     def result(self, finish_reason: dict[str, object]) -> GenerationResult:
         return GenerationResult(

@@ -44,6 +44,7 @@ import torch
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.adapter_slot import AdapterSlot, split_adapter_names
+from areal_lite.engines.grammar import Grammars
 from areal_lite.engines.model_runner import ModelRunner, context_length, dtype_of, load_model
 from areal_lite.engines.request import GenerationError, GenerationResult, SamplingParams, Sequence, TokenOut
 from areal_lite.utils.cpu import check_cores, pin_this_thread, release_openmp_threads, set_thread_intra_op_threads
@@ -149,6 +150,7 @@ class Scheduler:
         self.model = model
         context_len = context_length(model, cfg.max_total_tokens)
         self._runner = ModelRunner(model, cfg.max_running_requests, context_len, cfg.seed, cfg.cuda_graphs)
+        self.grammars = Grammars(self.tokenizer, model.config.vocab_size, self._eos_ids)
         if self._runner.device.type == "cpu" and not self._keeps_freed_memory:
             # Every step frees and reallocates its [rows, vocab] logits and probabilities (39 MB
             # each at 64 rows of a 151936-token vocabulary): kept, they are reused instead of
@@ -220,8 +222,8 @@ class Scheduler:
 
     def validate_request(self, input_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request the engine cannot serve (empty or too long prompt,
-        token ids outside the vocabulary, in the prompt or ``logit_bias``, stop strings without a
-        tokenizer)."""
+        token ids outside the vocabulary, in the prompt or ``logit_bias``, stop strings or a
+        grammar without a tokenizer, a grammar that does not compile)."""
         if self._runner is None:
             raise RuntimeError("the scheduler is not started: call start() first")
         if not input_ids:
@@ -238,6 +240,8 @@ class Scheduler:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab - 1}], got {outside[0]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model directory has none")
+        if params.grammar is not None:
+            self.grammars.matcher(params.grammar)  # compiles, or says why not
 
     def submit_request(
         self,
@@ -255,6 +259,8 @@ class Scheduler:
         stop_ids = self.stop_ids(params)
         rid = rid or uuid.uuid4().hex
         seq = Sequence(rid, list(input_ids), params, deliver, stop_ids, return_input_logprobs, on_token)
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)
         if params.max_new_tokens == 0 and not return_input_logprobs:
             deliver(seq.result({"type": "length", "length": 0}))
             return seq.rid

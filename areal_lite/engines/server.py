@@ -15,8 +15,9 @@ error, on every route (unknown routes and methods included), is OpenAI's error o
 
 Deliberate differences from SGLang: weight versions are integers (as strings on the wire, "0" at
 start); ``meta_info`` carries one extra key, ``output_token_versions`` (the version of each output
-token, which can change inside one request when weights are updated in place); the grammar
-sampling options and the multimodal, hidden-state and custom-logit-processor
+token, which can change inside one request when weights are updated in place); ``json_schema``,
+``regex`` and ``ebnf`` are held to with llguidance (`areal_lite.engines.grammar`), where SGLang
+defaults to xgrammar; ``structural_tag``, ``stop_regex`` and the multimodal, hidden-state and custom-logit-processor
 inputs of ``/generate`` are refused with a 400 rather than silently ignored. A mixture-of-experts model answers ``return_routed_experts`` as SGLang started
 with ``--enable-return-routed-experts`` does (``meta_info["routed_experts"]``, base64 of int32
 ``[prompt + completion tokens - 1, layers, top_k]``); a dense model refuses it with a 400.
@@ -39,6 +40,7 @@ from aiohttp import web
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
+from areal_lite.engines import grammar
 from areal_lite.engines.lora_routes import LoRARoutes, check_lora_path
 from areal_lite.engines.openai_api import MAX_TOP_LOGPROBS, OpenAIRoutes
 from areal_lite.engines.openai_responses import ResponsesRoute
@@ -97,9 +99,6 @@ SAMPLING_DEFAULTS: dict[str, object] = {
 """Every key SGLang accepts in ``sampling_params`` with its default; any other key is a 400."""
 
 UNSUPPORTED_SAMPLING = (
-    "json_schema",
-    "regex",
-    "ebnf",
     "structural_tag",
     "stop_regex",
 )
@@ -159,6 +158,7 @@ def parse_sampling_params(raw: object) -> tuple[SamplingParams, int, bool, bool]
     if max_new >= 0 and min_new > max_new:
         raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens={max_new}], got {min_new}")
     shaping = shaping_fields(raw)  # before the try: its BadRequest names the field
+    constraint = _sglang_grammar(raw)
     try:
         params = SamplingParams(
             max_new_tokens=max_new,
@@ -171,10 +171,28 @@ def parse_sampling_params(raw: object) -> tuple[SamplingParams, int, bool, bool]
             ignore_eos=bool_field(raw, "ignore_eos", False),
             seed=_optional_int(raw, "sampling_seed"),
             **shaping,
+            grammar=constraint,
         )
     except ValueError as e:
         raise BadRequest(str(e)) from e
     return params, n, bool_field(raw, "skip_special_tokens", True), bool_field(raw, "no_stop_trim", False)
+
+
+def _sglang_grammar(raw: dict[str, object]) -> str | None:
+    """The grammar of SGLang's ``json_schema`` (its JSON text), ``regex`` or ``ebnf`` (at most one)."""
+    given = [key for key in ("json_schema", "regex", "ebnf") if raw.get(key) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise BadRequest("Only one of regex, json_schema, or ebnf can be set.", param=given[1])
+    [key] = given
+    if not isinstance(raw[key], str):
+        raise BadRequest(f"sampling_params.{key} must be a string", param=key)
+    make = {"json_schema": grammar.json_schema_grammar, "regex": grammar.regex_grammar, "ebnf": grammar.ebnf_grammar}
+    try:
+        return make[key](raw[key])
+    except ValueError as e:
+        raise BadRequest(str(e), param=key) from e
 
 
 def _optional_int(d: dict[str, object], key: str) -> int | None:

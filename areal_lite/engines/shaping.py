@@ -1,5 +1,5 @@
 """What a request's sampling options do to the logits before the engine draws a token, in vLLM's
-order (its ``Sampler``): min-token suppression, logit bias, then the repetition, frequency and
+order (its ``Sampler``): a grammar's mask (`areal_lite.engines.grammar`), min-token suppression, logit bias, then the repetition, frequency and
 presence penalties (`shaped`); greedy rows take the argmax of that; the others are divided by
 their temperature, then min-p drops the unlikely tokens (`min_p_masked`), then top-k / top-p
 (the model runner's). SGLang applies the same options with the same formulas; it adds the
@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from areal_lite.engines import grammar
+
 if TYPE_CHECKING:
     from areal_lite.engines.request import SamplingParams, Sequence
 
@@ -26,12 +28,15 @@ def suppressing(s: Sequence) -> bool:
 
 
 def shaped(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """``logits`` [n, V] (fp32, one row per sequence) after each row's min-token suppression,
-    logit bias and penalties: ``logits`` itself when no row has any, else a changed copy."""
-    rows = [j for j, s in enumerate(seqs) if suppressing(s) or s.params.reshapes_logits]
+    """``logits`` [n, V] (fp32, one row per sequence) after each row's grammar mask, min-token
+    suppression, logit bias and penalties: ``logits`` itself when no row has any, else a changed copy."""
+    rows = [j for j, s in enumerate(seqs) if suppressing(s) or s.params.reshapes_logits or s.matcher is not None]
     if not rows:
         return logits
     out = logits.clone()
+    constrained = [j for j in rows if seqs[j].matcher is not None]
+    if constrained:
+        grammar.mask(out, seqs, constrained)
     for j in rows:
         _shape_row(out[j], seqs[j])
     return out

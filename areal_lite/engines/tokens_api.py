@@ -5,7 +5,7 @@ It is the route of verifiers' ``TrainClient`` and of prime-rl's orchestrator: th
 the chat itself, so what the model saw is exactly the ids it sent, and trains on the ids and
 log-probabilities that come back. Request: ``token_ids``, ``sampling_params`` (vLLM's
 ``SamplingParams``: ``max_tokens``, ``min_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``,
-``seed``, ``n``, ``stop``, ``stop_token_ids``, ``ignore_eos``, the penalties, ``logit_bias``,
+``seed``, ``n``, ``stop``, ``stop_token_ids``, ``ignore_eos``, the penalties, ``logit_bias``, ``structured_outputs``,
 ``logprobs``, ``skip_special_tokens``, ``include_stop_str_in_output``; unknown keys are ignored, as
 vLLM does), ``request_id``, ``model``,
 ``stream`` (+ ``stream_options.include_usage``), ``return_token_ids``. Answer: ``request_id``,
@@ -18,7 +18,8 @@ A ``logprobs.content`` entry carries the sampled token both as vLLM 0.32 writes 
 earlier vLLM and the ``renderers`` package that verifiers 0.4 uses read it (``token``:
 ``"token_id:N"``), so both generations of clients read it. Differences from vLLM: ``output_mode``
 ``text`` is refused (the client detokenizes), and so are the sampling options our engine cannot
-honour (allowed token ids, bad words, structured output, prompt log-probabilities).
+honour (allowed token ids, bad words, prompt log-probabilities); ``structured_outputs`` is held to
+(`areal_lite.engines.grammar`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from areal_lite.engines import grammar
 from areal_lite.engines.openai_api import MAX_TOP_LOGPROBS
 from areal_lite.engines.openai_stream import merged, send_events
 from areal_lite.engines.request import GenerationResult, SamplingParams, TokenOut
@@ -39,7 +41,6 @@ from areal_lite.utils.openai_chat import BadRequest, bool_field, float_field, in
 REFUSED_SAMPLING: dict[str, object] = {
     "allowed_token_ids": None,
     "bad_words": None,
-    "structured_outputs": None,
     "prompt_logprobs": None,
     "logprob_token_ids": None,
 }
@@ -72,6 +73,10 @@ def _sampling(sp: dict[str, object], prompt_len: int, context: int) -> tuple[Sam
     top_k = int_field(sp, "top_k", -1)
     shaping = shaping_fields(sp)  # before the try: its BadRequest names the field
     try:
+        constraint = grammar.requested(None, sp.get("structured_outputs"))
+    except ValueError as e:
+        raise BadRequest(str(e), param="structured_outputs") from e
+    try:
         params = SamplingParams(
             max_new_tokens=max_tokens,
             min_new_tokens=int_field(sp, "min_tokens", 0),
@@ -85,6 +90,7 @@ def _sampling(sp: dict[str, object], prompt_len: int, context: int) -> tuple[Sam
             top_logprobs=MAX_TOP_LOGPROBS if logprobs == -1 else (logprobs or 0),
             seed=None if seed is None else int_field(sp, "seed", 0),
             **shaping,
+            grammar=constraint,
         )
     except ValueError as e:
         raise BadRequest(str(e)) from e

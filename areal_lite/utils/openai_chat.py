@@ -23,7 +23,6 @@ REFUSED: dict[str, object] = {
     "echo": False,
     "suffix": None,
     "prompt_logprobs": None,
-    "structured_outputs": None,
     "allowed_token_ids": None,
 }
 """Request keys taken only at their default (no-op) value: the engines cannot honour any other."""
@@ -77,13 +76,18 @@ def bool_field(d: dict[str, object], key: str, default: bool) -> bool:
     return v
 
 
-def refuse_unsupported(body: dict[str, object]) -> None:
-    """Raise `BadRequest` for an option of `REFUSED` set to anything but its default, or a
-    ``response_format`` other than text."""
+def refuse_unsupported(body: dict[str, object], structured: bool = False) -> None:
+    """Raise `BadRequest` for an option of `REFUSED` set to anything but its default, or, unless
+    the caller constrains output (``structured``), a ``response_format`` other than text or vLLM's
+    ``structured_outputs``."""
     for key, default in REFUSED.items():
         value = body.get(key)
         if value is not None and value != default and value not in ({}, []):
             raise BadRequest(f"{key} is not supported by areal-lite", param=key)
+    if structured:
+        return
+    if body.get("structured_outputs") not in (None, {}):
+        raise BadRequest("structured_outputs is not supported here", param="structured_outputs")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise BadRequest("response_format other than text is not supported by areal-lite", param="response_format")

@@ -14,7 +14,8 @@ and `ResponseEvents` write the answer: a ``message`` item with one ``output_text
 
 Deliberate limits: nothing is stored, so ``previous_response_id``, ``conversation`` and stored
 ``prompt`` templates are a 400 (send the whole conversation in ``input``), as are tools other than
-functions, forced ``tool_choice``, structured ``text.format`` and non-text inputs (images, files).
+functions, forced ``tool_choice``, structured ``text.format`` where the caller cannot constrain
+output (the recording proxy), and non-text inputs (images, files).
 ``reasoning`` settings, ``truncation``, ``store`` and ``parallel_tool_calls`` are accepted and
 have no effect (the models have no separate reasoning channel; a prompt past the context is a 400).
 """
@@ -120,8 +121,10 @@ def _chat_tools(body: dict[str, object]) -> list[dict[str, object]] | None:
     return out
 
 
-def chat_body(body: dict[str, object]) -> dict[str, object]:
-    """The chat-completions request a Responses request stands for. Raises `BadRequest`."""
+def chat_body(body: dict[str, object], structured: bool = False) -> dict[str, object]:
+    """The chat-completions request a Responses request stands for; with ``structured`` (a caller
+    that constrains output) a ``text.format`` of ``json_object`` or ``json_schema`` becomes its
+    ``response_format``, otherwise it is refused. Raises `BadRequest`."""
     for key, what in (
         ("previous_response_id", "responses are not stored on this server: send the whole conversation in input"),
         ("conversation", "conversations are not stored on this server: send the whole conversation in input"),
@@ -133,8 +136,7 @@ def chat_body(body: dict[str, object]) -> dict[str, object]:
         raise BadRequest("background responses are not supported", param="background")
     text = body.get("text") or {}
     fmt = text.get("format") if isinstance(text, dict) else None
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise BadRequest("text.format other than text (structured output) is not supported", param="text")
+    response_format = _response_format(fmt, structured)
     choice = body.get("tool_choice", "auto")
     if choice not in ("auto", "none", None):
         raise BadRequest("tool_choice other than auto or none is not supported", param="tool_choice")
@@ -142,6 +144,8 @@ def chat_body(body: dict[str, object]) -> dict[str, object]:
     if not isinstance(include, list):
         raise BadRequest("include must be a list", param="include")
     chat: dict[str, object] = {"messages": input_messages(body), "tool_choice": choice or "auto"}
+    if response_format is not None:
+        chat["response_format"] = response_format
     tools = _chat_tools(body)
     if tools:
         chat["tools"] = tools
@@ -154,6 +158,18 @@ def chat_body(body: dict[str, object]) -> dict[str, object]:
         if key in body:
             chat[key] = body[key]
     return chat
+
+
+def _response_format(fmt: object, structured: bool) -> dict[str, object] | None:
+    """Chat's ``response_format`` for a Responses ``text.format`` (None: plain text)."""
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if not structured or kind not in ("json_object", "json_schema"):
+        raise BadRequest(f"text.format {kind!r} (structured output) is not supported here", param="text")
+    if kind == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}  # type: ignore[union-attr]
 
 
 def wants_logprobs(body: dict[str, object]) -> bool:
@@ -233,7 +249,7 @@ def response_object(
         "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
         "store": False,
         "temperature": 1.0 if body.get("temperature") is None else body["temperature"],  # what sampled
-        "text": {"format": {"type": "text"}, **{k: v for k, v in text.items() if k != "format"}},  # type: ignore[union-attr]
+        "text": {"format": {"type": "text"}, **text},  # type: ignore[dict-item]
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [],
         "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
