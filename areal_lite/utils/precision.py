@@ -15,6 +15,7 @@ kind (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``, with the decode kern
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -50,6 +51,9 @@ def cpu_kind() -> str:
     ~50x slower than fp32, or oneDNN capped below AVX-512 BF16), with any instruction-set cap."""
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     name = str(caps.get("cpu_name") or "unknown CPU")
+    generation = _amd_generation()
+    if generation:
+        name += f" ({generation})"
     cores = caps.get("num_logical_cores")
     if caps.get("amx_bf16"):
         isa = "AMX BF16"
@@ -76,3 +80,22 @@ def compute_dtype(name: str, device: torch.device, allowed: tuple[str, ...] = tu
     if name not in allowed:
         raise ValueError(f"dtype must be auto or one of {sorted(allowed)}, got {name!r}")
     return COMPUTE_DTYPES[name]
+
+
+def _amd_generation() -> str | None:
+    """An AMD CPU's core generation from /proc/cpuinfo's family and model ("Zen 4, family 25
+    model 17"): one name ("AMD EPYC") covers kinds whose bf16 and fp32 rates differ by 2x and more;
+    None elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    fields = dict(re.findall(r"^(vendor_id|cpu family|model)\s*:\s*(\S+)", head, flags=re.MULTILINE))
+    if fields.get("vendor_id") != "AuthenticAMD" or not fields.get("cpu family", "").isdigit():
+        return None
+    family, model = int(fields["cpu family"]), int(fields.get("model", "0"))
+    zen4 = family == 25 and (0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF)
+    label = {23: "Zen 1-2", 26: "Zen 5"}.get(family) or ("Zen 4" if zen4 else "Zen 3" if family == 25 else None)
+    where = f"family {family} model {model}"
+    return f"{label}, {where}" if label else where
