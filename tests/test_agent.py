@@ -112,7 +112,7 @@ def test_a_conversation_that_extends_is_one_trajectory_trained_on_generated_toke
     first = engine.prompts[0] + proxy.calls[0].response.output_tokens
     assert engine.prompts[1][: len(first)] == first and ids[: len(engine.prompts[1])] == engine.prompts[1]
     # It decodes to exactly the conversation as the template renders it (less the closing newline).
-    rendered = render_chat(tok, {"messages": conversation, "add_generation_prompt": False}, TOOLS)
+    rendered = render_chat(tok, {"messages": conversation, "add_generation_prompt": False, "tools": TOOLS})
     assert tok.decode(ids) + "\n" == rendered
     # Only the model's replies are trained on, with their log-probabilities and versions.
     runs = segments(trace.loss_mask)
@@ -375,7 +375,9 @@ def test_openai_agents_sdk_runs_a_tool_agent_on_the_embedded_engine(taught_rollo
     assert trace.input_ids == taught.input_ids and trace.loss_mask == taught.loss_mask
     # The trajectory decodes to exactly the conversation the SDK held, as the template renders it.
     conversation = [*bodies[-1]["messages"], {"role": "assistant", "content": final}]
-    rendered = render_chat(tok, {"messages": conversation, "add_generation_prompt": False}, bodies[-1]["tools"])
+    rendered = render_chat(
+        tok, {"messages": conversation, "add_generation_prompt": False, "tools": bodies[-1]["tools"]}
+    )
     assert tok.decode(trace.input_ids) + "\n" == rendered
     runs = segments(trace.loss_mask)
     assert [v for v, _, _ in runs] == [0, 1, 0, 1]

@@ -210,3 +210,58 @@ def test_a_grammar_that_does_not_compile_is_a_400_naming_its_field(
         "prompt": "hi"}, "/generate": {"input_ids": PROMPT}, "/inference/v1/generate": {"token_ids": PROMPT}}[route]  # fmt: skip
     r = requests.post(f"{server}{route}", json={**base, **body}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                          "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_forced_tool_choice_answers_with_a_call(server: str, model_path: str) -> None:
+    """A named tool: the answer is a call to it, arguments valid against its parameters, finish
+    ``stop`` (OpenAI's, vLLM's); ``required``: one or more calls of the given tools, finish
+    ``tool_calls``, one at most without parallel calls; streamed, the same call comes whole."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    done = 0
+    for seed in range(4):  # sampled: a tiny random model may wander in JSON's free whitespace
+        r = client.chat.completions.create(
+            model=model_path, messages=messages, tools=[WEATHER, TIME], tool_choice=named, max_tokens=200, seed=seed
+        )
+        c = r.choices[0]
+        if c.finish_reason == "length":
+            continue
+        [call] = c.message.tool_calls
+        assert (c.finish_reason, c.message.content, call.function.name) == ("stop", "", "get_weather")
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        done += 1
+    assert done
+    for seed in range(4):
+        r = client.chat.completions.create(model=model_path, messages=messages, tools=[WEATHER, TIME],
+            tool_choice="required", parallel_tool_calls=False, max_tokens=200, seed=seed)  # fmt: skip
+        c = r.choices[0]
+        if c.finish_reason == "tool_calls":
+            assert len(c.message.tool_calls) == 1 and c.message.tool_calls[0].function.name in (
+                "get_weather",
+                "get_time",
+            )
+            break
+    else:
+        pytest.fail("no required tool call finished in 4 seeds")
+    stream = client.chat.completions.create(model=model_path, messages=messages, tools=[WEATHER], tool_choice=named,
+        max_tokens=200, seed=0, stream=True)  # fmt: skip
+    chunks = list(stream)
+    calls = [t for ch in chunks if ch.choices for t in ch.choices[0].delta.tool_calls or []]
+    plain = client.chat.completions.create(model=model_path, messages=messages, tools=[WEATHER], tool_choice=named,
+        max_tokens=200, seed=0)  # fmt: skip
+    if plain.choices[0].message.tool_calls:
+        assert [(t.function.name, t.function.arguments) for t in calls] == [
+            (t.function.name, t.function.arguments) for t in plain.choices[0].message.tool_calls
+        ]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ""
+    with pytest.raises(openai.BadRequestError, match="get_nothing") as refused:
+        client.chat.completions.create(model=model_path, messages=messages, tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "get_nothing"}})  # fmt: skip
+    assert refused.value.param == "tool_choice"

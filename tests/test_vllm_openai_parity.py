@@ -69,7 +69,8 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def both(model_path: str, tmp_path_factory: pytest.TempPathFactory):
     """(vLLM's address, ours)."""
-    vllm_procs, vllm_addresses = start_vllm_servers(model_path, 1, str(tmp_path_factory.mktemp("logs")), CONTEXT)
+    logs, tools = str(tmp_path_factory.mktemp("logs")), ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    vllm_procs, vllm_addresses = start_vllm_servers(model_path, 1, logs, CONTEXT, tools)  # tools as agents run it
     try:
         procs, addresses = start_servers(model_path, 1)
         try:
@@ -136,6 +137,11 @@ OPENAI_ONLY = {"user": "u", "metadata": {"k": "v"}, "store": False, "parallel_to
                "stream_options": None}  # fmt: skip
 """OpenAI request fields that change nothing here, at values that change nothing there."""
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}}}  # fmt: skip
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
 ANSWERS = [
     (C, {"prompt": "ab", "max_tokens": 4, **GREEDY}),
     (C, {"prompt": "ab", "max_tokens": 1, **GREEDY}),
@@ -182,6 +188,9 @@ ANSWERS = [
             },
         },
     ),
+    # Tools rendered into the prompt as vLLM renders them (its model_dump: description null), also with none.
+    (CH, {"messages": MESSAGES, "tools": [TOOL, CLOCK], "max_tokens": 6, "temperature": 0}),
+    (CH, {"messages": MESSAGES, "tools": [TOOL, CLOCK], "tool_choice": "none", "max_tokens": 6, "temperature": 0}),
     # Penalties and biases change the greedy tokens (test_shaping checks that they do), the same way.
     (C, {"prompt": "ab", "max_tokens": 10, "repetition_penalty": 1.8, "logprobs": 1, **GREEDY}),
     (C, {"prompt": "ab", "max_tokens": 10, "frequency_penalty": 1.5, **GREEDY}),
@@ -250,6 +259,12 @@ REFUSED = [  # (route, body, status, the param ours names)
     (C, {"prompt": "ab", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     (C, {"prompt": "ab", "structured_outputs": {"regex": "(unclosed"}}, 400, "structured_outputs"),
     (C, {"prompt": "ab", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "structured_outputs"),
+    (
+        CH,
+        {"messages": MESSAGES, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        400,
+        "tool_choice",
+    ),
     (
         CH,
         {
@@ -326,6 +341,10 @@ def test_answers_read_alike(both, model_path: str, route: str, body: dict) -> No
         texts = [(c.text if route == C else c.message.content).rstrip("\ufffd") for c in (y, x)]
         assert texts[0] == texts[1], (ours, theirs)
         assert y.model_extra["stop_reason"] == x.model_extra["stop_reason"]
+        if route == CH:  # forced tool choices: the same calls
+            assert [(t.function.name, t.function.arguments) for t in y.message.tool_calls or []] == [
+                (t.function.name, t.function.arguments) for t in x.message.tool_calls or []
+            ]
         if x.logprobs is not None and route == CH:
             # A token that ends inside a character: vLLM gives it no text and no bytes, ours (as
             # OpenAI documents ``bytes``) the bytes it holds. Every other token alike.
@@ -447,3 +466,21 @@ def test_streams_read_alike(both, model_path: str, route: str, body: dict) -> No
         assert tokens(b) == tokens(a)
     if body.get("temperature") == 0:
         assert text(b) == text(a)
+
+
+@pytest.mark.parametrize("choice", [NAMED, "required"], ids=["named", "required"])
+def test_a_forced_tool_choice_starts_the_same_hermes_call(both, model_path: str, choice: object) -> None:
+    """vLLM's hermes tool parser forces a call in the Hermes format (``<tool_call>\\n{"name": ...,
+        "arguments": ``), and so do we: the same text up to the arguments (llguidance writes forced text
+    in its canonical tokens, xgrammar lets the model pick any that spell it). There the two part:
+        ours holds the arguments to the tool's schema, vLLM's CPU build left them free (a tiny random
+        model writes a number there, to the end of its budget)."""
+    body = {"model": model_path, "messages": MESSAGES, "tools": [TOOL, CLOCK], "tool_choice": choice,
+            "max_tokens": 120, "temperature": 0, "return_token_ids": True}  # fmt: skip
+    (s1, theirs), (s2, ours) = post(both[0], CH, body), post(both[1], CH, body)
+    assert (s1, s2) == (200, 200), (theirs, ours)
+    head = '<tool_call>\n{"name": "get_weather", "arguments": '
+    tok = AutoTokenizer.from_pretrained(model_path)
+    texts = [tok.decode(x["choices"][0]["token_ids"]) for x in (theirs, ours)]
+    assert texts[0][: len(head)] == texts[1][: len(head)] == head, texts
+    assert theirs["usage"]["prompt_tokens"] == ours["usage"]["prompt_tokens"]

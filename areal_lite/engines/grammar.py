@@ -153,3 +153,34 @@ def requested(response_format: object, structured_outputs: object) -> str | None
     if key in ("regex", "grammar") and not isinstance(value, str):
         raise ValueError(f"structured_outputs.{key} must be a string")
     return makers[key](value)
+
+
+def forced_tool_call(tool_choice: object, tools: list[dict[str, object]], parallel: object) -> tuple[str, str | None]:
+    """The grammar of a forced tool call in the Hermes format the chat templates teach
+    (``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``, what vLLM's hermes parser
+    forces too): a named tool (``{"type": "function", "function": {"name": ...}}``) once, or for
+    ``"required"`` one or more calls of ``tools`` (one when ``parallel`` is false), the
+    arguments held to each tool's ``parameters`` schema. Returns (grammar, the named tool or
+    None). ValueError for a tool that is not among ``tools``."""
+    from llguidance import LLMatcher
+
+    params = {t["function"]["name"]: t["function"].get("parameters") for t in tools}  # type: ignore[index,union-attr]
+
+    def call(name: str) -> str:
+        schema = params[name] if isinstance(params[name], dict) else {"type": "object", "properties": {}}
+        head = json.dumps(f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ')
+        return f"{head} %json {json.dumps(schema)} " + json.dumps("}\n</tool_call>")
+
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise ValueError(
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+            )
+        if name not in params:
+            raise ValueError(f"Tool '{name}' has not been passed in `tools`.")
+        return LLMatcher.grammar_from_lark(f"start: {call(name)}\n"), name
+    rules = "call: " + " | ".join(call(name) for name in params)
+    start = "start: call" if parallel is False else 'start: call ("\\n" call)*'
+    return LLMatcher.grammar_from_lark(f"{start}\n{rules}\n"), None

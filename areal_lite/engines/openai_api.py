@@ -23,8 +23,10 @@ the prompt before the answer. ``frequency_penalty``, ``presence_penalty``, ``log
 ``repetition_penalty`` and ``min_p`` shape what is sampled (`areal_lite.engines.shaping`), not the
 reported log-probabilities. ``response_format`` (``json_object``, ``json_schema``) and vLLM's
 ``structured_outputs`` (``json``, ``json_object``, ``regex``, ``choice``, ``grammar``) constrain the
-output (`areal_lite.engines.grammar`). Refused with a 400:
-forced tool choice, and what OpenAI's ranges exclude (``temperature`` above 2, ``n`` above
+output (`areal_lite.engines.grammar`), and so does a ``tool_choice`` that forces a call (``required``
+or a named function): the answer is held to Hermes-format calls of the tools, their arguments to
+each tool's schema, and read back as the calls. Refused with a 400:
+what OpenAI's ranges exclude (``temperature`` above 2, ``n`` above
 `MAX_N`). Every error is OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``);
 an unknown model is a 404, as in vLLM, and so are routes this server does not serve (embeddings,
 images, audio, moderations), with a message that says so.
@@ -240,12 +242,14 @@ class OpenAIRoutes:
         prompt_key: str = "messages",
         budget_key: str = "max_tokens",
         scoring: bool = False,
+        tool_grammar: str | None = None,
     ) -> SamplingParams:
         """The request's sampling options; ``max_tokens`` None = up to the context length, and
         no more than fits after the prompt (vLLM's rule; OpenAI's service answers a 400 instead).
         A prompt that fills the context is a 400 (``context_length_exceeded``) naming
         ``prompt_key``; a budget below 1 is a 400 naming ``budget_key``, except 0 when
-        ``scoring`` (a completion echoing its prompt, to score it)."""
+        ``scoring`` (a completion echoing its prompt, to score it). ``tool_grammar``: a forced
+        tool call's, which takes the place of ``response_format``."""
         context = self.scheduler.context_len
         if prompt_len >= context:
             raise BadRequest(
@@ -288,7 +292,7 @@ class OpenAIRoutes:
             raise BadRequest(f"top_p must be in (0, 1], got {top_p}", param="top_p")
         shaping = shaping_fields(body)  # before the try: its BadRequest names the field
         try:
-            constraint = grammar.requested(body.get("response_format"), body.get("structured_outputs"))
+            constraint = tool_grammar or grammar.requested(body.get("response_format"), body.get("structured_outputs"))
             if constraint is not None:
                 self.scheduler.grammars.matcher(constraint)  # compiles, or says why not
         except ValueError as e:
@@ -554,18 +558,31 @@ class OpenAIRoutes:
         model = self.model_name(body)
         refuse_unsupported(body, structured=True)
         check_messages(body)
-        tools = chat_tools(body)
+        tools = chat_tools(body, forced=True)
+        choice = body.get("tool_choice")
+        named, tool_grammar, forced = (
+            None,
+            None,
+            tools is not None and (choice == "required" or isinstance(choice, dict)),
+        )
+        if forced:
+            try:
+                tool_grammar, named = grammar.forced_tool_call(choice, tools, body.get("parallel_tool_calls"))  # type: ignore[arg-type]
+            except ValueError as e:
+                raise BadRequest(str(e), param="tool_choice") from e
         tok = self.scheduler.tokenizer
         # vLLM's default for a chat: none added (the template writes its own).
         special = bool_field(body, "add_special_tokens", False)
-        prompt = tok.encode(render_chat(tok, body, tools), add_special_tokens=special)  # type: ignore[union-attr]
+        prompt = tok.encode(render_chat(tok, body), add_special_tokens=special)  # type: ignore[union-attr]
         want_logprobs = bool_field(body, "logprobs", False)
         top_n = top_logprobs_field(body, "top_logprobs")
         if top_n and not want_logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         o = Options.parse(body)
         budget = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        params = self.sampling(body, max_completion_tokens(body), len(prompt), top_n, budget_key=budget)
+        params = self.sampling(
+            body, max_completion_tokens(body), len(prompt), top_n, budget_key=budget, tool_grammar=tool_grammar
+        )
         jobs = self.jobs([prompt], params, o.n, o.request_id)
         head = {
             "id": f"chatcmpl-{o.request_id}",
@@ -579,6 +596,18 @@ class OpenAIRoutes:
             text = self.text_of(r, o)
             return parse_tool_calls(text) if tools else (text, [])
 
+        def message(content: str, calls: list) -> dict[str, object]:
+            # vLLM's answer to a forced call: content "" beside the calls (OpenAI's: null).
+            return (
+                {**assistant_message(content, calls), "content": content}
+                if forced
+                else assistant_message(content, calls)
+            )
+
+        def finish(r: GenerationResult, calls: list) -> str:
+            # OpenAI's and vLLM's: a named tool's call ends with "stop", auto and required ones with "tool_calls".
+            return finish_type(r) if named is not None else chat_finish_reason(finish_type(r), calls)
+
         if not o.stream:
             results = await self.generate(jobs)
             choices = []
@@ -587,9 +616,9 @@ class OpenAIRoutes:
                 entries = self.chat_logprobs(r.output_ids, r.output_logprobs, r.output_top_logprobs)
                 choice: dict[str, object] = {
                     "index": i,
-                    "message": assistant_message(content, calls),
+                    "message": message(content, calls),
                     "logprobs": {"content": entries} if want_logprobs else None,
-                    "finish_reason": chat_finish_reason(finish_type(r), calls),
+                    "finish_reason": finish(r, calls),
                     "stop_reason": stop_reason(r, params),
                 }
                 if o.with_ids:
@@ -642,7 +671,7 @@ class OpenAIRoutes:
                     yield chunk(
                         {"index": i, "delta": {"tool_calls": tool_calls}, "logprobs": None, "finish_reason": None}
                     )
-                reason = chat_finish_reason(finish_type(event), calls)
+                reason = finish(event, calls)
                 yield chunk({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason,
                              "stop_reason": stop_reason(event, params)})  # fmt: skip
             if o.include_usage:

@@ -58,7 +58,7 @@ class ResponsesRoute:
         tok = self.routes.scheduler.tokenizer
         # vLLM's Responses route encodes the rendered chat with the tokenizer's special tokens
         # (unlike its chat route): a tokenizer that adds a BOS gets one more prompt token here.
-        prompt = tok.encode(render_chat(tok, chat, tools))  # type: ignore[union-attr]
+        prompt = tok.encode(render_chat(tok, chat))  # type: ignore[union-attr]
         top_n = top_logprobs_field(chat, "top_logprobs")
         params = self.routes.sampling(
             chat, max_completion_tokens(chat), len(prompt), top_n, prompt_key="input", budget_key="max_output_tokens"

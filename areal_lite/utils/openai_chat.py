@@ -203,8 +203,10 @@ def _template_tool_calls(calls: object, i: int) -> list[dict[str, object]]:
     return out
 
 
-def chat_tools(body: dict[str, object]) -> list[dict[str, object]] | None:
-    """The request's function tools, or None when there are none or ``tool_choice`` is ``none``."""
+def chat_tools(body: dict[str, object], forced: bool = False) -> list[dict[str, object]] | None:
+    """The request's function tools, or None when there are none or ``tool_choice`` is ``none``;
+    a ``tool_choice`` that forces a call (``required``, or a named function) is refused unless the
+    caller can force one (``forced``)."""
     tools = body.get("tools")
     if tools is None:
         return None
@@ -215,17 +217,36 @@ def chat_tools(body: dict[str, object]) -> list[dict[str, object]] | None:
     ):  # fmt: skip
         raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ..., ...}}', param="tools")
     choice = body.get("tool_choice", "auto")
-    if choice not in ("auto", "none", None):
-        raise BadRequest("tool_choice other than auto or none is not supported by areal-lite", param="tool_choice")
+    if choice not in ("auto", "none", None) and not (forced and (choice == "required" or isinstance(choice, dict))):
+        raise BadRequest("tool_choice other than auto or none is not supported here", param="tool_choice")
+    if choice not in ("auto", "none", None) and not tools:
+        raise BadRequest(f"tool_choice {choice!r} needs tools", param="tool_choice")
     return None if choice == "none" or not tools else tools
 
 
-def render_chat(
-    tokenizer: object, body: dict[str, object], tools: list[dict[str, object]] | None, **template_kwargs: object
-) -> str:
-    """The prompt text of a chat request: its messages and ``tools`` rendered by the tokenizer's
-    chat template, with the generation prompt unless ``add_generation_prompt`` is false. The
-    request's ``chat_template_kwargs`` override ``template_kwargs``."""
+def template_tools(body: dict[str, object]) -> list[dict[str, object]] | None:
+    """The request's function tools as vLLM hands them to the chat template (its tools'
+    ``model_dump()``): each ``{"type": "function", "function": {"name", "description",
+    "parameters"}}`` in that order, null where absent, ``strict`` only where given; with
+    ``tool_choice: none`` too (the model is told of the tools, no call is read back)."""
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools:
+        return None
+    out = []
+    for t in tools:
+        f = t["function"]
+        function = {"name": f["name"], "description": f.get("description"), "parameters": f.get("parameters")}
+        if f.get("strict") is not None:
+            function["strict"] = f["strict"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def render_chat(tokenizer: object, body: dict[str, object], **template_kwargs: object) -> str:
+    """The prompt text of a chat request: its messages and tools (`template_tools`, after
+    `chat_tools` checked them) rendered by the tokenizer's chat template, with the generation
+    prompt unless ``add_generation_prompt`` is false. The request's ``chat_template_kwargs``
+    override ``template_kwargs``."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BadRequest("this model directory has no tokenizer with a chat template")
     kwargs = body.get("chat_template_kwargs") or {}
@@ -234,7 +255,7 @@ def render_chat(
     try:
         return tokenizer.apply_chat_template(  # type: ignore[attr-defined]
             chat_messages(body.get("messages")),
-            tools=tools,
+            tools=template_tools(body),
             add_generation_prompt=bool_field(body, "add_generation_prompt", True),
             tokenize=False,
             **{**template_kwargs, **kwargs},

@@ -159,7 +159,7 @@ class RecordingProxy:
                 param="top_logprobs",
             )
         tools = chat_tools(body)
-        text = render_chat(self.tokenizer, body, tools, **self.template_kwargs)
+        text = render_chat(self.tokenizer, body, **self.template_kwargs)
         resp, gconfig = await self._generate_recorded(body, text)
         return self._completion(body, resp, gconfig.stop, tools is not None)
 

@@ -31,11 +31,12 @@ def tiny_vllm_model(path: str, context: int) -> str:
 
 
 def start_vllm_servers(
-    model_path: str, n: int, log_dir: str, max_model_len: int = 512
+    model_path: str, n: int, log_dir: str, max_model_len: int = 512, extra_args: list[str] | None = None
 ) -> tuple[list[subprocess.Popen], list[str]]:
-    """Start ``n`` vLLM servers on ``model_path`` and wait until each answers /health (their output
-    goes to ``log_dir/vllm<i>.log``). Returns (processes, host:port list)."""
-    launcher = LauncherConfig(backend="vllm", server_args=["--max-model-len", str(max_model_len)])
+    """Start ``n`` vLLM servers on ``model_path`` (with ``extra_args`` on their command lines) and
+    wait until each answers /health (their output goes to ``log_dir/vllm<i>.log``). Returns
+    (processes, host:port list)."""
+    launcher = LauncherConfig(backend="vllm", server_args=["--max-model-len", str(max_model_len), *(extra_args or [])])
     python = vllm_python(launcher)
     probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, check=False)
     if probe.returncode != 0:
