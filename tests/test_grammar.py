@@ -265,3 +265,22 @@ def test_a_forced_tool_choice_answers_with_a_call(server: str, model_path: str) 
         client.chat.completions.create(model=model_path, messages=messages, tools=[WEATHER],
             tool_choice={"type": "function", "function": {"name": "get_nothing"}})  # fmt: skip
     assert refused.value.param == "tool_choice"
+
+
+def test_the_responses_api_forces_calls_too(server: str, model_path: str) -> None:
+    """``client.responses.create`` with ``tool_choice`` naming a function (what openai-agents
+    sends for ``ModelSettings(tool_choice=...)``): a ``function_call`` item of that tool."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0)
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"], "strict": True}
+    for seed in range(4):
+        r = client.responses.create(model=model_path, input="Weather in Paris?", tools=[tool], max_output_tokens=200,
+            tool_choice={"type": "function", "name": "get_weather"}, extra_body={"seed": seed})  # fmt: skip
+        if r.status == "completed":
+            [call] = [item for item in r.output if item.type == "function_call"]
+            assert call.name == "get_weather"
+            jsonschema.validate(json.loads(call.arguments), tool["parameters"])
+            break
+    else:
+        pytest.fail("no forced call completed in 4 seeds")
+    r = client.responses.create(model=model_path, input="hi", tools=[tool], tool_choice="required", max_output_tokens=8)
+    assert r.status == "incomplete" or any(item.type == "function_call" for item in r.output)

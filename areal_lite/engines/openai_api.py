@@ -320,6 +320,18 @@ class OpenAIRoutes:
         except ValueError as e:
             raise BadRequest(str(e)) from e
 
+    @staticmethod
+    def forced_call(body: dict[str, object], tools: list[dict[str, object]] | None) -> tuple[str | None, str | None]:
+        """(grammar, named tool) of a chat request whose ``tool_choice`` forces a call
+        (`grammar.forced_tool_call`); (None, None) when it does not."""
+        choice = body.get("tool_choice")
+        if tools is None or not (choice == "required" or isinstance(choice, dict)):
+            return None, None
+        try:
+            return grammar.forced_tool_call(choice, tools, body.get("parallel_tool_calls"))
+        except ValueError as e:
+            raise BadRequest(str(e), param="tool_choice") from e
+
     def jobs(
         self, prompts: list[list[int]], params: SamplingParams, n: int, request_id: str
     ) -> list[tuple[list[int], SamplingParams, str]]:
@@ -559,17 +571,8 @@ class OpenAIRoutes:
         refuse_unsupported(body, structured=True)
         check_messages(body)
         tools = chat_tools(body, forced=True)
-        choice = body.get("tool_choice")
-        named, tool_grammar, forced = (
-            None,
-            None,
-            tools is not None and (choice == "required" or isinstance(choice, dict)),
-        )
-        if forced:
-            try:
-                tool_grammar, named = grammar.forced_tool_call(choice, tools, body.get("parallel_tool_calls"))  # type: ignore[arg-type]
-            except ValueError as e:
-                raise BadRequest(str(e), param="tool_choice") from e
+        tool_grammar, named = self.forced_call(body, tools)
+        forced = tool_grammar is not None
         tok = self.scheduler.tokenizer
         # vLLM's default for a chat: none added (the template writes its own).
         special = bool_field(body, "add_special_tokens", False)

@@ -54,14 +54,21 @@ class ResponsesRoute:
         body = await read_json(request)
         model = self.routes.model_name(body)
         chat = chat_body(body, structured=True)
-        tools = chat_tools(chat)
+        tools = chat_tools(chat, forced=True)
+        tool_grammar, _ = self.routes.forced_call(chat, tools)
         tok = self.routes.scheduler.tokenizer
         # vLLM's Responses route encodes the rendered chat with the tokenizer's special tokens
         # (unlike its chat route): a tokenizer that adds a BOS gets one more prompt token here.
         prompt = tok.encode(render_chat(tok, chat))  # type: ignore[union-attr]
         top_n = top_logprobs_field(chat, "top_logprobs")
         params = self.routes.sampling(
-            chat, max_completion_tokens(chat), len(prompt), top_n, prompt_key="input", budget_key="max_output_tokens"
+            chat,
+            max_completion_tokens(chat),
+            len(prompt),
+            top_n,
+            prompt_key="input",
+            budget_key="max_output_tokens",
+            tool_grammar=tool_grammar,
         )
         response_id = new_response_id()
         jobs = self.routes.jobs([prompt], params, 1, response_id)

@@ -124,7 +124,8 @@ def _chat_tools(body: dict[str, object]) -> list[dict[str, object]] | None:
 def chat_body(body: dict[str, object], structured: bool = False) -> dict[str, object]:
     """The chat-completions request a Responses request stands for; with ``structured`` (a caller
     that constrains output) a ``text.format`` of ``json_object`` or ``json_schema`` becomes its
-    ``response_format``, otherwise it is refused. Raises `BadRequest`."""
+    ``response_format`` and a ``tool_choice`` may force a call, otherwise both are refused. Raises
+    `BadRequest`."""
     for key, what in (
         ("previous_response_id", "responses are not stored on this server: send the whole conversation in input"),
         ("conversation", "conversations are not stored on this server: send the whole conversation in input"),
@@ -137,13 +138,13 @@ def chat_body(body: dict[str, object], structured: bool = False) -> dict[str, ob
     text = body.get("text") or {}
     fmt = text.get("format") if isinstance(text, dict) else None
     response_format = _response_format(fmt, structured)
-    choice = body.get("tool_choice", "auto")
-    if choice not in ("auto", "none", None):
-        raise BadRequest("tool_choice other than auto or none is not supported", param="tool_choice")
+    choice = _tool_choice(body.get("tool_choice", "auto"), structured)
     include = body.get("include") or []
     if not isinstance(include, list):
         raise BadRequest("include must be a list", param="include")
     chat: dict[str, object] = {"messages": input_messages(body), "tool_choice": choice or "auto"}
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     if response_format is not None:
         chat["response_format"] = response_format
     tools = _chat_tools(body)
@@ -158,6 +159,24 @@ def chat_body(body: dict[str, object], structured: bool = False) -> dict[str, ob
         if key in body:
             chat[key] = body[key]
     return chat
+
+
+def _tool_choice(choice: object, structured: bool) -> object:
+    """Chat's ``tool_choice`` for a Responses one: ``auto``, ``none``, and where the caller can
+    force a call (``structured``), ``required`` or a named function (``{"type": "function",
+    "name": ...}``, chat's ``{"type": "function", "function": {"name": ...}}``)."""
+    if choice in ("auto", "none", None):
+        return choice
+    if structured and choice == "required":
+        return choice
+    if (
+        structured
+        and isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("name"), str)
+    ):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise BadRequest(f"tool_choice {choice!r} is not supported here", param="tool_choice")
 
 
 def _response_format(fmt: object, structured: bool) -> dict[str, object] | None:
