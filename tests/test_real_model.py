@@ -2,7 +2,8 @@
 (a Q4_1 GGUF file that transformers dequantises into a Llama with tied embeddings, a BPE tokenizer
 and a ChatML template), through every piece: the GGUF -> HF conversion, the embedded engine and
 our server (log-probabilities against a HF forward, greedy text against HF ``generate``), the
-OpenAI chat endpoint through the ``openai`` SDK with the model's chat template, FSDP and Megatron
+OpenAI chat endpoint through the ``openai`` SDK with the model's chat template (structured output
+and a forced tool call included), FSDP and Megatron
 (with the tied embedding converted) on 2 ranks against HF, the cost of a trainer in bf16 against
 a rollout engine in fp32, a LoRA step whose adapter reaches the engine, and one GRPO step of the
 GSM8K example through the launcher with the ``cpu`` profile.
@@ -152,6 +153,44 @@ def test_server_logprobs_and_openai_chat_with_the_template(server: str, hf: torc
         done = client.chat.completions.create(model=model.id, messages=chat, max_tokens=N_NEW, temperature=0.0)
         assert done.usage.prompt_tokens == len(prompt), "the prompt is the chat template's rendering"
         assert done.choices[0].message.content == tokenizer.decode(hf_out, skip_special_tokens=True)
+
+
+def test_structured_output_and_a_forced_tool_call_on_the_real_model(server: str) -> None:
+    """What agent code asks of the real model through the openai SDK: a Pydantic object from
+    ``chat.completions.parse`` (``response_format`` json_schema), a regex-constrained answer, and
+    a call forced by ``tool_choice``, greedy; each must come back whole, not cut by the budget."""
+    import json
+
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        country: str = pydantic.Field(max_length=20)
+
+    client = openai.OpenAI(base_url=f"http://{server}/v1", api_key="unused", max_retries=0)
+    [model] = client.models.list().data
+    ask = [{"role": "user", "content": "Name the capital of France and its country."}]
+    parsed = client.chat.completions.parse(model=model.id, messages=ask, response_format=City, temperature=0.0,
+                                           max_tokens=80).choices[0].message.parsed  # fmt: skip
+    assert isinstance(parsed, City) and parsed.name and parsed.country
+    year = client.completions.create(model=model.id, prompt="The year the Berlin wall fell:", max_tokens=8,
+        temperature=0.0, extra_body={"structured_outputs": {"regex": " ?[12][0-9]{3}"}})  # fmt: skip
+    assert year.choices[0].finish_reason == "stop" and 1000 <= int(year.choices[0].text) <= 2999
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                       "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+    done = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[weather], tool_choice="required", parallel_tool_calls=False, temperature=0.0, max_tokens=60)  # fmt: skip
+    [call] = done.choices[0].message.tool_calls
+    assert done.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # Named, the same call; with parallel calls allowed the greedy model goes on calling (not asserted).
+    done = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[weather], tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0.0,
+        max_tokens=60)  # fmt: skip
+    [call] = done.choices[0].message.tool_calls
+    assert (done.choices[0].finish_reason, done.choices[0].message.content) == ("stop", "")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
 @pytest.mark.timeout(1800)
