@@ -208,6 +208,11 @@ def chat_tools(body: dict[str, object], forced: bool = False) -> list[dict[str, 
     a ``tool_choice`` that forces a call (``required``, or a named function) is refused unless the
     caller can force one (``forced``)."""
     tools = body.get("tools")
+    choice = body.get("tool_choice", "auto")
+    if choice not in ("auto", "none", None) and not (forced and (choice == "required" or isinstance(choice, dict))):
+        raise BadRequest("tool_choice other than auto or none is not supported here", param="tool_choice")
+    if choice not in ("auto", "none", None) and not tools:
+        raise BadRequest(f"tool_choice {choice!r} needs tools", param="tool_choice")
     if tools is None:
         return None
     if not isinstance(tools, list) or not all(
@@ -216,11 +221,6 @@ def chat_tools(body: dict[str, object], forced: bool = False) -> list[dict[str, 
         for t in tools
     ):  # fmt: skip
         raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ..., ...}}', param="tools")
-    choice = body.get("tool_choice", "auto")
-    if choice not in ("auto", "none", None) and not (forced and (choice == "required" or isinstance(choice, dict))):
-        raise BadRequest("tool_choice other than auto or none is not supported here", param="tool_choice")
-    if choice not in ("auto", "none", None) and not tools:
-        raise BadRequest(f"tool_choice {choice!r} needs tools", param="tool_choice")
     return None if choice == "none" or not tools else tools
 
 
