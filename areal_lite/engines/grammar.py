@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,6 +71,10 @@ def ebnf_grammar(ebnf: str) -> str:
         raise ValueError(f"the grammar does not parse: {e}") from None
 
 
+CHECKED = 256
+"""How many grammars `Grammars.check` remembers as compiling."""
+
+
 class Grammars:
     """Matchers for one model's tokenizer: the tokenizer's llguidance form is built once, on first
     use (0.25 s for SmolLM2's 49152 tokens, in the thread of the first structured request; each
@@ -80,6 +85,19 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self._ll: LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._compiled: dict[str, None] = {}
+        """Grammars known to compile, oldest first (at most `CHECKED` of them)."""
+
+    def check(self, grammar: str) -> None:
+        """ValueError when ``grammar`` does not compile; a grammar seen to compile is not compiled
+        again (a request is checked by its route, then by the scheduler as it is queued)."""
+        if grammar not in self._compiled:
+            self.matcher(grammar)
+            with self._lock:  # route handlers check from their event loops' threads
+                self._compiled[grammar] = None
+                if len(self._compiled) > CHECKED:
+                    del self._compiled[next(iter(self._compiled))]
 
     def matcher(self, grammar: str) -> LLMatcher:
         """A fresh matcher of ``grammar``; ValueError when it does not compile (the message says why)."""

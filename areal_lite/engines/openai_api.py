@@ -294,13 +294,14 @@ class OpenAIRoutes:
         try:
             constraint = tool_grammar or grammar.requested(body.get("response_format"), body.get("structured_outputs"))
             if constraint is not None:
-                self.scheduler.grammars.matcher(constraint)  # compiles, or says why not
+                self.scheduler.grammars.check(constraint)
         except ValueError as e:
-            key = (
-                "response_format"
-                if body.get("response_format") not in (None, {"type": "text"})
-                else "structured_outputs"
-            )
+            if tool_grammar is not None:
+                key = "tools"  # a tool's parameters schema that does not compile
+            elif body.get("response_format") not in (None, {"type": "text"}):
+                key = "response_format"
+            else:
+                key = "structured_outputs"
             raise BadRequest(str(e), param=key) from e
         try:
             return SamplingParams(

@@ -241,7 +241,7 @@ class Scheduler:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model directory has none")
         if params.grammar is not None:
-            self.grammars.matcher(params.grammar)  # compiles, or says why not
+            self.grammars.check(params.grammar)
 
     def submit_request(
         self,
