@@ -52,7 +52,9 @@ def enabled() -> bool:
     choice = os.environ.get(ENV, "auto").strip().lower()
     if choice not in ("auto", "onednn", "torch"):
         raise ValueError(f"{ENV} must be auto, onednn or torch, got {choice!r}")
-    if choice == "torch" or not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if choice == "torch" or not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
         return False
     return choice == "onednn" or _amd_with_avx512()
 
