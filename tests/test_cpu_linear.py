@@ -90,7 +90,24 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="auto, onednn or torch"):
         cpu_linear.enabled()
     monkeypatch.setenv(cpu_linear.ENV, "auto")
-    assert cpu_linear.enabled() == cpu_linear._amd_with_avx512()
+    assert cpu_linear.enabled() == cpu_linear._this_cpu_is_full_width_amd()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN no wider than MKL's AVX2 kernels
+    assert not cpu_linear.enabled()
+
+
+@pytest.mark.parametrize(
+    "vendor, family, flags, expected",
+    [
+        ("AuthenticAMD", 26, "fpu avx2 avx512f avx512_bf16", True),  # Zen 5
+        ("AuthenticAMD", 25, "fpu avx2 avx512f avx512_bf16", False),  # Zen 4: 256-bit halves
+        ("AuthenticAMD", 26, "fpu avx2", False),  # AVX-512 hidden by the hypervisor
+        ("AuthenticAMD", 23, "fpu avx2", False),  # AVX2-only EPYC
+        ("GenuineIntel", 6, "fpu avx2 avx512f", False),  # MKL runs its AVX-512 kernels there
+    ],
+)
+def test_auto_picks_full_width_amd_cpus(vendor: str, family: int, flags: str, expected: bool) -> None:
+    cpuinfo = f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 2\nflags\t\t: {flags}\n"
+    assert cpu_linear.full_width_amd(cpuinfo) is expected
 
 
 def test_a_whole_model_is_patched_and_trains_as_hf(onednn: list, tmp_path) -> None:

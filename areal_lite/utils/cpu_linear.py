@@ -14,7 +14,8 @@ gradient each through oneDNN, for fp32 CPU tensors whose product is at least `MI
 that oneDNN's ~10 us per call costs more than it gains). `patch_for_training` puts it in place of
 every ``nn.Linear`` forward of a model; `FSDPEngine` calls it on CPU and the chunked LM head uses
 `linear` directly. Whether it is used is `enabled()`: ``AREAL_LITE_CPU_LINEAR`` = ``onednn`` (always),
-``torch`` (never) or ``auto`` (the default: on AMD CPUs with AVX-512, where MKL takes its AVX2 path).
+``torch`` (never) or ``auto`` (the default: on AMD CPUs from Zen 5 on, whose AVX-512 is full width,
+unless oneDNN is capped below AVX-512).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from areal_lite.utils.precision import onednn_isa_cap
+
 ENV = "AREAL_LITE_CPU_LINEAR"
 """``auto`` (default), ``onednn`` or ``torch``: see the module docstring."""
 
@@ -35,16 +38,34 @@ MIN_MACS = 1 << 20
 product took 2-3 us through MKL and 12-15 us through oneDNN; at 256 x 64 x 64 the two were even."""
 
 
+def full_width_amd(cpuinfo: str) -> bool:
+    """Whether ``cpuinfo`` (/proc/cpuinfo's text) is an AMD CPU of family 26 (Zen 5) or later with
+    AVX-512: where MKL's AVX2 kernels run at half the CPU's fp32 rate. Zen 4 (family 25) executes
+    AVX-512 in 256-bit halves; there oneDNN's forward products ran a few percent faster than MKL's
+    and its weight gradients slower (docs/performance.md), so ``auto`` leaves Zen 4 to MKL."""
+    fields = dict(re.findall(r"^(vendor_id|cpu family|flags)\s*:(.*)$", cpuinfo, flags=re.MULTILINE))
+    family = fields.get("cpu family", "").strip()
+    return (
+        fields.get("vendor_id", "").strip() == "AuthenticAMD"
+        and family.isdigit()
+        and int(family) >= 26
+        and "avx512f" in fields.get("flags", "").split()
+    )
+
+
 @functools.cache
-def _amd_with_avx512() -> bool:
+def _this_cpu_is_full_width_amd() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
-            head = f.read(8192)
+            return full_width_amd(f.read(8192))
     except OSError:
         return False
-    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", head, flags=re.MULTILINE)
-    flags = re.search(r"^flags\s*:(.*)$", head, flags=re.MULTILINE)
-    return bool(vendor and vendor.group(1) == "AuthenticAMD" and flags and "avx512f" in flags.group(1).split())
+
+
+ONEDNN_BELOW_AVX512 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"})
+"""oneDNN's instruction-set caps (``ONEDNN_MAX_CPU_ISA``) that leave it no wider than MKL's AVX2
+kernels: ``auto`` keeps ``F.linear`` under them (as `make test-avx2` runs, standing in for AVX2-only
+CPUs)."""
 
 
 def enabled() -> bool:
@@ -56,7 +77,7 @@ def enabled() -> bool:
         torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     ):
         return False
-    return choice == "onednn" or _amd_with_avx512()
+    return choice == "onednn" or (_this_cpu_is_full_width_amd() and onednn_isa_cap() not in ONEDNN_BELOW_AVX512)
 
 
 def _mm(a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
