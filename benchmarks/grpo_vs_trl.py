@@ -16,7 +16,9 @@ same cheap function on both sides.
   `PPOActor.ppo_update` on `FSDPEngine` and an in-process weight update), on-policy: the
   engine's log-probabilities are the old policy's, as TRL takes them.
 - ``async``: the same loop at eta = 1 with the decoupled loss (proximal log-probabilities
-  recomputed): the engine generates the next batch while the trainer trains on this one.
+  recomputed): the engine generates the next batch while the trainer trains on this one. The
+  engine keeps the process's thread count (``local_engine.num_threads`` 0): it and the trainer
+  each run on half of the threads while both compute, on all of them alone.
 
 Our trainer runs each group's shared prompt through the model once (``shared_prefix``, as the
 quickstart does; ``--no-shared-prefix`` turns it off): the same tokens are trained, with fewer

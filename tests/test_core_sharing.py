@@ -88,6 +88,13 @@ SCRIPT = textwrap.dedent(
     seen = []
     for layer in train.model.hf.base_model.layers:
         layer.register_forward_hook(lambda *a: seen.append(torch.get_num_threads()))
+    steps = []  # (start, the engine thread's count) of each engine step
+    runner = engine.scheduler._runner
+    step = runner.step
+    def timed_step(admitted):
+        steps.append((time.monotonic(), torch.get_num_threads()))
+        return step(admitted)
+    runner.step = timed_step
     ids = torch.randint(0, 100, (2, 16))
     batch = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                         "loss_mask": torch.ones_like(ids)}, batch_size=[2])
@@ -104,9 +111,16 @@ SCRIPT = textwrap.dedent(
     while not engine.busy and time.monotonic() < deadline:
         time.sleep(0.001)
     assert engine.busy, "the engine never started the request"
+    t0 = time.monotonic()
     train.train_batch(batch, loss, weight)
+    t1 = time.monotonic()
     while_busy = sorted(set(seen))
     gen.join()
+    # The steps that began (and so read the trainer's state) while it trained, and whose step
+    # before them did too, so that the trainer's start falls in neither.
+    inside = sorted({n for (before, _), (t, n) in zip(steps, steps[1:]) if before > t0 and t < t1})
+    after = sorted({n for t, n in steps if t > t1 + 0.05})
+    print("ENGINE", inside, after)
     seen.clear()
     train.train_batch(batch, loss, weight)
     print("COUNTS", while_busy, sorted(set(seen)), engine.busy)
@@ -122,12 +136,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "qwen2"), hidden_size=64, num_layers=2)
 
 
-@pytest.mark.parametrize("share, expected", [(1, "COUNTS [1] [2] False"), (0, "COUNTS [2] [2] False")])
+@pytest.mark.parametrize(
+    "share, expected, engine",
+    [(1, "COUNTS [1] [2] False", "ENGINE [1] [1]"), (0, "COUNTS [1] [2] False", "ENGINE [1] [2]")],
+)
 def test_the_fsdp_trainer_yields_the_engines_share_while_it_generates(
-    tiny_model_dir: str, share: int, expected: str
+    tiny_model_dir: str, share: int, expected: str, engine: str
 ) -> None:
-    """An engine with a share of its own (num_threads=1 of 2): the trainer's layers run on 1
-    thread while it generates, on 2 once it is done; with no share of its own, always on 2."""
+    """The trainer's layers run on 1 thread of 2 while the engine generates, on 2 once it is done.
+    An engine with a share of its own (num_threads=1) runs on it throughout; one without runs on
+    1 while the trainer computes and on 2 once it is done."""
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, tiny_model_dir, str(share)],
         check=False,
@@ -137,6 +155,7 @@ def test_the_fsdp_trainer_yields_the_engines_share_while_it_generates(
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert expected in out.stdout, out.stdout
+    assert engine in out.stdout, out.stdout
     assert "AFTER 2" in out.stdout
 
 

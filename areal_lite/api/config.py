@@ -398,7 +398,10 @@ class LocalEngineConfig:
     num_threads: int = field(default=0, metadata=at_least(0))
     """Threads of the engine's torch ops (the scheduler thread's own count; 0 = the process's).
     Where generation and training run at once in one process (asynchronous RL with the engine
-    in-process), giving each part of the cores keeps them from oversubscribing them."""
+    in-process), giving each part of the cores keeps them from oversubscribing them. With 0 and an
+    FSDP trainer connected in process on CPU (``actor.share_cores_with_engine``), the engine runs
+    on half of the process's threads while the trainer computes and on all of them otherwise (the
+    trainer likewise), so whichever computes alone has every thread."""
     cores: list[int] = field(default_factory=list)
     """CPU cores for the engine's scheduler thread and the OpenMP workers it starts (empty = no
     pinning; cores the machine lacks are refused at start): to keep the engine off cores that

@@ -61,7 +61,7 @@ from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import InferenceEngine, LossFn, PackedBatch
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
 from areal_lite.engines import fused_ops
-from areal_lite.engines.train_base import TrainEngineBase
+from areal_lite.engines.train_base import TrainEngineBase, marks_computing
 from areal_lite.utils import cpu_linear
 from areal_lite.utils.cpu import CoreSharing
 from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatches, unpack_sequences
@@ -372,6 +372,7 @@ class FSDPEngine(TrainEngineBase):
         return self._module()(ids, pos, cu, with_entropy, tree, targets)
 
     @torch.no_grad()
+    @marks_computing
     def forward(
         self, batch: TensorDict, *, with_entropy: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -508,11 +509,19 @@ class FSDPEngine(TrainEngineBase):
             self.update_weights(meta)
 
     def _share_cores(self, engine: InferenceEngine) -> None:
-        """With ``share_cores_with_engine``, on CPU, when ``engine`` generates in this process on
-        a share of the threads of its own: yield that share while it is generating."""
+        """With ``share_cores_with_engine``, on CPU, when ``engine`` generates in this process:
+        yield its share of the threads while it is generating. An engine with a share of its own
+        (``local_engine.num_threads``) keeps that share; one without gets half of the threads
+        while this engine computes and all of them otherwise, so that whichever of the two
+        computes alone has every thread and both at once split them."""
         share = getattr(engine, "thread_share", 0)
         threads = torch.get_num_threads()
-        if not self.config.share_cores_with_engine or self.device.type != "cpu" or not 0 < share < threads:
+        if not self.config.share_cores_with_engine or self.device.type != "cpu" or threads < 2:
+            return
+        if share == 0 and hasattr(engine, "yield_threads_to"):
+            share = threads // 2
+            engine.yield_threads_to(lambda: self.computing, share)
+        if not 0 < share < threads:
             return
         assert self.model is not None
         if self._core_sharing is not None:

@@ -12,6 +12,7 @@ alone, which the scheduler merges into the weights (as adapter `ADAPTER`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,10 @@ class LocalInferenceEngine(InferenceEngine):
         """The threads the engine's ops run on when it has a share of its own
         (`LocalEngineConfig.num_threads`); 0 when it runs on the process's count."""
         return self.config.num_threads
+
+    def yield_threads_to(self, computing: Callable[[], bool], share: int) -> None:
+        """See `Scheduler.yield_threads_to` (a trainer in this process connects it)."""
+        self.scheduler.yield_threads_to(computing, share)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase | None:

@@ -129,6 +129,8 @@ class Scheduler:
         self._eos_ids: frozenset[int] = frozenset()
         self.adapter = AdapterSlot()
         """The LoRA adapter merged into the weights, if any (read it from the scheduler thread)."""
+        self._yield_to: tuple[Callable[[], bool], int] | None = None
+        """(whether a trainer in this process computes, the threads to run on meanwhile)."""
         self._layout: CheckpointLayout | None = None
         """The model's checkpoint layout, built when a tensor first arrives under a checkpoint name."""
         self._recent_steps: deque[tuple[float, int]] = deque(maxlen=THROUGHPUT_STEPS)
@@ -390,12 +392,23 @@ class Scheduler:
 
     # ----- the loop ------------------------------------------------------------------------
 
+    def yield_threads_to(self, computing: Callable[[], bool], share: int) -> None:
+        """Run on ``share`` threads while ``computing()`` says a trainer in this process is
+        computing, on the process's count otherwise (checked before each step). Only for an
+        engine without a count of its own (``num_threads`` 0): the trainer takes the rest while
+        the engine generates (`CoreSharing`), so that either one alone has every thread and both
+        at once split them."""
+        if share < 1:
+            raise ValueError(f"share must be at least 1, got {share}")
+        self._yield_to = (computing, share)
+
     def _loop(self) -> None:
         runner = self._runner
         assert runner is not None
         pin_this_thread(self.config.cores)
         if self.config.num_threads:
             set_thread_intra_op_threads(self.config.num_threads)
+        whole = current = torch.get_num_threads()
         while True:
             with self._cond:
                 idle = False
@@ -427,6 +440,12 @@ class Scheduler:
                 self._finish_aborted()
             if self._paused:
                 continue
+            if self._yield_to is not None and not self.config.num_threads:
+                computing, share = self._yield_to
+                wanted = min(share, whole) if computing() else whole
+                if wanted != current:
+                    set_thread_intra_op_threads(wanted)
+                    current = wanted
             try:
                 version = self.version
                 running = len(runner.rows)

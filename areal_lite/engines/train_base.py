@@ -21,11 +21,12 @@ applied, and how its weights and training state are read and written.
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import math
 import os
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,23 @@ class Optimizer(Protocol):
     param_groups: list[dict[str, object]]
 
 
+_Method = TypeVar("_Method", bound=Callable[..., object])
+
+
+def marks_computing(method: _Method) -> _Method:
+    """Count the engine as computing while ``method`` runs (`TrainEngineBase.computing`)."""
+
+    @functools.wraps(method)
+    def wrapper(self: TrainEngineBase, *args: object, **kwargs: object) -> object:
+        self._computing += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._computing -= 1
+
+    return wrapper  # type: ignore[return-value]
+
+
 class TrainEngineBase(TrainEngine):
     """The backend-independent state and methods of `FSDPEngine` and `MegatronEngine`."""
 
@@ -68,6 +86,8 @@ class TrainEngineBase(TrainEngine):
         self._owns_group = False
         """Whether this engine created the default process group (and `destroy` ends it)."""
         self._sender = WeightSender()
+        self._computing = 0
+        """Calls of forward passes, losses or optimizer steps running now (`computing`)."""
         self._checkpoint: CheckpointLayout | None = None
 
     def create_process_group(self) -> None:
@@ -111,6 +131,13 @@ class TrainEngineBase(TrainEngine):
 
     def get_version(self) -> int:
         return self._version
+
+    @property
+    def computing(self) -> bool:
+        """Whether a forward pass, a loss pass or an optimizer step runs now: what an engine
+        generating in this process on CPU reads to yield its share of the cores (read without a
+        lock, from another thread)."""
+        return self._computing > 0
 
     def step_lr_scheduler(self) -> None:
         if self.optimizer is None:
@@ -157,6 +184,7 @@ class TrainEngineBase(TrainEngine):
         backends override this; without pipeline stages every rank runs the losses)."""
         return obj
 
+    @marks_computing
     def optim_step(
         self,
         lr: float | None = None,
@@ -197,6 +225,7 @@ class TrainEngineBase(TrainEngine):
     def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
         return self._weighted_loss(batch, loss_fn, loss_weight_fn, train=False)
 
+    @marks_computing
     def _weighted_loss(
         self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn, train: bool
     ) -> dict[str, float]:
