@@ -131,9 +131,11 @@ def test_a_whole_model_is_patched_and_trains_as_hf(onednn: list, tmp_path) -> No
         torch.testing.assert_close(b.grad, a.grad, **TOL, msg=name)
 
 
-def fsdp_step(path: str, route: str, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def fsdp_step(
+    path: str, route: str, monkeypatch: pytest.MonkeyPatch, checkpointing: bool = False
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """An FSDP engine's log-probabilities of a batch, then its parameters after one SGD step on
-    it, with ``route`` for the products."""
+    it, with ``route`` for the products (and activation checkpointing if asked)."""
     from tensordict import TensorDict
 
     from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
@@ -141,7 +143,10 @@ def fsdp_step(path: str, route: str, monkeypatch: pytest.MonkeyPatch) -> tuple[t
     from areal_lite.engines.fsdp import FSDPEngine
 
     monkeypatch.setenv(cpu_linear.ENV, route)
-    engine = FSDPEngine(TrainEngineConfig(path=path, optimizer=OptimizerConfig(gradient_clipping=0.0)))
+    cfg = TrainEngineConfig(
+        path=path, optimizer=OptimizerConfig(gradient_clipping=0.0), gradient_checkpointing=checkpointing
+    )
+    engine = FSDPEngine(cfg)
     engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=4, train_batch_size=4))
     engine.optimizer = torch.optim.SGD(engine.model.parameters(), lr=1.0)
     try:
@@ -164,7 +169,8 @@ def test_an_fsdp_step_through_onednn_equals_the_torch_one(
 ) -> None:
     """`FSDPEngine` routes its layers and chunked head through `cpu_linear`: the same
     log-probabilities and the same parameters after a step (SGD at lr 1: parameters equal
-    gradients) as through ``F.linear``."""
+    gradients) as through ``F.linear``, also with activation checkpointing (the forward rerun in
+    the backward)."""
     from areal_lite.utils.tiny import build_tiny_model
 
     path = build_tiny_model(str(tmp_path / "m"), hidden_size=128, num_layers=2, vocab_size=512)
@@ -177,3 +183,6 @@ def test_an_fsdp_step_through_onednn_equals_the_torch_one(
     for k, v in params_torch.items():
         torch.testing.assert_close(params[k], v, atol=1e-5, rtol=1e-4, msg=k)
     assert apart > 0  # ... and not bit-identical: the products really went another way
+    _, params_ckpt = fsdp_step(path, "onednn", monkeypatch, checkpointing=True)
+    for k, v in params_torch.items():
+        torch.testing.assert_close(params_ckpt[k], v, atol=1e-5, rtol=1e-4, msg=k)
