@@ -70,11 +70,14 @@ def test_a_frozen_weight_gets_no_gradient_product(onednn: list) -> None:
     assert onednn == [(256, 96, 128), (256, 128, 96)]  # forward and input gradient only
 
 
-def test_small_bf16_and_non_cpu_products_stay_with_f_linear(onednn: list) -> None:
+def test_small_bf16_and_autocast_products_stay_with_f_linear(onednn: list) -> None:
     small = torch.randn(64, 64), torch.randn(64, 64)
     assert torch.equal(cpu_linear.linear(*small), F.linear(*small))
     half = torch.randn(512, 256).bfloat16(), torch.randn(256, 256).bfloat16()
     assert torch.equal(cpu_linear.linear(*half), F.linear(*half))
+    big = torch.randn(512, 256), torch.randn(256, 256)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's bf16 product, as F.linear's
+        assert cpu_linear.linear(*big).dtype == torch.bfloat16
     assert onednn == []
     cpu_linear.linear(torch.randn(64, 128), torch.randn(128, 128))  # 1 << 20 multiply-adds
     assert onednn == [(64, 128, 128)]

@@ -108,12 +108,20 @@ class _Linear(torch.autograd.Function):
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Plain fp32 CPU tensors (not DTensors: FSDP gives its modules plain unsharded parameters in
+    their forward), a product of at least `MIN_MACS`, and no CPU autocast (which would run
+    ``F.linear`` in its lower dtype)."""
     return (
         x.dtype == weight.dtype == torch.float32
         and x.device.type == weight.device.type == "cpu"
-        and type(weight) in (torch.Tensor, torch.nn.Parameter)
+        and type(x) in _PLAIN
+        and type(weight) in _PLAIN
         and x.numel() // max(x.shape[-1], 1) * weight.shape[0] * weight.shape[1] >= MIN_MACS
+        and not torch.is_autocast_enabled("cpu")
     )
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
