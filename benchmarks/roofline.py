@@ -60,6 +60,7 @@ from areal_lite.engines.fsdp import FSDPEngine
 from areal_lite.engines.model_runner import ModelRunner, load_model
 from areal_lite.engines.request import SamplingParams, Sequence
 from areal_lite.engines.scheduler import Scheduler
+from areal_lite.utils.cpu_linear import onednn_linear
 from areal_lite.utils.precision import cpu_kind, native_bf16
 from areal_lite.utils.tiny import build_tiny_model
 
@@ -84,17 +85,13 @@ _HALF = {torch.bfloat16: (_A.bfloat16(), _B.bfloat16())}
 _SRC, _DST = torch.randn(64 * 1024 * 1024), torch.empty(64 * 1024 * 1024)
 
 
-def _onednn_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
-
-
 def matmul_libraries(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """The libraries a ``dtype`` product can run through here: torch's own ``mm`` (MKL for fp32,
     oneDNN for bf16) and, for fp32, oneDNN directly. MKL runs its AVX2 kernels on AMD CPUs with
     AVX-512, where oneDNN runs AVX-512 ones (2.2x on Zen 5; `cpu_linear`): the limit is the faster."""
     libs: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"mm": torch.mm}
     if dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        libs["onednn"] = _onednn_mm
+        libs["onednn"] = lambda a, b: onednn_linear(a, b.t())
     return libs
 
 

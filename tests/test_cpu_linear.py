@@ -18,13 +18,13 @@ def onednn(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """Forces the oneDNN route and records the shape of every product sent to it."""
     monkeypatch.setenv(cpu_linear.ENV, "onednn")
     calls: list[tuple[int, ...]] = []
-    real = cpu_linear._mm
+    real = cpu_linear.onednn_linear
 
     def counted(a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         calls.append((a.shape[0], a.shape[1], b_t.shape[0]))
         return real(a, b_t, bias)
 
-    monkeypatch.setattr(cpu_linear, "_mm", counted)
+    monkeypatch.setattr(cpu_linear, "onednn_linear", counted)
     return calls
 
 

@@ -19,7 +19,7 @@ fp32 master weights and optimizer state, computes in bf16 and reduces gradients 
 
 On CPU the HF model's RMS norms and SiLU products run fused (`fused_ops.patch_for_training`), and
 its fp32 linears and head go through oneDNN where MKL would run below the CPU's vector width
-(`areal_lite.utils.cpu_linear`: AMD CPUs with AVX-512; 2.2x on Zen 5).
+(`areal_lite.utils.cpu_linear`: by default on AMD CPUs from Zen 5 on, 2.2x there).
 
 LoRA (``lora.rank > 0``): peft wraps the model before it is sharded, so each layer's adapters are
 sharded with it; only the adapters require gradients, and so only they get optimizer state. Weight

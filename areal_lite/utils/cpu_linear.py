@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from areal_lite.utils.precision import onednn_isa_cap
+from areal_lite.utils.precision import cpuinfo_fields, onednn_isa_cap
 
 ENV = "AREAL_LITE_CPU_LINEAR"
 """``auto`` (default), ``onednn`` or ``torch``: see the module docstring."""
@@ -38,28 +37,23 @@ MIN_MACS = 1 << 20
 product took 2-3 us through MKL and 12-15 us through oneDNN; at 256 x 64 x 64 the two were even."""
 
 
-def full_width_amd(cpuinfo: str) -> bool:
-    """Whether ``cpuinfo`` (/proc/cpuinfo's text) is an AMD CPU of family 26 (Zen 5) or later with
-    AVX-512: where MKL's AVX2 kernels run at half the CPU's fp32 rate. Zen 4 (family 25) executes
-    AVX-512 in 256-bit halves; there oneDNN's forward products ran a few percent faster than MKL's
-    and its weight gradients slower (docs/performance.md), so ``auto`` leaves Zen 4 to MKL."""
-    fields = dict(re.findall(r"^(vendor_id|cpu family|flags)\s*:(.*)$", cpuinfo, flags=re.MULTILINE))
-    family = fields.get("cpu family", "").strip()
+def full_width_amd(cpuinfo: str | None = None) -> bool:
+    """Whether ``cpuinfo`` (/proc/cpuinfo's text; this machine's when None) is an AMD CPU of
+    family 26 (Zen 5) or later with AVX-512: where MKL's AVX2 kernels run at half the CPU's fp32
+    rate. Zen 4 (family 25) executes AVX-512 in 256-bit halves; there oneDNN's forward products ran
+    a few percent faster than MKL's and its weight gradients slower (docs/performance.md), so
+    ``auto`` leaves Zen 4 to MKL."""
+    fields = cpuinfo_fields(cpuinfo)
+    family = fields.get("cpu family", "")
     return (
-        fields.get("vendor_id", "").strip() == "AuthenticAMD"
+        fields.get("vendor_id") == "AuthenticAMD"
         and family.isdigit()
         and int(family) >= 26
         and "avx512f" in fields.get("flags", "").split()
     )
 
 
-@functools.cache
-def _this_cpu_is_full_width_amd() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return full_width_amd(f.read(8192))
-    except OSError:
-        return False
+_this_cpu_is_full_width_amd = functools.cache(full_width_amd)
 
 
 ONEDNN_BELOW_AVX512 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"})
@@ -80,8 +74,8 @@ def enabled() -> bool:
     return choice == "onednn" or (_this_cpu_is_full_width_amd() and onednn_isa_cap() not in ONEDNN_BELOW_AVX512)
 
 
-def _mm(a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b_t.T + bias`` through oneDNN (2-D operands, any strides)."""
+def onednn_linear(a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b_t.T + bias`` through oneDNN (2-D operands, any strides), without autograd."""
     return torch.ops.mkldnn._linear_pointwise(a, b_t, bias, "none", [], "")
 
 
@@ -94,15 +88,15 @@ class _Linear(torch.autograd.Function):
         # Each gradient needs the other operand only (a frozen weight's input is not kept).
         ctx.save_for_backward(x if need_w else None, weight if need_x else None)
         ctx.has_bias = bias is not None
-        return _mm(x, weight, bias)
+        return onednn_linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         dy = dy.contiguous()
-        dx = _mm(dy, weight.t()) if need_x else None
-        dw = _mm(dy.t(), x.t()) if need_w else None
+        dx = onednn_linear(dy, weight.t()) if need_x else None
+        dw = onednn_linear(dy.t(), x.t()) if need_w else None
         db = dy.sum(0) if ctx.has_bias and need_b else None
         return dx, dw, db
 

@@ -82,19 +82,30 @@ def compute_dtype(name: str, device: torch.device, allowed: tuple[str, ...] = tu
     return COMPUTE_DTYPES[name]
 
 
+def cpuinfo_fields(text: str | None = None) -> dict[str, str]:
+    """The first processor's ``vendor_id``, ``cpu family``, ``model`` and ``flags`` from
+    /proc/cpuinfo's text (``text``, or the file's; {} where it cannot be read)."""
+    if text is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                text = f.read(8192)
+        except OSError:
+            return {}
+    found = re.findall(r"^(vendor_id|cpu family|model|flags)\s*:(.*)$", text, flags=re.MULTILINE)
+    fields: dict[str, str] = {}
+    for key, value in found:
+        fields.setdefault(key, value.strip())  # the first processor's
+    return fields
+
+
 def _amd_generation() -> str | None:
     """An AMD CPU's core generation from /proc/cpuinfo's family and model ("Zen 4, family 25
     model 17"): one name ("AMD EPYC") covers kinds whose bf16 and fp32 rates differ by 2x and more;
     None elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            head = f.read(4096)
-    except OSError:
-        return None
-    fields = dict(re.findall(r"^(vendor_id|cpu family|model)\s*:\s*(\S+)", head, flags=re.MULTILINE))
+    fields = cpuinfo_fields()
     if fields.get("vendor_id") != "AuthenticAMD" or not fields.get("cpu family", "").isdigit():
         return None
-    family, model = int(fields["cpu family"]), int(fields.get("model", "0"))
+    family, model = int(fields["cpu family"]), int(fields.get("model", "0") or "0")
     zen4 = family == 25 and (0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF)
     label = {23: "Zen 1-2", 26: "Zen 5"}.get(family) or ("Zen 4" if zen4 else "Zen 3" if family == 25 else None)
     where = f"family {family} model {model}"
