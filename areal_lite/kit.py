@@ -60,11 +60,11 @@ def make_train_engine(config: TrainEngineConfig) -> TrainEngine:
     """An uninitialised `FSDPEngine` or `MegatronEngine` for ``config.backend``, so swapping
     backends is one config line. The backends are imported lazily: megatron-core is optional."""
     if config.backend == "fsdp":
-        from areal_lite.engines.fsdp import FSDPEngine
+        from areal_lite.engines.train.fsdp import FSDPEngine
 
         return FSDPEngine(config)
     if config.backend == "megatron":
-        from areal_lite.engines.megatron import MegatronEngine
+        from areal_lite.engines.train.megatron import MegatronEngine
 
         return MegatronEngine(config)
     raise ValueError(f"backend must be fsdp or megatron, got {config.backend!r}")
@@ -101,7 +101,7 @@ def check_dtypes(cfg: RLExperimentConfig) -> tuple[str, str | None]:
     give the same weights different log-probabilities (0.65 nats apart at worst, measured on a
     135M model in bf16 against fp32): every update then sees that mismatch as off-policyness
     (the trainer's ``mismatch/*`` statistics)."""
-    from areal_lite.utils.precision import compute_dtype
+    from areal_lite.cpu.precision import compute_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     trainer = str(compute_dtype(cfg.actor.dtype, device)).removeprefix("torch.")
@@ -136,15 +136,15 @@ def make_rollout(cfg: RLExperimentConfig, model_dir: str | None = None) -> tuple
     """
     check_dtypes(cfg)
     if cfg.launcher.backend == "local":
-        from areal_lite.engines.local import LocalInferenceEngine
+        from areal_lite.engines.local.engine import LocalInferenceEngine
 
         engine = LocalInferenceEngine(replace(cfg.local_engine, path=model_dir or cfg.actor.path))
         rollout = RolloutController(engine, cfg.rollout)
         meta = WeightUpdateMeta(type="in_process")
     else:
-        from areal_lite.engines.local import ADAPTER as POLICY_ADAPTER
-        from areal_lite.engines.remote import RemoteSGLangEngine
-        from areal_lite.engines.vllm import RemoteVLLMEngine
+        from areal_lite.engines.local.engine import ADAPTER as POLICY_ADAPTER
+        from areal_lite.engines.remote.sglang import RemoteSGLangEngine
+        from areal_lite.engines.remote.vllm import RemoteVLLMEngine
 
         client = RemoteVLLMEngine if cfg.launcher.backend == "vllm" else RemoteSGLangEngine
         control = _is_rank0()

@@ -39,8 +39,8 @@ from areal_lite.api.io import (
     ModelResponse,
     WeightUpdateMeta,
 )
-from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.data import concat_padded
 from areal_lite.utils.tiny import build_tiny_model
 from areal_lite.workflows.trajectory import from_response

@@ -29,8 +29,8 @@ from tensordict import TensorDict
 from areal_lite.api.config import LoRAConfig, OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import MicroBatchSpec
-from areal_lite.engines.multi_lora import MultiLoRAEngine
-from areal_lite.utils.precision import cpu_kind
+from areal_lite.cpu.precision import cpu_kind
+from areal_lite.engines.train.multi_lora import MultiLoRAEngine
 from areal_lite.utils.tiny import build_tiny_model
 
 TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")

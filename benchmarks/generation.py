@@ -37,10 +37,10 @@ import torch
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import ParamSpec, WeightUpdateMeta
-from areal_lite.engines.local import LocalInferenceEngine
-from areal_lite.engines.request import SamplingParams
+from areal_lite.cpu.precision import cpu_kind
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.local.request import SamplingParams
 from areal_lite.utils.distributed import find_free_port, init_custom_process_group
-from areal_lite.utils.precision import cpu_kind
 from areal_lite.utils.tiny import build_tiny_model, with_random_weights
 
 REPEATS = 5

@@ -106,7 +106,7 @@ class Generator:
 
     def __init__(self, path: str, rows: int, tokens: int) -> None:
         from areal_lite.api.config import LocalEngineConfig
-        from areal_lite.engines.local import LocalInferenceEngine
+        from areal_lite.engines.local.engine import LocalInferenceEngine
 
         self.engine = LocalInferenceEngine(
             LocalEngineConfig(path=path, dtype="float32", num_threads=1, max_running_requests=rows)
@@ -118,7 +118,7 @@ class Generator:
         self.requests = [([rng.randrange(3, vocab) for _ in range(rng.randint(12, 20))], tokens) for _ in range(rows)]
 
     def batch(self) -> float:
-        from areal_lite.engines.request import SamplingParams
+        from areal_lite.engines.local.request import SamplingParams
 
         async def run() -> None:
             await asyncio.gather(
@@ -175,7 +175,7 @@ def main() -> None:
         worker(args)
         return
 
-    from areal_lite.utils.precision import cpu_kind
+    from areal_lite.cpu.precision import cpu_kind
     from areal_lite.utils.tiny import build_tiny_model
 
     if (os.cpu_count() or 1) < 2:

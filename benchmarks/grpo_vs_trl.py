@@ -185,7 +185,7 @@ def run_ours(path: str, args: argparse.Namespace, eta: int) -> tuple[list[float]
     )
     from areal_lite.api.io import FinetuneSpec, GenerationConfig, WeightUpdateMeta
     from areal_lite.core.controller import RolloutController
-    from areal_lite.engines.local import LocalInferenceEngine
+    from areal_lite.engines.local.engine import LocalInferenceEngine
     from areal_lite.kit import make_train_engine, rank_dataloader, sync_weights
     from areal_lite.rewards.runner import RewardRunner
     from areal_lite.workflows.rlvr import RLVRWorkflow
@@ -328,7 +328,7 @@ def main() -> None:
         worker(args)
         return
 
-    from areal_lite.utils.precision import cpu_kind
+    from areal_lite.cpu.precision import cpu_kind
     from areal_lite.utils.tiny import build_tiny_model, with_random_weights
 
     threads = [int(t) for t in args.threads_list.split(",")]

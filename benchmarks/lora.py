@@ -37,8 +37,8 @@ from tensordict import TensorDict
 
 from areal_lite.api.config import LocalEngineConfig, LoRAConfig, OptimizerConfig, TrainEngineConfig
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
-from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.lora import config_dict, peft_config
 from areal_lite.utils.tiny import build_tiny_model
 

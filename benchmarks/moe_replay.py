@@ -47,10 +47,10 @@ from areal_lite.actors.sft import SFTActor
 from areal_lite.api.config import LocalEngineConfig, OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, ModelResponse, SaveLoadMeta
-from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.cpu.precision import cpu_kind
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.datasets import addition_problems, sft_batch
-from areal_lite.utils.precision import cpu_kind
 from areal_lite.utils.tiny import build_tiny_model
 from areal_lite.workflows.trajectory import from_responses
 

@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from areal_lite.utils.cpu import release_openmp_threads
-from areal_lite.utils.precision import cpu_kind
+from areal_lite.cpu.precision import cpu_kind
+from areal_lite.cpu.threads import release_openmp_threads
 
 
 def ops() -> dict[str, Callable[[], object]]:

@@ -10,7 +10,7 @@ Rows (same model, same batch, same number of micro-batches, one process, fp32 on
 - ``packed (bare HF)``: the same model and optimizer on packed micro-batches (balanced split),
   transformers' sdpa masking each sequence by the restarting position ids.
 - ``packed (FSDPEngine)``: `FSDPEngine.train_batch`, FSDP2 on one rank, the real engine path
-  (attention per sequence, `areal_lite.utils.varlen_attention`).
+  (attention per sequence, `areal_lite.engines.train.varlen_attention`).
 
 Tokens/s counts real tokens only. Throughput is given per CPU-second of this process (stable
 when other jobs share the cores) and per wall second (the fastest step). The last line is
@@ -32,9 +32,9 @@ from tensordict import TensorDict
 from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec
-from areal_lite.engines.fsdp import FSDPEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
+from areal_lite.engines.train.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.data import pack_batch, split_microbatches
-from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.utils.tiny import build_tiny_model
 
 

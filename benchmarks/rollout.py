@@ -29,7 +29,7 @@ import time
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.io import GenerationConfig
 from areal_lite.core import RolloutController
-from areal_lite.engines.remote import RemoteSGLangEngine
+from areal_lite.engines.remote.sglang import RemoteSGLangEngine
 from areal_lite.rewards import RewardRunner, boxed_format_reward
 from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.tiny import build_tiny_model

@@ -56,12 +56,12 @@ from tensordict import TensorDict
 from areal_lite.api.config import LocalEngineConfig, OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec
-from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.model_runner import ModelRunner, load_model
-from areal_lite.engines.request import SamplingParams, Sequence
-from areal_lite.engines.scheduler import Scheduler
-from areal_lite.utils.cpu_linear import onednn_linear
-from areal_lite.utils.precision import cpu_kind, native_bf16
+from areal_lite.cpu.linear import onednn_linear
+from areal_lite.cpu.precision import cpu_kind, native_bf16
+from areal_lite.engines.local.model_runner import ModelRunner, load_model
+from areal_lite.engines.local.request import SamplingParams, Sequence
+from areal_lite.engines.local.scheduler import Scheduler
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.tiny import build_tiny_model
 
 MODELS = {

@@ -31,11 +31,11 @@ from collections.abc import Callable
 
 import torch
 
-from areal_lite.engines import model_runner
-from areal_lite.engines.model_runner import inverse_cdf
-from areal_lite.engines.model_runner import running_sum_sample as one_level
-from areal_lite.utils.malloc import keep_freed_memory
-from areal_lite.utils.precision import cpu_kind
+from areal_lite.cpu.malloc import keep_freed_memory
+from areal_lite.cpu.precision import cpu_kind
+from areal_lite.engines.local import model_runner
+from areal_lite.engines.local.model_runner import inverse_cdf
+from areal_lite.engines.local.model_runner import running_sum_sample as one_level
 
 SHAPES = [(32, 512), (64, 49152), (64, 151936), (128, 151936)]
 
@@ -90,8 +90,8 @@ def time_samplers(rows: int, vocab: int, repeats: int) -> dict[str, tuple[float,
 def engine_steps(path: str, sampler: Callable, tokens: int = 24) -> tuple[float, float]:
     """ms and page faults per decode step of 64 requests on the engine, with ``sampler``."""
     from areal_lite.api.config import LocalEngineConfig
-    from areal_lite.engines.local import LocalInferenceEngine
-    from areal_lite.engines.request import SamplingParams
+    from areal_lite.engines.local.engine import LocalInferenceEngine
+    from areal_lite.engines.local.request import SamplingParams
 
     original = model_runner.inverse_cdf
     model_runner.inverse_cdf = sampler

@@ -2,7 +2,7 @@
 
 A GRPO batch holds G samples per prompt; packed as they are, the prompt goes through the model G
 times. With ``shared_prefix`` every group becomes one tree sequence (prompt once, one branch per
-completion; `areal_lite.utils.shared_prefix`), with the same results. Rows: one `PPOActor.ppo_update`
+completion; `areal_lite.engines.train.shared_prefix`), with the same results. Rows: one `PPOActor.ppo_update`
 (forward, backward, AdamW step) of the same batch with the ordinary packed layout and with the
 shared prefix, alternating, on the quickstart's model size (hidden 128, 4 layers) and batch
 (32 prompts x 8 samples) in three workloads: the quickstart's 6-token prompts with 1-5 completion
@@ -67,7 +67,7 @@ def grpo_batch(
 
 
 def make_actor(path: str, shared: bool, n_mbs: int) -> PPOActor:
-    from areal_lite.engines.fsdp import FSDPEngine
+    from areal_lite.engines.train.fsdp import FSDPEngine
 
     cfg = PPOActorConfig(
         path=path,
@@ -111,7 +111,7 @@ def main() -> None:
                 times[shared].append(time.process_time() - t0)
         results[name] = {k: statistics.median(v) for k, v in times.items()}
         engine = actors[True].engine
-        from areal_lite.utils.shared_prefix import shared_prefix_layout
+        from areal_lite.engines.train.shared_prefix import shared_prefix_layout
 
         mbs, _, _ = engine._microbatches(batch)
         tree_tokens = sum(

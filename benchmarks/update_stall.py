@@ -41,8 +41,8 @@ from roofline import MODELS, mixed_prompts  # the model and prompts of the roofl
 from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import LocalEngineConfig
-from areal_lite.engines.request import GenerationResult, SamplingParams
-from areal_lite.engines.scheduler import Scheduler
+from areal_lite.engines.local.request import GenerationResult, SamplingParams
+from areal_lite.engines.local.scheduler import Scheduler
 from areal_lite.utils.tiny import build_tiny_model
 
 

@@ -64,12 +64,12 @@ import aiohttp
 import torch
 
 from areal_lite.api.config import LauncherConfig, LocalEngineConfig, RecoverConfig
-from areal_lite.engines.request import SamplingParams
-from areal_lite.engines.scheduler import Scheduler
+from areal_lite.cpu.precision import cpu_kind, native_bf16
+from areal_lite.cpu.threads import release_openmp_threads
+from areal_lite.engines.local.request import SamplingParams
+from areal_lite.engines.local.scheduler import Scheduler
 from areal_lite.launcher.local import LaunchPlan, is_healthy, server_command, spawn, stop, vllm_python
-from areal_lite.utils.cpu import release_openmp_threads
 from areal_lite.utils.distributed import find_free_port
-from areal_lite.utils.precision import cpu_kind, native_bf16
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import MODELS, Limits, Shape, measure_limits

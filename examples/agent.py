@@ -146,7 +146,7 @@ def warm_up_with_sft(cfg: AgentExperimentConfig, base_dir: str, sft_dir: str, he
     reaches ``task.sft_target_reward``."""
     from transformers import AutoTokenizer
 
-    from areal_lite.engines.local import LocalInferenceEngine
+    from areal_lite.engines.local.engine import LocalInferenceEngine
 
     task = cfg.task
     engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)

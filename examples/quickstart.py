@@ -122,7 +122,7 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
     task = cfg.task
     from transformers import AutoTokenizer
 
-    from areal_lite.engines.local import LocalInferenceEngine
+    from areal_lite.engines.local.engine import LocalInferenceEngine
 
     engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
     engine_cfg.optimizer = replace(

@@ -146,7 +146,7 @@ def warm_up_with_sft(cfg: SmolLM2Config, base_dir: str, sft_dir: str, data: dict
     task = cfg.task
     from transformers import AutoTokenizer
 
-    from areal_lite.engines.local import LocalInferenceEngine
+    from areal_lite.engines.local.engine import LocalInferenceEngine
 
     engine_cfg = replace(cfg.actor, path=base_dir, lora=replace(cfg.actor.lora, rank=0))
     engine_cfg.optimizer = replace(

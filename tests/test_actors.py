@@ -23,7 +23,7 @@ from areal_lite.actors.ppo import minibatches
 from areal_lite.algorithms import functional as F
 from areal_lite.api.config import DPOConfig, OptimizerConfig, PPOActorConfig, PPOCriticConfig, TrainEngineConfig
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec
-from areal_lite.engines.fsdp import FSDPEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.tiny import build_tiny_model
 
 # Adam's first step is lr * g / (|g| + eps): with eps = lr much larger than |g| it is g itself,

@@ -17,9 +17,9 @@ from transformers import AutoTokenizer
 from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse
 from areal_lite.core import RolloutController
-from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.openai_format.chat import render_chat
 from areal_lite.rewards import RewardRunner
-from areal_lite.utils.openai_chat import render_chat
 from areal_lite.utils.tiny import build_tiny_model, build_tokenizer, teach
 from areal_lite.workflows import AgentWorkflow, RecordingProxy, check_trajectory
 from areal_lite.workflows.agent import episode_means

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from areal_lite.utils.cpu import CoreSharing
+from areal_lite.cpu.threads import CoreSharing
 from areal_lite.utils.tiny import build_tiny_model
 
 
@@ -75,8 +75,8 @@ SCRIPT = textwrap.dedent(
     from tensordict import TensorDict
     from areal_lite.api.config import LocalEngineConfig, TrainEngineConfig, OptimizerConfig
     from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, WeightUpdateMeta
-    from areal_lite.engines.fsdp import FSDPEngine
-    from areal_lite.engines.local import LocalInferenceEngine
+    from areal_lite.engines.train.fsdp import FSDPEngine
+    from areal_lite.engines.local.engine import LocalInferenceEngine
 
     torch.set_num_threads(2)
     path, share = sys.argv[1], int(sys.argv[2])
@@ -162,7 +162,7 @@ def test_the_fsdp_trainer_yields_the_engines_share_while_it_generates(
 RELEASE = textwrap.dedent(
     """
     import os, time, torch
-    from areal_lite.utils.cpu import release_openmp_threads
+    from areal_lite.cpu.threads import release_openmp_threads
 
     def threads(expected=None):
         # A released worker leaves /proc a moment after it is told to exit.
@@ -204,9 +204,9 @@ def test_the_engine_frees_its_openmp_workers_when_it_goes_idle(
     import threading
 
     from areal_lite.api.config import LocalEngineConfig
-    from areal_lite.engines import scheduler
-    from areal_lite.engines.local import LocalInferenceEngine
-    from areal_lite.engines.request import SamplingParams
+    from areal_lite.engines.local import scheduler
+    from areal_lite.engines.local.engine import LocalInferenceEngine
+    from areal_lite.engines.local.request import SamplingParams
 
     calls: list[str] = []
     monkeypatch.setattr(scheduler, "release_openmp_threads", lambda: calls.append(threading.current_thread().name))
@@ -237,7 +237,7 @@ STARTER = textwrap.dedent(
     """
     import os, sys, time, torch
     from areal_lite.api.config import LocalEngineConfig
-    from areal_lite.engines.local import LocalInferenceEngine
+    from areal_lite.engines.local.engine import LocalInferenceEngine
 
     torch.set_num_threads(2)
     before = set(os.listdir("/proc/self/task"))
@@ -287,8 +287,8 @@ def test_the_engine_pins_its_scheduler_thread_and_its_workers_to_its_cores(tiny_
     import threading
 
     from areal_lite.api.config import LocalEngineConfig
-    from areal_lite.engines.local import LocalInferenceEngine
-    from areal_lite.engines.request import SamplingParams
+    from areal_lite.engines.local.engine import LocalInferenceEngine
+    from areal_lite.engines.local.request import SamplingParams
 
     core = max(os.sched_getaffinity(0))
     before = {int(t) for t in os.listdir("/proc/self/task")}
@@ -310,7 +310,7 @@ def test_the_engine_pins_its_scheduler_thread_and_its_workers_to_its_cores(tiny_
 
 def test_cores_this_machine_lacks_are_refused_naming_the_key(tiny_model_dir: str) -> None:
     from areal_lite.api.config import LocalEngineConfig
-    from areal_lite.engines.local import LocalInferenceEngine
+    from areal_lite.engines.local.engine import LocalInferenceEngine
 
     engine = LocalInferenceEngine(LocalEngineConfig(path=tiny_model_dir, cores=[4096]))
     with pytest.raises(ValueError, match=r"local_engine.cores=\[4096\]: no core \[4096\]"):

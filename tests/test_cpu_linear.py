@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from areal_lite.utils import cpu_linear
+from areal_lite.cpu import linear as cpu_linear
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 
@@ -143,7 +143,7 @@ def fsdp_step(
 
     from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
     from areal_lite.api.io import FinetuneSpec
-    from areal_lite.engines.fsdp import FSDPEngine
+    from areal_lite.engines.train.fsdp import FSDPEngine
 
     monkeypatch.setenv(cpu_linear.ENV, route)
     cfg = TrainEngineConfig(

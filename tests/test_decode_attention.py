@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from areal_lite.engines import decode_attention
-from areal_lite.engines.decode_attention import BLOCK
+from areal_lite.cpu import decode_attention
+from areal_lite.cpu.decode_attention import BLOCK
 
 LENS = [1, 15, 16, 17, 63, 64, 65, 130]
 

@@ -19,8 +19,8 @@ from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.core import RolloutController, WorkflowError
 from areal_lite.core.episode_worker import EpisodeWorker
-from areal_lite.engines.local import LocalInferenceEngine
-from areal_lite.engines.remote import RemoteSGLangEngine
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.remote.sglang import RemoteSGLangEngine
 from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))

@@ -18,7 +18,7 @@ import pytest
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, WeightUpdateMeta
-from areal_lite.engines.remote import RemoteSGLangEngine
+from areal_lite.engines.remote.sglang import RemoteSGLangEngine
 from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
@@ -132,7 +132,7 @@ def test_a_hung_server_is_set_aside_then_rejoins_with_the_current_weights(
 def test_generations_wait_for_the_only_server_and_say_so(servers, caplog, monkeypatch) -> None:
     """The only server hangs for a while: the generations in flight wait for it (a line is said
     while waiting), then finish on it once it answers again."""
-    from areal_lite.engines import server_fleet
+    from areal_lite.engines.remote import fleet as server_fleet
 
     monkeypatch.setattr(server_fleet, "WAITING_LINE_SECONDS", 1.0)
     procs, addresses = servers[0][:1], servers[1][:1]

@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from areal_lite.utils import logprob, varlen_attention
-from areal_lite.utils.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
-from areal_lite.utils.lr_schedule import lr_multiplier
-from areal_lite.utils.precision import compute_dtype, cpu_kind, native_bf16
-from areal_lite.utils.shared_prefix import shared_prefix_layout
-from areal_lite.utils.varlen_attention import varlen_sdpa_attention
+from areal_lite.cpu.precision import compute_dtype, cpu_kind, native_bf16
+from areal_lite.engines.train import logprob, varlen_attention
+from areal_lite.engines.train.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
+from areal_lite.engines.train.lr_schedule import lr_multiplier
+from areal_lite.engines.train.shared_prefix import shared_prefix_layout
+from areal_lite.engines.train.varlen_attention import varlen_sdpa_attention
 
 
 def reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Structured output (`areal_lite.engines.grammar`): every finished generation follows its grammar
+"""Structured output (`areal_lite.engines.local.grammar`): every finished generation follows its grammar
 (a JSON schema, any JSON object, a regex, a choice, EBNF), sampled or greedy, beside free requests
 in one batch; the reported log-probabilities stay the model's own; the openai SDK's ``parse``
 helpers get their Pydantic objects back through ``response_format`` (chat) and ``text.format``
@@ -23,9 +23,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_lite.api.config import LocalEngineConfig
-from areal_lite.engines import grammar
-from areal_lite.engines.local import LocalInferenceEngine
-from areal_lite.engines.request import SamplingParams
+from areal_lite.engines.local import grammar
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.local.request import SamplingParams
 from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))

@@ -4,9 +4,16 @@ import each other in a circle.
 
 Layers, bottom to top (a package may import its own modules and those of lower layers):
 
-    api  <  algorithms, utils  <  rewards, engines  <  core  <  workflows, actors  <  kit, launcher  <  recipes  <  service
+    api  <  algorithms, utils, cpu, openai_format  <  rewards, engines  <  core  <  workflows, actors
+         <  kit, launcher  <  recipes  <  service
 
 Examples, tests and benchmarks sit above all of them.
+
+Inside `engines`, one room per system, and the rooms stay apart: the train engines
+(`engines.train`), the embedded engine (`engines.local`) and the clients of remote servers
+(`engines.remote`) import no other room; our HTTP server (`engines.server`) serves the embedded
+engine and speaks the vLLM worker's RPC vocabulary (`engines.remote.vllm_worker`), and imports
+nothing else of another room (never a train engine).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ LAYERS = {
     "api": 0,
     "algorithms": 1,
     "utils": 1,
+    "cpu": 1,
+    "openai_format": 1,
     "rewards": 2,
     "engines": 2,
     "core": 3,
@@ -114,3 +123,48 @@ def _through_init(circle: list[str]) -> bool:
     """A circle that only closes through a package's own __init__ (``pkg/__init__`` imports
     ``pkg.a``, ``pkg.a`` imports ``pkg.b``, which imports ``pkg``) is Python's usual re-export."""
     return any(b.startswith(a + ".") for a, b in itertools.pairwise(circle))
+
+
+ROOMS = ("train", "local", "server", "remote")
+ALLOWED_ACROSS_ROOMS = {
+    "server": {"areal_lite.engines.local", "areal_lite.engines.remote.vllm_worker"},
+}
+"""What a room may import from another room (a module, or every module of a room)."""
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "engines" and parts[2] in ROOMS else None
+
+
+def test_engine_rooms_stay_apart() -> None:
+    crossing = []
+    for module, imported in graph().items():
+        room = room_of(module)
+        if module.startswith("areal_lite.engines") and module != "areal_lite.engines":
+            assert room is not None, f"{module} is in no room of engines/: put it in one of {ROOMS}"
+        if room is None:
+            continue
+        for target in imported:
+            other = room_of(target)
+            if other is None or other == room:
+                continue
+            allowed = ALLOWED_ACROSS_ROOMS.get(room, set())
+            if not any(target == a or target.startswith(a + ".") for a in allowed):
+                crossing.append(f"{module} ({room}) imports {target} ({other})")
+    assert not crossing, "imports across the engines' rooms:\n" + "\n".join(sorted(crossing))
+
+
+def test_rooms_hold_no_two_files_of_one_name() -> None:
+    """Two modules with one name in two rooms (the engines' rooms and the shared helpers) are a sign
+    that one of them is in the wrong place."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    places = ("engines", "utils", "cpu", "openai_format")
+    for path in sorted(p for place in places for p in (PACKAGE / place).rglob("*.py")):
+        if path.name in {"__init__.py", "__main__.py"}:
+            continue
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(PACKAGE)} and {path.relative_to(PACKAGE)}")
+        seen[path.name] = path
+    assert not clashes, "modules of one name in two places:\n" + "\n".join(clashes)

@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ParamSpec, WeightUpdateMeta
-from areal_lite.engines import fused_ops
-from areal_lite.engines.local import LocalInferenceEngine
-from areal_lite.engines.request import GenerationError, SamplingParams
+from areal_lite.cpu import fused_ops
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.local.request import GenerationError, SamplingParams
 from areal_lite.utils.distributed import find_free_port, init_custom_process_group
 from areal_lite.utils.tiny import build_tiny_model
 
@@ -137,7 +137,7 @@ def test_logprobs_equal_hf_forward_other_layouts(kind: str, tmp_path) -> None:
 
 
 def test_split_prefill_gives_the_same_logprobs(model_path: str, hf: torch.nn.Module, monkeypatch) -> None:
-    monkeypatch.setattr("areal_lite.engines.model_runner.PREFILL_TOKENS", 10)  # split any batch
+    monkeypatch.setattr("areal_lite.engines.local.model_runner.PREFILL_TOKENS", 10)  # split any batch
     eng = make_engine(model_path)
     real_pass, calls = eng.scheduler._runner._pass, []
     monkeypatch.setattr(
@@ -650,8 +650,8 @@ def test_a_command_its_caller_gave_up_leaves_the_scheduler_serving(model_path: s
 
 
 def test_admission_keeps_each_step_within_the_prefill_budget(model_path: str) -> None:
-    from areal_lite.engines.request import Sequence
-    from areal_lite.engines.scheduler import Scheduler
+    from areal_lite.engines.local.request import Sequence
+    from areal_lite.engines.local.scheduler import Scheduler
 
     scheduler = Scheduler(LocalEngineConfig(path=model_path, max_prefill_tokens=40))
 

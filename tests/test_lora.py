@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import LocalEngineConfig, LoRAConfig
 from areal_lite.api.io import ParamSpec, WeightUpdateMeta
-from areal_lite.engines.local import LocalInferenceEngine
-from areal_lite.engines.request import SamplingParams
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.local.request import SamplingParams
 from areal_lite.utils.distributed import find_free_port, init_custom_process_group
 from areal_lite.utils.lora import MergedLoRA, config_dict, lora_config_of, peft_config
 from areal_lite.utils.tiny import build_tiny_model

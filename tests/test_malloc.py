@@ -12,14 +12,14 @@ import pytest
 
 from areal_lite.api.config import LocalEngineConfig, TrainEngineConfig
 from areal_lite.api.io import FinetuneSpec
-from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.local import LocalInferenceEngine
-from areal_lite.utils.malloc import _USER_SETTINGS, keep_freed_memory, kept_holders, release_freed_memory
+from areal_lite.cpu.malloc import _USER_SETTINGS, keep_freed_memory, kept_holders, release_freed_memory
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.tiny import build_tiny_model
 
 _PROBE = """
 import resource, sys, torch
-from areal_lite.utils.malloc import keep_freed_memory, release_freed_memory
+from areal_lite.cpu.malloc import keep_freed_memory, release_freed_memory
 kept = keep_freed_memory() if sys.argv[1] in ("keep", "released") else False
 if sys.argv[1] == "released":
     keep_freed_memory()  # two holders: the defaults come back only after both released
@@ -109,8 +109,8 @@ def test_cpu_inference_engine_holds_the_setting_until_destroy(tmp_path, monkeypa
 
 _SAMPLER_PROBE = """
 import resource, sys, threading, torch
-from areal_lite.engines.model_runner import inverse_cdf, running_sum_sample
-from areal_lite.utils.malloc import keep_freed_memory
+from areal_lite.engines.local.model_runner import inverse_cdf, running_sum_sample
+from areal_lite.cpu.malloc import keep_freed_memory
 torch.set_num_threads(1)
 assert keep_freed_memory()
 sampler = inverse_cdf if sys.argv[1] == "ours" else running_sum_sample

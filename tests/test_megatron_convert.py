@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from areal_lite.engines.mcore_convert import (
+from areal_lite.engines.train.mcore_convert import (
     ArchSpec,
     hf_to_mcore,
     mcore_param_names,

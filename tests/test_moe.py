@@ -26,9 +26,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, Qwen2M
 from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig, TrainEngineConfig
 from areal_lite.api.io import GenerationConfig, MicroBatchSpec, ModelRequest, ModelResponse, WeightUpdateMeta
 from areal_lite.api.workflow import TrajectoryError, check_trajectory_layout
-from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.local import LocalInferenceEngine
-from areal_lite.engines.remote import RemoteSGLangEngine
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.remote.sglang import RemoteSGLangEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.data import concat_padded, pack_batch, split_microbatches
 from areal_lite.utils.moe import NO_EXPERT, RoutingReplay, layer_routers
 from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
@@ -473,7 +473,7 @@ def test_fsdp_lora_on_attention_experts_and_routers(two_ranks: dict) -> None:
 def test_megatron_conversion_round_trips_a_qwen3_moe_checkpoint(moe_path: str, tmp_path) -> None:
     from safetensors.torch import load_file
 
-    from areal_lite.engines.mcore_convert import ArchSpec, hf_to_mcore, mcore_state_to_hf
+    from areal_lite.engines.train.mcore_convert import ArchSpec, hf_to_mcore, mcore_state_to_hf
 
     with pytest.raises(ValueError, match="every Qwen3-MoE layer"):  # moe_path has a dense layer
         ArchSpec.from_hf_config(AutoConfig.from_pretrained(moe_path))

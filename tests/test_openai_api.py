@@ -21,8 +21,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from areal_lite.openai_format.tool_calls import parse_tool_calls
 from areal_lite.utils.tiny import build_tiny_model, teach
-from areal_lite.utils.tool_calls import parse_tool_calls
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 from inference_servers import start_servers, stop_servers

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from areal_lite.engines.openai_stream import TOOL_CALL_START, TextDeltas
-from areal_lite.engines.server_common import TokenBytes, token_text
+from areal_lite.engines.server.common import TokenBytes, token_text
+from areal_lite.engines.server.streaming import TOOL_CALL_START, TextDeltas
 from areal_lite.utils.tiny import build_tokenizer
 
 

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_lite.api.config import LocalEngineConfig, LoRAConfig, RLExperimentConfig, load_config
 from areal_lite.api.io import GenerationConfig, ModelRequest
-from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.engines.local.engine import LocalInferenceEngine
 from areal_lite.kit import check_dtypes
 from areal_lite.recipes import ModelBuilder, ModelConfig, StringThread, shutdown
 from areal_lite.utils.datasets import padded_batch

@@ -21,8 +21,9 @@ from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ParamSpec, WeightUpdateMeta
-from areal_lite.engines.remote import RemoteEngine, RemoteSGLangEngine
-from areal_lite.engines.vllm import RemoteVLLMEngine
+from areal_lite.engines.remote.client import RemoteEngine
+from areal_lite.engines.remote.sglang import RemoteSGLangEngine
+from areal_lite.engines.remote.vllm import RemoteVLLMEngine
 from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
 from areal_lite.utils.tiny import build_tiny_model
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from areal_lite.api.config import InferenceEngineConfig
-from areal_lite.engines.server_fleet import ServerFleet
+from areal_lite.engines.remote.fleet import ServerFleet
 from areal_lite.utils.distributed import find_free_port
 
 DYING = """

@@ -1,4 +1,4 @@
-"""Penalties, logit biases and min-p in the embedded engine (`areal_lite.engines.shaping`): the
+"""Penalties, logit biases and min-p in the embedded engine (`areal_lite.engines.local.shaping`): the
 repetition penalty and min-p equal transformers' own logits processors, frequency and presence
 penalties follow OpenAI's formula, greedy generation with a repetition penalty equals HF
 ``generate``'s, a bias steers the tokens while the reported log-probabilities stay the policy's,
@@ -19,11 +19,11 @@ from transformers import AutoModelForCausalLM, MinPLogitsWarper, RepetitionPenal
 
 from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest
-from areal_lite.engines.local import LocalInferenceEngine
-from areal_lite.engines.remote import RemoteSGLangEngine
-from areal_lite.engines.request import SamplingParams, Sequence
-from areal_lite.engines.shaping import min_p_masked, shaped
-from areal_lite.engines.vllm import RemoteVLLMEngine
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.local.request import SamplingParams, Sequence
+from areal_lite.engines.local.shaping import min_p_masked, shaped
+from areal_lite.engines.remote.sglang import RemoteSGLangEngine
+from areal_lite.engines.remote.vllm import RemoteVLLMEngine
 from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))

@@ -112,7 +112,7 @@ def test_verifiers_workflow_groups_episodes_through_the_controller(model_path: s
     from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
     from areal_lite.api.io import GenerationConfig
     from areal_lite.core import RolloutController
-    from areal_lite.engines.local import LocalInferenceEngine
+    from areal_lite.engines.local.engine import LocalInferenceEngine
     from areal_lite.workflows import check_trajectory
     from areal_lite.workflows.verifiers_env import VerifiersWorkflow, task_items
 

@@ -22,8 +22,9 @@ from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import ConfigError, InferenceEngineConfig, LauncherConfig, RecoverConfig
 from areal_lite.api.io import WeightUpdateMeta
-from areal_lite.engines.vllm import RemoteVLLMEngine
-from areal_lite.engines.vllm_worker import WeightUpdateExtension
+from areal_lite.engines.remote.vllm import RemoteVLLMEngine
+from areal_lite.engines.remote.vllm_worker import WeightUpdateExtension
+from areal_lite.engines.train.weight_sync import WeightSender
 from areal_lite.launcher.local import (
     LaunchPlan,
     check_machine,
@@ -34,7 +35,6 @@ from areal_lite.launcher.local import (
 )
 from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
 from areal_lite.utils.tiny import build_tiny_model
-from areal_lite.utils.weight_sync import WeightSender
 
 
 class StandInWorker(WeightUpdateExtension):
@@ -219,7 +219,7 @@ def test_launcher_starts_vllm_with_the_extension_on_its_own_gpus_or_on_cpu(monke
     root = checkout_root()
     monkeypatch.delenv("PYTHONPATH", raising=False)
     extension = ["--tensor-parallel-size", "2", "--worker-extension-cls",
-                 "areal_lite.engines.vllm_worker.WeightUpdateExtension", "--logprobs-mode", "raw_logprobs"]  # fmt: skip
+                 "areal_lite.engines.remote.vllm_worker.WeightUpdateExtension", "--logprobs-mode", "raw_logprobs"]  # fmt: skip
     cfg = LauncherConfig(backend="vllm", n_servers=2, server_tp_size=2, server_args=["--max-model-len", "4096"],
                          gpus_per_node=8, vllm_python="vpy")  # fmt: skip
     plan = LaunchPlan("train.py", None, [], cfg, RecoverConfig(), "org/model", "out", python="py")

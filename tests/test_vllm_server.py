@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, WeightUpdateMeta
-from areal_lite.engines.vllm import RemoteVLLMEngine
+from areal_lite.engines.remote.vllm import RemoteVLLMEngine
 from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))

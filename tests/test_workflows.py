@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse
 from areal_lite.core import RolloutController
-from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.engines.local.engine import LocalInferenceEngine
 from areal_lite.rewards import RewardRunner, math_answer_reward
 from areal_lite.utils.tiny import build_tiny_model
 from areal_lite.workflows import (

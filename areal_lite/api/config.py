@@ -163,12 +163,12 @@ class TrainEngineConfig:
     share_cores_with_engine: bool = True
     """FSDP on CPU, connected to an embedded engine in this process that has its own thread share
     (`LocalEngineConfig.num_threads`): train on the process's threads less that share while the
-    engine is generating, and on all of them while it is not (`areal_lite.utils.cpu.CoreSharing`).
+    engine is generating, and on all of them while it is not (`areal_lite.cpu.threads.CoreSharing`).
     False keeps the process's count throughout."""
     shared_prefix: bool = False
     """FSDP with attn_impl=sdpa: run the prefix that consecutive sequences of a micro-batch share
     (a GRPO group's prompt) through the model once, as a tree with one branch per sequence
-    (`areal_lite.utils.shared_prefix`; where groups' prompts start alike, e.g. with a system turn,
+    (`areal_lite.engines.train.shared_prefix`; where groups' prompts start alike, e.g. with a system turn,
     the trees are chosen to save the most tokens); the results are those of the ordinary forward. With
     several micro-batches, set ``mb_spec.granularity`` to the group size so none is cut apart
     (benchmarks/shared_prefix.py)."""
@@ -393,7 +393,7 @@ class LocalEngineConfig:
     cuda_graphs: bool = True
     """On CUDA, replay each decode step (every running request, no prefill) from a CUDA graph
     captured per padded batch size: one launch a step instead of one per kernel
-    (`areal_lite.engines.decode_graphs`). Off: every step runs eagerly. Ignored on CPU and for
+    (`areal_lite.engines.local.decode_graphs`). Off: every step runs eagerly. Ignored on CPU and for
     mixture-of-experts models."""
     num_threads: int = field(default=0, metadata=at_least(0))
     """Threads of the engine's torch ops (the scheduler thread's own count; 0 = the process's).

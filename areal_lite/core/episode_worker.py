@@ -49,8 +49,8 @@ from tensordict import TensorDict
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.workflow import RolloutWorkflow
-from areal_lite.utils.cpu import pin_this_thread
-from areal_lite.utils.gc_freeze import freeze_startup_objects
+from areal_lite.cpu.gc_freeze import freeze_startup_objects
+from areal_lite.cpu.threads import pin_this_thread
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import AcceptFn
 from areal_lite.api.errors import RecurringError
 from areal_lite.api.workflow import RolloutWorkflow, check_trajectory_layout
-from areal_lite.utils.cpu import check_cores, pin_this_thread, release_openmp_threads
+from areal_lite.cpu.threads import check_cores, pin_this_thread, release_openmp_threads
 from areal_lite.utils.data import concat_padded
 
 logger = logging.getLogger(__name__)

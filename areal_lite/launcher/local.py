@@ -16,7 +16,7 @@ With ``launcher.backend=local`` the script runs the embedded inference engine in
 started directly (under torchrun when ``trainer_nproc > 1``). With ``areal`` (our
 `areal_lite.engines.server`), ``sglang`` (SGLang's own server) or ``vllm`` (vLLM's OpenAI server
 in its RL mode, ``VLLM_SERVER_DEV_MODE=1``, with our weight-update worker extension
-`areal_lite.engines.vllm_worker.WeightUpdateExtension`, run by the Python of vLLM's own venv
+`areal_lite.engines.remote.vllm_worker.WeightUpdateExtension`, run by the Python of vLLM's own venv
 (`vllm_python`); on GPUs each server's in ``CUDA_VISIBLE_DEVICES``, without GPUs vLLM's CPU
 settings), ``n_servers`` servers are started
 on free ports, the launcher waits until each answers ``GET /health`` with 200 (their addresses and
@@ -84,7 +84,7 @@ ENGINE_FLAGS = (
 )
 """``local_engine`` keys and the flags of `areal_lite.engines.server` that take them."""
 TEARDOWN_GRACE_S = 10.0
-VLLM_WORKER_EXTENSION = "areal_lite.engines.vllm_worker.WeightUpdateExtension"
+VLLM_WORKER_EXTENSION = "areal_lite.engines.remote.vllm_worker.WeightUpdateExtension"
 """What vLLM's ``--worker-extension-cls`` loads: the weight-update calls `RemoteVLLMEngine` makes."""
 VLLM_PYTHON_ENV = "AREAL_LITE_VLLM_PYTHON"
 """The environment variable naming the vLLM servers' interpreter when ``launcher.vllm_python`` is empty."""
@@ -272,7 +272,7 @@ def check_machine(plan: LaunchPlan) -> None:
             "local_engine.device=cpu local_engine.dtype=float32)"
         )
     if cfg.backend == "areal":
-        from areal_lite.engines.server import argument_parser
+        from areal_lite.engines.server.app import argument_parser
 
         _, unknown = argument_parser().parse_known_args(["--model-path", "-", *plan.engine_args, *cfg.server_args])
         if unknown:

@@ -195,12 +195,12 @@ class InferenceModel:
     def _start_generator(self) -> InferenceEngine:
         cfg = self.config
         if cfg.servers:
-            from areal_lite.engines.remote import RemoteSGLangEngine
+            from areal_lite.engines.remote.sglang import RemoteSGLangEngine
 
             rollout = InferenceEngineConfig(addresses=list(cfg.servers))
             engine: InferenceEngine = RemoteSGLangEngine(rollout, control_servers=dist.get_rank() == 0)
         else:
-            from areal_lite.engines.local import LocalInferenceEngine
+            from areal_lite.engines.local.engine import LocalInferenceEngine
 
             local = LocalEngineConfig(
                 path=self.path,

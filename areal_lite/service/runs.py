@@ -30,13 +30,13 @@ import torch
 
 from areal_lite.api.config import LoRAConfig, OptimizerConfig, TrainEngineConfig
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta
-from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.multi_lora import MultiLoRAEngine
+from areal_lite.cpu.precision import compute_dtype
+from areal_lite.engines.train.fsdp import FSDPEngine
+from areal_lite.engines.train.multi_lora import MultiLoRAEngine
 from areal_lite.service import losses
 from areal_lite.service.config import ServiceConfig
 from areal_lite.service.sampler import Generator
 from areal_lite.service.wire import BadRequest, Datum, ForwardBackwardCall, ForwardBackwardResult, Span
-from areal_lite.utils.precision import compute_dtype
 
 SCHEME = "tinker://"
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}

@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 """ChatML; with ``tools``, a system message lists them (the first system message's text first) and
-an assistant's ``tool_calls`` are written in the Hermes format that `areal_lite.utils.tool_calls`
+an assistant's ``tool_calls`` are written in the Hermes format that `areal_lite.openai_format.tool_calls`
 reads, so a tiny model can be taught to call tools and its calls read back as it wrote them."""
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

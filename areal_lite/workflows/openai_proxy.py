@@ -5,7 +5,7 @@ the ``openai-agents`` SDK) is handed `RecordingProxy.client()`: a real ``openai.
 HTTP transport hands each request to the proxy in this process instead of a socket. The proxy
 renders the request's messages and tools with the policy's chat template, generates through
 ``engine.agenerate`` and answers as our server's ``/v1/chat/completions`` does (Hermes tool calls,
-docs/protocol.md), reading the request with the same code (`areal_lite.utils.openai_chat`). It
+docs/protocol.md), reading the request with the same code (`areal_lite.openai_format.chat`). It
 keeps every call's tokens, log-probabilities and policy versions.
 
 Trajectories. A call whose rendered prompt text starts with the whole text of a trajectory recorded
@@ -27,7 +27,7 @@ report the sampled token's log-probability only) and the options no areal-lite e
 
 Routes: ``/v1/chat/completions``, ``/v1/completions`` (a text prompt continued as it is, no chat
 template) and ``/v1/responses`` (OpenAI's Responses API, read as the chat request it stands for by
-`areal_lite.utils.openai_responses`, what the ``openai-agents`` SDK's default model calls), plain
+`areal_lite.openai_format.responses`, what the ``openai-agents`` SDK's default model calls), plain
 or streamed, and ``/v1/models``; errors are OpenAI's error object. The
 proxy answers in process (`client`), or over HTTP for programs in other processes
 (`areal_lite.workflows.proxy_server`).
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse
-from areal_lite.utils.openai_chat import (
+from areal_lite.openai_format.chat import (
     BadRequest,
     TokenBytes,
     assistant_message,
@@ -60,7 +60,7 @@ from areal_lite.utils.openai_chat import (
     shaping_fields,
     stop_strings,
 )
-from areal_lite.utils.openai_responses import (
+from areal_lite.openai_format.responses import (
     ResponseEvents,
     chat_body,
     new_response_id,
@@ -70,7 +70,7 @@ from areal_lite.utils.openai_responses import (
     usage,
     wants_logprobs,
 )
-from areal_lite.utils.tool_calls import ToolCall, parse_tool_calls
+from areal_lite.openai_format.tool_calls import ToolCall, parse_tool_calls
 from areal_lite.workflows.trajectory import TokenTrace
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ from tensordict import TensorDict
 from areal_lite.api.config import LocalEngineConfig, OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, WeightUpdateMeta
-from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.local import LocalInferenceEngine
-from areal_lite.engines.request import SamplingParams
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.local.request import SamplingParams
+from areal_lite.engines.train.fsdp import FSDPEngine
 
 
 def nll(logp: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from areal_lite.api.config import LocalEngineConfig
-from areal_lite.engines.local import LocalInferenceEngine
-from areal_lite.engines.request import SamplingParams
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.local.request import SamplingParams
 from areal_lite.launcher.local import checkout_pythonpath
 from areal_lite.utils.tiny import build_tiny_model
 

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from areal_lite.actors import PPOActor
 from areal_lite.api.config import OptimizerConfig, PPOActorConfig
 from areal_lite.api.io import FinetuneSpec
-from areal_lite.engines.fsdp import FSDPEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.distributed import destroy_default_group
 
 GROUP = 4

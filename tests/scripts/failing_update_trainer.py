@@ -17,8 +17,8 @@ import time
 
 from areal_lite.api.config import InferenceEngineConfig, TrainEngineConfig
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
-from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.vllm import RemoteVLLMEngine
+from areal_lite.engines.remote.vllm import RemoteVLLMEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 
 MODEL, ADDRESSES, WORKDIR, MODE = sys.argv[1], sys.argv[2].split(","), sys.argv[3], sys.argv[4]
 

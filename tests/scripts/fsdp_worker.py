@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta, WeightUpdateMeta
-from areal_lite.engines.fsdp import FSDPEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.distributed import destroy_default_group
 
 CHECKS, MODEL, OUT = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
@@ -288,7 +288,7 @@ def check_shared_prefix(res: dict[str, object]) -> None:
     res["shared_lp_nonzero"] = int((tree["lp"] != 0).sum())
     e = engine(n_mbs=2, ft=None, shared_prefix=True)
     layout = e._microbatches(batch)[0]
-    from areal_lite.utils.shared_prefix import shared_prefix_layout
+    from areal_lite.engines.train.shared_prefix import shared_prefix_layout
 
     res["shared_tokens"] = [
         [

@@ -26,9 +26,10 @@ from tensordict import TensorDict
 from areal_lite.api.config import InferenceEngineConfig, LoRAConfig, OptimizerConfig, TrainEngineConfig
 from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, WeightUpdateMeta
-from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.remote import RemoteEngine, RemoteSGLangEngine
-from areal_lite.engines.vllm import RemoteVLLMEngine
+from areal_lite.engines.remote.client import RemoteEngine
+from areal_lite.engines.remote.sglang import RemoteSGLangEngine
+from areal_lite.engines.remote.vllm import RemoteVLLMEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.distributed import destroy_default_group
 
 MODEL, ADDRESSES, WORKDIR = sys.argv[1], sys.argv[2].split(","), sys.argv[3]

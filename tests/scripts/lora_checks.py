@@ -30,8 +30,8 @@ from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import LocalEngineConfig, LoRAConfig, OptimizerConfig, TrainEngineConfig
 from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, SaveLoadMeta, WeightUpdateMeta
-from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.lora import peft_config
 
 LORA = LoRAConfig(rank=4, alpha=8.0)

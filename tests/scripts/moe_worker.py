@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_lite.api.config import LocalEngineConfig, LoRAConfig, OptimizerConfig, TrainEngineConfig
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta, WeightUpdateMeta
-from areal_lite.engines.fsdp import FSDPEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.moe import NO_EXPERT, RoutingReplay, routing_shape
 
 FT = FinetuneSpec(total_train_epochs=1, dataset_size=80, train_batch_size=8)

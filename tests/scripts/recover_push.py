@@ -22,8 +22,8 @@ from areal_lite.api.config import (
 )
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
 from areal_lite.core import RolloutController
-from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.local import LocalInferenceEngine
+from areal_lite.engines.local.engine import LocalInferenceEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.kit import RunKit
 from areal_lite.utils.recover import RecoverHandler
 from areal_lite.utils.step import StepInfo

@@ -22,7 +22,7 @@ from tensordict import TensorDict
 
 from areal_lite.api.config import BaseExperimentConfig, TrainEngineConfig, load_config
 from areal_lite.api.io import FinetuneSpec
-from areal_lite.engines.fsdp import FSDPEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.dataloader import stateful_dataloader
 from areal_lite.utils.recover import RecoverHandler
 from areal_lite.utils.saver import Saver

@@ -24,8 +24,8 @@ from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, WeightUpdateMeta
 from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.core import RolloutController
-from areal_lite.engines.fsdp import FSDPEngine
-from areal_lite.engines.remote import RemoteSGLangEngine
+from areal_lite.engines.remote.sglang import RemoteSGLangEngine
+from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.kit import sync_weights
 from areal_lite.utils.dataloader import stateful_dataloader
 from areal_lite.workflows.trajectory import from_response

@@ -1,0 +1,738 @@
+"""The embedded engine's model: loading it, a lean forward over a slot-based KV cache, and sampling.
+
+It calls the HF model's own modules (embeddings, norms, projections, MLPs, LM head) but runs
+attention itself over a slot-based KV cache (row ``i`` of the cache belongs to the ``i``-th
+running request; finished rows are refilled from the tail), with per-row positions and one
+additive mask per step. This needs the Llama layer layout, shared by the supported
+``model_type``s (llama, qwen2, qwen3, mistral, and the mixture-of-experts qwen3_moe, qwen2_moe,
+mixtral); the numerics are those of the HF forward (same modules, same rotary tables), so reported
+log-probabilities equal a HF forward of the same tokens to float tolerance.
+
+A mixture-of-experts block runs as the HF module. A forward hook on its router records the
+experts each token went to, in a per-row buffer beside the KV cache (``routes``: for each cached
+position, one row of ``top_k`` expert ids per layer, -1 on layers without experts), which a
+finished request takes with it (`routes_of`): routing replay in the train engine forces them.
+A position's routes are those of the pass that computed its cached keys and values: recomputing a
+request's cache after a weight update records them again.
+
+Reported log-probabilities are those of the policy itself (temperature 1, before top-p/top-k/min-p,
+min-token suppression, logit biases and penalties: `areal_lite.engines.local.shaping`), as the train
+engine recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from itertools import pairwise
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from areal_lite.cpu import decode_attention, fused_ops
+from areal_lite.engines.local import grammar
+from areal_lite.engines.local.decode_graphs import DecodeGraphs
+from areal_lite.engines.local.request import SamplingParams, Sequence
+from areal_lite.engines.local.shaping import min_p_masked, shaped
+from areal_lite.utils.moe import NO_EXPERT, layer_routers, routing_shape
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
+NOT_FINITE = "the model's next-token probabilities are not finite (NaN): its weights or inputs have diverged"
+"""Why a decode step fails when the model outputs NaN, instead of an index error from sampling."""
+PREFILL_TOKENS = 16 * 1024
+"""A batched prefill is split when its distinct sequences hold more tokens than this."""
+
+
+_DTYPES = {
+    n: getattr(torch, n)
+    for n in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
+}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """A torch dtype from its name (``float32`` or ``torch.float32``); ValueError when unknown."""
+    dtype = _DTYPES.get(name.removeprefix("torch."))
+    if dtype is None:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(_DTYPES)}")
+    return dtype
+
+
+def load_model(path: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, PreTrainedTokenizerBase | None]:
+    """The HF causal LM of a model directory, frozen for inference, and its tokenizer (None when
+    the directory has none)."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.utils.tokenizer import TokenizerMissing, load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    tokenizer: PreTrainedTokenizerBase | None = None
+    try:
+        tokenizer = load_tokenizer(path)
+    except TokenizerMissing:
+        logger.warning("no tokenizer in %s: stop strings and text prompts are unavailable", path)
+    return model, tokenizer
+
+
+def context_length(model: torch.nn.Module, max_total_tokens: int) -> int:
+    """Prompt + output tokens a request may reach: ``max_total_tokens`` (0 = no limit of its own),
+    the model's position range, and its sliding window."""
+    max_pos = model.config.max_position_embeddings
+    context_len = min(max_total_tokens, max_pos) if max_total_tokens > 0 else max_pos
+    window = getattr(model.config, "sliding_window", None)
+    if window and (model.config.model_type == "mistral" or getattr(model.config, "use_sliding_window", False)):
+        # The runner attends over the whole cache; within one window that is exact.
+        context_len = min(context_len, window)
+    return context_len
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A HF RMSNorm module's computation in one fused op."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+class PackedLinears:
+    """``F.linear`` with each weight reordered once into oneDNN's blocked layout (CPU, fp32 or bf16).
+
+    On the AVX-512 BF16 Zen 4 CPU this ran a SmolLM2 decode step's matmuls 1.1-1.8x faster in bf16
+    and 1.4-2.3x in fp32 than ``F.linear``, which lays the weight out again at every call; the LM
+    head (49152 x 576) gained the most. A reordered copy goes stale when its weight changes, so
+    each is keyed by the weight tensor and its in-place version counters (which every copy into
+    the tensor bumps; for a fused weight, also those of the parameters that are views of it, whose
+    counters are their own): a weight changed in any way is reordered again before its next use. Costs one more copy of the weights in memory. Elsewhere (CUDA, float16, a torch
+    without oneDNN) it is plain ``F.linear``."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.enabled = (
+            device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        )
+        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        views: tuple[torch.Tensor, ...] = (),
+    ) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``; ``views``: parameters whose data are parts of ``weight``."""
+        if not self.enabled:
+            return F.linear(x, weight, bias)
+        version = weight._version + sum(v._version for v in views)
+        entry = self._packed.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1] != version:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH)
+            entry = self._packed[id(weight)] = (weight, version, packed)
+        return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
+
+
+PACK_BATCH = 16
+"""The batch size oneDNN lays a weight out for (any batch works; decode batches are 16-64)."""
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class ModelRunner:
+    """The model, its slot-based KV cache and batched prefill / decode / sampling.
+
+    Used only from the scheduler thread. Row ``i`` of the cache holds the ``i``-th running
+    sequence; ``lens[i]`` tokens of it are cached and ``last[i]`` is the sampled token not yet fed.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, max_rows: int, context_len: int, seed: int, cuda_graphs: bool = False
+    ) -> None:
+        cfg = model.config
+        rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+        if "dynamic" in rope_type:
+            # Rotary tables are computed once for all positions; dynamic scaling depends on length.
+            raise ValueError(f"the embedded engine does not support rope_type {rope_type!r}")
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"the embedded engine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}"
+            )
+        self.model = model
+        self.base = model.model
+        self.layers = list(self.base.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.scaling = attn.scaling
+        self.has_qk_norm = hasattr(attn, "q_norm")
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.linear = PackedLinears(self.device, self.dtype)
+        self.max_rows = max_rows
+        self.context_len = context_len
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        positions = torch.arange(context_len, device=self.device)[None]
+        dummy = torch.zeros(1, device=self.device, dtype=self.dtype)
+        cos, sin = self.base.rotary_emb(dummy, positions)
+        self.cos, self.sin = cos[0], sin[0]  # [context_len, head_dim]
+        self.cap = 0
+        self.decode_attention = decode_attention.load(self.device, self.dtype, self.head_dim, self.n_heads // self.n_kv)
+        """The compiled decode attention (CPU, fp32 or bf16), None where it is unavailable:
+        then decode attention is two batched matmuls."""
+        self.block = decode_attention.BLOCK if self.decode_attention is not None else 1
+        self.ops = fused_ops.load(self.device, self.dtype)
+        """The compiled residual add and norm, rotary embedding and SiLU product (CPU, fp32 or
+        bf16), None where they are unavailable: then torch ops."""
+        self.silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")
+        """Whether the MLPs' activation is SiLU (the fused product's)."""
+        self.k_cache: list[torch.Tensor] = []
+        """Per layer, [max_rows, kv heads, capacity / block, head_dim, block]: keys in blocks of
+        ``block`` positions, transposed within a block, as the decode attention kernel reads them
+        (with ``block`` 1, where there is no kernel, that is [rows, kv heads, capacity, head_dim])."""
+        self.v_cache: list[torch.Tensor] = []
+        """Per layer, [max_rows, kv heads, capacity, head_dim]."""
+        self.lens = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.last = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.rows: list[Sequence] = []
+        self.route_shape = routing_shape(cfg)
+        """(layers, top_k) of a mixture-of-experts model, else None (nothing recorded)."""
+        self.routes: torch.Tensor | None = None
+        """[max_rows, cache capacity, layers, top_k] int32: the experts each cached position went to."""
+        self._captured: dict[int, torch.Tensor] = {}
+        """Expert ids [tokens, top_k] by layer, from the routers' hooks during one forward pass."""
+        if self.route_shape is not None:
+            for i, router in enumerate(layer_routers(self.layers)):
+                if router is not None:
+                    router.register_forward_hook(lambda _m, _inp, out, i=i: self._captured.__setitem__(i, out[2]))
+        self._ensure_capacity(min(256, context_len))
+        self.fused = [self._fuse(layer) for layer in self.layers]
+        self.fused_views = [self._fused_views(layer) for layer in self.layers]
+        """Per layer, the parameters that are views of its fused q/k/v and gate/up weights."""
+        self.graphs = (
+            self.decode_graphs() if cuda_graphs and self.device.type == "cuda" and self.route_shape is None else None
+        )
+        """Decode steps replayed as CUDA graphs (``cuda_graphs``, on CUDA, dense models: a
+        mixture-of-experts block's routing hooks run Python per pass), else None."""
+
+    @staticmethod
+    def _fused_views(layer: torch.nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = tuple(m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+        gate_up = tuple(m.weight for m in (mlp.gate_proj, mlp.up_proj)) if hasattr(mlp, "gate_proj") else ()
+        return qkv, gate_up
+
+    @staticmethod
+    def _fuse(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """One matmul for q/k/v and one for gate/up instead of five (fewer ops per step); a
+        mixture-of-experts block (no ``gate_proj``) gets no fused gate/up and runs as its HF module.
+
+        The HF modules' parameters become views into the fused tensors, so a weight update that
+        copies into the model's parameters (as every update here does) updates both at once.
+        """
+
+        def fuse(linears: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
+            parts = [getattr(m, attr) for m in linears]
+            if parts[0] is None:
+                return None
+            fused = torch.cat([p.data for p in parts])
+            start = 0
+            for m, p in zip(linears, parts):
+                getattr(m, attr).data = fused[start : start + p.shape[0]]
+                start += p.shape[0]
+            return fused
+
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        if not hasattr(mlp, "gate_proj"):
+            return fuse(qkv, "weight"), fuse(qkv, "bias"), None, None  # type: ignore[return-value]
+        gate_up = [mlp.gate_proj, mlp.up_proj]
+        return fuse(qkv, "weight"), fuse(qkv, "bias"), fuse(gate_up, "weight"), fuse(gate_up, "bias")  # type: ignore[return-value]
+
+    def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        head = self.model.lm_head
+        if type(head) is torch.nn.Linear:
+            return self.linear(h, head.weight, head.bias)
+        return head(h)  # a wrapped head (an adapter's): as the model runs it
+
+    def _ensure_capacity(self, needed: int) -> None:
+        """Grow the cache (doubling, capped at the context length) to hold ``needed`` positions."""
+        if needed <= self.cap:
+            return
+        cap = max(needed, min(self.context_len, max(2 * self.cap, 64)))
+        cap = -(-cap // self.block) * self.block  # whole blocks (past the context: never attended)
+        k_shape = (self.max_rows, self.n_kv, cap // self.block, self.head_dim, self.block)
+        v_shape = (self.max_rows, self.n_kv, cap, self.head_dim)
+        new_k = [torch.zeros(k_shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        new_v = [torch.zeros(v_shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        for old, new in zip(self.k_cache, new_k):
+            new[:, :, : self.cap // self.block].copy_(old)
+        for old, new in zip(self.v_cache, new_v):
+            new[:, :, : self.cap].copy_(old)
+        if self.route_shape is not None:
+            routes = torch.full(
+                (self.max_rows, cap, *self.route_shape), NO_EXPERT, dtype=torch.int32, device=self.device
+            )
+            if self.routes is not None:
+                routes[:, : self.cap] = self.routes
+            self.routes = routes
+        self.k_cache, self.v_cache, self.cap = new_k, new_v, cap
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + _rotate_half(x) * sin
+
+    def _layers_forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Run every decoder layer on the tokens ``ids`` [N] at ``positions`` [N], token-major:
+        ``attend(layer, q, k, v)`` gets [N, heads, D] queries and [N, kv heads, D] keys and values,
+        stores the keys and values in the cache and returns the attention output [N, heads, D].
+        Returns the final hidden states [N, H]. The routers' hooks leave this pass's routes in
+        ``_captured``."""
+        self._captured.clear()
+        n = ids.shape[0]
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        h, x = self._add_norm(self.base.embed_tokens(ids), None, self.layers[0].input_layernorm)
+        rotary = None if self.ops is not None and not self.has_qk_norm else self._rotary(positions)
+        if rotary is None and n and int(positions.max()) >= self.cos.shape[0]:
+            # The compiled rotary reads the tables unchecked (torch's indexing would raise).
+            raise IndexError(f"position {int(positions.max())} is past the rotary tables ({self.cos.shape[0]})")
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            w_qkv, b_qkv, w_gate_up, b_gate_up = self.fused[i]
+            qkv_views, gate_up_views = self.fused_views[i]
+            qkv = self.linear(x, w_qkv, b_qkv, qkv_views)
+            if rotary is None:
+                assert self.ops is not None
+                q, k, v = self.ops.rope_split(qkv, self.cos, self.sin, positions, nh, nkv)
+            else:
+                qk, v = qkv.view(n, nh + 2 * nkv, hd).split([nh + nkv, nkv], dim=1)
+                if self.has_qk_norm:
+                    qk = torch.cat([attn.q_norm(qk[:, :nh]), attn.k_norm(qk[:, nh:])], dim=1)
+                # Rotary embedding on queries and keys in one go.
+                q, k = self._rope(qk, *rotary).split([nh, nkv], dim=1)
+            o = attend(i, q, k, v)
+            o = self.linear(o.reshape(n, nh * hd), attn.o_proj.weight, attn.o_proj.bias)
+            h, x = self._add_norm(h, o, layer.post_attention_layernorm)
+            if w_gate_up is None:
+                out = mlp(x[None])[0]
+            else:
+                gate_up = self.linear(x, w_gate_up, b_gate_up, gate_up_views)
+                if self.ops is not None and self.silu:
+                    act = self.ops.silu_mul(gate_up)
+                else:
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    act = mlp.act_fn(gate) * up
+                out = self.linear(act, mlp.down_proj.weight, mlp.down_proj.bias)
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.base.norm
+            h, x = self._add_norm(h, out, after)
+        return x
+
+    def _add_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream ``h + delta`` (``h`` for None) and its RMS norm by ``norm``; the
+        fused ops add into ``h`` in place."""
+        if self.ops is not None:
+            return h, self.ops.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+        h = h if delta is None else h + delta
+        return h, _rms_norm(norm, h)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables' rows at ``positions``, [N, 1, D] each (cos, sin)."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    def _pass_routes(self, n: int) -> torch.Tensor:
+        """The routes [n, layers, top_k] of the ``n`` tokens of the last forward pass."""
+        assert self.route_shape is not None
+        routes = torch.full((n, *self.route_shape), NO_EXPERT, dtype=torch.int32, device=self.device)
+        for i, ids in self._captured.items():
+            routes[:, i] = ids.view(n, -1)
+        return routes
+
+    def routes_of(self, row: int) -> torch.Tensor | None:
+        """The routes [cached positions, layers, top_k] (int32, CPU) of running row ``row``; None
+        for a dense model."""
+        if self.routes is None:
+            return None
+        return self.routes[row, : int(self.lens[row])].to("cpu", copy=True)  # the row is refilled later
+
+    @staticmethod
+    def prefill_tokens(s: Sequence) -> list[int]:
+        """What a new row caches: the prompt, and for a sequence with output (re-prefilled after a
+        weight update or a retract) all but its last token, which becomes the next one fed."""
+        return s.prompt + s.out[:-1] if s.out else s.prompt
+
+    def _chunks(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """``seqs`` cut so that no pass prefills more than `PREFILL_TOKENS` distinct tokens (which
+        bounds its activations), shortest and longest apart."""
+        distinct = {tuple(self.prefill_tokens(s)) for s in seqs}
+        if len(distinct) <= 1 or sum(len(t) for t in distinct) <= PREFILL_TOKENS:
+            return [seqs] if seqs else []
+        ordered = sorted(seqs, key=lambda s: len(self.prefill_tokens(s)))
+        half = len(ordered) // 2
+        return self._chunks(ordered[:half]) + self._chunks(ordered[half:])
+
+    @torch.no_grad()
+    def prefill(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Add ``seqs`` as new rows and fill their cache. A sequence without output yet gets its
+        first token sampled (returned); one with output (re-prefilled after a weight update or a
+        retract) caches all but its last token, which becomes the next one fed."""
+        return [s for chunk in self._chunks(seqs) for s in self._pass(0, chunk)]
+
+    @torch.no_grad()
+    def decode(self) -> None:
+        """One decode step for every row: feed ``last``, sample the next token of each row."""
+        if self.rows:
+            self._pass(len(self.rows), [])
+
+    @torch.no_grad()
+    def step(self, admitted: list[Sequence]) -> list[Sequence]:
+        """A decode step for every running row and the prefill of ``admitted`` (as `prefill`), in
+        one forward pass: every row that was running gets its next token, every admitted sequence
+        without output its first (these are returned).
+
+        One pass instead of a prefill pass and a decode pass: the projections and MLPs read their
+        weights once for both, and their matrix products see the decode rows and the prompt
+        tokens together (with requests arriving one by one, a prefill pass per arrival would read
+        the whole model again each time)."""
+        running = len(self.rows)
+        chunks = self._chunks(admitted)
+        if not running and not chunks:
+            return []
+        # Chunks beyond one pass's budget are prefilled alone first; their rows (after the
+        # running ones) are not decoded in this step.
+        fresh = [s for chunk in chunks[:-1] for s in self._pass(0, chunk)]
+        return fresh + self._pass(running, chunks[-1] if chunks else [])
+
+    def _pass(self, d: int, seqs: list[Sequence]) -> list[Sequence]:
+        """One forward pass: feed ``last`` to rows ``0..d-1`` (decode) and prefill ``seqs`` as new
+        rows at the end. Returns the sequences of ``seqs`` that got their first token.
+
+        The distinct prefill sequences run packed after the decode tokens (no padding: the
+        projections and MLPs, most of the FLOPs, see only real tokens), with causal attention per
+        sequence. Rows with the same tokens (the samples of a GRPO group) share one sequence, which
+        fills each row's cache and gives each row its own first sample: prompts are most of the
+        tokens a group costs when completions are short."""
+        tokens = [self.prefill_tokens(s) for s in seqs]
+        first_of: dict[tuple[int, ...], int] = {}
+        inverse = [first_of.setdefault(tuple(t), len(first_of)) for t in tokens]
+        lengths = [len(t) for t in first_of]
+        start = len(self.rows)
+        dev = self.device
+        ar = torch.arange(d, device=dev)
+        pos_d = self.lens[:d].clone()
+        lens_d = pos_d + 1  # positions each decode row attends to, its new one included
+        needed = int(pos_d.max()) + 1 if d else 0
+        self._ensure_capacity(max([needed, *(n + 1 for n in lengths)]))
+        if d and not seqs and self.graphs is not None:
+            return self._decode_static(d)
+        offsets = [d]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        ids = torch.tensor([t for u in first_of for t in u], dtype=torch.long, device=dev)
+        ids = torch.cat([self.last[:d], ids]) if d else ids
+        pos = [pos_d] + [torch.arange(n, device=dev) for n in lengths]
+        pos = torch.cat(pos) if len(pos) > 1 else pos[0]
+        rows_of = [[start + j for j, u in enumerate(inverse) if u == v] for v in range(len(lengths))]
+        gqa = self.n_kv != self.n_heads
+        nkv, hd, blk = self.n_kv, self.head_dim, self.block
+        kernel = self.decode_attention
+        mask = self._decode_mask(pos_d, needed) if d and kernel is None else None
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            outs = []
+            if d and kernel is not None:
+                outs.append(kernel(q[:d], k[:d], v[:d], kc, vc, lens_d, self.scaling))  # writes k, v too
+            elif d:
+                assert mask is not None
+                outs.append(self._attend_cached(i, q[:d], k[:d], v[:d], ar, pos_d, mask))
+            for u, (a, e) in enumerate(pairwise(offsets)):
+                ku, vu = k[a:e].transpose(0, 1), v[a:e].transpose(0, 1)  # [kv heads, L, D]
+                nb = -(-(e - a) // blk)
+                # Padded to whole blocks: the positions past L are never attended.
+                kb = F.pad(ku, (0, 0, 0, nb * blk - (e - a))).view(nkv, nb, blk, hd).transpose(2, 3)
+                for row in rows_of[u]:
+                    kc[row, :, :nb] = kb
+                    vc[row, :, : e - a] = vu
+                o = F.scaled_dot_product_attention(
+                    q[a:e].transpose(0, 1)[None], ku[None], vu[None], is_causal=True, scale=self.scaling, enable_gqa=gqa
+                )
+                outs.append(o[0].transpose(0, 1))
+            return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+        decoding = self.rows[:d]
+        h = self._layers_forward(ids, pos, attend)
+        if self.routes is not None:
+            routes = self._pass_routes(ids.shape[0])
+            if d:
+                self.routes[ar, pos_d] = routes[:d]
+            for u, (a, e) in enumerate(pairwise(offsets)):
+                self.routes[rows_of[u], : e - a] = routes[a:e]
+        if d:
+            self.lens[:d] += 1
+        self.rows.extend(seqs)
+        if seqs:
+            self.lens[start : start + len(seqs)] = torch.tensor([lengths[u] for u in inverse], device=dev)
+        fresh = [j for j, s in enumerate(seqs) if not s.out]
+        for j, s in enumerate(seqs):
+            if s.out:
+                self.last[start + j] = s.out[-1]
+            if s.want_input_logprobs and s.input_logprobs is None:
+                a, e = offsets[inverse[j]], offsets[inverse[j] + 1]
+                logp = torch.log_softmax(self._lm_head(h[a : e - 1]).float(), dim=-1)
+                s.input_logprobs = [None] + logp.gather(1, ids[a + 1 : e, None])[:, 0].tolist()
+                if s.params.top_logprobs:
+                    values, top_ids = logp.topk(min(s.params.top_logprobs, logp.shape[-1]), dim=-1)
+                    s.input_top = [None] + [list(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+        if d or fresh:
+            # The decode rows' hidden states and each fresh sequence's last prompt position.
+            at = list(range(d)) + [offsets[inverse[j] + 1] - 1 for j in fresh]
+            rows = torch.cat([ar, torch.tensor([start + j for j in fresh], dtype=torch.long, device=dev)])
+            logits = self._lm_head(h if at == list(range(h.shape[0])) else h[at]).float()
+            self._sample_and_append(logits, decoding + [seqs[j] for j in fresh], rows)
+        return [seqs[j] for j in fresh]
+
+    def _decode_mask(self, pos: torch.Tensor, n: int) -> torch.Tensor:
+        """The additive mask [rows x KV heads, 1, n] of decode rows at ``pos`` over their first
+        ``n`` cached positions: one row per (row, KV head), shared by that head's queries."""
+        visible = torch.arange(n, device=self.device)[None, :] <= pos[:, None]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        return mask[:, None, None].expand(pos.shape[0], self.n_kv, 1, n).reshape(-1, 1, n)
+
+    def _attend_cached(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: torch.Tensor,
+        pos: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Decode attention without the compiled kernel: store ``k``, ``v`` [R, kv heads, D] of
+        cache rows ``rows`` (0..R-1) at ``pos``, then attend each row's one query (``q`` [R,
+        heads, D]) to its first ``mask.shape[-1]`` cached positions (``mask``: `_decode_mask`).
+
+        The query heads of a KV head go in as that head's queries, so grouped-query attention
+        reads each key once. Two batched matmuls over (row, KV head) read the cache in place; on
+        CPU they ran 1.15-1.5x faster than SDPA's kernel (built for long query blocks) at 64 rows
+        x ~110 positions."""
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        r, n, nkv, hd, blk = q.shape[0], mask.shape[-1], self.n_kv, self.head_dim, self.block
+        kc[rows, :, pos // blk, :, pos % blk] = k
+        vc[rows, :, pos] = v
+        nb = -(-n // blk)
+        keys = kc[:r, :, :nb].transpose(3, 4).reshape(r * nkv, nb * blk, hd)[:, :n]
+        values = vc[:r, :, :n].reshape(r * nkv, n, hd)
+        scores = torch.baddbmm(
+            mask, q.reshape(r * nkv, self.n_heads // nkv, hd), keys.transpose(1, 2), alpha=self.scaling
+        )
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)  # fp32 softmax in bf16 too
+        return torch.bmm(probs, values).view(r, self.n_heads, hd)
+
+    def decode_graphs(self, eager: bool = False) -> DecodeGraphs:
+        """`DecodeGraphs` of this runner's `static_decode_logits` (``eager``: run, not captured)."""
+        return DecodeGraphs(self.static_decode_logits, lambda: self.cap, self.max_rows, self.device, eager)
+
+    def static_decode_logits(self, rows: int) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of a decode step of cache rows ``0..rows-1`` (``rows`` may
+        exceed the running count: the rows past it are unused slots), every shape fixed by
+        ``rows`` and the cache capacity, nothing read back to the host: what `DecodeGraphs`
+        records. Feeds ``last``, writes each row's keys and values at ``lens`` (clamped into the
+        cache for unused slots, whose entries the next prefill there overwrites) and attends over
+        the whole capacity, masked past each row's length. Leaves ``lens`` as it was."""
+        ar = torch.arange(rows, device=self.device)
+        pos = self.lens[:rows].clamp(max=self.cap - 1)
+        mask = self._decode_mask(pos, self.cap)
+        h = self._layers_forward(
+            self.last[:rows], pos, lambda i, q, k, v: self._attend_cached(i, q, k, v, ar, pos, mask)
+        )
+        return self._lm_head(h).float()
+
+    def _decode_static(self, d: int) -> list[Sequence]:
+        """A decode step of the ``d`` running rows through `graphs` (see `DecodeGraphs`); if its
+        capture fails, this and every later step run as before."""
+        assert self.graphs is not None
+        try:
+            logits = self.graphs.logits(d)
+        except RuntimeError:
+            logger.warning("the decode step could not be captured as a CUDA graph; running it eagerly", exc_info=True)
+            self.graphs = None
+            return self._pass(d, [])
+        self.lens[:d] += 1
+        self._sample_and_append(logits, self.rows[:d], torch.arange(d, device=self.device))
+        return []
+
+    def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tensor) -> None:
+        """Sample one token per row of ``logits`` [n, V] (fp32) and record it with its logprob."""
+        # The policy's probabilities (temperature 1, nothing suppressed): the log of the chosen
+        # token's is its reported log-probability. One softmax serves that and, for rows
+        # sampled as the policy stands (the common case), the sampling too, where a log-softmax
+        # besides cost one more pass over the vocabulary and one more [n, V] buffer per step.
+        raw, policy = logits, torch.softmax(logits, dim=-1)
+        params = [s.params for s in seqs]
+        logits = shaped(logits, seqs)  # min-token suppression, logit bias, penalties
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+            filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+            if logits is raw and not filtered and all(t == 1.0 and p.min_p == 0 for t, p in zip(temps, params)):
+                scores = None
+            else:
+                scores = min_p_masked(logits / torch.tensor(temps, device=logits.device)[:, None], params)
+            if filtered:
+                scores = _top_k_top_p(scores, params)
+            probs = policy if scores is None else torch.softmax(scores, dim=-1)
+            u = torch.rand((len(seqs), 1), generator=self.generator, dtype=torch.float64, device=probs.device)
+            for j, s in enumerate(seqs):
+                if s.params.seed is not None and not s.params.greedy:
+                    # A seeded request draws from its own stream, whatever else shares the batch.
+                    if s.rng is None:
+                        s.rng = torch.Generator(device=probs.device).manual_seed(s.params.seed)
+                    u[j] = torch.rand(1, generator=s.rng, dtype=torch.float64, device=probs.device)
+            sampled = inverse_cdf(probs, u)
+            tokens = (
+                torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), sampled)
+                if any(greedy)
+                else sampled
+            )
+        if bool((tokens >= logits.shape[-1]).any()):  # sampling past the vocabulary: NaN probabilities
+            raise FloatingPointError(NOT_FINITE)
+        self.last[rows] = tokens
+        chosen = policy.gather(1, tokens[:, None])[:, 0]
+        if bool(chosen.isnan().any()):  # a greedy row's argmax over NaN logits
+            raise FloatingPointError(NOT_FINITE)
+        tiny = chosen < 1e-30
+        chosen = chosen.log()
+        if bool(tiny.any()):
+            # Far below one in 1e30 the float32 probability loses precision (and underflows to
+            # 0 past ~1e-45): those rows' log-probabilities come from the logits directly.
+            # (Possible only for a token sampled at a temperature above 1, or after suppression,
+            # a bias or a penalty.)
+            at = tiny.nonzero()[:, 0]
+            chosen[at] = raw[at].gather(1, tokens[at, None])[:, 0] - torch.logsumexp(raw[at], dim=-1)
+        for s, t, lp in zip(seqs, tokens.tolist(), chosen.tolist()):
+            s.out.append(t)
+            s.logprobs.append(lp)
+            grammar.advance(s, t)
+        k = max(p.top_logprobs for p in params)
+        if k:
+            logp = torch.log_softmax(raw, dim=-1)
+            values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            for s, row_ids, row_values in zip(seqs, ids.tolist(), values.tolist()):
+                n = s.params.top_logprobs
+                if n:
+                    s.top.append(list(zip(row_ids[:n], row_values[:n])))
+
+    def remove(self, done: set[int]) -> None:
+        """Drop the rows in ``done``, moving tail rows into the holes so that rows stay 0..B-1."""
+        if not done:
+            return
+        b = len(self.rows)
+        keep = b - len(done)
+        holes = [i for i in sorted(done) if i < keep]
+        sources = [i for i in range(keep, b) if i not in done]
+        if holes:
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(sources, device=self.device)
+            width = int(self.lens[:b].max()) + 1
+            for cache in self.k_cache:
+                blocks = -(-width // self.block)
+                cache[dst, :, :blocks] = cache[src, :, :blocks]
+            for cache in self.v_cache:
+                cache[dst, :, :width] = cache[src, :, :width]
+            if self.routes is not None:
+                self.routes[dst, :width] = self.routes[src, :width]
+            self.lens[dst] = self.lens[src]
+            self.last[dst] = self.last[src]
+            for h_, s_ in zip(holes, sources):
+                self.rows[h_] = self.rows[s_]
+        del self.rows[keep:]
+
+    def clear(self) -> list[Sequence]:
+        """Forget every row (their caches); returns the sequences that were running."""
+        seqs, self.rows = self.rows, []
+        return seqs
+
+
+CDF_BLOCK = 256
+"""Vocabulary entries per block of `inverse_cdf`'s first level."""
+SMALL_VOCAB = 2048
+"""Up to this many entries `inverse_cdf` takes one running sum (0.03 against 0.18 ms at 32 rows of
+512 entries, `benchmarks/sampling.py`)."""
+
+
+def running_sum_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`inverse_cdf` by one float64 running sum over each whole row (a [n, V] float64 copy): what
+    it does up to `SMALL_VOCAB` entries, and what the engine did at every size before."""
+    running = probs.double().cumsum_(dim=-1)
+    total = running[:, -1:]
+    # Below the total even where u x total rounds up to it: the token found has a positive share.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(running, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A token per row of ``probs`` [n, V] (non-negative, fp32): the first whose running sum of
+    the row exceeds ``u`` [n, 1] (float64 uniforms in [0, 1)) times the row's total, so drawn
+    with its probability, never one of probability 0 (its running sum equals the one before it).
+
+    The running sums are in float64, so a token's share is its probability to ~1e-16 even at the
+    end of a large vocabulary (in float32 the rare tokens' would blur). Past `SMALL_VOCAB` entries
+    they come in two levels: the sums of blocks of `CDF_BLOCK` entries pick the block, then the
+    running sum of that block's entries picks the token; the same token as one running sum over
+    the row, without its [n, V] float64 copy (78 MB at 64 rows of a 151936-token vocabulary, which
+    glibc maps afresh at every step in the engine's thread). `benchmarks/sampling.py`, one Zen 4
+    core, in a thread: 64 rows of 49152 entries 0.85 ms against 4.61 for one running sum, 64 of
+    151936 2.54 against 48.9 (19 thousand page faults) and 208 for ``torch.multinomial``; one pass
+    reading the probabilities takes 0.62 and 1.98."""
+    n, v = probs.shape
+    if v <= SMALL_VOCAB:
+        return running_sum_sample(probs, u)
+    full = v // CDF_BLOCK
+    # Each block summed in float32 (torch's cascade sum, exact to ~1e-7 of the block's mass: a
+    # sum with dtype=float64 would first copy the whole row to float64), the blocks in float64.
+    sums = probs[:, : full * CDF_BLOCK].reshape(n, full, CDF_BLOCK).sum(dim=-1)
+    if full * CDF_BLOCK < v:
+        sums = torch.cat([sums, probs[:, full * CDF_BLOCK :].sum(dim=-1, keepdim=True)], dim=1)
+    running = sums.double().cumsum_(dim=-1)
+    total = running[:, -1:]
+    # Below the total even where u x total rounds up to it: the block found has a positive sum.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    found = torch.searchsorted(running, target, right=True).clamp_(max=running.shape[1] - 1)
+    before = torch.where(found > 0, running.gather(1, (found - 1).clamp(min=0)), 0.0)
+    at = found * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)
+    within = probs.gather(1, at.clamp(max=v - 1)).double().masked_fill_(at >= v, 0.0).cumsum_(dim=-1)
+    # The block's own sum, added in another order, may round a little below its share of the
+    # row's: the remainder stays below it, so the token found has a positive probability.
+    last = within[:, -1:]
+    rest = torch.minimum((target - before).clamp_(min=0.0), torch.nextafter(last, torch.zeros_like(last)))
+    return (found * CDF_BLOCK + torch.searchsorted(within, rest, right=True))[:, 0]
+
+
+def _top_k_top_p(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside each row's top-k and top-p nucleus."""
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    vocab = scores.shape[-1]
+    ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=scores.device)
+    ps = torch.tensor([p.top_p for p in params], device=scores.device)
+    rank = torch.arange(vocab, device=scores.device)[None]
+    cut = rank >= ks[:, None]
+    probs = torch.softmax(sorted_scores, dim=-1)
+    # A token stays while the mass before it is below top_p, so the most likely token always stays.
+    cut |= (probs.cumsum(dim=-1) - probs) >= ps[:, None]
+    sorted_scores = sorted_scores.masked_fill(cut, float("-inf"))
+    return torch.empty_like(scores).scatter_(1, order, sorted_scores)

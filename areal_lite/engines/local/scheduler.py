@@ -1,0 +1,726 @@
+"""The embedded engine's scheduler: one thread that owns the model and serves every request.
+
+Requests from any thread or event loop join a queue; between two steps the scheduler admits
+waiting requests, and each step is one forward pass that prefills the admitted requests and
+decodes one token of every running one, so a short request leaves as soon as it is done and never
+waits for the longest one. Aborts, pauses (in place, abort, retract) and weight loads (from
+tensors, from disk, or received by broadcast in a weight-update group) are applied between two
+steps; after a weight load, running requests get their KV cache recomputed under the new weights
+and continue, so every later token is produced by (and tagged with the version of) the new
+weights.
+
+A streamed request (`stream`) gets each token as it is sampled: the scheduler hands it over right
+after the step that produced it, before the request's result.
+
+A LoRA adapter is one more kind of weight load: merged into the weights (`AdapterSlot`), then
+applied like any other update.
+
+Weights arrive named as the model's parameters or as its checkpoint names them (what
+``save_pretrained`` writes and trainers send by disk and broadcast); they differ for
+mixture-of-experts models, whose experts are stacked at runtime (`areal_lite.utils.hf_layout`).
+
+This is the API of our HTTP server (`areal_lite.engines.server`); `LocalInferenceEngine` adapts
+it to the `InferenceEngine` contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import glob
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from concurrent.futures import Future, InvalidStateError
+from typing import TYPE_CHECKING
+
+import torch
+
+from areal_lite.api.config import LocalEngineConfig
+from areal_lite.api.io import WeightUpdateMeta
+from areal_lite.cpu.gc_freeze import freeze_startup_objects
+from areal_lite.cpu.malloc import keep_freed_memory, release_freed_memory
+from areal_lite.cpu.threads import check_cores, pin_this_thread, release_openmp_threads, set_thread_intra_op_threads
+from areal_lite.engines.local.adapter_slot import AdapterSlot, split_adapter_names
+from areal_lite.engines.local.grammar import Grammars
+from areal_lite.engines.local.model_runner import ModelRunner, context_length, dtype_of, load_model
+from areal_lite.engines.local.request import GenerationError, GenerationResult, SamplingParams, Sequence, TokenOut
+from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
+from areal_lite.utils.hf_layout import CheckpointLayout
+from areal_lite.utils.lora import read_adapter
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+THROUGHPUT_STEPS = 40
+"""`Scheduler.gen_throughput` averages over this many generation steps (SGLang logs its decode
+throughput every 40 steps)."""
+
+
+def _complete(fut: Future, fn: Callable[[], object]) -> None:
+    """Run ``fn`` and put its result, or the exception it raised, into ``fut`` (unless whoever
+    waited on it cancelled it meanwhile: ``fn`` has run, and the scheduler thread goes on)."""
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - whoever waits on the future gets it
+        with contextlib.suppress(InvalidStateError):
+            fut.set_exception(e)
+    else:
+        with contextlib.suppress(InvalidStateError):
+            fut.set_result(result)
+
+
+def _in_thread(fn: Callable[[], None], name: str) -> Future[None]:
+    """Run ``fn`` in a new daemon thread; the returned future completes when it returns or raises."""
+    fut: Future[None] = Future()
+    threading.Thread(target=_complete, args=(fut, fn), name=name, daemon=True).start()
+    return fut
+
+
+def _set_future(fut: asyncio.Future, value: GenerationResult) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
+    """``fn(*args)`` in ``loop``; nothing when the loop is closed (its caller went away, e.g. an
+    ``asyncio.run`` that ended on another request's error): the scheduler thread must not die of
+    it."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+
+
+class Scheduler:
+    """Continuous-batching generation on a HF causal LM (CPU or CUDA), in a thread of its own.
+
+    `generate` may be awaited from any event loop and any thread; the other methods may be called
+    from any thread.
+    """
+
+    def __init__(self, config: LocalEngineConfig) -> None:
+        self.config = config
+        self.model: torch.nn.Module | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self._runner: ModelRunner | None = None
+        self.version = 0
+        """The version new tokens are tagged with."""
+        self._cond = threading.Condition()
+        self._waiting: list[Sequence] = []
+        self._commands: list[tuple[Callable[[], object], Future]] = []
+        self._paused = False
+        self._stopping = False
+        self._abort_pending = False
+        self._admitting: list[Sequence] = []
+        """Taken from the queue, not yet in the batch (an abort must still find them)."""
+        self._thread: threading.Thread | None = None
+        self._keeps_freed_memory = False
+        """Whether this engine holds `keep_freed_memory` (on CPU, from `start` to `stop`)."""
+        self._group: CustomGroup | None = None
+        self._group_backend = "gloo"
+        self._eos_ids: frozenset[int] = frozenset()
+        self.adapter = AdapterSlot()
+        """The LoRA adapter merged into the weights, if any (read it from the scheduler thread)."""
+        self._yield_to: tuple[Callable[[], bool], int] | None = None
+        """(whether a trainer in this process computes, the threads to run on meanwhile)."""
+        self._layout: CheckpointLayout | None = None
+        """The model's checkpoint layout, built when a tensor first arrives under a checkpoint name."""
+        self._recent_steps: deque[tuple[float, int]] = deque(maxlen=THROUGHPUT_STEPS)
+        """(seconds, tokens produced) of the last generation steps, for `gen_throughput`."""
+
+    # ----- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the model and tokenizer and start the scheduler thread."""
+        cfg = self.config
+        check_cores(cfg.cores, "local_engine.cores")
+        model, self.tokenizer = load_model(cfg.path, dtype_of(cfg.dtype), cfg.device)
+        eos = (
+            model.generation_config.eos_token_id
+            if model.generation_config.eos_token_id is not None
+            else model.config.eos_token_id
+        )
+        self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.model = model
+        context_len = context_length(model, cfg.max_total_tokens)
+        self._runner = ModelRunner(model, cfg.max_running_requests, context_len, cfg.seed, cfg.cuda_graphs)
+        self.grammars = Grammars(self.tokenizer, model.config.vocab_size, self._eos_ids)
+        if self._runner.device.type == "cpu" and not self._keeps_freed_memory:
+            # Every step frees and reallocates its [rows, vocab] logits and probabilities (39 MB
+            # each at 64 rows of a 151936-token vocabulary): kept, they are reused instead of
+            # faulted in afresh (docs/performance.md, "Sampling without a float64 copy").
+            self._keeps_freed_memory = keep_freed_memory()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="local-engine-scheduler", daemon=True)
+        self._thread.start()
+        freeze_startup_objects()
+        # Loading ran parallel ops on the calling thread, which gave it an OpenMP team of its own.
+        # Kept, its docked workers count against the CPUs, and libgomp then wakes the scheduler's
+        # workers through a futex at every op instead of spinning: at 2 threads on 2 CPUs the
+        # decode step ran at one thread's speed. The caller gets a team again if it computes.
+        release_openmp_threads()
+
+    def stop(self) -> None:
+        """Stop the thread; queued and running requests end aborted, pending commands fail."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for seq in self._waiting + (self._runner.clear() if self._runner else []):
+            seq.deliver(seq.result({"type": "abort", "message": "engine stopped"}))
+        self._waiting.clear()
+        for _, fut in self._commands:
+            with contextlib.suppress(InvalidStateError):  # its caller gave it up
+                fut.set_exception(RuntimeError("the scheduler was stopped before this command ran"))
+        self._commands.clear()
+        self._group = None
+        self.model = None
+        self._runner = None
+        if self._keeps_freed_memory:
+            self._keeps_freed_memory = False
+            release_freed_memory()
+
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The token ids a generation of ``params`` ends on: its ``stop_token_ids`` and, unless
+        ``ignore_eos``, the model's end-of-sequence ids."""
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
+
+    @property
+    def context_len(self) -> int:
+        assert self._runner is not None, "call start() first"
+        return self._runner.context_len
+
+    @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        """(layers, top_k) of the routes a mixture-of-experts model records; None for a dense model."""
+        assert self._runner is not None, "call start() first"
+        return self._runner.route_shape
+
+    @property
+    def gen_throughput(self) -> float:
+        """Tokens produced per second of generation over the last `THROUGHPUT_STEPS` steps (time
+        spent idle not counted; 0 before any step): SGLang's ``last_gen_throughput``."""
+        steps = list(self._recent_steps)  # the scheduler thread appends meanwhile
+        seconds = sum(t for t, _ in steps)
+        return sum(n for _, n in steps) / seconds if seconds > 0 else 0.0
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted or waiting."""
+        with self._cond:
+            return len(self._waiting) + (len(self._runner.rows) if self._runner else 0)
+
+    # ----- generation ----------------------------------------------------------------------
+
+    def validate_request(self, input_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request the engine cannot serve (empty or too long prompt,
+        token ids outside the vocabulary, in the prompt or ``logit_bias``, stop strings or a
+        grammar without a tokenizer, a grammar that does not compile)."""
+        if self._runner is None:
+            raise RuntimeError("the scheduler is not started: call start() first")
+        if not input_ids:
+            raise ValueError("the prompt is empty")
+        if len(input_ids) >= self._runner.context_len:
+            raise ValueError(
+                f"the prompt has {len(input_ids)} tokens; the context length is {self._runner.context_len}"
+            )
+        vocab = self._runner.model.config.vocab_size
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        outside = [t for t in params.logit_bias if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab - 1}], got {outside[0]}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model directory has none")
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)
+
+    def submit_request(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        deliver: Callable[[GenerationResult], None],
+        rid: str | None = None,
+        return_input_logprobs: bool = False,
+        on_token: Callable[[TokenOut], None] | None = None,
+    ) -> str:
+        """Queue a request; ``deliver`` is called once, from the scheduler thread, with its
+        result, and ``on_token`` (if given) with each token as it is produced, before that.
+        Returns the rid. Raises ValueError for an empty or too long prompt."""
+        self.validate_request(input_ids, params)
+        stop_ids = self.stop_ids(params)
+        rid = rid or uuid.uuid4().hex
+        seq = Sequence(rid, list(input_ids), params, deliver, stop_ids, return_input_logprobs, on_token)
+        if params.grammar is not None:
+            seq.matcher = self.grammars.matcher(params.grammar)
+        if params.max_new_tokens == 0 and not return_input_logprobs:
+            deliver(seq.result({"type": "length", "length": 0}))
+            return seq.rid
+        with self._cond:
+            self._waiting.append(seq)
+            self._cond.notify_all()
+        return seq.rid
+
+    async def generate(
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, return_input_logprobs: bool = False
+    ) -> GenerationResult:
+        """Generate from ``input_ids`` in the caller's event loop (any loop, any thread)."""
+        [res] = await self.generate_many([(input_ids, params, rid)], return_input_logprobs)
+        return res
+
+    async def generate_many(
+        self, jobs: list[tuple[list[int], SamplingParams, str | None]], return_input_logprobs: bool = False
+    ) -> list[GenerationResult]:
+        """`generate` for several ``(input_ids, params, rid)`` queued at once: the scheduler admits
+        them at the same step (rows and the prefill budget allowing), so the samples of a group
+        decode in step and an interruption finds them all at the same length."""
+        for input_ids, params, _ in jobs:
+            self.validate_request(input_ids, params)
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[GenerationResult]] = [loop.create_future() for _ in jobs]
+        with self._cond:  # reentrant: submit_request takes it too, and the scheduler thread waits for it
+            rids = [
+                self.submit_request(
+                    input_ids,
+                    params,
+                    functools.partial(_call_in_loop, loop, _set_future, fut),
+                    rid,
+                    return_input_logprobs,
+                )
+                for (input_ids, params, rid), fut in zip(jobs, futures)
+            ]
+        try:
+            results = await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            for rid in rids:
+                self.abort(rid, message="the caller cancelled the request")
+            raise
+        for rid, res in zip(rids, results):
+            if res.error is not None:
+                raise GenerationError(f"request {rid} failed in the engine: {res.error}")
+        return list(results)
+
+    async def stream(
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, return_input_logprobs: bool = False
+    ) -> AsyncIterator[TokenOut | GenerationResult]:
+        """`generate` token by token: yields each `TokenOut` as the scheduler produces it (the first
+        carries the prompt's log-probabilities when asked for), then the `GenerationResult`.
+        Closing the iterator early aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenOut | GenerationResult] = asyncio.Queue()
+
+        def put(item: TokenOut | GenerationResult) -> None:
+            _call_in_loop(loop, queue.put_nowait, item)
+
+        rid = self.submit_request(input_ids, params, put, rid, return_input_logprobs, on_token=put)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, GenerationResult):
+                    finished = True
+                    if item.error is not None:
+                        raise GenerationError(f"request {rid} failed in the engine: {item.error}")
+                    yield item
+                    return
+                yield item
+        finally:
+            if not finished:
+                self.abort(rid, message="the caller stopped reading the stream")
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> None:
+        """End the requests whose rid starts with ``rid`` (or all) with their partial output."""
+        with self._cond:
+            match = (lambda s: True) if abort_all else (lambda s: rid is not None and s.rid.startswith(rid))
+            hit = [s for s in self._waiting if match(s)]
+            self._waiting = [s for s in self._waiting if not match(s)]
+            running = (list(self._runner.rows) if self._runner else []) + self._admitting
+            for s in running:
+                if match(s):
+                    s.abort_message = message
+                    self._abort_pending = True
+            self._cond.notify_all()
+        for s in hit:
+            s.deliver(s.result({"type": "abort", "message": message}))
+
+    def pause_generation(self, mode: str = "in_place") -> None:
+        """Stop decoding. ``in_place`` keeps running requests and their cache; ``abort`` ends them
+        (and the queued ones) with their partial output; ``retract`` sends them back to the queue.
+        New requests are queued until `continue_generation`."""
+        if mode not in ("abort", "in_place", "retract"):
+            raise ValueError(f"pause mode must be abort, in_place or retract, got {mode!r}")
+        with self._cond:
+            self._paused = True
+        if mode == "abort":
+            self.abort(abort_all=True, message="paused")
+        elif mode == "retract":
+            self._run_in_scheduler(self._retract).result()
+
+    def continue_generation(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def busy(self) -> bool:
+        """Whether the loop has requests to run (running or queued) and is not paused. Read
+        without the lock: a hint for sharing the cores, at most one step stale."""
+        runner = self._runner
+        return not self._paused and bool(self._waiting or (runner is not None and runner.rows))
+
+    def generated_tokens(self, rid: str) -> int | None:
+        """Tokens generated so far by a running request (None when it is not running)."""
+        with self._cond:
+            for s in self._runner.rows if self._runner else []:
+                if s.rid == rid:
+                    return len(s.out)
+        return None
+
+    # ----- the loop ------------------------------------------------------------------------
+
+    def yield_threads_to(self, computing: Callable[[], bool], share: int) -> None:
+        """Run on ``share`` threads while ``computing()`` says a trainer in this process is
+        computing, on the process's count otherwise (checked before each step). Only for an
+        engine without a count of its own (``num_threads`` 0): the trainer takes the rest while
+        the engine generates (`CoreSharing`), so that either one alone has every thread and both
+        at once split them."""
+        if share < 1:
+            raise ValueError(f"share must be at least 1, got {share}")
+        self._yield_to = (computing, share)
+
+    def _loop(self) -> None:
+        runner = self._runner
+        assert runner is not None
+        pin_this_thread(self.config.cores)
+        if self.config.num_threads:
+            set_thread_intra_op_threads(self.config.num_threads)
+        whole = current = torch.get_num_threads()
+        while True:
+            with self._cond:
+                idle = False
+                while (
+                    not self._stopping
+                    and not self._commands
+                    and not self._abort_pending
+                    and (self._paused or not (self._waiting or runner.rows))
+                ):
+                    if not idle:
+                        # Whoever computes while the engine waits (the trainer beside it in
+                        # process) gets the cores' OpenMP threads to itself.
+                        release_openmp_threads()
+                        idle = True
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                commands, self._commands = self._commands, []
+                abort_pending, self._abort_pending = self._abort_pending, False
+                admitted: list[Sequence] = []
+                # Admitted as soon as a row is free: their prefill joins the next decode step's
+                # pass, which reads the weights once for both.
+                if not self._paused:
+                    admitted = self._admit(runner.max_rows - len(runner.rows))
+                    self._admitting = admitted
+            for fn, fut in commands:
+                _complete(fut, fn)
+            if abort_pending:  # also while paused: aborted requests return at once
+                self._finish_aborted()
+            if self._paused:
+                continue
+            if self._yield_to is not None and not self.config.num_threads:
+                computing, share = self._yield_to
+                wanted = min(share, whole) if computing() else whole
+                if wanted != current:
+                    set_thread_intra_op_threads(wanted)
+                    current = wanted
+            try:
+                version = self.version
+                running = len(runner.rows)
+                t0 = time.monotonic()
+                fresh = runner.step(admitted)
+                self._recent_steps.append((time.monotonic() - t0, running + len(fresh)))
+                with self._cond:
+                    self._admitting = []
+                for s in runner.rows[:running]:  # each got one token
+                    s.versions.append(version)
+                    s.emit()
+                for s in fresh:
+                    if s.params.max_new_tokens == 0:  # admitted only for its prompt logprobs
+                        s.out.clear()
+                        s.logprobs.clear()
+                        s.top.clear()
+                        continue
+                    s.versions.append(version)
+                    s.ttft = time.monotonic() - s.t0
+                    s.emit()
+                self._finish_done()
+            except Exception as e:  # fail the requests, keep serving
+                logger.exception("generation step failed")
+                with self._cond:
+                    failed, self._admitting = runner.clear(), []
+                failed += [s for s in admitted if all(s is not r for r in failed)]
+                for s in failed:
+                    res = s.result({"type": "abort", "message": f"internal error: {e}"})
+                    res.error = f"{type(e).__name__}: {e}"
+                    s.deliver(res)
+
+    def _admit(self, free: int) -> list[Sequence]:
+        """Take the requests the next step admits from the queue (under the lock): in order, up to
+        ``free`` rows, while their distinct prompts stay within ``max_prefill_tokens`` (at
+        least one request)."""
+        budget = self.config.max_prefill_tokens
+        take = min(free, len(self._waiting))
+        if budget:
+            seen: set[tuple[int, ...]] = set()
+            tokens = 0
+            for i, s in enumerate(self._waiting[:take]):
+                key = tuple(ModelRunner.prefill_tokens(s))
+                if key in seen:
+                    continue
+                if i and tokens + len(key) > budget:
+                    take = i
+                    break
+                seen.add(key)
+                tokens += len(key)
+        admitted, self._waiting = self._waiting[:take], self._waiting[take:]
+        return admitted
+
+    def _finish_aborted(self) -> None:
+        runner = self._runner
+        assert runner is not None
+        done = {i for i, s in enumerate(runner.rows) if s.abort_message is not None}
+        for i in done:
+            s = runner.rows[i]
+            s.routes = runner.routes_of(i)
+            s.deliver(s.result({"type": "abort", "message": s.abort_message}))
+        runner.remove(done)
+
+    def _finish_done(self) -> None:
+        runner = self._runner
+        assert runner is not None
+        done: set[int] = set()
+        for i, s in enumerate(runner.rows):
+            reason = self._finish_reason(s)
+            if reason is not None:
+                done.add(i)
+                s.routes = runner.routes_of(i)
+                s.deliver(s.result(reason))
+        runner.remove(done)
+
+    def _finish_reason(self, s: Sequence) -> dict[str, object] | None:
+        n = len(s.out)
+        if s.abort_message is not None:
+            return {"type": "abort", "message": s.abort_message}
+        p = s.params
+        if n >= p.min_new_tokens and n > 0:
+            if s.out[-1] in s.stop_ids:
+                return {"type": "stop", "matched": s.out[-1]}
+            if p.stop:
+                text = self.tokenizer.decode(s.out[-64:])
+                for stop in p.stop:
+                    if stop in text:
+                        return {"type": "stop", "matched": stop}
+        if n >= p.max_new_tokens or len(s.prompt) + n >= self._runner.context_len:
+            return {"type": "length", "length": n}
+        return None
+
+    def _retract(self) -> None:
+        seqs = self._runner.clear()
+        with self._cond:
+            self._waiting = seqs + self._waiting
+
+    def _run_in_scheduler(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` in the scheduler thread between two steps; its result comes in the future."""
+        fut: Future = Future()
+        if self._thread is None or threading.current_thread() is self._thread:
+            _complete(fut, fn)
+            return fut
+        with self._cond:
+            self._commands.append((fn, fut))
+            self._cond.notify_all()
+        return fut
+
+    # ----- weights -------------------------------------------------------------------------
+
+    def load_tensors(self, named: dict[str, torch.Tensor], version: int | None = None) -> Future[None]:
+        """Copy tensors into the model by HF name between two steps (all checked before any is
+        copied), recompute the running requests' caches under the new weights, and set the
+        version (unless None). The future completes once loaded."""
+        return self._run_in_scheduler(lambda: self._load_tensors(named.items(), version))
+
+    def _load_tensors(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None) -> None:
+        pairs = list(named)
+        assert self.model is not None
+        params = self.model.state_dict()
+        merged_into = self.adapter.targets([self._locate(params, name)[0] for name, _ in pairs])
+        if merged_into:
+            raise ValueError(
+                f"adapter {self.adapter.name!r} is merged into {merged_into[0]!r}: unload it before loading base weights"
+            )
+        self._copy_weights(pairs, version)
+
+    def _locate(
+        self, params: Mapping[str, torch.Tensor], name: str
+    ) -> tuple[str, torch.Tensor | None, tuple[int, ...]]:
+        """(parameter, flat positions in it or None for all of it, shape) of a tensor named in
+        either layout; ValueError for an unknown name."""
+        if name in params:
+            return name, None, tuple(params[name].shape)
+        if self._layout is None:
+            assert self.model is not None
+            self._layout = CheckpointLayout(self.model.config)
+        return self._layout.locate(name)
+
+    def _copy_weights(self, pairs: list[tuple[str, torch.Tensor]], version: int | None) -> None:
+        """Copy the tensors into the model (all checked first), recompute the running requests'
+        caches (unless ``keep_cache_on_update``), set the version (unless None)."""
+        assert self.model is not None and self._runner is not None
+        params = self.model.state_dict()
+        targets = []
+        for name, t in pairs:
+            param, where, shape = self._locate(params, name)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"parameter {name!r} has shape {shape}, got {tuple(t.shape)}")
+            targets.append((params[param], where, t))
+        with torch.no_grad():
+            for param, where, t in targets:
+                if where is None:
+                    param.copy_(t)
+                else:
+                    param.view(-1)[where] = t.flatten().to(param.dtype)
+        if version is not None:
+            self.version = version
+        if not self.config.keep_cache_on_update:
+            self._runner.prefill(self._runner.clear())
+
+    def load_weights_from_disk(self, path: str, version: int | None = None) -> Future:
+        """Load every ``*.safetensors`` file of a HF model directory (reading off the scheduler)."""
+        from safetensors.torch import load_file
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            fut: Future = Future()
+            fut.set_exception(ValueError(f"no *.safetensors files in {path!r}"))
+            return fut
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(f))
+        return self.load_tensors(tensors, version)
+
+    def load_adapter(
+        self, name: str, config: Mapping[str, object], tensors: Mapping[str, torch.Tensor], version: int | None = None,
+        source: str = "tensors",
+    ) -> Future[None]:  # fmt: skip
+        """Merge LoRA adapter ``name`` (its PEFT config and every tensor, PEFT names) into the
+        weights between two steps, replacing the loaded adapter of that name (another name is a
+        ValueError), as `load_tensors` does with weights."""
+        return self._adapter_op(lambda model: self.adapter.load(model, name, config, tensors, source), version)
+
+    def load_adapter_from_disk(self, name: str, path: str, version: int | None = None) -> Future[None]:
+        """`load_adapter` from a PEFT adapter directory (read off the scheduler thread)."""
+        try:
+            config, tensors = read_adapter(path)
+        except (OSError, ValueError) as e:
+            fut: Future[None] = Future()
+            fut.set_exception(ValueError(f"cannot read the adapter in {path!r}: {e}"))
+            return fut
+        return self.load_adapter(name, config, tensors, version, source=path)
+
+    def register_adapter(self, name: str, config: Mapping[str, object]) -> Future[None]:
+        """Load adapter ``name`` with zero tensors (the base model's outputs): a broadcast fills it."""
+        return self._adapter_op(lambda model: self.adapter.register(model, name, config), None)
+
+    def unload_adapter(self, name: str) -> Future[None]:
+        """Put the base weights back in place of adapter ``name``."""
+        return self._adapter_op(lambda model: self.adapter.unload(name), None)
+
+    def _adapter_op(
+        self, op: Callable[[torch.nn.Module], dict[str, torch.Tensor]], version: int | None
+    ) -> Future[None]:
+        def run() -> None:
+            assert self.model is not None
+            self._copy_weights(list(op(self.model).items()), version)
+
+        return self._run_in_scheduler(run)
+
+    def join_weights_update_group(self, meta: WeightUpdateMeta, rank: int) -> Future[None]:
+        """Join ``meta``'s group at ``rank`` in a helper thread (the trainer joins concurrently)."""
+
+        def join() -> None:
+            if meta.backend == "nccl" and self._runner is not None:
+                # NCCL binds a rank to the current device of the thread that joins: the model's GPU.
+                torch.cuda.set_device(self._runner.device)
+            self._group = init_custom_process_group(
+                meta.backend, meta.master_address, meta.master_port, rank, meta.world_size, meta.group_name
+            )
+            self._group_backend = meta.backend
+
+        return _in_thread(join, "weight-group-join")
+
+    def destroy_weights_update_group(self) -> None:
+        self._group = None
+
+    def check_param_specs(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        """Raise ValueError when a broadcast announcement does not fit the model."""
+        assert self.model is not None
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
+        for dtype in dtypes:
+            dtype_of(dtype)
+        adapter, names = split_adapter_names(names)
+        if adapter is not None:
+            specs = {n: tuple(shape) for n, shape in zip(names, shapes)}
+            self.adapter.check_tensors(adapter, specs)  # reads one reference: safe from any thread
+            return
+        params = self.model.state_dict()
+        for name, shape in zip(names, shapes):
+            expected = self._locate(params, name)[2]
+            if tuple(shape) != expected:
+                raise ValueError(f"parameter {name!r} has shape {expected}, got {tuple(shape)}")
+
+    def receive_broadcast(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None
+    ) -> Future[None]:
+        """Receive the announced tensors from rank 0 in order, in a helper thread (the sender
+        broadcasts after this returns), then load them. The future completes once loaded, or
+        fails with ValueError when the announcement does not fit the model or no group exists."""
+
+        def receive() -> None:
+            if self._group is None:
+                raise ValueError("no weight-update group: call join_weights_update_group first")
+            self.check_param_specs(names, dtypes, shapes)
+            # gloo moves CPU tensors, nccl CUDA tensors on the model's GPU (not the thread's default one).
+            device = self._runner.device if self._group_backend == "nccl" and self._runner else torch.device("cpu")
+            received: dict[str, torch.Tensor] = {}
+            for name, dtype, shape in zip(names, dtypes, shapes):
+                t = torch.empty(tuple(shape), dtype=dtype_of(dtype), device=device)
+                self._group.broadcast(t, src=0)
+                received[name] = t
+            adapter, tensor_names = split_adapter_names(list(received))
+            if adapter is None:
+                self.load_tensors(received, version).result()
+            else:
+                part = dict(zip(tensor_names, received.values()))
+                self._adapter_op(lambda model: self.adapter.update(adapter, part), version).result()
+
+        return _in_thread(receive, "weight-receive")
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        assert self.model is not None
+        params = self.model.state_dict()
+        if name not in params:
+            raise ValueError(f"unknown parameter {name!r}")
+        return params[name].detach().flatten()[:truncate_size].float().tolist()
