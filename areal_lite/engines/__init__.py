@@ -20,14 +20,30 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "TrainEngineBase": "areal_lite.engines.train.base",
     "FSDPEngine": "areal_lite.engines.train.fsdp",
     "MegatronEngine": "areal_lite.engines.train.megatron",
     "LocalInferenceEngine": "areal_lite.engines.local.engine",
     "RemoteSGLangEngine": "areal_lite.engines.remote.sglang",
+    "RemoteEngine": "areal_lite.engines.remote.client",
     "RemoteVLLMEngine": "areal_lite.engines.remote.vllm",
+    "MultiLoRAEngine": "areal_lite.engines.train.multi_lora",
+    "Scheduler": "areal_lite.engines.local.scheduler",
+    "ServerFleet": "areal_lite.engines.remote.fleet",
 }
 
-__all__ = ["FSDPEngine", "LocalInferenceEngine", "MegatronEngine", "RemoteSGLangEngine", "RemoteVLLMEngine"]
+__all__ = [
+    "FSDPEngine",
+    "LocalInferenceEngine",
+    "MegatronEngine",
+    "MultiLoRAEngine",
+    "RemoteEngine",
+    "RemoteSGLangEngine",
+    "RemoteVLLMEngine",
+    "Scheduler",
+    "ServerFleet",
+    "TrainEngineBase",
+]
 
 
 def __getattr__(name: str) -> object:
