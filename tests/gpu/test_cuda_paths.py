@@ -121,8 +121,8 @@ def test_decode_graphs_replay_the_eager_steps(model_dir: str) -> None:
             engine.destroy()
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 600) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT)]
+def torchrun(nproc: int, *args: str, timeout: float = 600, script: Path = SCRIPT) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
     out = subprocess.run([*cmd, *args], env=ENV, capture_output=True, text=True, timeout=timeout, check=False)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return out.stdout
@@ -136,6 +136,14 @@ def test_fsdp_on_nccl_in_bf16_trains_and_matches_hf(model_dir: str, nproc: int) 
         pytest.skip(f"needs {nproc} GPUs")
     out = torchrun(nproc, "train", model_dir)
     assert "TRAIN OK" in out
+
+
+def test_megatron_on_cuda_in_bf16_matches_fsdp_and_trains(model_dir: str) -> None:
+    """MegatronEngine on one GPU in bf16 (megatron-core's local layers, TP=1): log-probabilities
+    close to FSDPEngine's on the same model and batch, the loss falling over a few steps, every
+    parameter changed in its HF export."""
+    out = torchrun(1, model_dir, script=SCRIPT.with_name("megatron_cuda_worker.py"))
+    assert "MEGATRON CUDA OK" in out
 
 
 def test_nccl_weight_update_into_the_engine(model_dir: str) -> None:
