@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# The checks for a GPU machine, most important first, each bounded in time so that one that hangs
-# leaves time to the rest: `make test-gpu`'s tests, then generation and the GRPO step against HF
-# generate and TRL on the GPU. Each stage's whole log goes to OUTDIR/<stage>.log; the end of each
-# is printed here.
+# The checks for a GPU machine, in two parts that each fit one call of a lent GPU, most important
+# first, every stage bounded in time so that one that hangs leaves time to the rest:
 #
-#     benchmarks/gpu_checks.sh [OUTDIR]       (default: gpu-checks; PY=python to choose the Python)
+#     benchmarks/gpu_checks.sh train   [OUTDIR]   the train engine: MFU against a plain HF step
+#                                                 (0.5B and 1.5B shapes), then `make test-gpu`'s tests
+#     benchmarks/gpu_checks.sh rollout [OUTDIR]   generation against HF generate, the GRPO step
+#                                                 against TRL (sync, async in process, async with
+#                                                 our server beside the trainer)
+#     benchmarks/gpu_checks.sh all     [OUTDIR]   both
 #
-# It runs from the repository without installing it (PYTHONPATH), with whatever Python has torch
-# with CUDA and the package's dependencies (and `trl` for the last stages).
+# Each stage's whole log goes to OUTDIR/<stage>.log (default gpu-checks/); the end of each is
+# printed here, and every RESULT line again at the end. It runs from the repository without
+# installing it (PYTHONPATH), with whatever Python has torch with CUDA and the package's
+# dependencies (`trl` for the GRPO stage); PY=python chooses the Python.
 # MODEL_DIR (default .gpu/smollm2-config) is SmolLM2-135M-Instruct's config and tokenizer without
 # weights (the benchmarks draw random ones: same shapes, same work), for a GPU machine that cannot
 # have the model itself; where `make real-model` has built the full directory, pass that instead.
@@ -15,7 +20,8 @@
 #     d=$(.venv/bin/python -m areal_lite.utils.pretrained smollm2)
 #     mkdir -p .gpu/smollm2-config && cp "$d"/*.json "$d"/*.jinja .gpu/smollm2-config/
 set -u
-OUTDIR=${1:-gpu-checks}
+PART=${1:-all}
+OUTDIR=${2:-gpu-checks}
 PY=${PY:-python3}
 MODEL_DIR=${MODEL_DIR:-.gpu/smollm2-config}
 mkdir -p "$OUTDIR"
@@ -35,11 +41,16 @@ stage() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 
-TAIL=40 stage test_gpu 200 env OMP_NUM_THREADS=1 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
-    --timeout 170 -rfEs
-stage generation 120 env OMP_NUM_THREADS=4 "$PY" benchmarks/generation.py --device cuda --dtype bfloat16 \
-    --skip-sync --model "$MODEL_DIR" --requests 32 --repeats 3
-stage grpo_smollm2 160 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --model "$MODEL_DIR" \
-    --threads-list 4 --prompts 4 --group 8 --tokens 64 --steps 3 --warmup 2
-stage grpo_20m 100 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --threads-list 4 --steps 3 \
-    --warmup 2
+if [ "$PART" = train ] || [ "$PART" = all ]; then
+    stage train_mfu 240 "$PY" benchmarks/train_mfu.py --device cuda --shapes 0.5b,1.5b --warmup 2 --steps 3
+    TAIL=40 stage test_gpu 200 env OMP_NUM_THREADS=1 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+        --timeout 170 -rfEs
+fi
+if [ "$PART" = rollout ] || [ "$PART" = all ]; then
+    stage generation 120 env OMP_NUM_THREADS=4 "$PY" benchmarks/generation.py --device cuda --dtype bfloat16 \
+        --skip-sync --model "$MODEL_DIR" --repeats 2
+    stage grpo_smollm2 170 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --model "$MODEL_DIR" \
+        --threads-list 4 --prompts 4 --group 8 --tokens 64 --steps 3 --warmup 2
+fi
+echo "=== RESULT lines"
+grep -h "^RESULT" "$OUTDIR"/*.log
