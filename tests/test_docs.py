@@ -3,8 +3,9 @@
 Every dotted path ``areal_lite.x.y[.Name]`` they write must import (the module with importlib, the
 rest as attributes of it), every ``from areal_lite.x import a, b`` line too; every file or folder
 path under the repository's top folders (``areal_lite/``, ``examples/``, ``benchmarks/``,
-``configs/``, ``tests/``, ``docs/``) must exist; every ``make TARGET`` must be a target of the
-Makefile; every relative Markdown link must reach its file and heading; and every section that the
+``configs/``, ``tests/``, ``docs/``) must exist; every config key (``local_engine.cores``, an inline code span of its own or a
+``key=value`` override in a command) must be a field of the experiment config's schema; every
+``make TARGET`` must be a target of the Makefile; every relative Markdown link must reach its file and heading; and every section that the
 docs or the code cite by name (``docs/performance.md, "On a GPU"``) must be a heading of that doc.
 The README stays short: at most 200 lines, none over 300 characters, ``make demo`` and ``make
 test`` its first commands. Nothing here builds a model: modules are imported, not run.
@@ -13,8 +14,10 @@ test`` its first commands. Nothing here builds a model: modules are imported, no
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import re
+import typing
 from functools import cache
 from pathlib import Path
 
@@ -23,15 +26,26 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Where the code cites doc sections by name (docstrings, comments, the Makefile's notes).
-CITING = [ROOT / "Makefile", *sorted(p for d in ("areal_lite", "examples", "benchmarks") for p in (ROOT / d).rglob("*.py"))]
+CITING = [
+    ROOT / "Makefile",
+    *sorted(p for d in ("areal_lite", "examples", "benchmarks") for p in (ROOT / d).rglob("*.py")),
+]
 
 DOTTED = re.compile(r"(?<![\w.])areal_lite(?:\.[A-Za-z_]\w*)+")
-FROM_IMPORT = re.compile(r"^[ \t]*from[ \t]+(areal_lite(?:\.\w+)*)[ \t]+import[ \t]+(?:\(([\w\s,]+)\)|([\w ,]+))", re.M)
+FROM_IMPORT = re.compile(
+    r"^[ \t]*from[ \t]+(areal_lite(?:\.\w+)*)[ \t]+import[ \t]+(?:\(([\w\s,]+)\)|([\w ,]+))", re.MULTILINE
+)
 FILE_PATH = re.compile(r"(?<![\w./$-])((?:areal_lite|examples|benchmarks|configs|tests|docs)/[\w./-]*[\w/])")
 MAKE = re.compile(r"(?<![\w-])make\s+([a-z][a-z0-9-]*)")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CITED_SECTION = re.compile(r"([\w./-]+\.md)(?:#[\w-]*)?\)?,\s*\"([^\"]+)\"")
-CODE = re.compile(r"```.*?```|`[^`\n]+`", re.S)
+CODE = re.compile(r"```.*?```|`[^`\n]+`", re.DOTALL)
+
+
+INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
+FENCED = re.compile(r"```.*?```", re.DOTALL)
+OVERRIDE = re.compile(r"(?<![\w./-])([a-z_]+(?:\.[a-z_][a-z0-9_]*)+)=")
+KEY = re.compile(r"([a-z_]+(?:\.[a-z_][a-z0-9_]*)+)(?:=\S*)?")
 
 
 def rel(path: Path) -> str:
@@ -45,7 +59,7 @@ def code_of(text: str) -> str:
 
 @cache
 def makefile_targets() -> frozenset[str]:
-    return frozenset(re.findall(r"^([a-z][\w-]*)\s*:(?!=)", (ROOT / "Makefile").read_text(), re.M))
+    return frozenset(re.findall(r"^([a-z][\w-]*)\s*:(?!=)", (ROOT / "Makefile").read_text(), re.MULTILINE))
 
 
 def _slug(heading: str) -> str:
@@ -55,8 +69,8 @@ def _slug(heading: str) -> str:
 
 @cache
 def headings(doc: Path) -> tuple[str, ...]:
-    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
-    return tuple(m.group(1).strip().replace("`", "") for m in re.finditer(r"^#{1,6}\s+(.+)$", text, re.M))
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.DOTALL)
+    return tuple(m.group(1).strip().replace("`", "") for m in re.finditer(r"^#{1,6}\s+(.+)$", text, re.MULTILINE))
 
 
 @cache
@@ -128,6 +142,38 @@ def test_file_paths_exist(doc: Path) -> None:
     paths = set(FILE_PATH.findall(doc.read_text()))
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert not missing, f"{rel(doc)} names paths that do not exist:\n" + "\n".join(missing)
+
+
+def config_keys(text: str) -> set[str]:
+    """Dotted keys under a section of the experiment config: inline code spans that are only a key
+    (or ``key=value``), and ``key=value`` overrides in fenced blocks."""
+    from areal_lite.api.config import RLExperimentConfig
+
+    roots = {f.name for f in dataclasses.fields(RLExperimentConfig)}
+    spans = [m.group(1) for m in (KEY.fullmatch(c) for c in INLINE.findall(FENCED.sub("", text))) if m]
+    overrides = [k for block in FENCED.findall(text) for k in OVERRIDE.findall(block)]
+    keys = {k for k in spans + overrides if k.split(".")[0] in roots}
+    # `rollout.py`, `launcher.local`: files and modules, not keys
+    return {k for k in keys if k.rsplit(".", 1)[-1] not in ("py", "md", "yaml") and resolve(f"areal_lite.{k}")}
+
+
+def config_key_error(key: str) -> str | None:
+    from areal_lite.api.config import RLExperimentConfig
+
+    cls: object = RLExperimentConfig
+    parts = key.split(".")
+    for i, name in enumerate(parts):
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+        if name not in hints:
+            return f"{'.'.join(parts[:i])} has no field {name}"
+        cls = hints[name]
+    return None
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_config_keys_are_fields(doc: Path) -> None:
+    broken = sorted(f"{k}: {why}" for k in config_keys(doc.read_text()) if (why := config_key_error(k)))
+    assert not broken, f"{rel(doc)} names config keys the schema lacks:\n" + "\n".join(broken)
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=rel)
