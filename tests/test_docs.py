@@ -74,6 +74,13 @@ def headings(doc: Path) -> tuple[str, ...]:
 
 
 @cache
+def sections(doc: Path) -> tuple[str, ...]:
+    """What a citation may name: the headings, and the bold labels that open list items."""
+    labels = re.findall(r"^\s*[-*]\s+\*\*(.+?)\*\*", doc.read_text(), re.MULTILINE)
+    return headings(doc) + tuple(label.replace("`", "") for label in labels)
+
+
+@cache
 def slugs(doc: Path) -> frozenset[str]:
     seen: dict[str, int] = {}
     out = set()
@@ -144,12 +151,21 @@ def test_file_paths_exist(doc: Path) -> None:
     assert not missing, f"{rel(doc)} names paths that do not exist:\n" + "\n".join(missing)
 
 
+@cache
+def experiment_config() -> type:
+    """`RLExperimentConfig`, the schema a run's keys are checked against, from whichever module of
+    `areal_lite.api` defines it."""
+    for path in sorted((ROOT / "areal_lite" / "api").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.ClassDef) and n.name == "RLExperimentConfig" for n in tree.body):
+            return importlib.import_module(f"areal_lite.api.{path.stem}").RLExperimentConfig
+    raise AssertionError("no module of areal_lite.api defines RLExperimentConfig")
+
+
 def config_keys(text: str) -> set[str]:
     """Dotted keys under a section of the experiment config: inline code spans that are only a key
     (or ``key=value``), and ``key=value`` overrides in fenced blocks."""
-    from areal_lite.api.config import RLExperimentConfig
-
-    roots = {f.name for f in dataclasses.fields(RLExperimentConfig)}
+    roots = {f.name for f in dataclasses.fields(experiment_config())}
     spans = [m.group(1) for m in (KEY.fullmatch(c) for c in INLINE.findall(FENCED.sub("", text))) if m]
     overrides = [k for block in FENCED.findall(text) for k in OVERRIDE.findall(block)]
     keys = {k for k in spans + overrides if k.split(".")[0] in roots}
@@ -158,9 +174,7 @@ def config_keys(text: str) -> set[str]:
 
 
 def config_key_error(key: str) -> str | None:
-    from areal_lite.api.config import RLExperimentConfig
-
-    cls: object = RLExperimentConfig
+    cls: object = experiment_config()
     parts = key.split(".")
     for i, name in enumerate(parts):
         hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
@@ -200,7 +214,7 @@ def test_links_reach_their_file_and_heading(doc: Path) -> None:
 
 @pytest.mark.parametrize("source", DOCS + CITING, ids=rel)
 def test_cited_sections_exist(source: Path) -> None:
-    """``docs/X.md, "Section"`` (a prefix of the heading, any case) names a heading of that doc."""
+    """``docs/X.md, "Section"`` (a prefix, any case) names a heading or a list item's bold label there."""
     text = source.read_text()
     if source.suffix != ".md":
         text = re.sub(r"\n\s*#\s*", " ", text)  # a citation that runs on in the next comment line
@@ -211,7 +225,7 @@ def test_cited_sections_exist(source: Path) -> None:
             broken.append(f"{file}: no such doc")
             continue
         wanted = " ".join(section.replace("`", "").split()).lower()
-        if not any(h.lower().startswith(wanted) for h in headings(doc)):
+        if not any(h.lower().startswith(wanted) for h in sections(doc)):
             broken.append(f'{file}, "{section}": no such heading')
     assert not broken, f"{rel(source)} cites sections that do not exist:\n" + "\n".join(broken)
 
