@@ -11,13 +11,13 @@ import torch.nn.functional as F
 class PackedLinears:
     """``F.linear`` with each weight reordered once into oneDNN's blocked layout (CPU, fp32 or bf16).
 
-    On the AVX-512 BF16 Zen 4 CPU this ran a SmolLM2 decode step's matmuls 1.1-1.8x faster in bf16
-    and 1.4-2.3x in fp32 than ``F.linear``, which lays the weight out again at every call; the LM
-    head (49152 x 576) gained the most. A reordered copy goes stale when its weight changes, so
-    each is keyed by the weight tensor and its in-place version counters (which every copy into
-    the tensor bumps; for a fused weight, also those of the parameters that are views of it, whose
-    counters are their own): a weight changed in any way is reordered again before its next use. Costs one more copy of the weights in memory. Elsewhere (CUDA, float16, a torch
-    without oneDNN) it is plain ``F.linear``."""
+    Laid out once, a decode step's matmuls run faster than through ``F.linear``, which lays the
+    weight out again at every call; the LM head's gains the most. A reordered copy goes stale
+    when its weight changes, so each is keyed by the weight tensor and its in-place version
+    counters (which every copy into the tensor bumps; for a fused weight, also those of the
+    parameters that are views of it, whose counters are their own): a weight changed in any way
+    is reordered again before its next use. Costs one more copy of the weights in memory.
+    Elsewhere (CUDA, float16, a torch without oneDNN) it is plain ``F.linear``."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.enabled = (

@@ -93,8 +93,8 @@ def record_tokens(seqs: list[Sequence], tokens: torch.Tensor, raw: torch.Tensor,
 CDF_BLOCK = 256
 """Vocabulary entries per block of `inverse_cdf`'s first level."""
 SMALL_VOCAB = 2048
-"""Up to this many entries `inverse_cdf` takes one running sum (0.03 against 0.18 ms at 32 rows of
-512 entries, `benchmarks/sampling.py`)."""
+"""Up to this many entries `inverse_cdf` takes one running sum, faster there than two levels
+(`benchmarks/sampling.py`)."""
 
 
 def running_sum_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -117,10 +117,9 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     they come in two levels: the sums of blocks of `CDF_BLOCK` entries pick the block, then the
     running sum of that block's entries picks the token; the same token as one running sum over
     the row, without its [n, V] float64 copy (78 MB at 64 rows of a 151936-token vocabulary, which
-    glibc maps afresh at every step in the engine's thread). `benchmarks/sampling.py`, one Zen 4
-    core, in a thread: 64 rows of 49152 entries 0.85 ms against 4.61 for one running sum, 64 of
-    151936 2.54 against 48.9 (19 thousand page faults) and 208 for ``torch.multinomial``; one pass
-    reading the probabilities takes 0.62 and 1.98."""
+    glibc maps afresh at every step in the engine's thread). `benchmarks/sampling.py` measures it
+    against one running sum and ``torch.multinomial`` (docs/performance.md, "Sampling without a
+    float64 copy of the vocabulary")."""
     n, v = probs.shape
     if v <= SMALL_VOCAB:
         return running_sum_sample(probs, u)
