@@ -58,7 +58,8 @@ from areal_lite.api.engine import PackedBatch
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec
 from areal_lite.cpu.linear import onednn_linear
 from areal_lite.cpu.precision import cpu_kind, native_bf16
-from areal_lite.engines.local.model_runner import ModelRunner, load_model
+from areal_lite.engines.local.model_loading import load_model
+from areal_lite.engines.local.model_runner import ModelRunner
 from areal_lite.engines.local.request import SamplingParams, Sequence
 from areal_lite.engines.local.scheduler import Scheduler
 from areal_lite.engines.train.fsdp import FSDPEngine

@@ -33,9 +33,9 @@ import torch
 
 from areal_lite.cpu.malloc import keep_freed_memory
 from areal_lite.cpu.precision import cpu_kind
-from areal_lite.engines.local import model_runner
-from areal_lite.engines.local.model_runner import inverse_cdf
-from areal_lite.engines.local.model_runner import running_sum_sample as one_level
+from areal_lite.engines.local import sampling
+from areal_lite.engines.local.sampling import inverse_cdf
+from areal_lite.engines.local.sampling import running_sum_sample as one_level
 
 SHAPES = [(32, 512), (64, 49152), (64, 151936), (128, 151936)]
 
@@ -93,8 +93,8 @@ def engine_steps(path: str, sampler: Callable, tokens: int = 24) -> tuple[float,
     from areal_lite.engines.local.engine import LocalInferenceEngine
     from areal_lite.engines.local.request import SamplingParams
 
-    original = model_runner.inverse_cdf
-    model_runner.inverse_cdf = sampler
+    original = sampling.inverse_cdf
+    sampling.inverse_cdf = sampler
     engine = LocalInferenceEngine(LocalEngineConfig(path=path, max_running_requests=64))
     engine.initialize()
 
@@ -110,7 +110,7 @@ def engine_steps(path: str, sampler: Callable, tokens: int = 24) -> tuple[float,
         return (time.perf_counter() - t0) / (3 * tokens) * 1e3, (faults() - f0) / (3 * tokens)
     finally:
         engine.destroy()
-        model_runner.inverse_cdf = original
+        sampling.inverse_cdf = original
 
 
 def main() -> None:

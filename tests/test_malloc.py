@@ -109,7 +109,7 @@ def test_cpu_inference_engine_holds_the_setting_until_destroy(tmp_path, monkeypa
 
 _SAMPLER_PROBE = """
 import resource, sys, threading, torch
-from areal_lite.engines.local.model_runner import inverse_cdf, running_sum_sample
+from areal_lite.engines.local.sampling import inverse_cdf, running_sum_sample
 from areal_lite.cpu.malloc import keep_freed_memory
 torch.set_num_threads(1)
 assert keep_freed_memory()

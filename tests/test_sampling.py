@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_lite.engines.local.model_runner import CDF_BLOCK, SMALL_VOCAB, inverse_cdf
+from areal_lite.engines.local.sampling import CDF_BLOCK, SMALL_VOCAB, inverse_cdf
 
 
 def one_level(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The embedded engine's decode step as CUDA graphs: one launch a step instead of one per kernel.
 
-A decode step of a 30-layer model is about 900 small kernels; on an H200 the engine spent ~16 ms a
-step launching them from Python, whatever the arithmetic (32 rows of SmolLM2-135M). A CUDA graph
-records the step's kernels once and replays them with one call, as vLLM and SGLang do.
+A decode step of a 30-layer model is about 900 small kernels, and on a GPU launching them from
+Python costs more than their arithmetic (docs/performance.md, "Generation on the GPU"). A CUDA
+graph records the step's kernels once and replays them with one call, as vLLM and SGLang do.
 
 A graph replays fixed shapes on fixed memory, so the step it records is the runner's static decode
 (`ModelRunner.static_decode_logits`): the rows padded to a bucket (powers of two up to the

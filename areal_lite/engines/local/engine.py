@@ -6,8 +6,9 @@ decode steps. This adapter gives it the contract the rollout controller drives: 
 `ModelRequest`s, `update_weights` from a `WeightUpdateMeta` (in-process tensors, a directory on
 disk, or a broadcast in a weight-update group that the engine joins as rank 1 of 2), the version
 new tokens are tagged with, and pause (in place: running requests keep their KV cache, which is
-recomputed if the weights change) / resume. An update from a LoRA train engine carries its adapter
-alone, which the scheduler merges into the weights (as adapter `ADAPTER`).
+recomputed if the weights change) / resume. Weight updates go to the scheduler's `WeightLoader`
+(`areal_lite.engines.local.weights`); an update from a LoRA train engine carries its adapter
+alone, which it merges into the weights (as adapter `ADAPTER`).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class LocalInferenceEngine(InferenceEngine):
     def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]:
         """Join the weight-update group as rank 1 of 2 (the trainer is rank 0)."""
         meta.world_size = 2
-        return self.scheduler.join_weights_update_group(meta, rank=1)
+        return self.scheduler.weights.join_weights_update_group(meta, rank=1)
 
     def update_weights(self, meta: WeightUpdateMeta) -> Future[None]:
         lora = meta.lora_config
@@ -103,21 +104,21 @@ class LocalInferenceEngine(InferenceEngine):
             if meta.named_tensors is None:
                 raise ValueError("an in_process weight update needs named_tensors")
             if lora is not None:
-                return self.scheduler.load_adapter(ADAPTER, lora, dict(meta.named_tensors), meta.version)
-            return self.scheduler.load_tensors(dict(meta.named_tensors), meta.version)
+                return self.scheduler.weights.load_adapter(ADAPTER, lora, dict(meta.named_tensors), meta.version)
+            return self.scheduler.weights.load_tensors(dict(meta.named_tensors), meta.version)
         if meta.type == "disk":
             if lora is not None:
-                return self.scheduler.load_adapter_from_disk(ADAPTER, meta.path or "", meta.version)
-            return self.scheduler.load_weights_from_disk(meta.path or "", meta.version)
+                return self.scheduler.weights.load_adapter_from_disk(ADAPTER, meta.path or "", meta.version)
+            return self.scheduler.weights.load_weights_from_disk(meta.path or "", meta.version)
         specs = list(meta.param_specs)
         names = [s.name for s in specs]
         if lora is not None:
             # As a server is told: the adapter is registered once, then its tensors are announced by name.
             if self._registered != lora:
-                self.scheduler.register_adapter(ADAPTER, lora).result()
+                self.scheduler.weights.register_adapter(ADAPTER, lora).result()
                 self._registered = lora
             names = [f"{ADAPTER}{SEPARATOR}{n}" for n in names]
-        return self.scheduler.receive_broadcast(
+        return self.scheduler.weights.receive_broadcast(
             names, [s.dtype for s in specs], [list(s.shape) for s in specs], meta.version
         )
 

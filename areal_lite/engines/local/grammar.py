@@ -76,9 +76,9 @@ CHECKED = 256
 
 
 class Grammars:
-    """Matchers for one model's tokenizer: the tokenizer's llguidance form is built once, on first
-    use (0.25 s for SmolLM2's 49152 tokens, in the thread of the first structured request; each
-    matcher after that takes under a millisecond for a small schema)."""
+    """Matchers for one model's tokenizer: the tokenizer's llguidance form, the costly part, is
+    built once, on first use (in the thread of the first structured request); a matcher for a
+    small schema is cheap after that."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_ids: frozenset[int]) -> None:
         self.tokenizer = tokenizer

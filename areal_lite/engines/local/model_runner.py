@@ -1,4 +1,4 @@
-"""The embedded engine's model: loading it, a lean forward over a slot-based KV cache, and sampling.
+"""The embedded engine's model runner: batched prefill and decode over a slot-based KV cache.
 
 It calls the HF model's own modules (embeddings, norms, projections, MLPs, LM head) but runs
 attention itself over a slot-based KV cache (row ``i`` of the cache belongs to the ``i``-th
@@ -15,9 +15,10 @@ finished request takes with it (`routes_of`): routing replay in the train engine
 A position's routes are those of the pass that computed its cached keys and values: recomputing a
 request's cache after a weight update records them again.
 
-Reported log-probabilities are those of the policy itself (temperature 1, before top-p/top-k/min-p,
+Each pass ends with a token sampled for each row (`areal_lite.engines.local.sampling`); reported
+log-probabilities are those of the policy itself (temperature 1, before top-p/top-k/min-p,
 min-token suppression, logit biases and penalties: `areal_lite.engines.local.shaping`), as the train
-engine recomputes them.
+engine recomputes them. The model is loaded by `areal_lite.engines.local.model_loading`.
 """
 
 from __future__ import annotations
@@ -25,118 +26,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from itertools import pairwise
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from areal_lite.cpu import decode_attention, fused_ops
-from areal_lite.engines.local import grammar
 from areal_lite.engines.local.decode_graphs import DecodeGraphs
-from areal_lite.engines.local.request import SamplingParams, Sequence
-from areal_lite.engines.local.shaping import min_p_masked, shaped
+from areal_lite.engines.local.packed_linears import PackedLinears
+from areal_lite.engines.local.request import Sequence
+from areal_lite.engines.local.sampling import choose_tokens, record_tokens
 from areal_lite.utils.moe import NO_EXPERT, layer_routers, routing_shape
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
-NOT_FINITE = "the model's next-token probabilities are not finite (NaN): its weights or inputs have diverged"
-"""Why a decode step fails when the model outputs NaN, instead of an index error from sampling."""
 PREFILL_TOKENS = 16 * 1024
 """A batched prefill is split when its distinct sequences hold more tokens than this."""
-
-
-_DTYPES = {
-    n: getattr(torch, n)
-    for n in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
-}
-
-
-def dtype_of(name: str) -> torch.dtype:
-    """A torch dtype from its name (``float32`` or ``torch.float32``); ValueError when unknown."""
-    dtype = _DTYPES.get(name.removeprefix("torch."))
-    if dtype is None:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(_DTYPES)}")
-    return dtype
-
-
-def load_model(path: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, PreTrainedTokenizerBase | None]:
-    """The HF causal LM of a model directory, frozen for inference, and its tokenizer (None when
-    the directory has none)."""
-    from transformers import AutoModelForCausalLM
-
-    from areal_lite.utils.tokenizer import TokenizerMissing, load_tokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    model.requires_grad_(False)
-    tokenizer: PreTrainedTokenizerBase | None = None
-    try:
-        tokenizer = load_tokenizer(path)
-    except TokenizerMissing:
-        logger.warning("no tokenizer in %s: stop strings and text prompts are unavailable", path)
-    return model, tokenizer
-
-
-def context_length(model: torch.nn.Module, max_total_tokens: int) -> int:
-    """Prompt + output tokens a request may reach: ``max_total_tokens`` (0 = no limit of its own),
-    the model's position range, and its sliding window."""
-    max_pos = model.config.max_position_embeddings
-    context_len = min(max_total_tokens, max_pos) if max_total_tokens > 0 else max_pos
-    window = getattr(model.config, "sliding_window", None)
-    if window and (model.config.model_type == "mistral" or getattr(model.config, "use_sliding_window", False)):
-        # The runner attends over the whole cache; within one window that is exact.
-        context_len = min(context_len, window)
-    return context_len
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A HF RMSNorm module's computation in one fused op."""
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
-
-
-class PackedLinears:
-    """``F.linear`` with each weight reordered once into oneDNN's blocked layout (CPU, fp32 or bf16).
-
-    On the AVX-512 BF16 Zen 4 CPU this ran a SmolLM2 decode step's matmuls 1.1-1.8x faster in bf16
-    and 1.4-2.3x in fp32 than ``F.linear``, which lays the weight out again at every call; the LM
-    head (49152 x 576) gained the most. A reordered copy goes stale when its weight changes, so
-    each is keyed by the weight tensor and its in-place version counters (which every copy into
-    the tensor bumps; for a fused weight, also those of the parameters that are views of it, whose
-    counters are their own): a weight changed in any way is reordered again before its next use. Costs one more copy of the weights in memory. Elsewhere (CUDA, float16, a torch
-    without oneDNN) it is plain ``F.linear``."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.enabled = (
-            device.type == "cpu"
-            and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        )
-        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        views: tuple[torch.Tensor, ...] = (),
-    ) -> torch.Tensor:
-        """``F.linear(x, weight, bias)``; ``views``: parameters whose data are parts of ``weight``."""
-        if not self.enabled:
-            return F.linear(x, weight, bias)
-        version = weight._version + sum(v._version for v in views)
-        entry = self._packed.get(id(weight))
-        if entry is None or entry[0] is not weight or entry[1] != version:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH)
-            entry = self._packed[id(weight)] = (weight, version, packed)
-        return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
-
-
-PACK_BATCH = 16
-"""The batch size oneDNN lays a weight out for (any batch works; decode batches are 16-64)."""
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -526,8 +436,7 @@ class ModelRunner:
 
         The query heads of a KV head go in as that head's queries, so grouped-query attention
         reads each key once. Two batched matmuls over (row, KV head) read the cache in place; on
-        CPU they ran 1.15-1.5x faster than SDPA's kernel (built for long query blocks) at 64 rows
-        x ~110 positions."""
+        CPU they ran faster than SDPA's kernel, which is built for long query blocks."""
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         r, n, nkv, hd, blk = q.shape[0], mask.shape[-1], self.n_kv, self.head_dim, self.block
         kc[rows, :, pos // blk, :, pos % blk] = k
@@ -580,62 +489,10 @@ class ModelRunner:
         # token's is its reported log-probability. One softmax serves that and, for rows
         # sampled as the policy stands (the common case), the sampling too, where a log-softmax
         # besides cost one more pass over the vocabulary and one more [n, V] buffer per step.
-        raw, policy = logits, torch.softmax(logits, dim=-1)
-        params = [s.params for s in seqs]
-        logits = shaped(logits, seqs)  # min-token suppression, logit bias, penalties
-        greedy = [p.greedy for p in params]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-            filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
-            if logits is raw and not filtered and all(t == 1.0 and p.min_p == 0 for t, p in zip(temps, params)):
-                scores = None
-            else:
-                scores = min_p_masked(logits / torch.tensor(temps, device=logits.device)[:, None], params)
-            if filtered:
-                scores = _top_k_top_p(scores, params)
-            probs = policy if scores is None else torch.softmax(scores, dim=-1)
-            u = torch.rand((len(seqs), 1), generator=self.generator, dtype=torch.float64, device=probs.device)
-            for j, s in enumerate(seqs):
-                if s.params.seed is not None and not s.params.greedy:
-                    # A seeded request draws from its own stream, whatever else shares the batch.
-                    if s.rng is None:
-                        s.rng = torch.Generator(device=probs.device).manual_seed(s.params.seed)
-                    u[j] = torch.rand(1, generator=s.rng, dtype=torch.float64, device=probs.device)
-            sampled = inverse_cdf(probs, u)
-            tokens = (
-                torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), sampled)
-                if any(greedy)
-                else sampled
-            )
-        if bool((tokens >= logits.shape[-1]).any()):  # sampling past the vocabulary: NaN probabilities
-            raise FloatingPointError(NOT_FINITE)
+        policy = torch.softmax(logits, dim=-1)
+        tokens = choose_tokens(logits, policy, seqs, self.generator)
         self.last[rows] = tokens
-        chosen = policy.gather(1, tokens[:, None])[:, 0]
-        if bool(chosen.isnan().any()):  # a greedy row's argmax over NaN logits
-            raise FloatingPointError(NOT_FINITE)
-        tiny = chosen < 1e-30
-        chosen = chosen.log()
-        if bool(tiny.any()):
-            # Far below one in 1e30 the float32 probability loses precision (and underflows to
-            # 0 past ~1e-45): those rows' log-probabilities come from the logits directly.
-            # (Possible only for a token sampled at a temperature above 1, or after suppression,
-            # a bias or a penalty.)
-            at = tiny.nonzero()[:, 0]
-            chosen[at] = raw[at].gather(1, tokens[at, None])[:, 0] - torch.logsumexp(raw[at], dim=-1)
-        for s, t, lp in zip(seqs, tokens.tolist(), chosen.tolist()):
-            s.out.append(t)
-            s.logprobs.append(lp)
-            grammar.advance(s, t)
-        k = max(p.top_logprobs for p in params)
-        if k:
-            logp = torch.log_softmax(raw, dim=-1)
-            values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-            for s, row_ids, row_values in zip(seqs, ids.tolist(), values.tolist()):
-                n = s.params.top_logprobs
-                if n:
-                    s.top.append(list(zip(row_ids[:n], row_values[:n])))
+        record_tokens(seqs, tokens, logits, policy)
 
     def remove(self, done: set[int]) -> None:
         """Drop the rows in ``done``, moving tail rows into the holes so that rows stay 0..B-1."""
@@ -666,73 +523,3 @@ class ModelRunner:
         """Forget every row (their caches); returns the sequences that were running."""
         seqs, self.rows = self.rows, []
         return seqs
-
-
-CDF_BLOCK = 256
-"""Vocabulary entries per block of `inverse_cdf`'s first level."""
-SMALL_VOCAB = 2048
-"""Up to this many entries `inverse_cdf` takes one running sum (0.03 against 0.18 ms at 32 rows of
-512 entries, `benchmarks/sampling.py`)."""
-
-
-def running_sum_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """`inverse_cdf` by one float64 running sum over each whole row (a [n, V] float64 copy): what
-    it does up to `SMALL_VOCAB` entries, and what the engine did at every size before."""
-    running = probs.double().cumsum_(dim=-1)
-    total = running[:, -1:]
-    # Below the total even where u x total rounds up to it: the token found has a positive share.
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(running, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """A token per row of ``probs`` [n, V] (non-negative, fp32): the first whose running sum of
-    the row exceeds ``u`` [n, 1] (float64 uniforms in [0, 1)) times the row's total, so drawn
-    with its probability, never one of probability 0 (its running sum equals the one before it).
-
-    The running sums are in float64, so a token's share is its probability to ~1e-16 even at the
-    end of a large vocabulary (in float32 the rare tokens' would blur). Past `SMALL_VOCAB` entries
-    they come in two levels: the sums of blocks of `CDF_BLOCK` entries pick the block, then the
-    running sum of that block's entries picks the token; the same token as one running sum over
-    the row, without its [n, V] float64 copy (78 MB at 64 rows of a 151936-token vocabulary, which
-    glibc maps afresh at every step in the engine's thread). `benchmarks/sampling.py`, one Zen 4
-    core, in a thread: 64 rows of 49152 entries 0.85 ms against 4.61 for one running sum, 64 of
-    151936 2.54 against 48.9 (19 thousand page faults) and 208 for ``torch.multinomial``; one pass
-    reading the probabilities takes 0.62 and 1.98."""
-    n, v = probs.shape
-    if v <= SMALL_VOCAB:
-        return running_sum_sample(probs, u)
-    full = v // CDF_BLOCK
-    # Each block summed in float32 (torch's cascade sum, exact to ~1e-7 of the block's mass: a
-    # sum with dtype=float64 would first copy the whole row to float64), the blocks in float64.
-    sums = probs[:, : full * CDF_BLOCK].reshape(n, full, CDF_BLOCK).sum(dim=-1)
-    if full * CDF_BLOCK < v:
-        sums = torch.cat([sums, probs[:, full * CDF_BLOCK :].sum(dim=-1, keepdim=True)], dim=1)
-    running = sums.double().cumsum_(dim=-1)
-    total = running[:, -1:]
-    # Below the total even where u x total rounds up to it: the block found has a positive sum.
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    found = torch.searchsorted(running, target, right=True).clamp_(max=running.shape[1] - 1)
-    before = torch.where(found > 0, running.gather(1, (found - 1).clamp(min=0)), 0.0)
-    at = found * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)
-    within = probs.gather(1, at.clamp(max=v - 1)).double().masked_fill_(at >= v, 0.0).cumsum_(dim=-1)
-    # The block's own sum, added in another order, may round a little below its share of the
-    # row's: the remainder stays below it, so the token found has a positive probability.
-    last = within[:, -1:]
-    rest = torch.minimum((target - before).clamp_(min=0.0), torch.nextafter(last, torch.zeros_like(last)))
-    return (found * CDF_BLOCK + torch.searchsorted(within, rest, right=True))[:, 0]
-
-
-def _top_k_top_p(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside each row's top-k and top-p nucleus."""
-    sorted_scores, order = scores.sort(dim=-1, descending=True)
-    vocab = scores.shape[-1]
-    ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=scores.device)
-    ps = torch.tensor([p.top_p for p in params], device=scores.device)
-    rank = torch.arange(vocab, device=scores.device)[None]
-    cut = rank >= ks[:, None]
-    probs = torch.softmax(sorted_scores, dim=-1)
-    # A token stays while the mass before it is below top_p, so the most likely token always stays.
-    cut |= (probs.cumsum(dim=-1) - probs) >= ps[:, None]
-    sorted_scores = sorted_scores.masked_fill(cut, float("-inf"))
-    return torch.empty_like(scores).scatter_(1, order, sorted_scores)

@@ -14,6 +14,7 @@ from areal_lite.api.io import GenerationConfig
 if TYPE_CHECKING:
     import torch
     from llguidance import LLMatcher
+    from transformers import PreTrainedTokenizerBase
 
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures below this mean greedy decoding (SGLang's convention)."""
@@ -210,6 +211,26 @@ class Sequence:
             routed_experts=None if self.routes is None else self.routes[: len(self.prompt) + len(self.out) - 1],
             input_top_logprobs=self.input_top,
         )
+
+    def finish_reason(self, tokenizer: PreTrainedTokenizerBase | None, context_len: int) -> dict[str, object] | None:
+        """Why the request ends after its last token (`GenerationResult.finish_reason`), None while
+        it goes on: aborted, a stop token or string (once past ``min_new_tokens``; ``tokenizer``
+        decodes its last tokens for stop strings), ``max_new_tokens`` or the context length."""
+        n = len(self.out)
+        if self.abort_message is not None:
+            return {"type": "abort", "message": self.abort_message}
+        p = self.params
+        if n >= p.min_new_tokens and n > 0:
+            if self.out[-1] in self.stop_ids:
+                return {"type": "stop", "matched": self.out[-1]}
+            if p.stop:
+                text = tokenizer.decode(self.out[-64:])
+                for stop in p.stop:
+                    if stop in text:
+                        return {"type": "stop", "matched": stop}
+        if n >= p.max_new_tokens or len(self.prompt) + n >= context_len:
+            return {"type": "length", "length": n}
+        return None
 
     def emit(self) -> None:
         """Hand the last token to ``on_token`` (if any)."""

@@ -4,20 +4,13 @@ Requests from any thread or event loop join a queue; between two steps the sched
 waiting requests, and each step is one forward pass that prefills the admitted requests and
 decodes one token of every running one, so a short request leaves as soon as it is done and never
 waits for the longest one. Aborts, pauses (in place, abort, retract) and weight loads (from
-tensors, from disk, or received by broadcast in a weight-update group) are applied between two
-steps; after a weight load, running requests get their KV cache recomputed under the new weights
-and continue, so every later token is produced by (and tagged with the version of) the new
-weights.
+tensors, from disk, received by broadcast in a weight-update group, or a LoRA adapter: the
+`WeightLoader` of `areal_lite.engines.local.weights`) are applied between two steps; after a
+weight load, running requests get their KV cache recomputed under the new weights and continue,
+so every later token is produced by (and tagged with the version of) the new weights.
 
 A streamed request (`stream`) gets each token as it is sampled: the scheduler hands it over right
 after the step that produced it, before the request's result.
-
-A LoRA adapter is one more kind of weight load: merged into the weights (`AdapterSlot`), then
-applied like any other update.
-
-Weights arrive named as the model's parameters or as its checkpoint names them (what
-``save_pretrained`` writes and trainers send by disk and broadcast); they differ for
-mixture-of-experts models, whose experts are stacked at runtime (`areal_lite.utils.hf_layout`).
 
 This is the API of our HTTP server (`areal_lite.engines.server`); `LocalInferenceEngine` adapts
 it to the `InferenceEngine` contract.
@@ -28,14 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import glob
 import logging
-import os
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING
 
@@ -46,13 +37,12 @@ from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.cpu.gc_freeze import freeze_startup_objects
 from areal_lite.cpu.malloc import keep_freed_memory, release_freed_memory
 from areal_lite.cpu.threads import check_cores, pin_this_thread, release_openmp_threads, set_thread_intra_op_threads
-from areal_lite.engines.local.adapter_slot import AdapterSlot, split_adapter_names
+from areal_lite.engines.local.futures import call_in_loop, complete, set_result_once
 from areal_lite.engines.local.grammar import Grammars
-from areal_lite.engines.local.model_runner import ModelRunner, context_length, dtype_of, load_model
+from areal_lite.engines.local.model_loading import context_length, dtype_of, eos_ids, load_model
+from areal_lite.engines.local.model_runner import ModelRunner
 from areal_lite.engines.local.request import GenerationError, GenerationResult, SamplingParams, Sequence, TokenOut
-from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
-from areal_lite.utils.hf_layout import CheckpointLayout
-from areal_lite.utils.lora import read_adapter
+from areal_lite.engines.local.weights import WeightLoader
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -61,42 +51,6 @@ logger = logging.getLogger(__name__)
 THROUGHPUT_STEPS = 40
 """`Scheduler.gen_throughput` averages over this many generation steps (SGLang logs its decode
 throughput every 40 steps)."""
-
-
-def _complete(fut: Future, fn: Callable[[], object]) -> None:
-    """Run ``fn`` and put its result, or the exception it raised, into ``fut`` (unless whoever
-    waited on it cancelled it meanwhile: ``fn`` has run, and the scheduler thread goes on)."""
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 - whoever waits on the future gets it
-        with contextlib.suppress(InvalidStateError):
-            fut.set_exception(e)
-    else:
-        with contextlib.suppress(InvalidStateError):
-            fut.set_result(result)
-
-
-def _in_thread(fn: Callable[[], None], name: str) -> Future[None]:
-    """Run ``fn`` in a new daemon thread; the returned future completes when it returns or raises."""
-    fut: Future[None] = Future()
-    threading.Thread(target=_complete, args=(fut, fn), name=name, daemon=True).start()
-    return fut
-
-
-def _set_future(fut: asyncio.Future, value: GenerationResult) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
-    """``fn(*args)`` in ``loop``; nothing when the loop is closed (its caller went away, e.g. an
-    ``asyncio.run`` that ended on another request's error): the scheduler thread must not die of
-    it."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        if not loop.is_closed():
-            raise
 
 
 class Scheduler:
@@ -124,15 +78,12 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._keeps_freed_memory = False
         """Whether this engine holds `keep_freed_memory` (on CPU, from `start` to `stop`)."""
-        self._group: CustomGroup | None = None
-        self._group_backend = "gloo"
         self._eos_ids: frozenset[int] = frozenset()
-        self.adapter = AdapterSlot()
+        self.weights = WeightLoader(self._run_in_scheduler, self._weights_loaded)
+        self.adapter = self.weights.adapter
         """The LoRA adapter merged into the weights, if any (read it from the scheduler thread)."""
         self._yield_to: tuple[Callable[[], bool], int] | None = None
         """(whether a trainer in this process computes, the threads to run on meanwhile)."""
-        self._layout: CheckpointLayout | None = None
-        """The model's checkpoint layout, built when a tensor first arrives under a checkpoint name."""
         self._recent_steps: deque[tuple[float, int]] = deque(maxlen=THROUGHPUT_STEPS)
         """(seconds, tokens produced) of the last generation steps, for `gen_throughput`."""
 
@@ -143,15 +94,11 @@ class Scheduler:
         cfg = self.config
         check_cores(cfg.cores, "local_engine.cores")
         model, self.tokenizer = load_model(cfg.path, dtype_of(cfg.dtype), cfg.device)
-        eos = (
-            model.generation_config.eos_token_id
-            if model.generation_config.eos_token_id is not None
-            else model.config.eos_token_id
-        )
-        self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self._eos_ids = eos_ids(model)
         self.model = model
         context_len = context_length(model, cfg.max_total_tokens)
         self._runner = ModelRunner(model, cfg.max_running_requests, context_len, cfg.seed, cfg.cuda_graphs)
+        self.weights.attach(model, self._runner.device)
         self.grammars = Grammars(self.tokenizer, model.config.vocab_size, self._eos_ids)
         if self._runner.device.type == "cpu" and not self._keeps_freed_memory:
             # Every step frees and reallocates its [rows, vocab] logits and probabilities (39 MB
@@ -183,7 +130,7 @@ class Scheduler:
             with contextlib.suppress(InvalidStateError):  # its caller gave it up
                 fut.set_exception(RuntimeError("the scheduler was stopped before this command ran"))
         self._commands.clear()
-        self._group = None
+        self.weights.detach()
         self.model = None
         self._runner = None
         if self._keeps_freed_memory:
@@ -293,7 +240,7 @@ class Scheduler:
                 self.submit_request(
                     input_ids,
                     params,
-                    functools.partial(_call_in_loop, loop, _set_future, fut),
+                    functools.partial(call_in_loop, loop, set_result_once, fut),
                     rid,
                     return_input_logprobs,
                 )
@@ -320,7 +267,7 @@ class Scheduler:
         queue: asyncio.Queue[TokenOut | GenerationResult] = asyncio.Queue()
 
         def put(item: TokenOut | GenerationResult) -> None:
-            _call_in_loop(loop, queue.put_nowait, item)
+            call_in_loop(loop, queue.put_nowait, item)
 
         rid = self.submit_request(input_ids, params, put, rid, return_input_logprobs, on_token=put)
         finished = False
@@ -435,7 +382,7 @@ class Scheduler:
                     admitted = self._admit(runner.max_rows - len(runner.rows))
                     self._admitting = admitted
             for fn, fut in commands:
-                _complete(fut, fn)
+                complete(fut, fn)
             if abort_pending:  # also while paused: aborted requests return at once
                 self._finish_aborted()
             if self._paused:
@@ -513,29 +460,12 @@ class Scheduler:
         assert runner is not None
         done: set[int] = set()
         for i, s in enumerate(runner.rows):
-            reason = self._finish_reason(s)
+            reason = s.finish_reason(self.tokenizer, runner.context_len)
             if reason is not None:
                 done.add(i)
                 s.routes = runner.routes_of(i)
                 s.deliver(s.result(reason))
         runner.remove(done)
-
-    def _finish_reason(self, s: Sequence) -> dict[str, object] | None:
-        n = len(s.out)
-        if s.abort_message is not None:
-            return {"type": "abort", "message": s.abort_message}
-        p = s.params
-        if n >= p.min_new_tokens and n > 0:
-            if s.out[-1] in s.stop_ids:
-                return {"type": "stop", "matched": s.out[-1]}
-            if p.stop:
-                text = self.tokenizer.decode(s.out[-64:])
-                for stop in p.stop:
-                    if stop in text:
-                        return {"type": "stop", "matched": stop}
-        if n >= p.max_new_tokens or len(s.prompt) + n >= self._runner.context_len:
-            return {"type": "length", "length": n}
-        return None
 
     def _retract(self) -> None:
         seqs = self._runner.clear()
@@ -546,181 +476,60 @@ class Scheduler:
         """Run ``fn`` in the scheduler thread between two steps; its result comes in the future."""
         fut: Future = Future()
         if self._thread is None or threading.current_thread() is self._thread:
-            _complete(fut, fn)
+            complete(fut, fn)
             return fut
         with self._cond:
             self._commands.append((fn, fut))
             self._cond.notify_all()
         return fut
 
-    # ----- weights -------------------------------------------------------------------------
+    # ----- weights ----------------------------------------------------------------------------
+    # Below `_weights_loaded`, the server's API to weight loads: each is the `WeightLoader` method
+    # of the same name.
 
-    def load_tensors(self, named: dict[str, torch.Tensor], version: int | None = None) -> Future[None]:
-        """Copy tensors into the model by HF name between two steps (all checked before any is
-        copied), recompute the running requests' caches under the new weights, and set the
-        version (unless None). The future completes once loaded."""
-        return self._run_in_scheduler(lambda: self._load_tensors(named.items(), version))
-
-    def _load_tensors(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None) -> None:
-        pairs = list(named)
-        assert self.model is not None
-        params = self.model.state_dict()
-        merged_into = self.adapter.targets([self._locate(params, name)[0] for name, _ in pairs])
-        if merged_into:
-            raise ValueError(
-                f"adapter {self.adapter.name!r} is merged into {merged_into[0]!r}: unload it before loading base weights"
-            )
-        self._copy_weights(pairs, version)
-
-    def _locate(
-        self, params: Mapping[str, torch.Tensor], name: str
-    ) -> tuple[str, torch.Tensor | None, tuple[int, ...]]:
-        """(parameter, flat positions in it or None for all of it, shape) of a tensor named in
-        either layout; ValueError for an unknown name."""
-        if name in params:
-            return name, None, tuple(params[name].shape)
-        if self._layout is None:
-            assert self.model is not None
-            self._layout = CheckpointLayout(self.model.config)
-        return self._layout.locate(name)
-
-    def _copy_weights(self, pairs: list[tuple[str, torch.Tensor]], version: int | None) -> None:
-        """Copy the tensors into the model (all checked first), recompute the running requests'
-        caches (unless ``keep_cache_on_update``), set the version (unless None)."""
-        assert self.model is not None and self._runner is not None
-        params = self.model.state_dict()
-        targets = []
-        for name, t in pairs:
-            param, where, shape = self._locate(params, name)
-            if tuple(t.shape) != shape:
-                raise ValueError(f"parameter {name!r} has shape {shape}, got {tuple(t.shape)}")
-            targets.append((params[param], where, t))
-        with torch.no_grad():
-            for param, where, t in targets:
-                if where is None:
-                    param.copy_(t)
-                else:
-                    param.view(-1)[where] = t.flatten().to(param.dtype)
+    def _weights_loaded(self, version: int | None) -> None:
+        """After a weight load (in the scheduler thread): recompute the running requests' caches
+        under the new weights (unless ``keep_cache_on_update``), set the version (unless None)."""
+        assert self._runner is not None
         if version is not None:
             self.version = version
         if not self.config.keep_cache_on_update:
             self._runner.prefill(self._runner.clear())
 
-    def load_weights_from_disk(self, path: str, version: int | None = None) -> Future:
-        """Load every ``*.safetensors`` file of a HF model directory (reading off the scheduler)."""
-        from safetensors.torch import load_file
+    def load_tensors(self, named: dict[str, torch.Tensor], version: int | None = None) -> Future[None]:
+        return self.weights.load_tensors(named, version)
 
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            fut: Future = Future()
-            fut.set_exception(ValueError(f"no *.safetensors files in {path!r}"))
-            return fut
-        tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            tensors.update(load_file(f))
-        return self.load_tensors(tensors, version)
+    def load_weights_from_disk(self, path: str, version: int | None = None) -> Future:
+        return self.weights.load_weights_from_disk(path, version)
 
     def load_adapter(
         self, name: str, config: Mapping[str, object], tensors: Mapping[str, torch.Tensor], version: int | None = None,
         source: str = "tensors",
     ) -> Future[None]:  # fmt: skip
-        """Merge LoRA adapter ``name`` (its PEFT config and every tensor, PEFT names) into the
-        weights between two steps, replacing the loaded adapter of that name (another name is a
-        ValueError), as `load_tensors` does with weights."""
-        return self._adapter_op(lambda model: self.adapter.load(model, name, config, tensors, source), version)
+        return self.weights.load_adapter(name, config, tensors, version, source)
 
     def load_adapter_from_disk(self, name: str, path: str, version: int | None = None) -> Future[None]:
-        """`load_adapter` from a PEFT adapter directory (read off the scheduler thread)."""
-        try:
-            config, tensors = read_adapter(path)
-        except (OSError, ValueError) as e:
-            fut: Future[None] = Future()
-            fut.set_exception(ValueError(f"cannot read the adapter in {path!r}: {e}"))
-            return fut
-        return self.load_adapter(name, config, tensors, version, source=path)
+        return self.weights.load_adapter_from_disk(name, path, version)
 
     def register_adapter(self, name: str, config: Mapping[str, object]) -> Future[None]:
-        """Load adapter ``name`` with zero tensors (the base model's outputs): a broadcast fills it."""
-        return self._adapter_op(lambda model: self.adapter.register(model, name, config), None)
+        return self.weights.register_adapter(name, config)
 
     def unload_adapter(self, name: str) -> Future[None]:
-        """Put the base weights back in place of adapter ``name``."""
-        return self._adapter_op(lambda model: self.adapter.unload(name), None)
-
-    def _adapter_op(
-        self, op: Callable[[torch.nn.Module], dict[str, torch.Tensor]], version: int | None
-    ) -> Future[None]:
-        def run() -> None:
-            assert self.model is not None
-            self._copy_weights(list(op(self.model).items()), version)
-
-        return self._run_in_scheduler(run)
+        return self.weights.unload_adapter(name)
 
     def join_weights_update_group(self, meta: WeightUpdateMeta, rank: int) -> Future[None]:
-        """Join ``meta``'s group at ``rank`` in a helper thread (the trainer joins concurrently)."""
-
-        def join() -> None:
-            if meta.backend == "nccl" and self._runner is not None:
-                # NCCL binds a rank to the current device of the thread that joins: the model's GPU.
-                torch.cuda.set_device(self._runner.device)
-            self._group = init_custom_process_group(
-                meta.backend, meta.master_address, meta.master_port, rank, meta.world_size, meta.group_name
-            )
-            self._group_backend = meta.backend
-
-        return _in_thread(join, "weight-group-join")
+        return self.weights.join_weights_update_group(meta, rank)
 
     def destroy_weights_update_group(self) -> None:
-        self._group = None
+        self.weights.destroy_weights_update_group()
 
     def check_param_specs(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
-        """Raise ValueError when a broadcast announcement does not fit the model."""
-        assert self.model is not None
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
-        for dtype in dtypes:
-            dtype_of(dtype)
-        adapter, names = split_adapter_names(names)
-        if adapter is not None:
-            specs = {n: tuple(shape) for n, shape in zip(names, shapes)}
-            self.adapter.check_tensors(adapter, specs)  # reads one reference: safe from any thread
-            return
-        params = self.model.state_dict()
-        for name, shape in zip(names, shapes):
-            expected = self._locate(params, name)[2]
-            if tuple(shape) != expected:
-                raise ValueError(f"parameter {name!r} has shape {expected}, got {tuple(shape)}")
+        self.weights.check_param_specs(names, dtypes, shapes)
 
     def receive_broadcast(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None
     ) -> Future[None]:
-        """Receive the announced tensors from rank 0 in order, in a helper thread (the sender
-        broadcasts after this returns), then load them. The future completes once loaded, or
-        fails with ValueError when the announcement does not fit the model or no group exists."""
-
-        def receive() -> None:
-            if self._group is None:
-                raise ValueError("no weight-update group: call join_weights_update_group first")
-            self.check_param_specs(names, dtypes, shapes)
-            # gloo moves CPU tensors, nccl CUDA tensors on the model's GPU (not the thread's default one).
-            device = self._runner.device if self._group_backend == "nccl" and self._runner else torch.device("cpu")
-            received: dict[str, torch.Tensor] = {}
-            for name, dtype, shape in zip(names, dtypes, shapes):
-                t = torch.empty(tuple(shape), dtype=dtype_of(dtype), device=device)
-                self._group.broadcast(t, src=0)
-                received[name] = t
-            adapter, tensor_names = split_adapter_names(list(received))
-            if adapter is None:
-                self.load_tensors(received, version).result()
-            else:
-                part = dict(zip(tensor_names, received.values()))
-                self._adapter_op(lambda model: self.adapter.update(adapter, part), version).result()
-
-        return _in_thread(receive, "weight-receive")
+        return self.weights.receive_broadcast(names, dtypes, shapes, version)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
-        assert self.model is not None
-        params = self.model.state_dict()
-        if name not in params:
-            raise ValueError(f"unknown parameter {name!r}")
-        return params[name].detach().flatten()[:truncate_size].float().tolist()
+        return self.weights.get_weights_by_name(name, truncate_size)

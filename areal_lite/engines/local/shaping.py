@@ -2,7 +2,7 @@
 order (its ``Sampler``): a grammar's mask (`areal_lite.engines.local.grammar`), min-token suppression, logit bias, then the repetition, frequency and
 presence penalties (`shaped`); greedy rows take the argmax of that; the others are divided by
 their temperature, then min-p drops the unlikely tokens (`min_p_masked`), then top-k / top-p
-(the model runner's). SGLang applies the same options with the same formulas; it adds the
+(`top_k_top_p_masked`). SGLang applies the same options with the same formulas; it adds the
 frequency and presence penalties before the repetition penalty, which differs only for a request
 that sets both kinds.
 
@@ -68,3 +68,18 @@ def min_p_masked(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     probs = torch.softmax(scores, dim=-1)
     floor = probs.amax(dim=-1, keepdim=True) * torch.tensor([p.min_p for p in params], device=scores.device)[:, None]
     return scores.masked_fill(probs < floor, float("-inf"))
+
+
+def top_k_top_p_masked(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside each row's top-k and top-p nucleus."""
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    vocab = scores.shape[-1]
+    ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=scores.device)
+    ps = torch.tensor([p.top_p for p in params], device=scores.device)
+    rank = torch.arange(vocab, device=scores.device)[None]
+    cut = rank >= ks[:, None]
+    probs = torch.softmax(sorted_scores, dim=-1)
+    # A token stays while the mass before it is below top_p, so the most likely token always stays.
+    cut |= (probs.cumsum(dim=-1) - probs) >= ps[:, None]
+    sorted_scores = sorted_scores.masked_fill(cut, float("-inf"))
+    return torch.empty_like(scores).scatter_(1, order, sorted_scores)
