@@ -5,11 +5,13 @@ land between steps with every token tagged by the version that produced it."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_lite.api.config import LocalEngineConfig
@@ -17,6 +19,7 @@ from areal_lite.api.io import GenerationConfig, ModelRequest, ParamSpec, WeightU
 from areal_lite.cpu import fused_ops
 from areal_lite.engines.local.engine import LocalInferenceEngine
 from areal_lite.engines.local.request import GenerationError, SamplingParams
+from areal_lite.utils import flash_varlen
 from areal_lite.utils.distributed import find_free_port, init_custom_process_group
 from areal_lite.utils.tiny import build_tiny_model
 
@@ -402,34 +405,42 @@ def test_in_process_update_mid_generation_tags_both_versions(model_path: str, hf
         eng.destroy()
 
 
-def test_fixed_shape_decode_step_equals_the_eager_one(model_path: str, hf: torch.nn.Module) -> None:
+@pytest.mark.parametrize("sampling", ["seeded", "engine_stream", "greedy"])
+def test_fixed_shape_decode_step_equals_the_eager_one(model_path: str, hf: torch.nn.Module, sampling: str) -> None:
     """The decode step the engine replays as a CUDA graph on a GPU (`DecodeGraphs`: rows padded to
     a bucket, attention over the whole cache, a mask from the cached lengths), run eagerly here in
     place of the engine's own decode: the same tokens for the same seeds, log-probabilities equal
     to the eager engine's and to a HF forward, as rows finish and are refilled (every bucket from
     1 to 8 rows) and as the cache grows past its first 256 positions (the graphs dropped and
-    recorded again)."""
-    jobs = [
-        (list(range(3, 5 + 2 * i)), SamplingParams(max_new_tokens=3 + 7 * i, seed=i, ignore_eos=True))
-        for i in range(11)
-    ] + [([1, 2, 3], SamplingParams(max_new_tokens=300, seed=99, ignore_eos=True))]
+    recorded again). Requests with seeds of their own take the logits from the step and sample
+    after it; requests sampled from the engine's stream, or all greedy, have their tokens chosen
+    inside the step (modes ``sample`` and ``greedy``)."""
+
+    def params(i: int, n: int) -> SamplingParams:
+        if sampling == "seeded":
+            return SamplingParams(max_new_tokens=n, seed=i, ignore_eos=True)
+        return SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.0 if sampling == "greedy" else 1.0)
+
+    jobs = [(list(range(3, 5 + 2 * i)), params(i, 3 + 7 * i)) for i in range(11)] + [([1, 2, 3], params(99, 300))]
     eager, static = make_engine(model_path, max_running_requests=8), make_engine(model_path, max_running_requests=8)
     runner = static.scheduler._runner
     graphs = runner.graphs = runner.decode_graphs(eager=True)
     assert graphs.buckets == [1, 2, 4, 8]
-    widths, real_logits = [], graphs.logits
+    widths, modes, real_run = [], set(), graphs.run
 
-    def logits(rows: int) -> torch.Tensor:
+    def run(rows: int, mode: str = "logits") -> torch.Tensor:
         widths.append(rows)
-        return real_logits(rows)
+        modes.add(mode)
+        return real_run(rows, mode)
 
-    graphs.logits = logits  # type: ignore[method-assign]
+    graphs.run = run  # type: ignore[method-assign]
     try:
         expected, got = generate_all(eager, jobs), generate_all(static, jobs)
     finally:
         eager.destroy()
         static.destroy()
     assert set(widths) >= {1, 3, 8} and runner.cap > 256
+    assert modes == {{"seeded": "logits", "engine_stream": "sample", "greedy": "greedy"}[sampling]}
     for (prompt, _), e, g in zip(jobs, expected, got):
         assert g.output_ids == e.output_ids
         torch.testing.assert_close(torch.tensor(g.output_logprobs), torch.tensor(e.output_logprobs), atol=1e-5, rtol=0)
@@ -678,3 +689,45 @@ def test_engine_with_a_small_prefill_budget_matches_hf(model_path: str, hf: torc
             )
     finally:
         engine.destroy()
+
+
+def test_packed_prefill_equals_the_per_sequence_prefill(model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill a CUDA engine runs where torch has varlen attention (`flash_varlen`: one kernel
+    call for every distinct prompt of a pass, keys and values scattered into every row that shares
+    them), here with a reference kernel of torch's signature in place of its flash one: the same
+    tokens and log-probabilities as the per-sequence prefill, for groups of rows sharing a prompt
+    and prompts admitted beside running rows."""
+
+    def reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert window_size == (-1, 0) and cu_q.dtype == torch.int32 and max_q == max(cu_q.diff().tolist())
+        outs = []
+        for a, e in itertools.pairwise(cu_q.tolist()):
+            o = F.scaled_dot_product_attention(
+                *(x[a:e].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=scale, enable_gqa=enable_gqa
+            )
+            outs.append(o[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    jobs = [
+        (list(range(5, 9 + 3 * (i // 3))), SamplingParams(max_new_tokens=4 + i, seed=i, ignore_eos=True))
+        for i in range(12)
+    ]
+    plain = make_engine(model_path, max_running_requests=5)
+    try:
+        expected = generate_all(plain, jobs)
+    finally:
+        plain.destroy()
+    monkeypatch.setattr(flash_varlen, "_kernel", lambda: (reference, frozenset({"window_size", "enable_gqa", "scale"})))
+    monkeypatch.setattr(flash_varlen, "available", lambda device, dtype: True)
+    engine = make_engine(model_path, max_running_requests=5)
+    calls = []
+    real = engine.scheduler._runner._prefill_packed
+    engine.scheduler._runner._prefill_packed = lambda *a: calls.append(1) or real(*a)  # type: ignore[method-assign]
+    try:
+        got = generate_all(engine, jobs)
+    finally:
+        engine.destroy()
+    assert calls, "the packed prefill did not run"
+    for e, g in zip(expected, got):
+        assert g.output_ids == e.output_ids
+        torch.testing.assert_close(torch.tensor(g.output_logprobs), torch.tensor(e.output_logprobs), atol=1e-5, rtol=0)

@@ -66,3 +66,48 @@ def test_train_mfu_benchmark_runs_on_cpu() -> None:
     assert result.startswith("RESULT ") and "mfu_tiny=" in result and "over_plain_hf_tiny=" in result
     fields = dict(kv.split("=") for kv in result.split()[1:])
     assert 0 < float(fields["mfu_tiny"]) < 1, result
+
+
+def _sdpa_per_sequence(q, k, v, cu, causal_scale=None):
+    outs = []
+    for a, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            *(x[a:e].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=causal_scale
+        )
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("torch_release", ["2.10", "2.11"])
+def test_flash_varlen_calls_each_torch_release_as_it_takes_it(
+    torch_release: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`flash_varlen.varlen_causal` against torch's two signatures of varlen attention (``is_causal``
+    without native grouped-query attention; ``window_size`` with ``enable_gqa``), the kernel
+    replaced by per-sequence SDPA (torch's runs on CUDA only): causal within each sequence, KV
+    heads repeated where the kernel cannot group them, int32 boundaries."""
+    from areal_lite.utils import flash_varlen
+
+    seen = {}
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, **kw):
+        seen.update(kw, heads=(q.shape[1], k.shape[1]), dtype=cu_q.dtype, max_q=max_q)
+        if kw.get("enable_gqa"):
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return _sdpa_per_sequence(q, k, v, cu_q, scale)
+
+    params = {"2.10": {"is_causal", "scale"}, "2.11": {"window_size", "enable_gqa", "scale"}}[torch_release]
+    monkeypatch.setattr(flash_varlen, "_kernel", lambda: (kernel, frozenset(params)))
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 6, 19, 30])
+    q, k, v = torch.randn(30, 4, 8), torch.randn(30, 2, 8), torch.randn(30, 2, 8)
+    out = flash_varlen.varlen_causal(q, k, v, cu, 13, scale=0.3)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    torch.testing.assert_close(out, _sdpa_per_sequence(q, kk, vv, cu, 0.3))
+    assert seen["dtype"] == torch.int32 and seen["max_q"] == 13
+    if torch_release == "2.10":
+        assert seen["is_causal"] is True and seen["heads"] == (4, 4)
+    else:
+        assert seen["window_size"] == (-1, 0) and seen["enable_gqa"] is True and seen["heads"] == (4, 2)
+    assert not flash_varlen.available(torch.device("cpu"), torch.bfloat16)

@@ -34,7 +34,15 @@ from areal_lite.cpu import decode_attention, fused_ops
 from areal_lite.engines.local.decode_graphs import DecodeGraphs
 from areal_lite.engines.local.packed_linears import PackedLinears
 from areal_lite.engines.local.request import Sequence
-from areal_lite.engines.local.sampling import choose_tokens, record_tokens
+from areal_lite.engines.local.sampling import (
+    choose_tokens,
+    chosen_logprobs,
+    graph_mode,
+    inverse_cdf,
+    record_chosen,
+    record_tokens,
+)
+from areal_lite.utils import flash_varlen
 from areal_lite.utils.moe import NO_EXPERT, layer_routers, routing_shape
 
 logger = logging.getLogger(__name__)
@@ -86,6 +94,7 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.linear = PackedLinears(self.device, self.dtype)
         self.max_rows = max_rows
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.context_len = context_len
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         positions = torch.arange(context_len, device=self.device)[None]
@@ -109,7 +118,13 @@ class ModelRunner:
         self.v_cache: list[torch.Tensor] = []
         """Per layer, [max_rows, kv heads, capacity, head_dim]."""
         self.lens = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.host_lens = [0] * max_rows
+        """``lens`` as the host knows it, kept in step with it: sizing the cache, removing rows and
+        taking a row's routes need no read from the device."""
         self.last = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.uniforms = torch.zeros(max_rows, 1, dtype=torch.float64, device=self.device)
+        """This step's uniforms for rows sampled inside the decode graph (drawn before the replay
+        from ``generator``, as `choose_tokens` draws them)."""
         self.rows: list[Sequence] = []
         self.route_shape = routing_shape(cfg)
         """(layers, top_k) of a mixture-of-experts model, else None (nothing recorded)."""
@@ -274,7 +289,7 @@ class ModelRunner:
         for a dense model."""
         if self.routes is None:
             return None
-        return self.routes[row, : int(self.lens[row])].to("cpu", copy=True)  # the row is refilled later
+        return self.routes[row, : self.host_lens[row]].to("cpu", copy=True)  # the row is refilled later
 
     @staticmethod
     def prefill_tokens(s: Sequence) -> list[int]:
@@ -342,7 +357,7 @@ class ModelRunner:
         ar = torch.arange(d, device=dev)
         pos_d = self.lens[:d].clone()
         lens_d = pos_d + 1  # positions each decode row attends to, its new one included
-        needed = int(pos_d.max()) + 1 if d else 0
+        needed = max(self.host_lens[:d]) + 1 if d else 0
         self._ensure_capacity(max([needed, *(n + 1 for n in lengths)]))
         if d and not seqs and self.graphs is not None:
             return self._decode_static(d)
@@ -354,6 +369,11 @@ class ModelRunner:
         pos = [pos_d] + [torch.arange(n, device=dev) for n in lengths]
         pos = torch.cat(pos) if len(pos) > 1 else pos[0]
         rows_of = [[start + j for j, u in enumerate(inverse) if u == v] for v in range(len(lengths))]
+        packed = (
+            self._packed_prefill(offsets, rows_of)
+            if lengths and flash_varlen.available(self.device, self.dtype)
+            else None
+        )
         gqa = self.n_kv != self.n_heads
         nkv, hd, blk = self.n_kv, self.head_dim, self.block
         kernel = self.decode_attention
@@ -367,6 +387,9 @@ class ModelRunner:
             elif d:
                 assert mask is not None
                 outs.append(self._attend_cached(i, q[:d], k[:d], v[:d], ar, pos_d, mask))
+            if packed is not None:
+                outs.append(self._prefill_packed(i, q[d:], k[d:], v[d:], packed))
+                return torch.cat(outs) if len(outs) > 1 else outs[0]
             for u, (a, e) in enumerate(pairwise(offsets)):
                 ku, vu = k[a:e].transpose(0, 1), v[a:e].transpose(0, 1)  # [kv heads, L, D]
                 nb = -(-(e - a) // blk)
@@ -390,10 +413,12 @@ class ModelRunner:
             for u, (a, e) in enumerate(pairwise(offsets)):
                 self.routes[rows_of[u], : e - a] = routes[a:e]
         if d:
-            self.lens[:d] += 1
+            self._advance(d)
         self.rows.extend(seqs)
         if seqs:
-            self.lens[start : start + len(seqs)] = torch.tensor([lengths[u] for u in inverse], device=dev)
+            cached = [lengths[u] for u in inverse]
+            self.lens[start : start + len(seqs)] = torch.tensor(cached, device=dev)
+            self.host_lens[start : start + len(seqs)] = cached
         fresh = [j for j, s in enumerate(seqs) if not s.out]
         for j, s in enumerate(seqs):
             if s.out:
@@ -412,6 +437,36 @@ class ModelRunner:
             logits = self._lm_head(h if at == list(range(h.shape[0])) else h[at]).float()
             self._sample_and_append(logits, decoding + [seqs[j] for j in fresh], rows)
         return [seqs[j] for j in fresh]
+
+    def _packed_prefill(self, offsets: list[int], rows_of: list[list[int]]) -> tuple[torch.Tensor, ...]:
+        """What `_prefill_packed` needs of a pass's prefill sequences (packed after the decode
+        tokens at ``offsets``), built once for all layers: their boundaries ``cu`` [S + 1] (int32)
+        and longest length, and for every cache entry they fill the token (counted from the first
+        prefill token), the row and the position."""
+        first = offsets[0]
+        cu = torch.tensor([o - first for o in offsets], dtype=torch.int32, device=self.device)
+        src, row, pos = [], [], []
+        for u, (a, e) in enumerate(pairwise(offsets)):
+            for r in rows_of[u]:
+                src.extend(range(a - first, e - first))
+                row.extend([r] * (e - a))
+                pos.extend(range(e - a))
+        index = torch.tensor([src, row, pos], dtype=torch.long, device=self.device)
+        longest = max(e - a for a, e in pairwise(offsets))
+        return cu, torch.tensor(longest), index[0], index[1], index[2]
+
+    def _prefill_packed(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
+        """Prefill attention of every distinct sequence in one varlen kernel call, and their keys
+        and values written into every row that shares them with one scatter each, instead of a
+        call and a copy per sequence and row (`flash_varlen`, CUDA in fp16 / bf16)."""
+        cu, longest, src, row, pos = packed
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        blk = self.block
+        kc[row, :, pos // blk, :, pos % blk] = k[src]
+        vc[row, :, pos] = v[src]
+        return flash_varlen.varlen_causal(q, k, v, cu, int(longest), scale=self.scaling)
 
     def _decode_mask(self, pos: torch.Tensor, n: int) -> torch.Tensor:
         """The additive mask [rows x KV heads, 1, n] of decode rows at ``pos`` over their first
@@ -451,8 +506,22 @@ class ModelRunner:
         return torch.bmm(probs, values).view(r, self.n_heads, hd)
 
     def decode_graphs(self, eager: bool = False) -> DecodeGraphs:
-        """`DecodeGraphs` of this runner's `static_decode_logits` (``eager``: run, not captured)."""
-        return DecodeGraphs(self.static_decode_logits, lambda: self.cap, self.max_rows, self.device, eager)
+        """`DecodeGraphs` of this runner's `static_decode_step` (``eager``: run, not captured)."""
+        return DecodeGraphs(self.static_decode_step, lambda: self.cap, self.max_rows, self.device, eager)
+
+    def static_decode_step(self, rows: int, mode: str) -> torch.Tensor:
+        """A static decode step (`static_decode_logits`) and, unless ``mode`` is ``logits``, the
+        choice of each row's token inside it (`graph_mode`: all rows greedy, or all sampled as
+        the policy stands from ``uniforms``): the step returns ``[rows, 2]`` float64 (token,
+        log-probability; NaN where the probabilities were not finite), so that the host reads one
+        small tensor a step. It leaves ``last`` as it was (a capture runs the step more than once):
+        the caller feeds the tokens back."""
+        logits = self.static_decode_logits(rows)
+        if mode == "logits":
+            return logits
+        policy = torch.softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1) if mode == "greedy" else inverse_cdf(policy, self.uniforms[:rows])
+        return chosen_logprobs(tokens, logits, policy)
 
     def static_decode_logits(self, rows: int) -> torch.Tensor:
         """fp32 logits [rows, vocab] of a decode step of cache rows ``0..rows-1`` (``rows`` may
@@ -473,15 +542,29 @@ class ModelRunner:
         """A decode step of the ``d`` running rows through `graphs` (see `DecodeGraphs`); if its
         capture fails, this and every later step run as before."""
         assert self.graphs is not None
+        seqs = self.rows[:d]
+        mode = graph_mode(seqs)
+        if mode == "sample":
+            torch.rand((d, 1), generator=self.generator, dtype=torch.float64, device=self.device, out=self.uniforms[:d])
         try:
-            logits = self.graphs.logits(d)
+            out = self.graphs.run(d, mode)
         except RuntimeError:
             logger.warning("the decode step could not be captured as a CUDA graph; running it eagerly", exc_info=True)
             self.graphs = None
             return self._pass(d, [])
-        self.lens[:d] += 1
-        self._sample_and_append(logits, self.rows[:d], torch.arange(d, device=self.device))
+        self._advance(d)
+        if mode == "logits":
+            self._sample_and_append(out, seqs, torch.arange(d, device=self.device))
+        else:
+            self.last[:d] = out[:, 0].long()
+            record_chosen(seqs, out.tolist(), self.vocab_size)
         return []
+
+    def _advance(self, d: int) -> None:
+        """One more cached position for each of rows ``0..d-1``."""
+        self.lens[:d] += 1
+        for i in range(d):
+            self.host_lens[i] += 1
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tensor) -> None:
         """Sample one token per row of ``logits`` [n, V] (fp32) and record it with its logprob."""
@@ -505,7 +588,7 @@ class ModelRunner:
         if holes:
             dst = torch.tensor(holes, device=self.device)
             src = torch.tensor(sources, device=self.device)
-            width = int(self.lens[:b].max()) + 1
+            width = max(self.host_lens[:b]) + 1
             for cache in self.k_cache:
                 blocks = -(-width // self.block)
                 cache[dst, :, :blocks] = cache[src, :, :blocks]
@@ -515,6 +598,8 @@ class ModelRunner:
                 self.routes[dst, :width] = self.routes[src, :width]
             self.lens[dst] = self.lens[src]
             self.last[dst] = self.last[src]
+            for h_, s_ in zip(holes, sources):
+                self.host_lens[h_] = self.host_lens[s_]
             for h_, s_ in zip(holes, sources):
                 self.rows[h_] = self.rows[s_]
         del self.rows[keep:]

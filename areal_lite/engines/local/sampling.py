@@ -11,11 +11,13 @@ likely tokens when the request asks for them.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from areal_lite.engines.local import grammar
 from areal_lite.engines.local.request import Sequence
-from areal_lite.engines.local.shaping import min_p_masked, shaped, top_k_top_p_masked
+from areal_lite.engines.local.shaping import min_p_masked, shaped, suppressing, top_k_top_p_masked
 
 NOT_FINITE = "the model's next-token probabilities are not finite (NaN): its weights or inputs have diverged"
 """Why a decode step fails when the model outputs NaN, instead of an index error from sampling."""
@@ -88,6 +90,52 @@ def record_tokens(seqs: list[Sequence], tokens: torch.Tensor, raw: torch.Tensor,
             n = s.params.top_logprobs
             if n:
                 s.top.append(list(zip(row_ids[:n], row_values[:n])))
+
+
+def graph_mode(seqs: list[Sequence]) -> str:
+    """How a decode step of ``seqs`` can choose its tokens inside the step's CUDA graph: ``greedy``
+    (every row greedy) or ``sample`` (every row sampled as the policy stands: temperature 1, no
+    top-k, top-p or min-p, no seed of its own), with nothing shaping the logits (no grammar,
+    suppression, bias or penalty) and no top log-probabilities asked; else ``logits`` (the graph
+    gives the logits and `choose_tokens` runs after it)."""
+    mode = "logits"
+    for s in seqs:
+        p = s.params
+        if p.top_logprobs or s.matcher is not None or p.reshapes_logits or suppressing(s):
+            return "logits"
+        if p.greedy:
+            row = "greedy"
+        elif p.temperature == 1.0 and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p == 0 and p.seed is None:
+            row = "sample"
+        else:
+            return "logits"
+        if mode not in ("logits", row):
+            return "logits"
+        mode = row
+    return mode
+
+
+def chosen_logprobs(tokens: torch.Tensor, raw: torch.Tensor, policy: torch.Tensor) -> torch.Tensor:
+    """``[n, 2]`` float64: each row's token and its log-probability under ``policy`` (the softmax of
+    ``raw``), as `record_tokens` reports it, computed without reading anything back: NaN where the
+    probabilities were not finite (or the token is past the vocabulary)."""
+    vocab = raw.shape[-1]
+    at = tokens.clamp(max=vocab - 1)[:, None]
+    chosen = policy.gather(1, at)[:, 0]
+    exact = raw.gather(1, at)[:, 0] - torch.logsumexp(raw, dim=-1)
+    logp = torch.where(chosen < 1e-30, exact, chosen.log())
+    logp = torch.where(tokens >= vocab, torch.full_like(logp, float("nan")), logp)
+    return torch.stack([tokens.double(), logp.double()], dim=1)
+
+
+def record_chosen(seqs: list[Sequence], chosen: list[list[float]], vocab: int) -> None:
+    """Append the tokens and log-probabilities of `chosen_logprobs` (read back) to ``seqs``.
+    FloatingPointError on NaN. No grammar or top log-probabilities: `graph_mode` left those out."""
+    for s, (t, lp) in zip(seqs, chosen):
+        if math.isnan(lp) or t >= vocab:
+            raise FloatingPointError(NOT_FINITE)
+        s.out.append(int(t))
+        s.logprobs.append(lp)
 
 
 CDF_BLOCK = 256
