@@ -26,6 +26,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Protocol, TypeVar
 
 import torch
@@ -37,7 +38,7 @@ from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedB
 from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta, unknown_weight_format
 from areal_lite.engines.train.lr_schedule import lr_multiplier
 from areal_lite.engines.train.weight_sync import WeightSender
-from areal_lite.utils.data import unpack_sequences
+from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatches, unpack_sequences
 from areal_lite.utils.distributed import destroy_default_group, init_default_group
 from areal_lite.utils.hf_layout import CheckpointLayout
 
@@ -144,6 +145,53 @@ class TrainEngineBase(TrainEngine):
             raise RuntimeError("a frozen engine (initialized without FinetuneSpec) has no LR scheduler")
         self._advance_lr_schedule()
 
+    # ---------------------------------------------------------------- micro-batches
+
+    def _max_over_ranks(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _split_and_pack(
+        self, batch: TensorDict, *, same_count_on_all_ranks: bool, to_device: bool
+    ) -> tuple[list[PackedBatch], MicroBatchSplit, int]:
+        """``batch`` split by ``config.mb_spec`` and packed: the micro-batches, the split (for
+        restoring order) and how many are real. With ``same_count_on_all_ranks`` (where every
+        forward pass has collectives across ranks whose data differ) a rank with fewer
+        micro-batches splits finer, up to the largest count over all ranks, and repeats its first
+        micro-batch for any it still lacks (those get weight 0). ``to_device``: the real
+        micro-batches' tensors go to the compute device."""
+        spec = self.config.mb_spec
+        split = split_microbatches(batch, spec)
+        n = len(split.mbs)
+        if same_count_on_all_ranks:
+            n = self._max_over_ranks(n)
+            if len(split.mbs) < n:
+                split = split_microbatches(batch, replace(spec, n_mbs=n))
+            n = self._max_over_ranks(len(split.mbs))
+        packed = [self._to_device(pack_batch(mb)) if to_device else pack_batch(mb) for mb in split.mbs]
+        n_real = len(packed)
+        packed += [packed[0]] * (n - n_real)
+        return packed, split, n_real
+
+    def _to_device(self, mb: PackedBatch) -> PackedBatch:
+        return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
+
+    @staticmethod
+    def _in_batch_order(
+        mbs: list[PackedBatch], outputs: list[tuple[torch.Tensor, torch.Tensor]], split: MicroBatchSplit, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token outputs and entropies ``[T]`` of the real micro-batches ``mbs`` (fp32, on
+        CPU) as padded ``[B, width]`` rows in the batch's order."""
+        outs, ents = [], []
+        for mb, (out, ent) in zip(mbs, outputs):
+            cu = mb["cu_seqlens"]
+            assert isinstance(cu, torch.Tensor)
+            outs.append(unpack_sequences(out, cu.cpu(), width))
+            ents.append(unpack_sequences(ent, cu.cpu(), width))
+        order = split.restore_order
+        return torch.cat(outs)[order], torch.cat(ents)[order]
+
     # ---------------------------------------------------------------- losses and updates
 
     def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
@@ -231,7 +279,7 @@ class TrainEngineBase(TrainEngine):
     ) -> dict[str, float]:
         """Run the losses of every micro-batch (backward too when ``train``) and return the loss and
         stats averaged with the loss weights over micro-batches and data-parallel ranks."""
-        mbs, n_real = self._loss_microbatches(batch)
+        mbs, _, n_real = self._microbatches(batch)
         weights = [float(loss_weight_fn(mb)) for mb in mbs[:n_real]] + [0.0] * (len(mbs) - n_real)
         total = self._sum_over_data_parallel({"total": sum(weights)})["total"]
         if total <= 0:
@@ -322,9 +370,10 @@ class TrainEngineBase(TrainEngine):
         """The group over which losses are normalised and gradients summed (None: all ranks)."""
 
     @abc.abstractmethod
-    def _loss_microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], int]:
-        """This rank's packed micro-batches and how many of them are real data: any after those
-        are padding passes that keep collectives matched (they get weight 0)."""
+    def _microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], MicroBatchSplit, int]:
+        """This rank's packed micro-batches, the split (for restoring order) and how many of them
+        are real data: any after those are padding passes that keep collectives matched (they get
+        weight 0). `_split_and_pack` does the work."""
 
     @abc.abstractmethod
     def _loss_passes(
