@@ -1,20 +1,22 @@
 """`TrainEngineBase`: the half of a train engine that does not depend on the backend, written once
 for `FSDPEngine` and `MegatronEngine` (two copies of it would drift apart).
 
-What lives here: the policy version; the weight-update sender (`areal_lite.engines.train.weight_sync`),
-fed in the checkpoint layout for broadcasts (`areal_lite.utils.hf_layout`: a mixture-of-experts
-model's experts one tensor each, as any server reads them);
-the global loss normalisation (each micro-batch loss weighted by ``loss_weight_fn(mb) / total``,
-``total`` summed over the micro-batches and the data-parallel ranks) with the weighted means of
-the loss and the stats reduced over those ranks; `train_batch` as `forward_backward` then
-`optim_step`; `forward_backward_logprobs`, which keeps the log-probabilities its own forward pass
-computed (each sequence's row travels with it through the micro-batch split); the optimizer step
-itself (one-step hyperparameters, Adam's betas and eps among them, the skip on a non-finite
-gradient norm); `save` / `load` dispatch by `SaveLoadMeta.weight_format`; teardown. LoRA is the
-FSDP engine's alone (it overrides the adapter methods).
+What lives here: the policy version; the split of a batch into packed micro-batches (as many on
+every rank where collectives need it) and the per-sequence outputs put back in the batch's order;
+the weight-update sender (`areal_lite.engines.train.weight_sync`), fed in the checkpoint layout
+for broadcasts (`areal_lite.utils.hf_layout`: a mixture-of-experts model's experts one tensor
+each, as any server reads them); the global loss normalisation (each micro-batch loss weighted by
+``loss_weight_fn(mb) / total``, ``total`` summed over the micro-batches and the data-parallel
+ranks) with the weighted means of the loss and the stats reduced over those ranks; `train_batch`
+as `forward_backward` then `optim_step`; `forward_backward_logprobs`, which keeps the
+log-probabilities its own forward pass computed (each sequence's row travels with it through the
+micro-batch split); the optimizer step itself (one-step hyperparameters, Adam's betas and eps
+among them, the skip on a non-finite gradient norm); `save` / `load` dispatch by
+`SaveLoadMeta.weight_format`; teardown. LoRA is the FSDP engine's alone (it overrides the adapter
+methods).
 
-What a backend implements (the abstract methods at the end of the class): how a batch becomes
-packed micro-batches and runs through the model with its losses, how gradients are clipped and
+What a backend implements (the abstract methods at the end of the class): which micro-batches a
+rank runs and how they run through the model with their losses, how gradients are clipped and
 applied, and how its weights and training state are read and written.
 """
 
@@ -177,20 +179,27 @@ class TrainEngineBase(TrainEngine):
     def _to_device(self, mb: PackedBatch) -> PackedBatch:
         return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
 
-    @staticmethod
-    def _in_batch_order(
-        mbs: list[PackedBatch], outputs: list[tuple[torch.Tensor, torch.Tensor]], split: MicroBatchSplit, width: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-token outputs and entropies ``[T]`` of the real micro-batches ``mbs`` (fp32, on
-        CPU) as padded ``[B, width]`` rows in the batch's order."""
-        outs, ents = [], []
-        for mb, (out, ent) in zip(mbs, outputs):
-            cu = mb["cu_seqlens"]
-            assert isinstance(cu, torch.Tensor)
-            outs.append(unpack_sequences(out, cu.cpu(), width))
-            ents.append(unpack_sequences(ent, cu.cpu(), width))
-        order = split.restore_order
-        return torch.cat(outs)[order], torch.cat(ents)[order]
+    @torch.no_grad()
+    @marks_computing
+    def forward(
+        self, batch: TensorDict, *, with_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self._module().eval()
+        mbs, split, n_real = self._microbatches(batch)
+        outputs = self._forward_passes(mbs, n_real, with_entropy)
+        result = None
+        if outputs is not None:
+            width = batch["attention_mask"].shape[1]
+            outs, ents = [], []
+            for mb, (out, ent) in zip(mbs, outputs):
+                cu = mb["cu_seqlens"]
+                assert isinstance(cu, torch.Tensor)
+                outs.append(unpack_sequences(out, cu.cpu(), width))
+                ents.append(unpack_sequences(ent, cu.cpu(), width))
+            order = split.restore_order
+            result = (torch.cat(outs)[order], torch.cat(ents)[order])
+        logprobs, entropy = self._from_last_stage(result)  # type: ignore[misc]
+        return (logprobs, entropy) if with_entropy else logprobs
 
     # ---------------------------------------------------------------- losses and updates
 
@@ -374,6 +383,14 @@ class TrainEngineBase(TrainEngine):
         """This rank's packed micro-batches, the split (for restoring order) and how many of them
         are real data: any after those are padding passes that keep collectives matched (they get
         weight 0). `_split_and_pack` does the work."""
+
+    @abc.abstractmethod
+    def _forward_passes(
+        self, mbs: list[PackedBatch], n_real: int, with_entropy: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Run each micro-batch through the model without gradients; return the per-token outputs
+        (log-probabilities, a critic's values) and entropies ``[T]`` of each real micro-batch, fp32
+        on CPU (None on a pipeline stage that does not run the head)."""
 
     @abc.abstractmethod
     def _loss_passes(

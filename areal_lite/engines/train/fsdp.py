@@ -58,7 +58,7 @@ from areal_lite.cpu.gc_freeze import freeze_startup_objects
 from areal_lite.cpu.malloc import keep_freed_memory, release_freed_memory
 from areal_lite.cpu.precision import compute_dtype
 from areal_lite.cpu.threads import CoreSharing
-from areal_lite.engines.train.base import TrainEngineBase, marks_computing
+from areal_lite.engines.train.base import TrainEngineBase
 from areal_lite.engines.train.fsdp_model import HF_PREFIX, PackedModel, add_lora_adapters, load_hf_model, shard
 from areal_lite.engines.train.shared_prefix import shared_prefix_layout
 from areal_lite.utils.data import MicroBatchSplit
@@ -204,21 +204,15 @@ class FSDPEngine(TrainEngineBase):
             self._routing.begin(routes, self.config.routing_replay)  # type: ignore[arg-type]
         return self._module()(ids, pos, cu, with_entropy, tree, targets)
 
-    @torch.no_grad()
-    @marks_computing
-    def forward(
-        self, batch: TensorDict, *, with_entropy: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        model = self._module()
-        model.eval()
-        mbs, split, n_real = self._microbatches(batch)
+    def _forward_passes(
+        self, mbs: list[PackedBatch], n_real: int, with_entropy: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         outputs = []
         for i, mb in enumerate(mbs):
             out, ent = self._run(mb, with_entropy)
             if i < n_real:
                 outputs.append((out.float().cpu(), ent.float().cpu()))
-        result, entropy = self._in_batch_order(mbs, outputs, split, batch["attention_mask"].shape[1])
-        return (result, entropy) if with_entropy else result
+        return outputs
 
     def _loss_passes(
         self, mbs: list[PackedBatch], n_real: int, weights: list[float], total: float, loss_fn: LossFn, train: bool
