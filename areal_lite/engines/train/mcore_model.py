@@ -11,7 +11,8 @@ replay hook for mixture-of-experts layers; `wrap_ddp` and `distributed_optimizer
 `DistributedDataParallel` and its distributed optimizer (optimizer state sharded over the
 data-parallel ranks).
 
-Calls into megatron-core run under `mcore_cpu.cpu_compat`, so that they work on CPU too.
+On CPU megatron-core runs under `mcore_cpu.cpu_compat`: the engine calls `build_gpt` within it,
+`wrap_ddp` and `distributed_optimizer` enter it themselves.
 """
 
 from __future__ import annotations
