@@ -1,20 +1,22 @@
 """`TrainEngineBase`: the half of a train engine that does not depend on the backend, written once
 for `FSDPEngine` and `MegatronEngine` (two copies of it would drift apart).
 
-What lives here: the policy version; the weight-update sender (`areal_lite.engines.train.weight_sync`),
-fed in the checkpoint layout for broadcasts (`areal_lite.utils.hf_layout`: a mixture-of-experts
-model's experts one tensor each, as any server reads them);
-the global loss normalisation (each micro-batch loss weighted by ``loss_weight_fn(mb) / total``,
-``total`` summed over the micro-batches and the data-parallel ranks) with the weighted means of
-the loss and the stats reduced over those ranks; `train_batch` as `forward_backward` then
-`optim_step`; `forward_backward_logprobs`, which keeps the log-probabilities its own forward pass
-computed (each sequence's row travels with it through the micro-batch split); the optimizer step
-itself (one-step hyperparameters, Adam's betas and eps among them, the skip on a non-finite
-gradient norm); `save` / `load` dispatch by `SaveLoadMeta.weight_format`; teardown. LoRA is the
-FSDP engine's alone (it overrides the adapter methods).
+What lives here: the policy version; the split of a batch into packed micro-batches (as many on
+every rank where collectives need it) and the per-sequence outputs put back in the batch's order;
+the weight-update sender (`areal_lite.engines.train.weight_sync`), fed in the checkpoint layout
+for broadcasts (`areal_lite.utils.hf_layout`: a mixture-of-experts model's experts one tensor
+each, as any server reads them); the global loss normalisation (each micro-batch loss weighted by
+``loss_weight_fn(mb) / total``, ``total`` summed over the micro-batches and the data-parallel
+ranks) with the weighted means of the loss and the stats reduced over those ranks; `train_batch`
+as `forward_backward` then `optim_step`; `forward_backward_logprobs`, which keeps the
+log-probabilities its own forward pass computed (each sequence's row travels with it through the
+micro-batch split); the optimizer step itself (one-step hyperparameters, Adam's betas and eps
+among them, the skip on a non-finite gradient norm); `save` / `load` dispatch by
+`SaveLoadMeta.weight_format`; teardown. LoRA is the FSDP engine's alone (it overrides the adapter
+methods).
 
-What a backend implements (the abstract methods at the end of the class): how a batch becomes
-packed micro-batches and runs through the model with its losses, how gradients are clipped and
+What a backend implements (the abstract methods at the end of the class): which micro-batches a
+rank runs and how they run through the model with their losses, how gradients are clipped and
 applied, and how its weights and training state are read and written.
 """
 
@@ -26,6 +28,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Protocol, TypeVar
 
 import torch
@@ -37,7 +40,7 @@ from areal_lite.api.engine import InferenceEngine, LossFn, LossWeightFn, PackedB
 from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta, unknown_weight_format
 from areal_lite.engines.train.lr_schedule import lr_multiplier
 from areal_lite.engines.train.weight_sync import WeightSender
-from areal_lite.utils.data import unpack_sequences
+from areal_lite.utils.data import MicroBatchSplit, pack_batch, split_microbatches, unpack_sequences
 from areal_lite.utils.distributed import destroy_default_group, init_default_group
 from areal_lite.utils.hf_layout import CheckpointLayout
 
@@ -144,6 +147,60 @@ class TrainEngineBase(TrainEngine):
             raise RuntimeError("a frozen engine (initialized without FinetuneSpec) has no LR scheduler")
         self._advance_lr_schedule()
 
+    # ---------------------------------------------------------------- micro-batches
+
+    def _max_over_ranks(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _split_and_pack(
+        self, batch: TensorDict, *, same_count_on_all_ranks: bool, to_device: bool
+    ) -> tuple[list[PackedBatch], MicroBatchSplit, int]:
+        """``batch`` split by ``config.mb_spec`` and packed: the micro-batches, the split (for
+        restoring order) and how many are real. With ``same_count_on_all_ranks`` (where every
+        forward pass has collectives across ranks whose data differ) a rank with fewer
+        micro-batches splits finer, up to the largest count over all ranks, and repeats its first
+        micro-batch for any it still lacks (those get weight 0). ``to_device``: the real
+        micro-batches' tensors go to the compute device."""
+        spec = self.config.mb_spec
+        split = split_microbatches(batch, spec)
+        n = len(split.mbs)
+        if same_count_on_all_ranks:
+            n = self._max_over_ranks(n)
+            if len(split.mbs) < n:
+                split = split_microbatches(batch, replace(spec, n_mbs=n))
+            n = self._max_over_ranks(len(split.mbs))
+        packed = [self._to_device(pack_batch(mb)) if to_device else pack_batch(mb) for mb in split.mbs]
+        n_real = len(packed)
+        packed += [packed[0]] * (n - n_real)
+        return packed, split, n_real
+
+    def _to_device(self, mb: PackedBatch) -> PackedBatch:
+        return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
+
+    @torch.no_grad()
+    @marks_computing
+    def forward(
+        self, batch: TensorDict, *, with_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self._module().eval()
+        mbs, split, n_real = self._microbatches(batch)
+        outputs = self._forward_passes(mbs, n_real, with_entropy)
+        result = None
+        if outputs is not None:
+            width = batch["attention_mask"].shape[1]
+            outs, ents = [], []
+            for mb, (out, ent) in zip(mbs, outputs):
+                cu = mb["cu_seqlens"]
+                assert isinstance(cu, torch.Tensor)
+                outs.append(unpack_sequences(out, cu.cpu(), width))
+                ents.append(unpack_sequences(ent, cu.cpu(), width))
+            order = split.restore_order
+            result = (torch.cat(outs)[order], torch.cat(ents)[order])
+        logprobs, entropy = self._from_last_stage(result)  # type: ignore[misc]
+        return (logprobs, entropy) if with_entropy else logprobs
+
     # ---------------------------------------------------------------- losses and updates
 
     def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
@@ -231,7 +288,7 @@ class TrainEngineBase(TrainEngine):
     ) -> dict[str, float]:
         """Run the losses of every micro-batch (backward too when ``train``) and return the loss and
         stats averaged with the loss weights over micro-batches and data-parallel ranks."""
-        mbs, n_real = self._loss_microbatches(batch)
+        mbs, _, n_real = self._microbatches(batch)
         weights = [float(loss_weight_fn(mb)) for mb in mbs[:n_real]] + [0.0] * (len(mbs) - n_real)
         total = self._sum_over_data_parallel({"total": sum(weights)})["total"]
         if total <= 0:
@@ -322,9 +379,18 @@ class TrainEngineBase(TrainEngine):
         """The group over which losses are normalised and gradients summed (None: all ranks)."""
 
     @abc.abstractmethod
-    def _loss_microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], int]:
-        """This rank's packed micro-batches and how many of them are real data: any after those
-        are padding passes that keep collectives matched (they get weight 0)."""
+    def _microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], MicroBatchSplit, int]:
+        """This rank's packed micro-batches, the split (for restoring order) and how many of them
+        are real data: any after those are padding passes that keep collectives matched (they get
+        weight 0). `_split_and_pack` does the work."""
+
+    @abc.abstractmethod
+    def _forward_passes(
+        self, mbs: list[PackedBatch], n_real: int, with_entropy: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Run each micro-batch through the model without gradients; return the per-token outputs
+        (log-probabilities, a critic's values) and entropies ``[T]`` of each real micro-batch, fp32
+        on CPU (None on a pipeline stage that does not run the head)."""
 
     @abc.abstractmethod
     def _loss_passes(

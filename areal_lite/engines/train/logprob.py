@@ -94,3 +94,30 @@ def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
     """The label each packed position predicts: the next token (wrapping at the end; the
     wrapped positions are sequence ends, whose prediction `align_to_tokens` discards)."""
     return torch.roll(input_ids, -1, dims=0)
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk_size: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-aligned log-probabilities of the packed ``tokens`` ``[T]`` and the entropies of the
+    distributions they were drawn from (zeros without ``with_entropy``), from the final hidden
+    states ``[T, H]`` and the head ``weight`` (`logprobs_from_hidden`, chunk by chunk)."""
+    logp, entropy = logprobs_from_hidden(
+        hidden, weight, next_token_labels(tokens), chunk_size=chunk_size, with_entropy=with_entropy
+    )
+    logp = align_to_tokens(logp, cu_seqlens)
+    entropy = align_to_tokens(entropy, cu_seqlens) if entropy is not None else torch.zeros_like(logp)
+    return logp, entropy
+
+
+def token_values(scores: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A critic's token-aligned values ``[T]`` from its value head's ``[T, 1]`` scores, and zeros
+    in place of entropies. The hidden state at t has read tokens[: t + 1]: it values the state in
+    which token t + 1 is generated, so values are aligned to the token like log-probabilities."""
+    values = align_to_tokens(scores.squeeze(-1).float(), cu_seqlens)
+    return values, torch.zeros_like(values)

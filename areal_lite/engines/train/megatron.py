@@ -4,17 +4,16 @@ The same contract as `FSDPEngine` (an actor cannot tell them apart; ``backend: m
 actor's config swaps them through `make_train_engine`), built on megatron-core's pieces: a
 `GPTModel` with the local (non-Transformer-Engine) layers and tensor parallelism, megatron's
 `DistributedDataParallel` with its distributed optimizer (optimizer state sharded over the
-data-parallel ranks), and megatron's RNG tracker. Weights come from and go to HF directories and
-HF-named tensors through `areal_lite.engines.train.mcore_convert`.
+data-parallel ranks), and megatron's RNG tracker; `areal_lite.engines.train.mcore_model` builds
+them. Weights come from and go to HF directories and HF-named tensors through
+`areal_lite.engines.train.mcore_weights` (which converts with `mcore_convert`).
 
 Packed sequences: each micro-batch runs as one packed row of ``T`` tokens in megatron's ``THD``
 format (``PackedSeqParams`` with the micro-batch's ``cu_seqlens``), so rotary positions restart per
-sequence (megatron's own THD rotary code). megatron-core's packed attention kernels exist only in
-Transformer Engine and its local attention refuses packing, so the layers get our core attention,
-`_PackedCoreAttention`: causal SDPA within each sequence (`areal_lite.engines.train.varlen_attention`, the
-function FSDPEngine uses), ``sum(L_i^2)`` work and never across sequences. The last stage's hidden
-states ``[T, h]`` are scored chunk by chunk (`areal_lite.engines.train.logprob`, as in FSDPEngine), and the
-loss function sees the same packed micro-batch as with FSDP.
+sequence (megatron's own THD rotary code), and attention runs within each sequence
+(`mcore_model.PackedCoreAttention`). The last stage's hidden states ``[T, h]`` are scored chunk by
+chunk (`areal_lite.engines.train.logprob`, as in FSDPEngine), and the loss function sees the same
+packed micro-batch as with FSDP.
 
 Parallelism: ``tensor_parallel_size`` ranks split every layer, ``pipeline_parallel_size`` stages
 split the layers; the remaining factor of the world size is data parallel. The ranks of one
@@ -45,13 +44,10 @@ with `torch.save` into one directory; it resumes under the same parallel layout.
 
 from __future__ import annotations
 
-import copy
-import glob
 import json
 import math
 import os
-import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -65,229 +61,21 @@ from areal_lite.api.io import FinetuneSpec
 from areal_lite.cpu.gc_freeze import freeze_startup_objects
 from areal_lite.cpu.precision import compute_dtype
 from areal_lite.engines.train.base import TrainEngineBase
-from areal_lite.engines.train.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
-from areal_lite.engines.train.mcore_convert import ArchSpec, hf_to_mcore, mcore_split_dim, mcore_to_hf
+from areal_lite.engines.train.logprob import token_logprobs, token_values
+from areal_lite.engines.train.mcore_convert import ArchSpec
 from areal_lite.engines.train.mcore_cpu import cpu_compat, cpu_mode, install_cpu_rng_tracker, install_moe_fallbacks
-from areal_lite.engines.train.varlen_attention import varlen_sdpa_attention
-from areal_lite.utils.data import pack_batch, split_microbatches, unpack_sequences
+from areal_lite.engines.train.mcore_model import build_gpt, distributed_optimizer, replay_topk, sub_optimizers, wrap_ddp
+from areal_lite.engines.train.mcore_weights import HFWeights, SafetensorsDir, new_value_head, write_hf_dir
+from areal_lite.utils.data import MicroBatchSplit
 from areal_lite.utils.recover import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
 
 _DTYPE_NAMES = ("float32", "bfloat16")
-_LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
-_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 MicroBatch = tuple[PackedBatch, float]
 """A micro-batch as the schedule sees it: packed, and its loss weight."""
-
-
-class _SafetensorsDir(Mapping[str, torch.Tensor]):
-    """HF tensors of a model directory, read one at a time from its safetensors files, plus
-    ``extra`` tensors that the directory lacks."""
-
-    def __init__(self, path: str, extra: dict[str, torch.Tensor] | None = None) -> None:
-        from safetensors import safe_open
-
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {path}: MegatronEngine loads safetensors checkpoints")
-        self._where: dict[str, str] = {}
-        for f in files:
-            with safe_open(f, framework="pt") as h:
-                for k in h.keys():  # noqa: SIM118 (the handle is not iterable)
-                    self._where[k] = f
-        self._extra = extra or {}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        if name in self._extra:
-            return self._extra[name]
-        if name not in self._where:
-            raise KeyError(f"{name} is not in the checkpoint")
-        with safe_open(self._where[name], framework="pt") as h:
-            return h.get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter({**self._where, **self._extra})
-
-    def __len__(self) -> int:
-        return len(set(self._where) | set(self._extra))
-
-
-def _sub_optimizers(opt: MegatronOptimizer) -> list[MegatronOptimizer]:
-    """The optimizers inside megatron's `ChainedOptimizer` (dense / expert parameter groups)."""
-    return list(getattr(opt, "chained_optimizers", [opt]))
-
-
-def _new_value_head(path: str, seed: int) -> dict[str, torch.Tensor]:
-    """The ``score`` layer HF initialises for a critic loaded from a causal-LM directory, drawn
-    exactly as FSDPEngine draws it (same seed, same loading call), so both engines start equal."""
-    from transformers import AutoModelForTokenClassification
-
-    torch.manual_seed(seed)
-    hf = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
-    return {f"score.{k}": v.detach().clone() for k, v in hf.score.state_dict().items()}
-
-
-def _replay_topk(
-    replay: object,
-    scores: torch.Tensor,
-    topk: int,
-    num_groups: int | None = None,
-    group_topk: int | None = None,
-    default_compute_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """megatron's `RouterReplay.get_replay_topk` with `areal_lite.utils.moe`'s convention for
-    tokens without a recorded route (-1: the last token of a sequence, environment tokens): they
-    take the router's own top-k instead of an invalid index."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
-    action = replay.router_replay_action  # type: ignore[attr-defined]
-    if action not in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
-        return RouterReplay.get_replay_topk(replay, scores, topk, num_groups, group_topk, default_compute_topk)  # type: ignore[arg-type]
-    forward = action == RouterReplayAction.REPLAY_FORWARD
-    target = replay.target_topk_idx if forward else replay.replay_backward_list.pop(0)  # type: ignore[attr-defined]
-    assert default_compute_topk is not None
-    _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-    target = target.to(own.device, own.dtype)
-    chosen = torch.where(target[:, :1] >= 0, target, own)
-    return scores.gather(1, chosen), chosen
-
-
-class _PackedCoreAttention(torch.nn.Module):
-    """megatron core attention over THD-packed sequences: causal SDPA within each sequence.
-
-    Takes the place of the local spec's `DotProductAttention` (which refuses packed sequences);
-    receives ``query [T, heads, dim]`` and ``key``/``value [T, kv_heads, dim]`` of this
-    tensor-parallel rank and returns ``[T, heads * dim]``. Attention dropout, when configured, draws
-    from the default generator rather than megatron's tensor-parallel RNG fork.
-    """
-
-    def __init__(self, config: object, softmax_scale: float | None = None, **kwargs: object) -> None:
-        super().__init__()
-        self.dropout = float(config.attention_dropout)  # type: ignore[attr-defined]
-        self.scale = softmax_scale
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type: object = None,
-        attention_bias: torch.Tensor | None = None,
-        packed_seq_params: object = None,
-    ) -> torch.Tensor:
-        if packed_seq_params is None or attention_bias is not None:
-            raise ValueError("MegatronEngine's attention runs THD-packed sequences only, without attention bias")
-        out, _ = varlen_sdpa_attention(
-            self,
-            *(t.transpose(0, 1).unsqueeze(0) for t in (query, key, value)),
-            None,
-            dropout=self.dropout,
-            scaling=self.scale,
-            cu_seq_lens_q=packed_seq_params.cu_seqlens_q,  # type: ignore[attr-defined]
-        )
-        return out.reshape(out.shape[1], -1)
-
-
-def _build_gpt(arch: ArchSpec, cfg: TrainEngineConfig, dtype: torch.dtype) -> torch.nn.Module:
-    """megatron-core GPTModel (local layers) for ``arch``: this pipeline stage's layers, whose
-    forward returns hidden states ``[s, b, h]`` instead of logits (the engine applies the head
-    chunk by chunk)."""
-    import torch.nn.functional as F
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    class HiddenStatesGPT(GPTModel):
-        def _postprocess(self, hidden_states: torch.Tensor, **kwargs: object) -> torch.Tensor:
-            return hidden_states
-
-    spec = get_gpt_layer_local_spec(
-        num_experts=arch.num_experts or None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
-    )
-    spec.submodules.self_attention.submodules.core_attention = _PackedCoreAttention
-    moe = (
-        {
-            "num_moe_experts": arch.num_experts,
-            "moe_router_topk": arch.experts_per_token,
-            "moe_ffn_hidden_size": arch.moe_intermediate_size,
-            # softmax over the top-k logits = HF's softmax, top-k, renormalise
-            "moe_router_pre_softmax": not arch.norm_topk_prob,
-            "moe_router_load_balancing_type": "none",
-            "moe_aux_loss_coeff": 0.0,
-            "expert_model_parallel_size": cfg.expert_parallel_size,
-            "moe_enable_routing_replay": cfg.routing_replay,
-        }
-        if arch.num_experts
-        else {}
-    )
-    recompute = (
-        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-        if cfg.gradient_checkpointing
-        else {}
-    )
-    tcfg = TransformerConfig(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_heads,
-        num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim,
-        ffn_hidden_size=arch.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        hidden_dropout=0.0,
-        attention_dropout=arch.attention_dropout,
-        tensor_model_parallel_size=cfg.tensor_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_parallel_size,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        pipeline_dtype=dtype,
-        # Each micro-batch loss carries its share of the global batch: sum gradients over
-        # data-parallel ranks instead of averaging them.
-        calculate_per_token_loss=True,
-        use_cpu_initialization=True,
-        # fused kernels are CUDA-only, or change numerics against the HF reference
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        # micro-batches differ in length: pipeline stages exchange shapes first
-        variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # takes different token counts on different ranks
-        qk_layernorm=arch.qk_norm,
-        **moe,
-        **recompute,
-    )
-    gpt = HiddenStatesGPT(
-        config=tcfg,
-        transformer_layer_spec=spec,
-        vocab_size=arch.padded_vocab_size,
-        max_sequence_length=arch.max_position_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(arch.rope_theta),
-        rope_scaling=arch.llama3_rope_factor is not None,
-        rope_scaling_factor=arch.llama3_rope_factor or 8.0,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-    )
-    if arch.is_critic and gpt.post_process:
-        # a value model: the vocabulary head gives way to a scalar head, replicated over TP ranks
-        gpt.output_layer = None
-        gpt.value_head = torch.nn.Linear(arch.hidden_size, 1, dtype=dtype)
-    return gpt
 
 
 class MegatronEngine(TrainEngineBase):
@@ -308,7 +96,8 @@ class MegatronEngine(TrainEngineBase):
         self._lr_step = 0
         self._owns_model_parallel = False
         self._layer_ids: list[int] = []
-        self._stage_specs: list[list[tuple[str, list[tuple[str, tuple[int, ...]]]]]] | None = None
+        self._weights: HFWeights | None = None
+        """This rank's parameters as HF tensors and back (from `initialize` on)."""
         self._replays: list[object] = []
         """With routing replay: megatron's `RouterReplay` of each local layer."""
 
@@ -335,23 +124,24 @@ class MegatronEngine(TrainEngineBase):
         self.arch = ArchSpec.from_hf_config(self._hf_config, cfg.tensor_parallel_size, is_critic=cfg.is_critic)
         self._check_experts(self.arch)
         dtype = self.compute_dtype
-        weights = _SafetensorsDir(cfg.path)
+        weights = SafetensorsDir(cfg.path)
         if cfg.is_critic and "score.weight" not in weights:
-            weights = _SafetensorsDir(cfg.path, extra=_new_value_head(cfg.path, cfg.seed))
+            weights = SafetensorsDir(cfg.path, extra=new_value_head(cfg.path, cfg.seed))
         with cpu_compat():
-            model = _build_gpt(self.arch, cfg, dtype).to(self.device)
+            model = build_gpt(self.arch, cfg, dtype).to(self.device)
         # local layer index -> global layer index (megatron numbers layers from 1)
         self._layer_ids = [layer.layer_number - 1 for layer in model.decoder.layers]
         if cfg.routing_replay:
             self._replays = [layer.mlp.router.router_replay for layer in model.decoder.layers]
             for replay in self._replays:
-                replay.get_replay_topk = partial(_replay_topk, replay)
-        self._copy_hf_into(model, weights)
+                replay.get_replay_topk = partial(replay_topk, replay)
+        self._weights = HFWeights(self.arch, self._layer_ids, cfg.expert_parallel_size)
+        self._weights.copy_into(model, weights)
         if ft_spec is None:
             model.requires_grad_(False)
             self.model = model
         else:
-            self.model = self._wrap_ddp(model)
+            self.model = wrap_ddp(model)
             self._build_optimizer(ft_spec)
         freeze_startup_objects()
 
@@ -400,41 +190,9 @@ class MegatronEngine(TrainEngineBase):
                 "megatron model parallelism is already initialised with other tensor/pipeline/expert sizes"
             )
 
-    def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-        ddp_cfg = DistributedDataParallelConfig(
-            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
-        )
-        with cpu_compat():
-            return DistributedDataParallel(model.config, ddp_cfg, model)
-
     def _build_optimizer(self, ft_spec: FinetuneSpec) -> None:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
-
-        opt = self.config.optimizer
-        dtype = self.compute_dtype
-        ocfg = OptimizerConfig(
-            optimizer="adam",
-            lr=opt.lr,
-            weight_decay=opt.weight_decay,
-            adam_beta1=opt.beta1,
-            adam_beta2=opt.beta2,
-            adam_eps=opt.eps,
-            # clipping happens in `_clip_gradients`, after the finiteness check
-            clip_grad=0.0,
-            bf16=dtype == torch.bfloat16,
-            params_dtype=dtype,
-            use_distributed_optimizer=True,
-        )
         assert self.model is not None
-        # megatron's standard overrides give biases and other 1-D parameters (norm weights)
-        # wd_mult=0, as FSDPEngine exempts them; `_set_lr` applies wd_mult, which megatron leaves
-        # to its own scheduler.
-        with cpu_compat():
-            self.optimizer = get_megatron_optimizer(
-                ocfg, [self.model], config_overrides=get_standard_config_overrides(ocfg)
-            )
+        self.optimizer = distributed_optimizer(self.model, self.config.optimizer, self.compute_dtype)
         self.lr_factor = self._lr_factor(ft_spec)
         self._set_lr()
 
@@ -488,29 +246,12 @@ class MegatronEngine(TrainEngineBase):
         assert isinstance(data, dict)
         return TensorDict(data, batch_size=[data["attention_mask"].shape[0]])
 
-    def _microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], torch.Tensor, int]:
-        """Packed micro-batches of this rank's data, the order-restoring permutation, and how many
-        are real. With experts, every forward pass has collectives over the expert-parallel ranks
-        (whose data differ): a rank with fewer micro-batches repeats its first with weight 0."""
-        from dataclasses import replace
-
-        spec = self.config.mb_spec
+    def _microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], MicroBatchSplit, int]:
+        # With experts every forward pass has collectives over the expert-parallel ranks, whose
+        # data differ.
+        experts = self.arch is not None and bool(self.arch.num_experts) and self.config.expert_parallel_size > 1
         batch = self._same_batch_in_model_parallel_group(batch)
-        split = split_microbatches(batch, spec)
-        n = len(split.mbs)
-        if self.arch is not None and self.arch.num_experts and self.config.expert_parallel_size > 1:
-            most = torch.tensor([n], device=self.device)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            if n < int(most):
-                split = split_microbatches(batch, replace(spec, n_mbs=int(most)))
-            n = len(split.mbs)
-            most = torch.tensor([n], device=self.device)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        packed = [pack_batch(mb) for mb in split.mbs]
-        n_real = len(packed)
-        if self.arch is not None and self.arch.num_experts and self.config.expert_parallel_size > 1:
-            packed += [packed[0]] * (int(most) - n_real)
-        return packed, split.restore_order, n_real
+        return self._split_and_pack(batch, same_count_on_all_ranks=experts, to_device=False)
 
     def _output_weight(self) -> torch.Tensor:
         """The full ``[vocab, hidden]`` LM head weight (gathered over tensor-parallel ranks, with
@@ -533,22 +274,12 @@ class MegatronEngine(TrainEngineBase):
         ids, cu = packed["input_ids"], packed["cu_seqlens"]
         assert isinstance(ids, torch.Tensor) and isinstance(cu, torch.Tensor)
         if self.config.is_critic:
-            # the hidden state at t has read tokens[: t + 1]: it values the state in which token
-            # t + 1 is generated, so values are aligned to the token like log-probabilities
-            values = align_to_tokens(self._gpt().value_head(hidden).squeeze(-1).float(), cu)
-            return values, torch.zeros_like(values)
+            return token_values(self._gpt().value_head(hidden), cu)
         targets = packed.get("target_ids", ids)
         assert isinstance(targets, torch.Tensor)
-        logp, entropy = logprobs_from_hidden(
-            hidden,
-            self._output_weight(),
-            next_token_labels(targets.to(self.device)),
-            chunk_size=self.config.logits_chunk_size,
-            with_entropy=with_entropy,
+        return token_logprobs(
+            hidden, self._output_weight(), targets.to(self.device), cu, self.config.logits_chunk_size, with_entropy
         )
-        logp = align_to_tokens(logp, cu)
-        entropy = align_to_tokens(entropy, cu) if entropy is not None else torch.zeros_like(logp)
-        return logp, entropy
 
     def _schedule(
         self, mbs: list[MicroBatch], head: Callable[..., tuple], forward_only: bool
@@ -607,32 +338,18 @@ class MegatronEngine(TrainEngineBase):
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
         return box[0]
 
-    @torch.no_grad()
-    def forward(
-        self, batch: TensorDict, *, with_entropy: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        model = self._module()
-        model.eval()
-        seqlen = batch["attention_mask"].shape[1]
-        mbs, order, n_real = self._microbatches(batch)
-
+    def _forward_passes(
+        self, mbs: list[PackedBatch], n_real: int, with_entropy: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         def head(packed: PackedBatch, w: float, hidden: torch.Tensor) -> tuple:
             logp, ent = self._token_outputs(hidden, packed, with_entropy)
             return logp.sum() * 0.0, {"logp": logp, "ent": ent}
 
         with cpu_compat():
             store = self._schedule([(p, 0.0) for p in mbs], head, forward_only=True)
-        result = None
-        if store:
-            outs, ents = [], []
-            for packed, out in zip(mbs[:n_real], store[:n_real]):
-                cu = packed["cu_seqlens"]
-                assert isinstance(cu, torch.Tensor)
-                outs.append(unpack_sequences(out["logp"].float().cpu(), cu, seqlen))
-                ents.append(unpack_sequences(out["ent"].float().cpu(), cu, seqlen))
-            result = (torch.cat(outs)[order], torch.cat(ents)[order])
-        lp, ent = self._from_last_stage(result)  # type: ignore[misc]
-        return (lp, ent) if with_entropy else lp
+        if not store:
+            return None
+        return [(out["logp"].float().cpu(), out["ent"].float().cpu()) for out in store[:n_real]]
 
     def _loss_head(self, loss_fn: LossFn, total: float, train: bool) -> Callable[..., tuple]:
         def head(packed: PackedBatch, w: float, hidden: torch.Tensor) -> tuple:
@@ -649,10 +366,6 @@ class MegatronEngine(TrainEngineBase):
             return scaled, torch.ones((), dtype=torch.int), reported
 
         return head
-
-    def _loss_microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], int]:
-        mbs, _, n_real = self._microbatches(batch)
-        return mbs, n_real
 
     def _loss_passes(
         self, mbs: list[PackedBatch], n_real: int, weights: list[float], total: float, loss_fn: LossFn, train: bool
@@ -681,7 +394,7 @@ class MegatronEngine(TrainEngineBase):
             opt.prepare_grads()
             grad_norm = float(opt.get_grad_norm())
             if max_norm > 0 and math.isfinite(grad_norm):
-                for sub in _sub_optimizers(opt):
+                for sub in sub_optimizers(opt):
                     params = sub.get_parameters()
                     if params:
                         clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=grad_norm)
@@ -700,153 +413,36 @@ class MegatronEngine(TrainEngineBase):
 
     # ---------------------------------------------------------------- weights in HF form
 
-    def _global_name(self, local: str, ep_rank: int | None = None) -> str:
-        """A parameter's name with this stage's local layer index replaced by the global one, and
-        a local expert's index by the global index it has on expert-parallel rank ``ep_rank``
-        (default: this rank's)."""
-        from megatron.core import parallel_state as ps
-
-        name = _LAYER_PREFIX.sub(lambda m: f"decoder.layers.{self._layer_ids[int(m.group(1))]}.", local)
-        if self.arch is None or not self.arch.num_experts:
-            return name
-        rank = ps.get_expert_model_parallel_rank() if ep_rank is None else ep_rank
-        per_rank = self.arch.num_experts // self.config.expert_parallel_size
-        return _LOCAL_EXPERT.sub(lambda m: f".local_experts.{rank * per_rank + int(m.group(1))}.", name)
-
-    def _global_names(self, local: str) -> list[str]:
-        """The global names of parameter ``local`` on every expert-parallel rank (one name but for
-        experts, of which each rank holds its own)."""
-        if self.arch is None or not self.arch.num_experts or not _LOCAL_EXPERT.search(local):
-            return [self._global_name(local)]
-        return [self._global_name(local, r) for r in range(self.config.expert_parallel_size)]
-
-    def _is_tied_copy(self, name: str) -> bool:
-        """The last stage's copy of a tied embedding (PP > 1): not a weight of its own."""
-        assert self.arch is not None
-        return name == "output_layer.weight" and self.arch.tie_word_embeddings
-
-    @torch.no_grad()
-    def _copy_hf_into(self, gpt: torch.nn.Module, hf: Mapping[str, torch.Tensor]) -> None:
-        from megatron.core import parallel_state as ps
-
-        assert self.arch is not None
-        params = dict(getattr(gpt, "module", gpt).named_parameters())
-        sources = {
-            name: "embedding.word_embeddings.weight" if self._is_tied_copy(name) else self._global_name(name)
-            for name in params
-        }
-        tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-        converted = hf_to_mcore(hf, self.arch, tp_rank, tp, names=set(sources.values()))
-        for name, p in params.items():
-            p.copy_(converted[sources[name]].to(p.dtype))
-
-    def _stage_param_specs(self) -> list[list[tuple[str, list[tuple[str, tuple[int, ...]]]]]]:
-        """For every pipeline stage: its local parameter names and the HF tensors (names, shapes)
-        each one converts to. Known on every rank, so that all take part in the same collectives."""
-        from megatron.core import parallel_state as ps
-
-        if self._stage_specs is None:
-            assert self.arch is not None
-            tp = ps.get_tensor_model_parallel_world_size()
-            mine = []
-            for name, p in self._gpt().named_parameters():
-                if self._is_tied_copy(name):
-                    continue
-                specs = []
-                for gname in self._global_names(name):
-                    n_shards = 1 if mcore_split_dim(gname) is None else tp
-                    meta = [torch.empty(p.shape, device="meta") for _ in range(n_shards)]
-                    specs += [(hf, tuple(t.shape)) for hf, t in mcore_to_hf(gname, meta, self.arch)]
-                mine.append((name, specs))
-            stages: list[object] = [None] * ps.get_pipeline_model_parallel_world_size()
-            dist.all_gather_object(stages, mine, group=ps.get_pipeline_model_parallel_group())
-            self._stage_specs = stages  # type: ignore[assignment]
-        return self._stage_specs  # type: ignore[return-value]
-
     def _hf_model_config(self) -> object:
         assert self._hf_config is not None
         return self._hf_config
 
-    @torch.no_grad()
+    def _hf_weights(self) -> HFWeights:
+        assert self._weights is not None
+        return self._weights
+
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors, one at a time, on every rank, cast to the configured dtype.
-        Collective over the model-parallel group: every rank iterates to the end. Each stage
-        gathers its parameters over tensor-parallel ranks, then broadcasts them to the others;
-        data-parallel replicas hold identical weights, so nothing runs across them."""
-        from megatron.core import parallel_state as ps
-
-        assert self.arch is not None
-        tp = ps.get_tensor_model_parallel_world_size()
-        pp_group = ps.get_pipeline_model_parallel_group()
-        pp_ranks = dist.get_process_group_ranks(pp_group)
-        my_stage = ps.get_pipeline_model_parallel_rank()
-        local = dict(self._gpt().named_parameters())
-        dtype = self.compute_dtype
-        for stage, specs in enumerate(self._stage_param_specs()):
-            for name, hf_specs in specs:
-                tensors: list[torch.Tensor]
-                if stage == my_stage:
-                    gnames = self._global_names(name)
-                    part = local[name].detach().to(self.device)
-                    if len(gnames) > 1:  # an expert: each expert-parallel rank holds its own
-                        parts = [torch.empty_like(part) for _ in gnames]
-                        dist.all_gather(parts, part.contiguous(), group=ps.get_expert_model_parallel_group())
-                        held = [(g, [p]) for g, p in zip(gnames, parts)]
-                    elif tp > 1 and mcore_split_dim(gnames[0]) is not None:
-                        shards = [torch.empty_like(part) for _ in range(tp)]
-                        dist.all_gather(shards, part.contiguous(), group=ps.get_tensor_model_parallel_group())
-                        held = [(gnames[0], shards)]
-                    else:
-                        held = [(gnames[0], [part])]
-                    # copies: replicated parameters are views into megatron's live buffers
-                    tensors = [
-                        t.to(dtype=dtype, copy=True) for g, shards in held for _, t in mcore_to_hf(g, shards, self.arch)
-                    ]
-                else:
-                    tensors = [torch.empty(shape, dtype=dtype, device=self.device) for _, shape in hf_specs]
-                for (hf_name, _), t in zip(hf_specs, tensors):
-                    if len(pp_ranks) > 1:
-                        dist.broadcast(t, src=pp_ranks[stage], group=pp_group)
-                    yield hf_name, t
+        Collective over the model-parallel group (`HFWeights.hf_tensors`)."""
+        return self._hf_weights().hf_tensors(self._gpt(), self.device, self.compute_dtype)
 
     def _save_hf(self, path: str, tokenizer: object | None) -> None:
-        from huggingface_hub import save_torch_state_dict
-        from transformers import GenerationConfig
-
         tensors = {name: t.cpu().contiguous() for name, t in self._hf_tensors()}
-        if dist.get_rank() != 0:
-            return
-        os.makedirs(path, exist_ok=True)
-        for stale in glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(
-            os.path.join(path, "*.safetensors.index.json")
-        ):
-            os.remove(stale)
-        hf_config = copy.deepcopy(self._hf_config)
-        hf_config.dtype = str(self.compute_dtype).removeprefix("torch.")
-        if self.config.is_critic:
-            hf_config.architectures = [
-                a.replace("ForCausalLM", "ForTokenClassification") for a in hf_config.architectures or []
-            ]
-        hf_config.save_pretrained(path)
-        try:
-            GenerationConfig.from_pretrained(self.config.path).save_pretrained(path)
-        except OSError:
-            pass  # the source directory had no generation config
-        save_torch_state_dict(tensors, path)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)  # type: ignore[attr-defined]
+        if dist.get_rank() == 0:
+            cfg = self.config
+            write_hf_dir(path, tensors, self._hf_config, self.compute_dtype, cfg.is_critic, cfg.path, tokenizer)
 
     # ---------------------------------------------------------------- checkpoints
 
     def _load_hf_weights(self, path: str) -> None:
         with cpu_compat():
-            self._copy_hf_into(self._gpt(), _SafetensorsDir(path))
+            self._hf_weights().copy_into(self._gpt(), SafetensorsDir(path))
             if self.optimizer is not None:
                 self.optimizer.reload_model_params()
 
     def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
         assert self.optimizer is not None
-        return [sub.optimizer for sub in _sub_optimizers(self.optimizer)]
+        return [sub.optimizer for sub in sub_optimizers(self.optimizer)]
 
     def _layout(self) -> dict[str, int]:
         cfg = self.config

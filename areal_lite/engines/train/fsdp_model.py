@@ -1,0 +1,180 @@
+"""The FSDP engine's model: a HF model loaded for training (`load_hf_model`), with LoRA adapters
+(`add_lora_adapters`), sharded with FSDP2 (`shard`) under `PackedModel`, the root module whose
+forward runs a packed micro-batch through the decoder and applies the head chunk by chunk
+(`areal_lite.engines.train.logprob`), so full-vocabulary logits of the whole micro-batch never exist
+at once.
+
+Attention never crosses sequence boundaries: with ``attn_impl=sdpa`` (the default) attention runs
+per sequence (`areal_lite.engines.train.varlen_attention`), with ``flash_attention_2`` on CUDA the
+sequence boundaries go to its varlen kernel, and with ``eager`` position ids restart per sequence
+with the KV cache off so that transformers masks each sequence.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from areal_lite.api.config import LoRAConfig, TrainEngineConfig
+from areal_lite.cpu import fused_ops
+from areal_lite.engines.train.logprob import logprobs_from_hidden, token_logprobs, token_values
+from areal_lite.engines.train.shared_prefix import SharedPrefixLayout
+from areal_lite.engines.train.varlen_attention import register_varlen_sdpa
+from areal_lite.utils.lora import PEFT_PREFIX, peft_config
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+HF_PREFIX = "hf."
+"""What `PackedModel` puts before the HF model's parameter names."""
+
+
+class PackedModel(nn.Module):
+    """A HF model under one root module whose forward also applies the head, chunk by chunk.
+
+    Calling the HF ``*ForCausalLM.forward`` would build the logits of every token at once; calling
+    its decoder and head separately would bypass FSDP's root hooks. Wrapping both in this module
+    (the FSDP root) keeps the head inside the root forward. Parameter names get an ``hf.`` prefix.
+    """
+
+    def __init__(self, hf: nn.Module, is_critic: bool, chunk_size: int) -> None:
+        super().__init__()
+        self.hf = hf
+        self.is_critic = is_critic
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        with_entropy: bool,
+        tree: SharedPrefixLayout | None = None,
+        target_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if tree is not None:
+            return self._tree_forward(tree, with_entropy)
+        hidden = self._hidden(input_ids, position_ids, cu_seqlens)
+        if self.is_critic:
+            return token_values(self.hf.score(hidden), cu_seqlens)
+        hidden, weight = self._head(hidden)
+        tokens = input_ids if target_ids is None else target_ids
+        return token_logprobs(hidden, weight, tokens, cu_seqlens, self.chunk_size, with_entropy)
+
+    def _head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states and output weight whose product is the logits. A LoRA adapter on the
+        output layer (peft's, unmerged) joins them as extra columns, ``[h, s * A h]`` times
+        ``[W, B]``, which is ``W h + s * B A h``: the logits keep being computed chunk by chunk by
+        `logprobs_from_hidden` instead of through the adapted layer's own forward."""
+        head = self.hf.get_output_embeddings()
+        weight = head.weight
+        if not hasattr(head, "lora_A") or head.merged or head.disable_adapters:
+            return hidden, weight
+        parts, columns = [hidden], [weight]
+        for name in head.active_adapters:
+            if name in head.lora_A:
+                down = head.lora_A[name](head.lora_dropout[name](hidden))
+                parts.append(down * head.scaling[name])
+                columns.append(head.lora_B[name].weight)
+        return torch.cat(parts, dim=-1), torch.cat(columns, dim=-1)
+
+    def _hidden(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, **extra: object
+    ) -> torch.Tensor:
+        # Sequence boundaries for varlen attention (ours on CPU, flash-attention's on CUDA);
+        # built-in sdpa/eager ignore them and mask by the restarting position ids instead.
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        varlen = {
+            "cu_seq_lens_q": cu_seqlens,
+            "cu_seq_lens_k": cu_seqlens,
+            "max_length_q": max_len,
+            "max_length_k": max_len,
+        }
+        return self.hf.base_model(
+            input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False, **varlen, **extra
+        ).last_hidden_state[0]
+
+    def _tree_forward(self, tree: SharedPrefixLayout, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` over a shared-prefix layout: each tree token is predicted from its source, and
+        the packed tokens take their tree token's results."""
+        hidden = self._hidden(tree.input_ids, tree.position_ids, tree.cu_seqlens, tree_branches=tree.branches)
+        predicted = (tree.source >= 0).nonzero().squeeze(1)  # every tree token but each tree's first
+        sources = tree.source[predicted]
+
+        def on_tree(values: torch.Tensor) -> torch.Tensor:  # [n predicted] -> [T packed], 0 at starts
+            full = values.new_zeros(tree.input_ids.shape[0]).index_put((predicted,), values)
+            return full[tree.token_index]
+
+        if self.is_critic:
+            values = on_tree(self.hf.score(hidden[sources]).squeeze(-1).float())
+            return values, torch.zeros_like(values)
+        head_in, weight = self._head(hidden[sources])
+        logp, entropy = logprobs_from_hidden(
+            head_in, weight, tree.input_ids[predicted], chunk_size=self.chunk_size, with_entropy=with_entropy
+        )
+        logp = on_tree(logp)
+        return logp, on_tree(entropy) if entropy is not None else torch.zeros_like(logp)
+
+
+def load_hf_model(path: str, config: TrainEngineConfig, device: torch.device) -> nn.Module:
+    """The HF model (a value model with ``config.is_critic``) of directory ``path`` in fp32, with
+    the engine's attention and, on CPU, its fused ops."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    attn = config.attn_impl
+    if attn == "sdpa":
+        # The engine only ever runs packed rows: SDPA per sequence costs sum(L_i^2) where
+        # transformers' sdpa would mask a T x T product.
+        attn = register_varlen_sdpa()
+    kwargs = {"dtype": torch.float32, "attn_implementation": attn}
+    if config.is_critic:
+        # The value head (`score`) is new when loading a causal-LM directory; its init is
+        # seeded identically on every rank by `FSDPEngine.initialize`.
+        hf = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kwargs)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    hf.config.use_cache = False
+    if device.type == "cpu":
+        # RMS norms and SiLU products in one compiled pass each, forward and backward, where
+        # they run in fp32 (fused_ops; AREAL_LITE_FUSED_OPS=0 keeps HF's ops).
+        fused_ops.patch_for_training(hf)
+    return hf
+
+
+def add_lora_adapters(hf: nn.Module, lora: LoRAConfig) -> tuple[PeftModel, dict[str, str]]:
+    """Wrap ``hf`` with peft's LoRA (before sharding: FSDP then shards the adapters with their
+    layers), after which only the adapters require gradients. Returns peft's wrapper and each
+    adapter parameter's name in the HF model -> its name in a PEFT file."""
+    from peft import get_peft_model
+    from peft.utils import get_peft_model_state_dict
+
+    peft = get_peft_model(hf, peft_config(lora))
+    # Names as a PEFT file gives them, by peft's own renaming of the wrapper's state dict.
+    tagged = {PEFT_PREFIX + n: torch.empty(0) for n, p in hf.named_parameters() if p.requires_grad}
+    renamed = {id(t): name for name, t in get_peft_model_state_dict(peft, state_dict=tagged).items()}
+    return peft, {n.removeprefix(PEFT_PREFIX): renamed[id(t)] for n, t in tagged.items()}
+
+
+def shard(hf: nn.Module, config: TrainEngineConfig, device: torch.device, dtype: torch.dtype) -> PackedModel:
+    """Every decoder layer of ``hf``, then the `PackedModel` root around it, sharded with
+    ``fully_shard`` over all ranks; with a compute ``dtype`` other than fp32, mixed precision
+    (fp32 master weights, ``dtype`` compute, fp32 gradient reduction)."""
+    mp = (
+        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if dtype != torch.float32
+        else MixedPrecisionPolicy()
+    )
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in hf.base_model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    model = PackedModel(hf, config.is_critic, config.logits_chunk_size)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+__all__ = ["HF_PREFIX", "PackedModel", "add_lora_adapters", "load_hf_model", "shard"]
