@@ -73,6 +73,16 @@ def marks_computing(method: _Method) -> _Method:
     return wrapper  # type: ignore[return-value]
 
 
+def read_back(passes: list[dict[str, torch.Tensor | float]]) -> list[dict[str, float]]:
+    """Each micro-batch's loss and stats as floats, the device's values read in one transfer
+    (waiting for the device once per step, not once per micro-batch)."""
+    on_device = [v for stats in passes for v in stats.values() if isinstance(v, torch.Tensor)]
+    values = iter(torch.stack([v.float().reshape(()) for v in on_device]).tolist() if on_device else [])
+    return [
+        {k: next(values) if isinstance(v, torch.Tensor) else float(v) for k, v in stats.items()} for stats in passes
+    ]
+
+
 class TrainEngineBase(TrainEngine):
     """The backend-independent state and methods of `FSDPEngine` and `MegatronEngine`."""
 
@@ -289,7 +299,8 @@ class TrainEngineBase(TrainEngine):
         """Run the losses of every micro-batch (backward too when ``train``) and return the loss and
         stats averaged with the loss weights over micro-batches and data-parallel ranks."""
         mbs, _, n_real = self._microbatches(batch)
-        weights = [float(loss_weight_fn(mb)) for mb in mbs[:n_real]] + [0.0] * (len(mbs) - n_real)
+        read = read_back([{"w": loss_weight_fn(mb)} for mb in mbs[:n_real]])
+        weights = [r["w"] for r in read] + [0.0] * (len(mbs) - n_real)
         total = self._sum_over_data_parallel({"total": sum(weights)})["total"]
         if total <= 0:
             raise ValueError("loss_weight_fn gave a total weight of 0 over the whole batch (no trained tokens?)")

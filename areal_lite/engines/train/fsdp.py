@@ -58,7 +58,7 @@ from areal_lite.cpu.gc_freeze import freeze_startup_objects
 from areal_lite.cpu.malloc import keep_freed_memory, release_freed_memory
 from areal_lite.cpu.precision import compute_dtype
 from areal_lite.cpu.threads import CoreSharing
-from areal_lite.engines.train.base import TrainEngineBase
+from areal_lite.engines.train.base import TrainEngineBase, read_back
 from areal_lite.engines.train.fsdp_model import HF_PREFIX, PackedModel, add_lora_adapters, load_hf_model, shard
 from areal_lite.engines.train.shared_prefix import shared_prefix_layout
 from areal_lite.utils.data import MicroBatchSplit
@@ -202,7 +202,7 @@ class FSDPEngine(TrainEngineBase):
             if routes is not None and tree is not None:
                 routes = routes[tree.origin]  # type: ignore[index]
             self._routing.begin(routes, self.config.routing_replay)  # type: ignore[arg-type]
-        return self._module()(ids, pos, cu, with_entropy, tree, targets)
+        return self._module()(ids, pos, cu, with_entropy, tree, targets, max_seqlen=int(mb["max_seqlen"]))
 
     def _forward_passes(
         self, mbs: list[PackedBatch], n_real: int, with_entropy: bool
@@ -223,12 +223,16 @@ class FSDPEngine(TrainEngineBase):
         results = []
         for i, (mb, w) in enumerate(zip(mbs, weights)):
             if train:
-                # Reduce-scatter gradients once, after the last micro-batch.
+                # Reduce-scatter gradients once, after the last micro-batch, and keep the gathered
+                # (cast) parameters until then instead of gathering them again for each one.
                 model.set_requires_gradient_sync(i == len(mbs) - 1)
+                model.set_reshard_after_backward(i == len(mbs) - 1)
             out, ent = self._run(mb, with_entropy=not self.config.is_critic)
             if i < n_real:
                 loss, stats = loss_fn(out, ent, mb)
-                results.append({"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in stats.items()}})
+                # Kept on the device and read back once after the last pass: a read per
+                # micro-batch would wait for its backward before the next one is launched.
+                results.append({"loss": loss.detach(), **{k: v.detach() for k, v in stats.items()}})
                 if self._routing is not None:
                     results[-1].update(self._routing.stats())
             if not train:
@@ -240,7 +244,7 @@ class FSDPEngine(TrainEngineBase):
                 # A zero-weight pass still runs backward so that FSDP's collectives match, without
                 # touching the loss, which may be NaN here (e.g. a mean over no tokens).
                 ((out.sum() + ent.sum()) * 0.0).backward()
-        return results
+        return read_back(results)
 
     def _clip_gradients(self, max_norm: float) -> float:
         params = [p for p in self._module().parameters() if p.grad is not None]

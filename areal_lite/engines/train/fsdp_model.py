@@ -56,10 +56,14 @@ class PackedModel(nn.Module):
         with_entropy: bool,
         tree: SharedPrefixLayout | None = None,
         target_ids: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-aligned log-probabilities and entropies (values and zeros for a critic) of one
+        packed micro-batch; ``max_seqlen``, its longest sequence, spares a read of ``cu_seqlens``
+        from the device."""
         if tree is not None:
             return self._tree_forward(tree, with_entropy)
-        hidden = self._hidden(input_ids, position_ids, cu_seqlens)
+        hidden = self._hidden(input_ids, position_ids, cu_seqlens, max_seqlen)
         if self.is_critic:
             return token_values(self.hf.score(hidden), cu_seqlens)
         hidden, weight = self._head(hidden)
@@ -84,11 +88,16 @@ class PackedModel(nn.Module):
         return torch.cat(parts, dim=-1), torch.cat(columns, dim=-1)
 
     def _hidden(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, **extra: object
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None = None,
+        **extra: object,
     ) -> torch.Tensor:
-        # Sequence boundaries for varlen attention (ours on CPU, flash-attention's on CUDA);
-        # built-in sdpa/eager ignore them and mask by the restarting position ids instead.
-        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        # Sequence boundaries for varlen attention (ours, or flash-attention's); built-in
+        # sdpa/eager ignore them and mask by the restarting position ids instead.
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_seqlen is None else max_seqlen
         varlen = {
             "cu_seq_lens_q": cu_seqlens,
             "cu_seq_lens_k": cu_seqlens,

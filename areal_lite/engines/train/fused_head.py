@@ -61,28 +61,35 @@ def _logits_grad(
 
 
 _COMPILED: dict[str, Callable[..., object]] = {}
-_COMPILE_FAILED = False
+_COMPILE = {"enabled": True}
 
 
 def compile_elementwise(enabled: bool = True) -> None:
     """Use compiled fused passes on CUDA (the default) or eager torch ops everywhere."""
-    global _COMPILE_FAILED
     _COMPILED.clear()
-    _COMPILE_FAILED = not enabled
+    _COMPILE["enabled"] = enabled
 
 
 def _pass(name: str, fn: Callable[..., object], device: torch.device) -> Callable[..., object]:
-    global _COMPILE_FAILED
-    if device.type != "cuda" or _COMPILE_FAILED:
+    """``fn`` compiled on CUDA, else itself. If compiling fails at the first call (no inductor or
+    Triton), ``fn`` runs instead from then on: the same values, more passes over memory."""
+    if device.type != "cuda" or not _COMPILE["enabled"]:
         return fn
     if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+    compiled = _COMPILED[name]
+
+    def run(*args: object) -> object:
+        if not _COMPILE["enabled"]:
+            return fn(*args)
         try:
-            _COMPILED[name] = torch.compile(fn, dynamic=True, fullgraph=True)
-        except Exception as e:  # no inductor backend: the eager ops give the same values
-            logger.warning("LM head: torch.compile unavailable (%s); eager passes", e)
-            _COMPILE_FAILED = True
-            return fn
-    return _COMPILED[name]
+            return compiled(*args)
+        except Exception as e:  # noqa: BLE001 - a real fault raises again from the eager ops below
+            logger.warning("LM head: the compiled pass failed (%s: %s); running eager ops", type(e).__name__, e)
+            _COMPILE["enabled"] = False
+            return fn(*args)
+
+    return run
 
 
 class _HeadLogprobs(torch.autograd.Function):

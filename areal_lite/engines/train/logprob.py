@@ -5,7 +5,9 @@ batch and a large vocabulary those fp32 logits dominate memory. These functions 
 logits of at most ``chunk_size`` tokens at a time. With autograd on, each chunk whose logits take
 more than `CHECKPOINT_MIN_BYTES` is checkpointed, so the backward pass recomputes one chunk's
 logits at a time instead of keeping all of them; smaller ones (a tiny vocabulary) are kept, which
-spares the recomputation.
+spares the recomputation. On CUDA the head is one autograd function instead
+(`areal_lite.engines.train.fused_head`): no logits kept at all, and the full-vocabulary passes of
+the log-softmax, the entropy and their gradients fused into one compiled pass each.
 
 Shared by the train engines (FSDP and Megatron) so that both score tokens identically.
 """
@@ -16,6 +18,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from areal_lite.cpu import linear as cpu_linear
+from areal_lite.engines.train.fused_head import head_logprobs
 
 CHECKPOINT_MIN_BYTES = 256 << 20
 """A chunk's fp32 logits above this size are recomputed in the backward pass rather than kept.
@@ -56,6 +59,8 @@ def logprobs_from_hidden(
     Returns ``(logprobs [T], entropy [T] or None)``, differentiable in ``hidden`` and ``weight``.
     No shifting happens here: callers pass the labels each row predicts.
     """
+    if hidden.is_cuda:
+        return head_logprobs(hidden, weight, labels, chunk_size=chunk_size, with_entropy=with_entropy)
     if hidden.ndim != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden [T, H] and labels [T], got {tuple(hidden.shape)} and {tuple(labels.shape)}")
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)

@@ -60,7 +60,7 @@ from areal_lite.api.engine import LossFn, PackedBatch
 from areal_lite.api.io import FinetuneSpec
 from areal_lite.cpu.gc_freeze import freeze_startup_objects
 from areal_lite.cpu.precision import compute_dtype
-from areal_lite.engines.train.base import TrainEngineBase
+from areal_lite.engines.train.base import TrainEngineBase, read_back
 from areal_lite.engines.train.logprob import token_logprobs, token_values
 from areal_lite.engines.train.mcore_convert import ArchSpec
 from areal_lite.engines.train.mcore_cpu import cpu_compat, cpu_mode, install_cpu_rng_tracker, install_moe_fallbacks
@@ -376,7 +376,7 @@ class MegatronEngine(TrainEngineBase):
             store = self._schedule(
                 list(zip(mbs, weights)), self._loss_head(loss_fn, total, train), forward_only=not train
             )
-        per_mb = [{k: float(v) for k, v in out.items()} for out in store[:n_real]]
+        per_mb = read_back(store[:n_real])
         return self._from_last_stage(per_mb)  # type: ignore[return-value]
 
     def _clip_gradients(self, max_norm: float) -> float:

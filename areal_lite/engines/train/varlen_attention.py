@@ -14,6 +14,10 @@ On CPU, attention of bf16 or fp16 inputs is computed in fp32: PyTorch's CPU flas
 backward ran 14x slower in bf16 than in fp32 on 256 sequences of 12 tokens (and attention is a
 small share of the FLOPs of short sequences).
 
+On CUDA in bf16 or fp16, where torch has varlen attention (`areal_lite.utils.flash_varlen`), the
+whole packed row goes to that one kernel instead: one call per layer per micro-batch, no loop, no
+gather and no read of the boundaries back to the host (``max_length_q`` comes from the packing).
+
 It needs the sequence boundaries as the ``cu_seq_lens_q`` keyword that transformers forwards from
 the model call to every attention layer (the name its flash-attention path uses). Registering
 under a name that has no mask function also stops transformers from building the ``T x T`` mask.
@@ -27,6 +31,8 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+
+from areal_lite.utils import flash_varlen
 
 VARLEN_SDPA = "areal_varlen_sdpa"
 PAD_WASTE = 2.0
@@ -58,11 +64,17 @@ def varlen_sdpa_attention(
         raise ValueError(f"{VARLEN_SDPA} attention does not implement sliding windows")
     gqa = query.shape[1] != key.shape[1]
     p = dropout if module.training else 0.0
+    branches = kwargs.get("tree_branches")
+    longest = kwargs.get("max_length_q")
+    if branches is None and not p and isinstance(longest, int) and flash_varlen.available(query.device, query.dtype):
+        out = flash_varlen.varlen_causal(
+            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), bounds, longest, scaling
+        )
+        return out.unsqueeze(0), None
     dtype = query.dtype
     if dtype in (torch.bfloat16, torch.float16) and query.device.type == "cpu":
         query, key, value = query.float(), key.float(), value.float()
     cu = bounds.tolist()
-    branches = kwargs.get("tree_branches")
     lens = [e - s for s, e in itertools.pairwise(cu)]
     if isinstance(branches, torch.Tensor):
         if max(lens) <= DENSE_TREE_MAX:
