@@ -40,8 +40,9 @@ import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from areal_lite.api.config import BaseExperimentConfig, DatasetConfig, RLExperimentConfig, TrainEngineConfig
+from areal_lite.api.config import DatasetConfig, TrainEngineConfig
 from areal_lite.api.engine import TrainEngine
+from areal_lite.api.experiment_config import BaseExperimentConfig, RLExperimentConfig
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
 from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.core.controller import RolloutController

@@ -9,17 +9,9 @@ from dataclasses import dataclass, field
 import pytest
 import yaml
 
-from areal_lite.api.config import (
-    READS_FILE,
-    BaseExperimentConfig,
-    ConfigChecked,
-    ConfigError,
-    PPOActorConfig,
-    checking_only,
-    input_paths,
-    load_config,
-    one_of,
-)
+from areal_lite.api.config import READS_FILE, PPOActorConfig, one_of
+from areal_lite.api.config_loader import ConfigChecked, ConfigError, checking_only, input_paths, load_config
+from areal_lite.api.experiment_config import BaseExperimentConfig
 
 
 @dataclass
@@ -163,7 +155,7 @@ def test_the_cpu_profile_sits_between_the_file_and_the_command_line(tmp_path) ->
 def test_values_outside_a_fields_bounds_name_the_field(override: str, message: str) -> None:
     """Bounds are declared in the schema (`areal_lite.api.bounds`) and checked before the config is
     built, so a dataclass's own check (MicroBatchSpec) does not hide the dotted name."""
-    from areal_lite.api.config import RLExperimentConfig
+    from areal_lite.api.experiment_config import RLExperimentConfig
 
     with pytest.raises(ConfigError) as e:
         load_config(["actor.path=m", "local_engine.path=m", override], RLExperimentConfig, save=False)
