@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from areal_lite.cpu import decode_attention, fused_ops
+from areal_lite.cpu import engine_kernels
 from areal_lite.engines.local import grammar
 from areal_lite.engines.local.decode_graphs import DecodeGraphs
 from areal_lite.engines.local.request import SamplingParams, Sequence
@@ -39,6 +39,8 @@ from areal_lite.utils.moe import NO_EXPERT, layer_routers, routing_shape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from areal_lite.api.config import CPUConfig
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +154,13 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: torch.nn.Module, max_rows: int, context_len: int, seed: int, cuda_graphs: bool = False
+        self,
+        model: torch.nn.Module,
+        max_rows: int,
+        context_len: int,
+        seed: int,
+        cuda_graphs: bool = False,
+        cpu: CPUConfig | None = None,
     ) -> None:
         cfg = model.config
         rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -183,11 +191,12 @@ class ModelRunner:
         cos, sin = self.base.rotary_emb(dummy, positions)
         self.cos, self.sin = cos[0], sin[0]  # [context_len, head_dim]
         self.cap = 0
-        self.decode_attention = decode_attention.load(self.device, self.dtype, self.head_dim, self.n_heads // self.n_kv)
+        kernels = engine_kernels(self.device, self.dtype, self.head_dim, self.n_heads // self.n_kv, cpu)
+        self.decode_attention = kernels.attention
         """The compiled decode attention (CPU, fp32 or bf16), None where it is unavailable:
         then decode attention is two batched matmuls."""
-        self.block = decode_attention.BLOCK if self.decode_attention is not None else 1
-        self.ops = fused_ops.load(self.device, self.dtype)
+        self.block = kernels.block
+        self.ops = kernels.ops
         """The compiled residual add and norm, rotary embedding and SiLU product (CPU, fp32 or
         bf16), None where they are unavailable: then torch ops."""
         self.silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")

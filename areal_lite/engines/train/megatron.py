@@ -62,8 +62,7 @@ from tensordict import TensorDict
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import LossFn, PackedBatch
 from areal_lite.api.io import FinetuneSpec
-from areal_lite.cpu.gc_freeze import freeze_startup_objects
-from areal_lite.cpu.precision import compute_dtype
+from areal_lite.cpu import TrainerTuning, compute_dtype
 from areal_lite.engines.train.base import TrainEngineBase
 from areal_lite.engines.train.logprob import align_to_tokens, logprobs_from_hidden, next_token_labels
 from areal_lite.engines.train.mcore_convert import ArchSpec, hf_to_mcore, mcore_split_dim, mcore_to_hf
@@ -353,7 +352,7 @@ class MegatronEngine(TrainEngineBase):
         else:
             self.model = self._wrap_ddp(model)
             self._build_optimizer(ft_spec)
-        freeze_startup_objects()
+        TrainerTuning(cfg.cpu).startup_done(self.device)
 
     def _check_experts(self, arch: ArchSpec) -> None:
         cfg = self.config
