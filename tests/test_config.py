@@ -84,6 +84,7 @@ def test_missing_required_value_is_named() -> None:
         ("stats_logger.wandb_mode=offline_sync", "'stats_logger.wandb_mode'"),
         ("launcher.backend=tgi", "'launcher.backend' is 'tgi'; choose one of local, areal, sglang, vllm"),
         ("task.mode=medium", "'task.mode' is 'medium'; choose one of fast, slow"),  # a script's own section
+        ("actor.cpu.fp32_linear=mkl", "'actor.cpu.fp32_linear' is 'mkl'; choose one of auto, onednn, torch"),
     ],
 )
 def test_invalid_choice_names_the_field_the_value_and_the_choices(override: str, message: str) -> None:
@@ -94,6 +95,18 @@ def test_invalid_choice_names_the_field_the_value_and_the_choices(override: str,
 def test_every_choice_field_accepts_its_default() -> None:
     cfg = load_config(["actor.path=/m"], ExpConfig, save=False)
     assert cfg.actor.adv_estimator == "grpo" and cfg.task.mode == "fast"
+
+
+def test_the_cpu_switches_are_config_fields() -> None:
+    """`CPUConfig` sits in a train engine's config (and the embedded engine's): dotted overrides
+    reach it, and its fields keep their types."""
+    cfg = load_config(
+        ["actor.path=/m", "actor.cpu.fused_ops=false", "actor.cpu.kernel_arch=x86-64-v3"], ExpConfig, save=False
+    )
+    assert cfg.actor.cpu.fused_ops is False and cfg.actor.cpu.kernel_arch == "x86-64-v3"
+    assert cfg.actor.cpu.decode_attention is True and cfg.actor.cpu.fp32_linear == "auto"
+    with pytest.raises(ConfigError, match="actor.cpu.fused_ops"):
+        load_config(["actor.path=/m", "actor.cpu.fused_ops=sometimes"], ExpConfig, save=False)
 
 
 def test_input_paths_are_the_marked_fields() -> None:
