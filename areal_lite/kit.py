@@ -40,8 +40,9 @@ import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from areal_lite.api.config import BaseExperimentConfig, DatasetConfig, RLExperimentConfig, TrainEngineConfig
+from areal_lite.api.config import DatasetConfig, TrainEngineConfig
 from areal_lite.api.engine import TrainEngine
+from areal_lite.api.experiment_config import BaseExperimentConfig, RLExperimentConfig
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
 from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.core.controller import RolloutController
@@ -101,7 +102,7 @@ def check_dtypes(cfg: RLExperimentConfig) -> tuple[str, str | None]:
     give the same weights different log-probabilities (0.65 nats apart at worst, measured on a
     135M model in bf16 against fp32): every update then sees that mismatch as off-policyness
     (the trainer's ``mismatch/*`` statistics)."""
-    from areal_lite.cpu.precision import compute_dtype
+    from areal_lite.cpu import compute_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     trainer = str(compute_dtype(cfg.actor.dtype, device)).removeprefix("torch.")

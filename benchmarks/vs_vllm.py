@@ -63,7 +63,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import torch
 
-from areal_lite.api.config import LauncherConfig, LocalEngineConfig, RecoverConfig
+from areal_lite.api.config import LocalEngineConfig, RecoverConfig
+from areal_lite.api.experiment_config import LauncherConfig
 from areal_lite.cpu.precision import cpu_kind, native_bf16
 from areal_lite.cpu.threads import release_openmp_threads
 from areal_lite.engines.local.request import SamplingParams

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from areal_lite.actors.distill import DistillActor, reverse_kl_advantage_fn
-from areal_lite.api.config import TrainEngineConfig, load_config
+from areal_lite.api.config import TrainEngineConfig
+from areal_lite.api.config_loader import load_config
 from areal_lite.kit import (
     RunKit,
     make_rollout,

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from areal_lite.actors.dpo import DPOActor
-from areal_lite.api.config import BaseExperimentConfig, DPOConfig, TrainEngineConfig, load_config
+from areal_lite.api.config import DPOConfig, TrainEngineConfig
+from areal_lite.api.config_loader import load_config
+from areal_lite.api.experiment_config import BaseExperimentConfig
 from areal_lite.kit import RunKit, make_train_engine, print_rank0, rank_dataloader
 from areal_lite.utils.dataloader import endless
 from areal_lite.utils.datasets import PREFERENCE_FIELDS, addition_problems, preference_batch, read_rows

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from areal_lite.actors.ppo import PPOActor, PPOCritic
-from areal_lite.api.config import PPOCriticConfig, RLExperimentConfig, load_config
+from areal_lite.api.config import PPOCriticConfig
+from areal_lite.api.config_loader import load_config
+from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.kit import (
     RunKit,
     make_rollout,

@@ -35,7 +35,9 @@ import torch
 
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.actors.sft import SFTActor
-from areal_lite.api.config import RLExperimentConfig, TrainEngineConfig, load_config, one_of
+from areal_lite.api.config import TrainEngineConfig, one_of
+from areal_lite.api.config_loader import load_config
+from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.core.controller import RolloutController
 from areal_lite.kit import (

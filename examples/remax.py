@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from areal_lite.actors.reinforce import ReinforceActor
-from areal_lite.api.config import RLExperimentConfig, load_config
+from areal_lite.api.config_loader import load_config
+from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.kit import (
     RunKit,
     make_rollout,

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from areal_lite.actors.sft import SFTActor
-from areal_lite.api.config import BaseExperimentConfig, DatasetConfig, TrainEngineConfig, load_config
+from areal_lite.api.config import DatasetConfig, TrainEngineConfig
+from areal_lite.api.config_loader import load_config
+from areal_lite.api.experiment_config import BaseExperimentConfig
 from areal_lite.kit import RunKit, make_train_engine, on_rank0_first, print_rank0, rank_dataloader
 from areal_lite.utils.dataloader import endless
 from areal_lite.utils.datasets import Rows, addition_problems, demonstration_row, read_rows, sft_batch

@@ -15,7 +15,7 @@ import pytest
 
 from areal_lite.actors.ppo import PPOActor, dr_grpo_estimator, grpo_estimator, rloo_estimator
 from areal_lite.algorithms import functional as F
-from areal_lite.api.config import load_config
+from areal_lite.api.config_loader import load_config
 from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -9,17 +9,9 @@ from dataclasses import dataclass, field
 import pytest
 import yaml
 
-from areal_lite.api.config import (
-    READS_FILE,
-    BaseExperimentConfig,
-    ConfigChecked,
-    ConfigError,
-    PPOActorConfig,
-    checking_only,
-    input_paths,
-    load_config,
-    one_of,
-)
+from areal_lite.api.config import READS_FILE, PPOActorConfig, one_of
+from areal_lite.api.config_loader import ConfigChecked, ConfigError, checking_only, input_paths, load_config
+from areal_lite.api.experiment_config import BaseExperimentConfig
 
 
 @dataclass
@@ -92,6 +84,7 @@ def test_missing_required_value_is_named() -> None:
         ("stats_logger.wandb_mode=offline_sync", "'stats_logger.wandb_mode'"),
         ("launcher.backend=tgi", "'launcher.backend' is 'tgi'; choose one of local, areal, sglang, vllm"),
         ("task.mode=medium", "'task.mode' is 'medium'; choose one of fast, slow"),  # a script's own section
+        ("actor.cpu.fp32_linear=mkl", "'actor.cpu.fp32_linear' is 'mkl'; choose one of auto, onednn, torch"),
     ],
 )
 def test_invalid_choice_names_the_field_the_value_and_the_choices(override: str, message: str) -> None:
@@ -102,6 +95,18 @@ def test_invalid_choice_names_the_field_the_value_and_the_choices(override: str,
 def test_every_choice_field_accepts_its_default() -> None:
     cfg = load_config(["actor.path=/m"], ExpConfig, save=False)
     assert cfg.actor.adv_estimator == "grpo" and cfg.task.mode == "fast"
+
+
+def test_the_cpu_switches_are_config_fields() -> None:
+    """`CPUConfig` sits in a train engine's config (and the embedded engine's): dotted overrides
+    reach it, and its fields keep their types."""
+    cfg = load_config(
+        ["actor.path=/m", "actor.cpu.fused_ops=false", "actor.cpu.kernel_arch=x86-64-v3"], ExpConfig, save=False
+    )
+    assert cfg.actor.cpu.fused_ops is False and cfg.actor.cpu.kernel_arch == "x86-64-v3"
+    assert cfg.actor.cpu.decode_attention is True and cfg.actor.cpu.fp32_linear == "auto"
+    with pytest.raises(ConfigError, match="actor.cpu.fused_ops"):
+        load_config(["actor.path=/m", "actor.cpu.fused_ops=sometimes"], ExpConfig, save=False)
 
 
 def test_input_paths_are_the_marked_fields() -> None:
@@ -163,7 +168,7 @@ def test_the_cpu_profile_sits_between_the_file_and_the_command_line(tmp_path) ->
 def test_values_outside_a_fields_bounds_name_the_field(override: str, message: str) -> None:
     """Bounds are declared in the schema (`areal_lite.api.bounds`) and checked before the config is
     built, so a dataclass's own check (MicroBatchSpec) does not hide the dotted name."""
-    from areal_lite.api.config import RLExperimentConfig
+    from areal_lite.api.experiment_config import RLExperimentConfig
 
     with pytest.raises(ConfigError) as e:
         load_config(["actor.path=m", "local_engine.path=m", override], RLExperimentConfig, save=False)

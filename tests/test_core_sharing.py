@@ -204,12 +204,12 @@ def test_the_engine_frees_its_openmp_workers_when_it_goes_idle(
     import threading
 
     from areal_lite.api.config import LocalEngineConfig
-    from areal_lite.engines.local import scheduler
+    from areal_lite.cpu import threads as cpu_threads
     from areal_lite.engines.local.engine import LocalInferenceEngine
     from areal_lite.engines.local.request import SamplingParams
 
     calls: list[str] = []
-    monkeypatch.setattr(scheduler, "release_openmp_threads", lambda: calls.append(threading.current_thread().name))
+    monkeypatch.setattr(cpu_threads, "release_openmp_threads", lambda: calls.append(threading.current_thread().name))
     engine = LocalInferenceEngine(LocalEngineConfig(path=tiny_model_dir))
     engine.initialize()
     try:

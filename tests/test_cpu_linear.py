@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from areal_lite.api.config import CPUConfig
 from areal_lite.cpu import linear as cpu_linear
+from areal_lite.cpu import switches
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 
@@ -16,7 +18,7 @@ TOL = {"atol": 1e-5, "rtol": 1e-4}
 @pytest.fixture
 def onednn(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """Forces the oneDNN route and records the shape of every product sent to it."""
-    monkeypatch.setenv(cpu_linear.ENV, "onednn")
+    monkeypatch.setattr(cpu_linear, "_followed", CPUConfig(fp32_linear="onednn"))
     calls: list[tuple[int, ...]] = []
     real = cpu_linear.onednn_linear
 
@@ -84,15 +86,20 @@ def test_small_bf16_and_autocast_products_stay_with_f_linear(onednn: list) -> No
 
 
 def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_linear.ENV, "torch")
+    """`CPUConfig.fp32_linear`, as the last train engine on CPU follows it, and its environment
+    override, which wins."""
+    monkeypatch.setattr(cpu_linear, "_followed", CPUConfig())  # put back after the test
+    cpu_linear.follow(CPUConfig(fp32_linear="torch"))
     assert not cpu_linear.enabled()
     assert cpu_linear.patch_for_training(torch.nn.Linear(4, 4)) == 0
-    monkeypatch.setenv(cpu_linear.ENV, "onednn")
+    cpu_linear.follow(CPUConfig(fp32_linear="onednn"))
     assert cpu_linear.enabled()
-    monkeypatch.setenv(cpu_linear.ENV, "mkl")
+    monkeypatch.setenv(switches.FP32_LINEAR_ENV, "torch")
+    assert not cpu_linear.enabled()
+    monkeypatch.setenv(switches.FP32_LINEAR_ENV, "mkl")
     with pytest.raises(ValueError, match="auto, onednn or torch"):
         cpu_linear.enabled()
-    monkeypatch.setenv(cpu_linear.ENV, "auto")
+    monkeypatch.setenv(switches.FP32_LINEAR_ENV, "auto")
     assert cpu_linear.enabled() == cpu_linear._this_cpu_is_full_width_amd()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN no wider than MKL's AVX2 kernels
     assert not cpu_linear.enabled()
@@ -134,20 +141,21 @@ def test_a_whole_model_is_patched_and_trains_as_hf(onednn: list, tmp_path) -> No
         torch.testing.assert_close(b.grad, a.grad, **TOL, msg=name)
 
 
-def fsdp_step(
-    path: str, route: str, monkeypatch: pytest.MonkeyPatch, checkpointing: bool = False
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def fsdp_step(path: str, route: str, checkpointing: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """An FSDP engine's log-probabilities of a batch, then its parameters after one SGD step on
-    it, with ``route`` for the products (and activation checkpointing if asked)."""
+    it, with ``route`` for the products (its config's ``cpu.fp32_linear``; and activation
+    checkpointing if asked)."""
     from tensordict import TensorDict
 
     from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
     from areal_lite.api.io import FinetuneSpec
     from areal_lite.engines.train.fsdp import FSDPEngine
 
-    monkeypatch.setenv(cpu_linear.ENV, route)
     cfg = TrainEngineConfig(
-        path=path, optimizer=OptimizerConfig(gradient_clipping=0.0), gradient_checkpointing=checkpointing
+        path=path,
+        optimizer=OptimizerConfig(gradient_clipping=0.0),
+        gradient_checkpointing=checkpointing,
+        cpu=CPUConfig(fp32_linear=route),
     )
     engine = FSDPEngine(cfg)
     engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=4, train_batch_size=4))
@@ -167,25 +175,23 @@ def fsdp_step(
         engine.destroy()
 
 
-def test_an_fsdp_step_through_onednn_equals_the_torch_one(
-    onednn: list, tmp_path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`FSDPEngine` routes its layers and chunked head through `cpu_linear`: the same
-    log-probabilities and the same parameters after a step (SGD at lr 1: parameters equal
-    gradients) as through ``F.linear``, also with activation checkpointing (the forward rerun in
-    the backward)."""
+def test_an_fsdp_step_through_onednn_equals_the_torch_one(onednn: list, tmp_path) -> None:
+    """`FSDPEngine` routes its layers and chunked head through `cpu_linear` as its config's
+    ``cpu.fp32_linear`` says: the same log-probabilities and the same parameters after a step (SGD
+    at lr 1: parameters equal gradients) as through ``F.linear``, also with activation
+    checkpointing (the forward rerun in the backward)."""
     from areal_lite.utils.tiny import build_tiny_model
 
     path = build_tiny_model(str(tmp_path / "m"), hidden_size=128, num_layers=2, vocab_size=512)
-    logp_torch, params_torch = fsdp_step(path, "torch", monkeypatch)
+    logp_torch, params_torch = fsdp_step(path, "torch")
     assert onednn == []
-    logp, params = fsdp_step(path, "onednn", monkeypatch)
+    logp, params = fsdp_step(path, "onednn")
     assert len(onednn) >= 3 * 2 * 7  # every layer's linears, forward and backward
     torch.testing.assert_close(logp, logp_torch, atol=1e-5, rtol=1e-5)
     apart = max(float((params[k] - v).abs().max()) for k, v in params_torch.items())
     for k, v in params_torch.items():
         torch.testing.assert_close(params[k], v, atol=1e-5, rtol=1e-4, msg=k)
     assert apart > 0  # ... and not bit-identical: the products really went another way
-    _, params_ckpt = fsdp_step(path, "onednn", monkeypatch, checkpointing=True)
+    _, params_ckpt = fsdp_step(path, "onednn", checkpointing=True)
     for k, v in params_torch.items():
         torch.testing.assert_close(params_ckpt[k], v, atol=1e-5, rtol=1e-4, msg=k)

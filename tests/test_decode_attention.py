@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from areal_lite.cpu import decode_attention
+from areal_lite.api.config import CPUConfig
+from areal_lite.cpu import decode_attention, switches
 from areal_lite.cpu.decode_attention import BLOCK
 
 LENS = [1, 15, 16, 17, 63, 64, 65, 130]
@@ -47,15 +48,16 @@ def test_kernel_matches_attention_in_float64(dtype: torch.dtype, atol: float, nk
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64-v3 is an x86 instruction set")
 @pytest.mark.parametrize("dtype, atol", ATOL)
-def test_the_avx2_build_matches_too(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, atol: float) -> None:
+def test_the_avx2_build_matches_too(dtype: torch.dtype, atol: float) -> None:
     """Built for x86-64-v3 (AVX2 and FMA, the CPUs without AVX-512), as it is on those CPUs, and run
     here (the shapes of the 20M benchmark model: 2 KV heads of 3 queries, head dim 64)."""
-    monkeypatch.setenv(decode_attention.ARCH_ENV, "x86-64-v3")
-    check_kernel(dtype, atol, 2, 3, 64)
+    check_kernel(dtype, atol, 2, 3, 64, CPUConfig(kernel_arch="x86-64-v3"))
 
 
-def check_kernel(dtype: torch.dtype, atol: float, nkv: int, group: int, hd: int) -> None:
-    kernel = decode_attention.load(torch.device("cpu"), dtype, hd, group)
+def check_kernel(
+    dtype: torch.dtype, atol: float, nkv: int, group: int, hd: int, config: CPUConfig | None = None
+) -> None:
+    kernel = decode_attention.load(torch.device("cpu"), dtype, hd, group, config)
     if kernel is None:
         pytest.skip("the kernel cannot be built here (no C++ compiler); the engine runs batched matmuls")
     g = torch.Generator().manual_seed(0)
@@ -89,14 +91,22 @@ def test_kernel_is_off_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) 
     assert decode_attention.load(torch.device("meta"), torch.float32, 64, 1) is None
     assert decode_attention.load(cpu, torch.float16, 64, 1) is None
     assert decode_attention.load(cpu, torch.float32, 24, 1) is None  # head dim not a multiple of 16
-    monkeypatch.setenv("AREAL_LITE_DECODE_KERNEL", "0")
-    assert decode_attention.load(cpu, torch.float32, 64, 1) is None
+    assert decode_attention.load(cpu, torch.float32, 64, 1, CPUConfig(decode_attention=False)) is None
+    monkeypatch.setenv(switches.DECODE_ATTENTION_ENV, "0")  # the override, over a config that has it on
+    assert decode_attention.load(cpu, torch.float32, 64, 1, CPUConfig(decode_attention=True)) is None
 
 
-def test_an_architecture_the_compiler_refuses_means_no_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv(decode_attention.ARCH_ENV, "no-such-cpu")
-    monkeypatch.setenv("AREAL_LITE_KERNEL_CACHE", str(tmp_path))
-    assert decode_attention.load(torch.device("cpu"), torch.float32, 64, 1) is None
+@pytest.mark.parametrize("by", ["config", "environment"])
+def test_an_architecture_the_compiler_refuses_means_no_kernel(
+    by: str, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    monkeypatch.setattr(decode_attention, "_loaded", {})
+    config = CPUConfig(kernel_arch="no-such-cpu", kernel_cache=str(tmp_path))
+    if by == "environment":
+        monkeypatch.setenv(switches.KERNEL_ARCH_ENV, config.kernel_arch)
+        monkeypatch.setenv(switches.KERNEL_CACHE_ENV, config.kernel_cache)
+        config = CPUConfig()
+    assert decode_attention.load(torch.device("cpu"), torch.float32, 64, 1, config) is None
     assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
 
 

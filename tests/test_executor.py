@@ -511,7 +511,7 @@ def test_recovery_replays_unconsumed_items_exactly_once() -> None:
 
 
 def test_staleness_ignores_padding() -> None:
-    from areal_lite.core.executor import trajectory_staleness
+    from areal_lite.core.staleness import trajectory_staleness
     from areal_lite.utils.data import concat_padded
 
     short = from_response(

@@ -161,7 +161,7 @@ def test_generations_wait_for_the_only_server_and_say_so(servers, caplog, monkey
 def test_a_restart_before_the_first_checkpoint_gives_the_servers_the_initial_weights(tmp_path, monkeypatch) -> None:
     """The servers outlive a failed trainer and keep the weights and version it pushed to them; a
     restart that finds no recover checkpoint pushes its initial ones (version 0) before it trains."""
-    from areal_lite.api.config import RLExperimentConfig
+    from areal_lite.api.experiment_config import RLExperimentConfig
     from areal_lite.kit import RunKit
     from areal_lite.utils.recover import ATTEMPT_ENV
 

@@ -13,22 +13,23 @@ from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from areal_lite.cpu import fused_ops
+from areal_lite.api.config import CPUConfig
+from areal_lite.cpu import fused_ops, switches
 
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 0.0, "rtol": 0.0}}
 
 
-def load(dtype: torch.dtype) -> fused_ops.FusedOps:
-    ops = fused_ops.load(torch.device("cpu"), dtype)
+def load(dtype: torch.dtype, config: CPUConfig | None = None) -> fused_ops.FusedOps:
+    ops = fused_ops.load(torch.device("cpu"), dtype, config)
     assert ops is not None, "the fused ops did not build (see the warning logged)"
     return ops
 
 
-def check_ops(dtype: torch.dtype, rows: int, threads: int) -> None:
+def check_ops(dtype: torch.dtype, rows: int, threads: int, cpu: CPUConfig | None = None) -> None:
     gen = torch.Generator().manual_seed(rows)
     nq, nkv, hd, hidden, inter = 6, 2, 32, 72, 100  # widths that are not whole vectors
     config = LlamaConfig(hidden_size=hidden, num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd)
-    ops = load(dtype)
+    ops = load(dtype, cpu)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -79,9 +80,8 @@ def test_fused_ops_compute_what_hf_modules_compute(dtype: torch.dtype, rows: int
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64-v3 is an x86 instruction set")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_avx2_build_matches_too(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    monkeypatch.setenv(fused_ops.cpu_kernels.ARCH_ENV, "x86-64-v3")
-    check_ops(dtype, 37, 1)
+def test_the_avx2_build_matches_too(dtype: torch.dtype) -> None:
+    check_ops(dtype, 37, 1, CPUConfig(kernel_arch="x86-64-v3"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -102,9 +102,11 @@ def test_fused_ops_are_off_where_they_do_not_apply(monkeypatch: pytest.MonkeyPat
     cpu = torch.device("cpu")
     assert fused_ops.load(torch.device("meta"), torch.float32) is None
     assert fused_ops.load(cpu, torch.float16) is None
-    monkeypatch.setenv(fused_ops.ENV, "0")
-    assert fused_ops.load(cpu, torch.float32) is None
-    monkeypatch.delenv(fused_ops.ENV)
+    assert fused_ops.load(cpu, torch.float32, CPUConfig(fused_ops=False)) is None
+    assert fused_ops.patch_for_training(torch.nn.Linear(4, 4), CPUConfig(fused_ops=False)) == 0
+    monkeypatch.setenv(switches.FUSED_OPS_ENV, "0")  # the override, over a config that has them on
+    assert fused_ops.load(cpu, torch.float32, CPUConfig(fused_ops=True)) is None
+    monkeypatch.delenv(switches.FUSED_OPS_ENV)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(fused_ops, "_loaded", {})
     assert fused_ops.load(cpu, torch.float32) is None

@@ -16,7 +16,9 @@ import pytest
 import torch
 import yaml
 
-from areal_lite.api.config import ConfigError, LauncherConfig, RecoverConfig
+from areal_lite.api.config import RecoverConfig
+from areal_lite.api.config_loader import ConfigError
+from areal_lite.api.experiment_config import LauncherConfig
 from areal_lite.launcher.local import (
     CONFIG_ERROR_EXIT,
     CPU_OVERRIDES,
@@ -505,7 +507,7 @@ def test_ray_trainer_task_returns_the_error_its_node_wrote(tmp_path) -> None:
 
 
 def test_slurm_colocated_servers_share_the_first_trainer_node() -> None:
-    from areal_lite.api.config import SlurmConfig
+    from areal_lite.api.experiment_config import SlurmConfig
     from areal_lite.launcher.slurm import sbatch_script
 
     cpu = _plan(backend="areal", n_servers=2, slurm=SlurmConfig(colocate_servers=True))

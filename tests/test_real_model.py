@@ -29,7 +29,9 @@ from tensordict import TensorDict
 from test_fsdp import torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_lite.api.config import LocalEngineConfig, LoRAConfig, RLExperimentConfig, load_config
+from areal_lite.api.config import LocalEngineConfig, LoRAConfig
+from areal_lite.api.config_loader import load_config
+from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.api.io import GenerationConfig, ModelRequest
 from areal_lite.engines.local.engine import LocalInferenceEngine
 from areal_lite.kit import check_dtypes

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_lite.api.config import load_config
+from areal_lite.api.config_loader import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "recipes"

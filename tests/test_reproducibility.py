@@ -28,10 +28,10 @@ from areal_lite.api.config import (
     InferenceEngineConfig,
     OptimizerConfig,
     PPOActorConfig,
-    RLExperimentConfig,
     StatsLoggerConfig,
 )
 from areal_lite.api.engine import InferenceEngine
+from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, ModelResponse, WeightUpdateMeta
 from areal_lite.core import BatchRecorder, BatchReplay, RolloutController
 from areal_lite.kit import RunKit, make_rollout, make_train_engine, mean_reward, rank_dataloader, sync_weights

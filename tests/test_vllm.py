@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from areal_lite.api.config import ConfigError, InferenceEngineConfig, LauncherConfig, RecoverConfig
+from areal_lite.api.config import InferenceEngineConfig, RecoverConfig
+from areal_lite.api.config_loader import ConfigError
+from areal_lite.api.experiment_config import LauncherConfig
 from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.remote.vllm import RemoteVLLMEngine
 from areal_lite.engines.remote.vllm_worker import WeightUpdateExtension

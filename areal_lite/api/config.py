@@ -1,49 +1,37 @@
-"""Typed configuration dataclasses and their loader.
+"""The configuration schema: typed dataclasses with one docstring per field.
 
-Configs are dataclasses with one docstring per field. `load_config` merges a YAML file and dotted
-command-line overrides over the dataclass schema with OmegaConf: an unknown key, a value of the
-wrong type, or a string outside a field's choices is an error that says what was meant. Values that
-can be derived (total steps, output directories) are properties, not fields.
+The configs each part of a run takes: the train engines and their algorithms, the rollout side and
+the embedded engine, the CPU speed measures, data, checkpoints, evaluation, recovery and logging.
+The configs of a whole run (`BaseExperimentConfig`, `RLExperimentConfig`, the launcher's) gather
+them in `areal_lite.api.experiment_config`; `areal_lite.api.config_loader` builds one from YAML and
+dotted command-line overrides. Values that can be derived (total steps, output directories) are
+properties, not fields.
 
-Field metadata says what a string field holds, for checks made before a run starts:
-``metadata=one_of("a", "b")`` lists its valid values and ``metadata=at_least(1)`` (`more_than`,
-`between`: `areal_lite.api.bounds`) its numeric bounds (`load_config` checks both, in a script's
-own sections too, before it builds the config), and `READS_MODEL` / `READS_FILE` mark paths the run reads (the launcher checks that
-they exist before it starts anything).
+Field metadata says what a field holds, for checks made before a run starts:
+``metadata=one_of("a", "b")`` lists a string field's valid values and ``metadata=at_least(1)``
+(`more_than`, `between`: `areal_lite.api.bounds`) its numeric bounds (`load_config` checks both, in
+a script's own sections too, before it builds the config), and `READS_MODEL` / `READS_FILE` mark
+paths the run reads (the launcher checks that they exist before it starts anything).
 """
 
 from __future__ import annotations
 
-import difflib
-import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
 
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf import MISSING
 
-from areal_lite.api.bounds import at_least, between, more_than, out_of_bounds
-from areal_lite.api.errors import RecurringError
-from areal_lite.api.io import GenerationConfig, MicroBatchSpec
+from areal_lite.api.bounds import at_least, between, more_than
+from areal_lite.api.io import MicroBatchSpec
 
 __all__ = [
     "MISSING",
-    "PROFILES",
     "READS_FILE",
     "READS_MODEL",
-    "BaseExperimentConfig",
-    "ClusterConfig",
-    "ConfigChecked",
-    "ConfigError",
+    "CPUConfig",
     "DPOConfig",
     "DatasetConfig",
     "EvaluatorConfig",
-    "GenerationConfig",
     "InferenceEngineConfig",
-    "LauncherConfig",
     "LoRAConfig",
     "LocalEngineConfig",
     "MicroBatchSpec",
@@ -52,20 +40,12 @@ __all__ = [
     "PPOCriticConfig",
     "RecoverConfig",
     "SaverConfig",
-    "SlurmConfig",
     "StatsLoggerConfig",
     "TrainEngineConfig",
     "at_least",
     "between",
-    "check_choices",
-    "checking_only",
-    "input_paths",
-    "load_config",
     "more_than",
     "one_of",
-    "profile_overrides",
-    "requested_profile",
-    "save_config",
 ]
 
 
@@ -136,6 +116,40 @@ class LoRAConfig:
 
 
 @dataclass
+class CPUConfig:
+    """The CPU speed measures a user may switch (`areal_lite.cpu`): the compiled kernels of the
+    embedded engine and of the FSDP trainer, and the route of training's fp32 matrix products.
+    Each field has an environment variable that, set to a non-empty value, overrides it for every
+    engine of the process (a benchmark; ``make test-avx2`` builds the kernels for AVX2 this way)."""
+
+    kernel_arch: str = "native"
+    """The ``-march`` the compiled kernels (decode attention, fused ops) are built for: ``native``
+    (this CPU's instruction set), or e.g. ``x86-64-v3``: the AVX2 code of the CPUs without
+    AVX-512, which runs on either kind. Overridden by ``$AREAL_LITE_KERNEL_ARCH``."""
+    kernel_cache: str = ""
+    """Directory of the built kernels, keyed by their source, flags, compiler and CPU; empty =
+    ``~/.cache/areal_lite/kernels``. Overridden by ``$AREAL_LITE_KERNEL_CACHE``."""
+    fused_ops: bool = True
+    """Run a decoder layer's small per-token operations as compiled passes
+    (`areal_lite.cpu.fused_ops`): the embedded engine's residual add and RMS norm, rotary embedding
+    and SiLU product (fp32 and bf16 on CPU), and an FSDP trainer's RMS norms and SiLU MLPs, forward
+    and backward, where they run in fp32 on CPU. False keeps the torch ops.
+    ``$AREAL_LITE_FUSED_OPS`` overrides it (``0``: off, anything else: on)."""
+    decode_attention: bool = True
+    """The embedded engine on CPU: decode attention as a compiled kernel that reads each row's
+    cached keys and values once, only as far as the row's length (`areal_lite.cpu.decode_attention`;
+    fp32 and bf16, head dimensions a multiple of 16). False: two batched matmuls.
+    ``$AREAL_LITE_DECODE_KERNEL`` overrides it (``0``: off, anything else: on)."""
+    fp32_linear: str = field(default="auto", metadata=one_of("auto", "onednn", "torch"))
+    """Where a train engine's fp32 matrix products run on CPU (`areal_lite.cpu.linear`): ``torch``
+    (MKL, through ``F.linear``), ``onednn``, or ``auto``: oneDNN on AMD CPUs from Zen 5 on, where
+    MKL runs its AVX2 kernels at half the CPU's vector width, unless oneDNN is capped below
+    AVX-512. An FSDP engine's layers follow its own value; the chunked LM head (FSDP's and
+    Megatron's) follows the value of the train engine initialised last in the process.
+    ``$AREAL_LITE_CPU_LINEAR`` overrides it."""
+
+
+@dataclass
 class TrainEngineConfig:
     """A train engine (FSDP or Megatron) and the model it owns."""
 
@@ -165,6 +179,8 @@ class TrainEngineConfig:
     (`LocalEngineConfig.num_threads`): train on the process's threads less that share while the
     engine is generating, and on all of them while it is not (`areal_lite.cpu.threads.CoreSharing`).
     False keeps the process's count throughout."""
+    cpu: CPUConfig = field(default_factory=CPUConfig)
+    """Speed measures on CPU: the fused kernels and the route of the fp32 products (`CPUConfig`)."""
     shared_prefix: bool = False
     """FSDP with attn_impl=sdpa: run the prefix that consecutive sequences of a micro-batch share
     (a GRPO group's prompt) through the model once, as a tree with one branch per sequence
@@ -408,6 +424,9 @@ class LocalEngineConfig:
     other work uses. Measured on a 2-core machine it gave no speed-up, neither in an asynchronous
     GRPO loop nor for generation alone (docs/performance.md, "The engine's thread on a core of its
     own")."""
+    cpu: CPUConfig = field(default_factory=CPUConfig)
+    """Speed measures on CPU: the engine's compiled kernels (`CPUConfig`; ``fp32_linear`` is the
+    train engines')."""
 
 
 @dataclass
@@ -505,406 +524,3 @@ class StatsLoggerConfig:
     """Warn when the watched KL exceeds this (nats per token)."""
     plot_keys: list[str] = field(default_factory=lambda: ["reward_mean", "eval/accuracy"])
     """Statistics drawn, one panel each, in ``output_dir/curves.png`` when the logger closes."""
-
-
-@dataclass
-class ClusterConfig:
-    """Where runs write their outputs."""
-
-    fileroot: str = "outputs"
-    """Root directory of all experiments."""
-
-
-@dataclass
-class SlurmConfig:
-    """The Slurm job that `areal_lite.launcher.slurm` writes and submits."""
-
-    partition: str = ""
-    """Partition (``--partition``); empty = the cluster's default."""
-    account: str = ""
-    """Account (``--account``); empty = none."""
-    time: str = "24:00:00"
-    """Wall-clock limit (``--time``)."""
-    cpus_per_task: int = field(default=8, metadata=at_least(1))
-    """CPUs for each server and each trainer node."""
-    extra_sbatch: list[str] = field(default_factory=list)
-    """More ``#SBATCH`` options, e.g. ``--qos=high``."""
-    colocate_servers: bool = False
-    """Run the rollout servers on the first trainer node instead of nodes of their own (a one-node
-    job; small servers on CPU). With GPUs the servers take that node's first
-    ``n_servers * server_tp_size`` GPUs and the trainer the next ``trainer_nproc``."""
-
-
-@dataclass
-class LauncherConfig:
-    """How the launchers (`areal_lite.launcher.local`, `.ray`, `.slurm`) start servers and trainers."""
-
-    backend: str = field(default="local", metadata=one_of("local", "areal", "sglang", "vllm"))
-    """Rollout backend: local (embedded in the trainer), areal (our server), sglang or vllm
-    (vLLM's OpenAI server with our weight-update worker extension; on CPU too)."""
-    n_servers: int = field(default=1, metadata=at_least(1))
-    """Rollout servers to start (areal, sglang, vllm)."""
-    trainer_nproc: int = field(default=1, metadata=at_least(1))
-    """Trainer processes per node (torchrun --nproc-per-node)."""
-    server_args: list[str] = field(default_factory=list)
-    """Extra command-line arguments for each server. Our server (``areal``) also gets the config's
-    ``local_engine`` settings (dtype, device, max_running_requests, max_total_tokens, seed) as
-    flags; these arguments come after them and win."""
-    server_cores: list[int] = field(default_factory=list)
-    """CPU cores to pin the servers to (empty = no pinning)."""
-    trainer_cores: list[int] = field(default_factory=list)
-    """CPU cores to pin the trainer to (empty = no pinning)."""
-    server_model_path: str = field(default="", metadata=READS_MODEL)
-    """HF model directory the servers load; empty = the config's ``actor.path``."""
-    server_host: str = "127.0.0.1"
-    """Address the servers bind to and the trainer connects to."""
-    server_tp_size: int = field(default=1, metadata=at_least(1))
-    """GPUs per server (SGLang ``--tp-size``, vLLM ``--tensor-parallel-size``); servers take
-    consecutive GPUs from 0."""
-    server_startup_timeout: float = field(default=300.0, metadata=more_than(0.0))
-    """Seconds to wait for every server to answer ``GET /health`` with 200."""
-    vllm_python: str = ""
-    """The Python that runs the vLLM servers (vLLM pins its own torch: it lives in a venv of its
-    own). Empty: ``$AREAL_LITE_VLLM_PYTHON``, else the checkout's ``.venv-vllm`` that ``make
-    install-vllm`` builds, when present, else the launcher's own Python."""
-    vllm_cpu_kvcache_gib: int = field(default=1, metadata=at_least(1))
-    """GiB of KV cache per vLLM server on a machine without GPUs (``VLLM_CPU_KVCACHE_SPACE``)."""
-    trainer_nnodes: int = field(default=1, metadata=at_least(1))
-    """Trainer nodes (ray, slurm); each runs ``trainer_nproc`` processes."""
-    gpus_per_node: int = field(default=0, metadata=at_least(0))
-    """GPUs per trainer node (ray, slurm; 0 on CPU)."""
-    prepare_overrides: list[str] = field(default_factory=list)
-    """When set, the script first runs once with these overrides appended (e.g. a flag that makes it
-    build the model the servers load, then exit), before any server starts; empty = no such run."""
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
-    """The Slurm job (launcher.slurm only)."""
-
-
-@dataclass
-class BaseExperimentConfig:
-    """Fields every experiment has. Scripts subclass this with their own sections."""
-
-    experiment_name: str = "areal-lite"
-    """Name of the experiment (a directory under ``cluster.fileroot``)."""
-    trial_name: str = "trial0"
-    """Name of this trial (a directory under the experiment)."""
-    seed: int = 1
-    """Global seed."""
-    total_train_epochs: int = field(default=1, metadata=at_least(1))
-    """Passes over the training set."""
-    total_train_steps: int | None = field(default=None, metadata=at_least(1))
-    """Stop after this many steps (None = the epochs decide)."""
-    profile: str = field(default="", metadata=one_of("", "cpu"))
-    """A named set of overrides applied over the config file and under the command line (`PROFILES`):
-    ``cpu`` runs a GPU recipe on a machine without one. Keys a script's config lacks are skipped."""
-    tokenizer_path: str = field(default="", metadata=READS_MODEL)
-    """Tokenizer directory (defaults to the actor's model path)."""
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    valid_dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    saver: SaverConfig = field(default_factory=SaverConfig)
-    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
-    recover: RecoverConfig = field(default_factory=RecoverConfig)
-    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-
-    @property
-    def output_dir(self) -> str:
-        """``fileroot/experiment_name/trial_name``: where this run writes everything."""
-        return os.path.join(self.cluster.fileroot, self.experiment_name, self.trial_name)
-
-
-@dataclass
-class RLExperimentConfig(BaseExperimentConfig):
-    """An RL run: the policy, its rollouts, and how weights reach them. RL scripts subclass this
-    with their own sections (a task, a critic)."""
-
-    actor: PPOActorConfig = field(default_factory=PPOActorConfig)
-    rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
-    local_engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
-    """The embedded engine (``launcher.backend=local``; our server, ``areal``, takes its settings too)."""
-    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
-    weight_update: str = field(default="disk", metadata=one_of("disk", "distributed"))
-    """How weights reach rollout servers: disk (safetensors files every server loads) or
-    distributed (a broadcast from trainer rank 0: NCCL on GPU, gloo on CPU). The embedded engine
-    takes them in process whatever this says."""
-    record_batches: str = ""
-    """Directory where the run's rollout controller records every batch it hands out (training
-    batches with their token versions and the policy version they were consumed at, and
-    evaluation batches), one file per batch under ``rank<r>/``; empty = no recording."""
-    replay_batches: str = field(default="", metadata=READS_FILE)
-    """Directory of such a recording to train from instead of generating: the controller hands out
-    the recorded batches in order and generates nothing, so the same config and seed reproduce
-    the recorded run's parameters bit for bit. Use ``launcher.backend=local`` (no servers)."""
-
-
-class ConfigError(RecurringError, ValueError):
-    """A config file or override that does not fit the schema."""
-
-
-PROFILES: dict[str, list[str]] = {
-    "cpu": [
-        # Where the work runs: our server and the trainer on the CPU, one of each, in float32 on
-        # both sides (the same dtype for training and generation), no activation recomputation.
-        "launcher.backend=areal",
-        "launcher.server_args=[]",
-        "launcher.n_servers=1",
-        "launcher.trainer_nproc=1",
-        "launcher.server_tp_size=1",
-        "launcher.gpus_per_node=0",
-        "local_engine.device=cpu",
-        "local_engine.dtype=float32",
-        "actor.dtype=float32",
-        "actor.gradient_checkpointing=false",
-        "weight_update=disk",
-        "reward_workers=2",
-        # Sizes a few cores get through in minutes per step (a GPU recipe's 64 prompts x 8 samples
-        # x 1024 tokens take hours there): raise them on a large CPU machine.
-        "train_dataset.batch_size=4",
-        "actor.group_size=4",
-        "gconfig.max_new_tokens=256",
-        "rollout.max_concurrent_rollouts=16",
-        "actor.mb_spec.max_tokens_per_mb=4096",
-    ],
-}
-"""The overrides of each ``profile``, as dotted ``key=value`` lines. `load_config` applies them
-after the config file and before the command line (so the command line still wins), skipping keys
-the config class lacks; the launchers apply them to their own sections the same way."""
-
-
-def profile_overrides(name: str) -> list[str]:
-    """The overrides of profile ``name`` ("" = none); `ConfigError` for an unknown name."""
-    if not name:
-        return []
-    if name not in PROFILES:
-        raise ConfigError(f"unknown profile {name!r}; profiles: {', '.join(sorted(PROFILES))}")
-    return list(PROFILES[name])
-
-
-def requested_profile(loaded: DictConfig | None, overrides: list[str]) -> str:
-    """The ``profile`` a config file and its command-line overrides ask for (the last one wins)."""
-    name = str(loaded.get("profile", "") or "") if loaded is not None else ""
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key.strip() == "profile":
-            name = value.strip()
-    return name
-
-
-def _has_key(schema: DictConfig, dotted: str) -> bool:
-    node: object = schema
-    for part in dotted.split("."):
-        if not isinstance(node, DictConfig) or part not in node.keys():  # noqa: SIM118 (`in` skips MISSING fields)
-            return False
-        node = node._get_node(part)
-    return True
-
-
-class ConfigChecked(BaseException):
-    """Raised by `load_config` in place of returning the config inside `checking_only`, to carry it
-    out of a training script that is only being checked. A BaseException, so that a script's
-    ``except Exception`` does not stop it."""
-
-    def __init__(self, config: object) -> None:
-        super().__init__("config checked")
-        self.config = config
-
-
-_check_only = False
-
-
-@contextmanager
-def checking_only() -> Iterator[None]:
-    """Within the block, `load_config` validates and then raises `ConfigChecked` instead of
-    returning: the launcher's check run (`areal_lite.launcher.check`) runs a script this way, to
-    validate the config with the script's own config class without training."""
-    global _check_only
-    previous, _check_only = _check_only, True
-    try:
-        yield
-    finally:
-        _check_only = previous
-
-
-def _walk(cfg: object, prefix: str) -> Iterator[tuple[str, dict[str, object], object]]:
-    """(dotted name, metadata, value) of every field of a config dataclass, nested ones included."""
-    for f in fields(cfg):  # type: ignore[arg-type]
-        value = getattr(cfg, f.name)
-        yield prefix + f.name, dict(f.metadata), value
-        if is_dataclass(value) and not isinstance(value, type):
-            yield from _walk(value, f"{prefix}{f.name}.")
-
-
-def _field_problem(meta: dict[str, object], value: object) -> str | None:
-    """What is wrong with a field's ``value`` under its metadata (choices, bounds), or None."""
-    choices = meta.get("choices")
-    if choices is not None and value not in choices:  # type: ignore[operator]
-        return f"choose one of {', '.join(choices)}"  # type: ignore[arg-type]
-    problem = out_of_bounds(meta, value)
-    return None if problem is None else f"it {problem}"
-
-
-def check_choices(cfg: object, prefix: str = "") -> None:
-    """Raise `ConfigError` for the first field of the config dataclass ``cfg`` (nested ones
-    included; their names start with ``prefix``) whose value is not one of its `one_of` choices
-    or lies outside its bounds."""
-    for name, meta, value in _walk(cfg, prefix):
-        problem = _field_problem(meta, value)
-        if problem is not None:
-            raise ConfigError(f"config field {name!r} is {value!r}; {problem}")
-
-
-def _check_values(node: DictConfig, prefix: str = "") -> None:
-    """`check_choices` on the merged config before it becomes dataclasses, so that a value a
-    dataclass's own ``__post_init__`` would reject is still reported under its dotted name."""
-    cls = node._metadata.object_type
-    if not is_dataclass(cls):
-        return
-    for f in fields(cls):
-        if f.name not in node.keys() or OmegaConf.is_missing(node, f.name):  # noqa: SIM118 (see _check_keys)
-            continue
-        child = node._get_node(f.name)
-        if isinstance(child, DictConfig):
-            _check_values(child, f"{prefix}{f.name}.")
-            continue
-        value = node[f.name]
-        problem = _field_problem(dict(f.metadata), value)
-        if problem is not None:
-            raise ConfigError(f"config field {prefix + f.name!r} is {value!r}; {problem}")
-
-
-def input_paths(cfg: object, prefix: str = "") -> dict[str, tuple[str, str]]:
-    """The non-empty paths in the fields of ``cfg`` marked `READS_MODEL` or `READS_FILE`:
-    dotted name -> (``"model"`` or ``"file"``, path)."""
-    return {
-        name: (str(meta["reads"]), value)
-        for name, meta, value in _walk(cfg, prefix)
-        if "reads" in meta and isinstance(value, str) and value
-    }
-
-
-T = TypeVar("T")
-
-
-def _unknown_key_error(node: DictConfig, full_key: str, source: str) -> ConfigError:
-    """``node`` is the schema node that lacks the last part of ``full_key``."""
-    parent, _, _ = full_key.rpartition(".")
-    prefix = f"{parent}." if parent else ""
-    candidates = [prefix + str(k) for k in node]
-    close = difflib.get_close_matches(full_key, candidates, n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys here: {', '.join(candidates[:20])}"
-    return ConfigError(f"unknown config key {full_key!r} (from {source}){hint}")
-
-
-def _check_keys(schema: DictConfig, given: DictConfig, source: str, parent: str = "") -> None:
-    """Walk ``given`` and fail on the first key the structured ``schema`` lacks."""
-    is_structured = is_dataclass(schema._metadata.object_type)
-    for key in given:
-        full = f"{parent}.{key}" if parent else str(key)
-        # keys(): omegaconf 2.4 answers False to `in` for a field whose value is MISSING.
-        known = key in schema.keys()  # noqa: SIM118
-        sub_schema = schema._get_node(key, throw_on_missing_key=False) if known else None
-        if is_structured and sub_schema is None:
-            raise _unknown_key_error(schema, full, source)
-        sub_given = given._get_node(key)
-        if isinstance(sub_schema, DictConfig) and isinstance(sub_given, DictConfig):
-            _check_keys(sub_schema, sub_given, source, full)
-
-
-def _expected_type(cls: type, dotted: str) -> str:
-    node: type | None = cls
-    annotation: object = "?"
-    for part in dotted.split("."):
-        if node is None or not is_dataclass(node):
-            return "?"
-        hints = {f.name: f for f in fields(node)}
-        if part not in hints:
-            return "?"
-        f = hints[part]
-        annotation = f.type
-        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-        node = type(default) if is_dataclass(default) else None
-    return str(annotation)
-
-
-def load_config(argv: list[str] | None, config_cls: type[T], save: bool = True) -> T:
-    """Build a ``config_cls`` from ``--config FILE.yaml`` and ``dotted.key=value`` overrides.
-
-    The YAML file and then the overrides are merged, in that order, over the dataclass defaults.
-    Unknown keys raise `ConfigError` naming the closest valid keys; values of the wrong type raise
-    `ConfigError` naming the field and its expected type, and values outside a field's `one_of`
-    choices or bounds (`areal_lite.api.bounds`) naming the field, the value and what it must be. When ``save`` is true and the config has
-    an ``output_dir``, the resolved config is written to ``output_dir/config.yaml``. Inside
-    `checking_only` it raises `ConfigChecked` instead of saving and returning.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    config_file: str | None = None
-    overrides: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--config":
-            if i + 1 >= len(argv):
-                raise ConfigError("--config needs a file path")
-            config_file = argv[i + 1]
-            i += 2
-            continue
-        if arg.startswith("--config="):
-            config_file = arg.split("=", 1)[1]
-        elif "=" in arg and not arg.startswith("-"):
-            overrides.append(arg)
-        else:
-            raise ConfigError(f"unexpected argument {arg!r}: expected --config FILE or key=value overrides")
-        i += 1
-
-    schema = OmegaConf.structured(config_cls)
-    layers: list[tuple[DictConfig, str]] = []
-    if config_file is not None:
-        if not os.path.exists(config_file):
-            raise ConfigError(f"config file {config_file!r} does not exist")
-        loaded = OmegaConf.load(config_file)
-        if not isinstance(loaded, DictConfig):
-            raise ConfigError(f"config file {config_file!r} must hold a mapping at the top level")
-        layers.append((loaded, config_file))
-    profile = requested_profile(layers[0][0] if layers else None, overrides)
-    if profile and "profile" in schema:
-        known = [o for o in profile_overrides(profile) if _has_key(schema, o.partition("=")[0])]
-        layers.append((OmegaConf.from_dotlist(known), f"profile {profile}"))
-    if overrides:
-        layers.append((OmegaConf.from_dotlist(overrides), "command line"))
-
-    merged = schema
-    for layer, source in layers:
-        _check_keys(schema, layer, source)
-        try:
-            merged = OmegaConf.merge(merged, layer)
-        except ValidationError as e:
-            key = str(e.full_key) if getattr(e, "full_key", None) else "?"
-            raise ConfigError(
-                f"config field {key!r} (from {source}): expected {_expected_type(config_cls, key)}, "
-                f"got {e.msg.splitlines()[0] if e.msg else e}"
-            ) from None
-        except (ConfigKeyError, ConfigAttributeError) as e:
-            raise ConfigError(f"config error (from {source}): {e}") from None
-    missing = sorted(OmegaConf.missing_keys(merged))
-    if missing:
-        raise ConfigError(f"config fields without a value: {', '.join(missing)}")
-    _check_values(merged)
-    try:
-        cfg = OmegaConf.to_object(merged)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    check_choices(cfg)
-    if _check_only:
-        raise ConfigChecked(cfg)
-    output_dir = getattr(cfg, "output_dir", None)
-    if save and isinstance(output_dir, str):
-        save_config(cfg, os.path.join(output_dir, "config.yaml"))
-    return cfg  # type: ignore[return-value]
-
-
-def save_config(cfg: object, path: str) -> None:
-    """Write a config dataclass as YAML (the resolved config of a run)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

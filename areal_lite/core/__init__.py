@@ -3,8 +3,9 @@
 batches it hands out."""
 
 from areal_lite.core.controller import RolloutController
-from areal_lite.core.executor import StalenessManager, WorkflowError, WorkflowExecutor, trajectory_staleness
+from areal_lite.core.executor import WorkflowError, WorkflowExecutor
 from areal_lite.core.recording import BatchRecorder, BatchReplay
+from areal_lite.core.staleness import StalenessManager, trajectory_staleness
 
 __all__ = [
     "BatchRecorder",

@@ -31,7 +31,7 @@ from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.core.episode_worker import EngineFactory, EpisodeWorker
 from areal_lite.core.executor import WorkflowExecutor
 from areal_lite.core.recording import BatchKind, BatchRecorder, BatchReplay
-from areal_lite.cpu.gc_freeze import freeze_startup_objects
+from areal_lite.cpu import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 

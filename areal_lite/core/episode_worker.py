@@ -49,8 +49,7 @@ from tensordict import TensorDict
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.workflow import RolloutWorkflow
-from areal_lite.cpu.gc_freeze import freeze_startup_objects
-from areal_lite.cpu.threads import pin_this_thread
+from areal_lite.cpu import freeze_startup_objects, rollout_client_thread
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +180,7 @@ class EpisodeWorker:
 def _child_main(
     config: InferenceEngineConfig, engine_factory: EngineFactory, conn: multiprocessing.connection.Connection
 ) -> None:
-    pin_this_thread(config.client_cores)  # before any thread starts: they inherit it
+    rollout_client_thread(config.client_cores)  # before any thread starts: they inherit it
     engine = engine_factory()
     engine.initialize()
     freeze_startup_objects()

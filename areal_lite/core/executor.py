@@ -2,25 +2,11 @@
 
 A `WorkflowExecutor` runs workflows (`RolloutWorkflow.arun_episode`) concurrently on an asyncio
 event loop in a background thread, admits new rollouts under the staleness bound of docs/design.md
-and hands finished trajectories to the trainer (`wait`, `prepare_batch`). It knows no engine: each
-episode goes to the ``run_episode`` it was given (a workflow over the engine in this process, or an
-`EpisodeWorker`'s child process), and the policy version reaches it through `set_version`. The
-`RolloutController` that the training loop holds owns it.
-
-Staleness bound (eta = ``max_head_offpolicyness``, B = ``consumer_batch_size``): at policy version
-t a rollout is admitted only while ``accepted + running < (eta + t + 1) * B`` and fewer than
-``max_concurrent_rollouts`` run. ``accepted`` counts every accepted trajectory of the run and is
-never decremented when consumed. Batches are the accepted trajectories in acceptance order, B at
-a time, so batch t is consumed at version t.
-
-Deliberate deviation from AReaL-lite: AReaL evaluates the bound at the *current* version t. A
-straggler admitted at an old version v can then end up in a batch later than v + eta (the slots of
-later batches fill with rollouts admitted after it). Here t in the bound is the version of the
-oldest rollout still running (or the current version if none runs). While a rollout admitted at v
-runs, ``accepted + running <= (eta + v + 1) * B``, so at most ``(eta + v + 1) * B - 1`` others are
-accepted before it and it lands in a batch <= v + eta: every token of a batch consumed at step t
-was produced by a policy of version >= t - eta. Completed rollouts are never dropped for staleness;
-the bound only delays admission while a straggler runs.
+(`areal_lite.core.staleness`) and hands finished trajectories to the trainer (`wait`,
+`prepare_batch`). It knows no engine: each episode goes to the ``run_episode`` it was given (a
+workflow over the engine in this process, or an `EpisodeWorker`'s child process), and the policy
+version reaches it through `set_version`. The `RolloutController` that the training loop holds
+owns it. While the trainer waits, a `LoopWatchdog` watches the loop.
 """
 
 from __future__ import annotations
@@ -28,10 +14,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import sys
 import threading
 import time
-import traceback
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -43,7 +27,9 @@ from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import AcceptFn
 from areal_lite.api.errors import RecurringError
 from areal_lite.api.workflow import RolloutWorkflow, check_trajectory_layout
-from areal_lite.cpu.threads import check_cores, pin_this_thread, release_openmp_threads
+from areal_lite.core.loop_watchdog import LoopWatchdog
+from areal_lite.core.staleness import StalenessManager, trajectory_staleness
+from areal_lite.cpu import check_cores, rollout_client_thread, trainer_waits
 from areal_lite.utils.data import concat_padded
 
 logger = logging.getLogger(__name__)
@@ -64,14 +50,6 @@ class WorkflowError(RuntimeError):
         self.cause = cause
 
 
-WAIT_LINE_SECONDS = 30.0
-"""While the trainer waits for trajectories and none finishes, a line is said this often."""
-
-
-class LoopStalled(RecurringError, RuntimeError):
-    """The rollout event loop did not run for ``rollout.loop_stall_timeout`` seconds."""
-
-
 class RewardFailure(RecurringError, RuntimeError):
     """Too many episodes of a batch had rewards that are not finite numbers (a failing grader)."""
 
@@ -83,59 +61,6 @@ REWARD_KEYS = ("rewards", "baseline_rewards")
 def rewards_failed(traj: TensorDict) -> bool:
     """Whether any of ``traj``'s rewards (`REWARD_KEYS` it has) is NaN or infinite."""
     return any(key in traj and not bool(torch.isfinite(traj[key]).all()) for key in REWARD_KEYS)
-
-
-class StalenessManager:
-    """Admission accounting of the pipeline (no threads, no I/O), so the bound can be property-tested.
-
-    ``capacity`` says how many more rollouts may start now; the executor calls ``on_admit`` and
-    ``on_finish`` around each pipeline rollout.
-    """
-
-    def __init__(self, batch_size: int, max_head_offpolicyness: int, max_concurrent: int, queue_size: int) -> None:
-        if batch_size < 1 or max_head_offpolicyness < 0 or max_concurrent < 1 or queue_size < batch_size:
-            raise ValueError(
-                f"bad staleness settings: batch_size={batch_size} eta={max_head_offpolicyness} "
-                f"max_concurrent={max_concurrent} queue_size={queue_size}"
-            )
-        self.batch_size = batch_size
-        self.eta = max_head_offpolicyness
-        self.max_concurrent = max_concurrent
-        self.queue_size = queue_size
-        self.accepted = 0
-        """Accepted trajectories so far (plus the baseline of a run resumed at version > 0)."""
-        self.running = 0
-        self._running_versions: Counter[int] = Counter()
-        self._started = False
-
-    def oldest_running_version(self, version: int) -> int:
-        return min(self._running_versions, default=version)
-
-    def capacity(self, version: int, ready: int, running_other: int = 0) -> int:
-        """Rollouts that may start now at ``version``, with ``ready`` accepted trajectories not yet
-        consumed and ``running_other`` rollouts outside the pipeline sharing the concurrency cap."""
-        accepted = self.accepted if self._started else version * self.batch_size
-        v = min(version, self.oldest_running_version(version))
-        by_staleness = (self.eta + v + 1) * self.batch_size - (accepted + self.running)
-        by_concurrency = self.max_concurrent - self.running - running_other
-        by_queue = self.queue_size - ready - self.running
-        return max(0, min(by_staleness, by_concurrency, by_queue))
-
-    def on_admit(self, version: int) -> None:
-        if not self._started:
-            # A run resumed at version t has consumed t batches that this process never counted.
-            self.accepted = version * self.batch_size
-            self._started = True
-        self.running += 1
-        self._running_versions[version] += 1
-
-    def on_finish(self, admitted_version: int, accepted: bool) -> None:
-        self.running -= 1
-        self._running_versions[admitted_version] -= 1
-        if self._running_versions[admitted_version] == 0:
-            del self._running_versions[admitted_version]
-        if accepted:
-            self.accepted += 1
 
 
 @dataclass
@@ -157,15 +82,6 @@ class _Task:
     ticket: _Ticket | None
     version: int = -1
     """Policy version when the task was admitted."""
-
-
-def trajectory_staleness(traj: TensorDict, version: int) -> list[int]:
-    """``version`` minus the oldest version among the generated tokens (``loss_mask`` 1) of each
-    row; rows without generated tokens are skipped. Padding carries version 0 and is not counted."""
-    versions = traj["versions"]
-    produced = traj["loss_mask"].bool() & (versions >= 0)
-    oldest = torch.where(produced, versions, torch.iinfo(versions.dtype).max).amin(dim=1)
-    return (version - oldest[produced.any(dim=1)]).tolist()
 
 
 class WorkflowExecutor:
@@ -219,12 +135,8 @@ class WorkflowExecutor:
         """Counts since the last batch was handed out (``reward_failed``)."""
         self.last_batch_counts: dict[str, int] = {}
         """`_since_batch` as it was when the last batch was handed out: per-step counts."""
-        self._last_finish = 0.0
-        """`time.monotonic` when an episode last finished (for the waiting lines)."""
-        self._waiting_since: float | None = None
-        self._lines_said = 0
-        self._ping_sent: float | None = None
-        """When the waiting thread asked the loop for a sign of life that has not come yet."""
+        self._watchdog = LoopWatchdog(config.loop_stall_timeout, self._cond, __file__)
+        """Pings the loop while the trainer waits: a loop blocked by code that does not await stops the run."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -452,23 +364,10 @@ class WorkflowExecutor:
         """One wait on the condition (its lock held), of at most a second. While nothing finishes,
         a line is said every `WAIT_LINE_SECONDS`; a loop that leaves a ping unanswered for
         ``loop_stall_timeout`` seconds is blocked in code that does not await, and the run stops
-        with `LoopStalled` naming the function it is blocked in."""
-        # The engine generates while this thread waits: this thread's OpenMP workers go, so that
-        # the engine's alone are spinning on the cores (a no-op after the first wait).
-        release_openmp_threads()
-        now = time.monotonic()
-        loop = self._loop
-        if self._ping_sent is None and loop is not None and not loop.is_closed():
-            self._ping_sent = now
-            try:
-                loop.call_soon_threadsafe(self._pong)
-            except RuntimeError:  # closed meanwhile
-                self._ping_sent = None
-        elif self._ping_sent is not None and now - self._ping_sent > self.config.loop_stall_timeout:
-            raise LoopStalled(self._stalled_message(now - self._ping_sent))
-        quiet = now - max(self._last_finish, self._wait_started(now))
-        if quiet >= WAIT_LINE_SECONDS * (self._lines_said + 1):
-            self._lines_said += 1
+        with `LoopStalled` naming the function it is blocked in (`LoopWatchdog`)."""
+        trainer_waits()  # the engine generates meanwhile: this thread's OpenMP workers go
+        quiet = self._watchdog.check(self._loop, self._thread)
+        if quiet is not None:
             logger.warning(
                 "waiting for %s for %.0fs: %d ready, %d running, %d queued%s; no episode finished since",
                 what,
@@ -479,30 +378,6 @@ class WorkflowExecutor:
                 ", admission paused" if self._paused else "",
             )
         self._cond.wait(1.0 if timeout is None else min(timeout, 1.0))
-
-    def _wait_started(self, now: float) -> float:
-        if self._waiting_since is None:
-            self._waiting_since = now
-        return self._waiting_since
-
-    def _pong(self) -> None:
-        with self._cond:
-            self._ping_sent = None
-
-    def _stalled_message(self, seconds: float) -> str:
-        """Where the loop's thread is: the innermost frame of code not asyncio's nor this module's."""
-        where = "an unknown place"
-        frame = sys._current_frames().get(self._thread.ident) if self._thread is not None else None
-        if frame is not None:
-            stack = traceback.extract_stack(frame)
-            ours = [f for f in stack if "asyncio" not in f.filename and f.filename != __file__] or stack
-            f = ours[-1]
-            where = f"{f.name} ({f.filename}:{f.lineno})"
-        return (
-            f"the rollout event loop has been blocked for {seconds:.0f}s in {where}: code on the loop that does not "
-            "await (a grader in RewardRunner mode 'inline', blocking I/O in a workflow) stops every rollout; "
-            f"rollout.loop_stall_timeout={self.config.loop_stall_timeout:g}"
-        )
 
     def _capacity_locked(self) -> int:
         if self._paused:
@@ -548,7 +423,7 @@ class WorkflowExecutor:
     # ----------------------------------------------------------------- internals (loop side)
 
     def _thread_main(self) -> None:
-        pin_this_thread(self.config.client_cores)
+        rollout_client_thread(self.config.client_cores)
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self._loop = loop
@@ -644,8 +519,7 @@ class WorkflowExecutor:
                 task.ticket.results.append((task.seq, traj))
             if traj is None and (error is None or self.config.on_workflow_error == "skip"):
                 self._drawn.pop(task.seq, None)  # used up (rejected or skipped): never replayed
-            self._last_finish = time.monotonic()
-            self._waiting_since, self._lines_said = None, 0
+            self._watchdog.episode_finished()
             self._cond.notify_all()
         assert self._wake is not None
         self._wake.set()

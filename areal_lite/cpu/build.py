@@ -1,11 +1,12 @@
 """Building the embedded engine's C++ kernels at run time (`decode_attention`, `fused_ops`).
 
-A kernel's source is compiled with the system's C++ compiler (``$CXX`` or ``g++``, OpenMP,
-``-march=native``, or the architecture in ``$AREAL_LITE_KERNEL_ARCH``: ``x86-64-v3`` builds the
-AVX2 code of the CPUs without AVX-512, which runs on either kind) into a shared library cached
-under ``$AREAL_LITE_KERNEL_CACHE`` (default ``~/.cache/areal_lite/kernels``), keyed by the source,
-the flags, the macros, the compiler and the CPU's flags. Processes building the same kernel at
-once each compile to a temporary name and rename, so none loads a half-written file.
+A kernel's source is compiled with the system's C++ compiler (``$CXX`` or ``g++``, OpenMP, the
+``-march`` of `CPUConfig.kernel_arch`: ``native``, or e.g. ``x86-64-v3``, the AVX2 code of the CPUs
+without AVX-512, which runs on either kind) into a shared library cached in
+`CPUConfig.kernel_cache` (default ``~/.cache/areal_lite/kernels``; both as `areal_lite.cpu.switches`
+resolves them), keyed by the source, the flags, the macros, the compiler and the CPU's flags.
+Processes building the same kernel at once each compile to a temporary name and rename, so none
+loads a half-written file.
 """
 
 from __future__ import annotations
@@ -23,15 +24,6 @@ logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c++20", "-shared", "-fPIC")
 """Besides ``-march``: -ffast-math lets the compiler vectorize ``exp`` (glibc's vector math)."""
-ARCH_ENV = "AREAL_LITE_KERNEL_ARCH"
-"""The ``-march`` the kernels are built for (default ``native``: this CPU's instruction set)."""
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("AREAL_LITE_KERNEL_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "areal_lite", "kernels"
-    )
-    return Path(root)
 
 
 def _cpu_flags() -> str:
@@ -42,17 +34,13 @@ def _cpu_flags() -> str:
         return ""
 
 
-def arch() -> str:
-    """The ``-march`` of this process's builds: ``$AREAL_LITE_KERNEL_ARCH`` or ``native``."""
-    return os.environ.get(ARCH_ENV, "").strip() or "native"
-
-
-def _build(compiler: str, source: Path, macros: list[str], march: str) -> Path:
-    """The shared library of ``source`` for ``macros`` and ``-march``, compiled unless cached."""
+def _build(compiler: str, source: Path, macros: list[str], march: str, cache: Path) -> Path:
+    """The shared library of ``source`` for ``macros`` and ``-march``, compiled into ``cache``
+    unless there already."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     flags = [*FLAGS, f"-march={march}"]
     key = hashlib.sha256("\0".join([source.read_text(), *flags, *macros, version, _cpu_flags()]).encode()).hexdigest()
-    lib = cache_dir() / f"{source.stem}_{key[:24]}.so"
+    lib = cache / f"{source.stem}_{key[:24]}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
@@ -67,15 +55,15 @@ def _build(compiler: str, source: Path, macros: list[str], march: str) -> Path:
     return lib
 
 
-def load_library(source: Path, macros: list[str], march: str, what: str) -> ctypes.CDLL | None:
-    """``source`` built for ``macros`` and ``-march`` and loaded; None, with a warning saying what
-    runs instead (``what``), where there is no compiler or the build fails."""
+def load_library(source: Path, macros: list[str], march: str, cache: Path, what: str) -> ctypes.CDLL | None:
+    """``source`` built for ``macros`` and ``-march`` (cached in ``cache``) and loaded; None, with a
+    warning saying what runs instead (``what``), where there is no compiler or the build fails."""
     compiler = os.environ.get("CXX") or "g++"
     if shutil.which(compiler) is None:
         logger.warning("no C++ compiler (%s): %s", compiler, what)
         return None
     try:
-        return ctypes.CDLL(str(_build(compiler, source, macros, march)))
+        return ctypes.CDLL(str(_build(compiler, source, macros, march, cache)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("could not build %s: %s; %s", source.name, detail[-2000:], what)

@@ -7,27 +7,27 @@ decode step, at a few GB/s of cache read. This kernel walks each pair's keys and
 with the scores of a block of positions in vector registers, softmax and the value sum in float32,
 and each row only as far as its own length (no mask, no padding to the longest row).
 
-It is compiled at run time (`cpu_kernels`: the system's C++ compiler, ``-march=native`` or
-``$AREAL_LITE_KERNEL_ARCH``, cached) for one (dtype, head dim, query heads per KV head). Where it
-does not apply or cannot be built (no compiler, another device or dtype, a head dimension not a
-multiple of 16, ``AREAL_LITE_DECODE_KERNEL=0``), `load` returns None and the model runner keeps
+It is compiled at run time (`cpu_kernels`: the system's C++ compiler, the ``-march`` of
+`CPUConfig.kernel_arch`, cached) for one (dtype, head dim, query heads per KV head). Where it does
+not apply or cannot be built (no compiler, another device or dtype, a head dimension not a
+multiple of 16, `CPUConfig.decode_attention` off), `load` returns None and the model runner keeps
 its batched matmuls, with a warning naming the reason.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from areal_lite.api.config import CPUConfig
 from areal_lite.cpu import build as cpu_kernels
+from areal_lite.cpu import switches
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
-ARCH_ENV = cpu_kernels.ARCH_ENV
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 BLOCK = 16
 """Positions per block of the key cache the kernel reads: keys are stored [rows, kv heads,
@@ -44,9 +44,9 @@ scale) -> [rows, heads, D]``: writes each row's new key and value at its positio
 then attends to positions ``0 .. lens - 1``."""
 
 
-def _load_kernel(dtype: torch.dtype, head_dim: int, group: int, march: str) -> Callable[..., None] | None:
+def _load_kernel(dtype: torch.dtype, head_dim: int, group: int, march: str, cache: Path) -> Callable[..., None] | None:
     macros = [f"-DBF16={_DTYPES[dtype]}", f"-DHD={head_dim}", f"-DGROUP={group}"]
-    lib = cpu_kernels.load_library(SOURCE, macros, march, "decode attention runs as batched matmuls")
+    lib = cpu_kernels.load_library(SOURCE, macros, march, cache, "decode attention runs as batched matmuls")
     if lib is None:
         return None
     fn = lib.decode_attention
@@ -56,20 +56,17 @@ def _load_kernel(dtype: torch.dtype, head_dim: int, group: int, march: str) -> C
     return fn
 
 
-def load(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> DecodeAttention | None:
-    """The decode attention kernel for these shapes, or None where it does not apply or cannot be
-    built (the reason is logged once)."""
-    if (
-        device.type != "cpu"
-        or dtype not in _DTYPES
-        or head_dim % 16
-        or os.environ.get("AREAL_LITE_DECODE_KERNEL", "1") == "0"
-    ):
+def load(
+    device: torch.device, dtype: torch.dtype, head_dim: int, group: int, config: CPUConfig | None = None
+) -> DecodeAttention | None:
+    """The decode attention kernel for these shapes, built as ``config`` says (`switches`), or None
+    where it does not apply, is switched off or cannot be built (the reason is logged once)."""
+    if device.type != "cpu" or dtype not in _DTYPES or head_dim % 16 or not switches.decode_attention(config):
         return None
     with _lock:
-        key = (dtype, head_dim, group, cpu_kernels.arch())
+        key = (dtype, head_dim, group, switches.kernel_arch(config))
         if key not in _loaded:
-            _loaded[key] = _load_kernel(*key)
+            _loaded[key] = _load_kernel(*key, switches.kernel_cache(config))
         fn = _loaded[key]
     if fn is None:
         return None

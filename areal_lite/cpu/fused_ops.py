@@ -5,8 +5,8 @@ takes five ops), the rotary embedding (about eight) and SiLU times the up projec
 each a pass over a few hundred KB with its own dispatch. At the 16-64 rows of a decode step they
 cost more than their arithmetic. `fused_ops.cpp` does each group in one pass over its rows,
 rounding where HF's eager modules round (see there), and `ModelRunner` uses it on CPU in fp32 and
-bf16 for models with SiLU MLPs; elsewhere, or where it cannot be built (no compiler,
-``AREAL_LITE_FUSED_OPS=0``), the runner keeps the torch ops, with a warning naming the reason.
+bf16 for models with SiLU MLPs; elsewhere, or where it cannot be built (no compiler, or
+`CPUConfig.fused_ops` off), the runner keeps the torch ops, with a warning naming the reason.
 Built and cached as `cpu_kernels` says.
 
 The trainer's side (`patch_for_training`): the RMS norms and SiLU products of an HF model, forward
@@ -17,18 +17,19 @@ modules' forward where they run in fp32 on CPU.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from areal_lite.api.config import CPUConfig
 from areal_lite.cpu import build as cpu_kernels
+from areal_lite.cpu import switches
 
 SOURCE = Path(__file__).with_name("fused_ops.cpp")
-ENV = "AREAL_LITE_FUSED_OPS"
-"""``0`` turns the fused ops off (the torch ops run instead)."""
+ENV = switches.FUSED_OPS_ENV
+"""The variable that overrides `CPUConfig.fused_ops` (``0``: the torch ops run instead)."""
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
 _loaded: dict[tuple[torch.dtype, str], ctypes.CDLL | None] = {}
@@ -107,16 +108,16 @@ class FusedOps:
         return q, k, v
 
 
-def load(device: torch.device, dtype: torch.dtype) -> FusedOps | None:
-    """The fused ops for ``dtype`` on ``device``, or None where they do not apply or cannot be
-    built (the reason is logged once)."""
-    if device.type != "cpu" or dtype not in _DTYPES or os.environ.get(ENV, "1") == "0":
+def load(device: torch.device, dtype: torch.dtype, config: CPUConfig | None = None) -> FusedOps | None:
+    """The fused ops for ``dtype`` on ``device``, built as ``config`` says (`switches`), or None
+    where they do not apply, are switched off or cannot be built (the reason is logged once)."""
+    if device.type != "cpu" or dtype not in _DTYPES or not switches.fused_ops(config):
         return None
     with _lock:
-        key = (dtype, cpu_kernels.arch())
+        key = (dtype, switches.kernel_arch(config))
         if key not in _loaded:
             _loaded[key] = cpu_kernels.load_library(
-                SOURCE, [f"-DBF16={_DTYPES[dtype]}"], key[1], "torch ops run instead"
+                SOURCE, [f"-DBF16={_DTYPES[dtype]}"], key[1], switches.kernel_cache(config), "torch ops run instead"
             )
         lib = _loaded[key]
     return None if lib is None else FusedOps(lib, dtype)
@@ -190,12 +191,12 @@ def _fits(*tensors: torch.Tensor) -> bool:
     )
 
 
-def patch_for_training(model: torch.nn.Module) -> int:
+def patch_for_training(model: torch.nn.Module, config: CPUConfig | None = None) -> int:
     """Route the forward of ``model``'s HF RMS norms and SiLU MLPs (`NORM_CLASSES`, `MLP_CLASSES`)
     through the fused functions where their inputs are fp32 on CPU; other inputs (bf16, CUDA) go to
-    the module's own forward. Returns the number of modules patched (0 where the fused ops are off
-    or cannot be built)."""
-    ops = load(torch.device("cpu"), torch.float32)
+    the module's own forward. Returns the number of modules patched (0 where ``config`` switches
+    the fused ops off or they cannot be built)."""
+    ops = load(torch.device("cpu"), torch.float32, config)
     if ops is None:
         return 0
     patched = 0

@@ -12,25 +12,28 @@ rounding (both ~1e-6 of a float64 reference).
 `linear` is ``F.linear`` with that routing, differentiable: forward, input gradient and weight
 gradient each through oneDNN, for fp32 CPU tensors whose product is at least `MIN_MACS` (below
 that oneDNN's ~10 us per call costs more than it gains). `patch_for_training` puts it in place of
-every ``nn.Linear`` forward of a model; `FSDPEngine` calls it on CPU and the chunked LM head uses
-`linear` directly. Whether it is used is `enabled()`: ``AREAL_LITE_CPU_LINEAR`` = ``onednn`` (always),
-``torch`` (never) or ``auto`` (the default: on AMD CPUs from Zen 5 on, whose AVX-512 is full width,
-unless oneDNN is capped below AVX-512).
+every ``nn.Linear`` forward of a model (`TrainerTuning.tune_model`, for FSDP on CPU) and the
+chunked LM head uses `linear` directly. Whether it is used is `enabled()`, by
+`CPUConfig.fp32_linear` (or ``$AREAL_LITE_CPU_LINEAR``: `areal_lite.cpu.switches`): ``onednn``
+(always), ``torch`` (never) or ``auto`` (the default: on AMD CPUs from Zen 5 on, whose AVX-512 is
+full width, unless oneDNN is capped below AVX-512). The chunked head is no module to patch: it
+follows the config of the train engine that started last in the process (`follow`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from areal_lite.api.config import CPUConfig
+from areal_lite.cpu import switches
 from areal_lite.cpu.precision import cpuinfo_fields, onednn_isa_cap
 
-ENV = "AREAL_LITE_CPU_LINEAR"
-"""``auto`` (default), ``onednn`` or ``torch``: see the module docstring."""
+_followed = CPUConfig()
+"""The config `linear` and the patched layers follow: the last train engine's on CPU (`follow`)."""
 
 MIN_MACS = 1 << 20
 """Products below this many multiply-adds stay with ``F.linear``: at one thread a 64 x 64 x 64
@@ -62,11 +65,17 @@ kernels: ``auto`` keeps ``F.linear`` under them (as `make test-avx2` runs, stand
 CPUs)."""
 
 
+def follow(config: CPUConfig) -> None:
+    """From now on, route this process's fp32 training products as ``config.fp32_linear`` says
+    (a train engine on CPU, as it starts: `TrainerTuning`)."""
+    global _followed
+    _followed = config
+
+
 def enabled() -> bool:
-    """Whether fp32 training products go to oneDNN (`ENV`; ValueError for another value)."""
-    choice = os.environ.get(ENV, "auto").strip().lower()
-    if choice not in ("auto", "onednn", "torch"):
-        raise ValueError(f"{ENV} must be auto, onednn or torch, got {choice!r}")
+    """Whether fp32 training products go to oneDNN, by the followed config's ``fp32_linear`` or
+    its environment override (`switches.fp32_linear`; ValueError for another value)."""
+    choice = switches.fp32_linear(_followed)
     if choice == "torch" or not (
         torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     ):

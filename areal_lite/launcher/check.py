@@ -24,14 +24,8 @@ import sys
 import traceback
 from dataclasses import is_dataclass
 
-from areal_lite.api.config import (
-    BaseExperimentConfig,
-    ConfigChecked,
-    ConfigError,
-    checking_only,
-    input_paths,
-    load_config,
-)
+from areal_lite.api.config_loader import ConfigChecked, ConfigError, checking_only, input_paths, load_config
+from areal_lite.api.experiment_config import BaseExperimentConfig
 
 MODULE_NAME = "__areal_lite_check__"
 

@@ -59,16 +59,10 @@ from types import FrameType
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from areal_lite.api.config import (
-    BaseExperimentConfig,
-    ConfigError,
-    LauncherConfig,
-    RecoverConfig,
-    check_choices,
-    profile_overrides,
-    requested_profile,
-)
+from areal_lite.api.config import RecoverConfig
+from areal_lite.api.config_loader import ConfigError, check_choices, profile_overrides, requested_profile
 from areal_lite.api.errors import STOP_FILE_ENV, read_stop_file
+from areal_lite.api.experiment_config import BaseExperimentConfig, LauncherConfig
 from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.recover import ATTEMPT_ENV
 
@@ -242,7 +236,7 @@ def check_config(plan: LaunchPlan, *, paths: bool = True) -> None:
 
 
 CPU_OVERRIDES = "profile=cpu"
-"""What a GPU config needs on a machine without one: the ``cpu`` profile (`areal_lite.api.config.PROFILES`):
+"""What a GPU config needs on a machine without one: the ``cpu`` profile (`areal_lite.api.config_loader.PROFILES`):
 our server on the CPU instead of SGLang, one server and one trainer, float32 on both sides, CPU sizes."""
 
 

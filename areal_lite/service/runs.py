@@ -30,7 +30,7 @@ import torch
 
 from areal_lite.api.config import LoRAConfig, OptimizerConfig, TrainEngineConfig
 from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta
-from areal_lite.cpu.precision import compute_dtype
+from areal_lite.cpu import compute_dtype
 from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.engines.train.multi_lora import MultiLoRAEngine
 from areal_lite.service import losses

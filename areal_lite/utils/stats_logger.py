@@ -25,7 +25,8 @@ from typing import TextIO
 import numpy as np
 import torch.distributed as dist
 
-from areal_lite.api.config import StatsLoggerConfig, check_choices
+from areal_lite.api.config import StatsLoggerConfig
+from areal_lite.api.config_loader import check_choices
 from areal_lite.utils.stats import StepStats
 
 logger = logging.getLogger("areal_lite.stats")

@@ -24,7 +24,7 @@ from addition_task import (
     start,
 )
 
-from areal_lite.api.config import load_config
+from areal_lite.api.config_loader import load_config
 from areal_lite.kit import print_rank0
 from areal_lite.recipes import DPO, StringThread, TrainingModel, async_map, shutdown
 

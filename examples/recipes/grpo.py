@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from addition_task import RLExampleConfig, exact_grader, held_out_accuracy, prompt_thread, start
 
-from areal_lite.api.config import load_config
+from areal_lite.api.config_loader import load_config
 from areal_lite.api.io import GenerationConfig
 from areal_lite.kit import print_rank0
 from areal_lite.recipes import GRPO, CosineScheduler, shutdown

@@ -35,7 +35,7 @@ from addition_task import (
 )
 
 from areal_lite.algorithms.functional import grpo_advantages
-from areal_lite.api.config import load_config
+from areal_lite.api.config_loader import load_config
 from areal_lite.api.io import GenerationConfig
 from areal_lite.kit import print_rank0
 from areal_lite.recipes import (

@@ -11,7 +11,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from areal_lite.api.config import READS_MODEL, BaseExperimentConfig, InferenceEngineConfig, load_config
+from areal_lite.api.config import READS_MODEL, InferenceEngineConfig
+from areal_lite.api.config_loader import load_config
+from areal_lite.api.experiment_config import BaseExperimentConfig
 from areal_lite.launcher.local import is_healthy
 
 

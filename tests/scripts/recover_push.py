@@ -12,14 +12,8 @@ import sys
 import torch
 from tensordict import TensorDict
 
-from areal_lite.api.config import (
-    BaseExperimentConfig,
-    ClusterConfig,
-    InferenceEngineConfig,
-    LocalEngineConfig,
-    RecoverConfig,
-    TrainEngineConfig,
-)
+from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig, RecoverConfig, TrainEngineConfig
+from areal_lite.api.experiment_config import BaseExperimentConfig, ClusterConfig
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
 from areal_lite.core import RolloutController
 from areal_lite.engines.local.engine import LocalInferenceEngine

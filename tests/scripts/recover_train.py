@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import TensorDict
 
-from areal_lite.api.config import BaseExperimentConfig, TrainEngineConfig, load_config
+from areal_lite.api.config import TrainEngineConfig
+from areal_lite.api.config_loader import load_config
+from areal_lite.api.experiment_config import BaseExperimentConfig
 from areal_lite.api.io import FinetuneSpec
 from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.dataloader import stateful_dataloader

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import TensorDict
 
-from areal_lite.api.config import BaseExperimentConfig, InferenceEngineConfig, TrainEngineConfig, load_config
+from areal_lite.api.config import InferenceEngineConfig, TrainEngineConfig
+from areal_lite.api.config_loader import load_config
 from areal_lite.api.engine import InferenceEngine
+from areal_lite.api.experiment_config import BaseExperimentConfig
 from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, WeightUpdateMeta
 from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.core import RolloutController

@@ -14,7 +14,8 @@ import time
 
 import aiohttp
 
-from areal_lite.api.config import LauncherConfig, RecoverConfig
+from areal_lite.api.config import RecoverConfig
+from areal_lite.api.experiment_config import LauncherConfig
 from areal_lite.launcher.local import LaunchPlan, is_healthy, spawn, stop, vllm_python, vllm_server_command
 from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.tiny import build_tiny_model

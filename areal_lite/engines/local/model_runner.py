@@ -26,11 +26,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from areal_lite.cpu import decode_attention, fused_ops
+from areal_lite.cpu import engine_kernels
 from areal_lite.engines.local.decode_graphs import DecodeGraphs
 from areal_lite.engines.local.packed_linears import PackedLinears
 from areal_lite.engines.local.request import Sequence
@@ -44,6 +45,9 @@ from areal_lite.engines.local.sampling import (
 )
 from areal_lite.utils import flash_varlen
 from areal_lite.utils.moe import NO_EXPERT, layer_routers, routing_shape
+
+if TYPE_CHECKING:
+    from areal_lite.api.config import CPUConfig
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +74,13 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: torch.nn.Module, max_rows: int, context_len: int, seed: int, cuda_graphs: bool = False
+        self,
+        model: torch.nn.Module,
+        max_rows: int,
+        context_len: int,
+        seed: int,
+        cuda_graphs: bool = False,
+        cpu: CPUConfig | None = None,
     ) -> None:
         cfg = model.config
         rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -102,11 +112,12 @@ class ModelRunner:
         cos, sin = self.base.rotary_emb(dummy, positions)
         self.cos, self.sin = cos[0], sin[0]  # [context_len, head_dim]
         self.cap = 0
-        self.decode_attention = decode_attention.load(self.device, self.dtype, self.head_dim, self.n_heads // self.n_kv)
+        kernels = engine_kernels(self.device, self.dtype, self.head_dim, self.n_heads // self.n_kv, cpu)
+        self.decode_attention = kernels.attention
         """The compiled decode attention (CPU, fp32 or bf16), None where it is unavailable:
         then decode attention is two batched matmuls."""
-        self.block = decode_attention.BLOCK if self.decode_attention is not None else 1
-        self.ops = fused_ops.load(self.device, self.dtype)
+        self.block = kernels.block
+        self.ops = kernels.ops
         """The compiled residual add and norm, rotary embedding and SiLU product (CPU, fp32 or
         bf16), None where they are unavailable: then torch ops."""
         self.silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")

@@ -34,9 +34,7 @@ import torch
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
-from areal_lite.cpu.gc_freeze import freeze_startup_objects
-from areal_lite.cpu.malloc import keep_freed_memory, release_freed_memory
-from areal_lite.cpu.threads import check_cores, pin_this_thread, release_openmp_threads, set_thread_intra_op_threads
+from areal_lite.cpu import EngineTuning
 from areal_lite.engines.local.futures import call_in_loop, complete, set_result_once
 from areal_lite.engines.local.grammar import Grammars
 from areal_lite.engines.local.model_loading import context_length, dtype_of, eos_ids, load_model
@@ -76,8 +74,8 @@ class Scheduler:
         self._admitting: list[Sequence] = []
         """Taken from the queue, not yet in the batch (an abort must still find them)."""
         self._thread: threading.Thread | None = None
-        self._keeps_freed_memory = False
-        """Whether this engine holds `keep_freed_memory` (on CPU, from `start` to `stop`)."""
+        self._cpu = EngineTuning(config)
+        """The CPU speed measures: the engine's cores and threads, memory kept from `start` to `stop`."""
         self._eos_ids: frozenset[int] = frozenset()
         self.weights = WeightLoader(self._run_in_scheduler, self._weights_loaded)
         self.adapter = self.weights.adapter
@@ -92,28 +90,19 @@ class Scheduler:
     def start(self) -> None:
         """Load the model and tokenizer and start the scheduler thread."""
         cfg = self.config
-        check_cores(cfg.cores, "local_engine.cores")
+        self._cpu.check_cores()
         model, self.tokenizer = load_model(cfg.path, dtype_of(cfg.dtype), cfg.device)
         self._eos_ids = eos_ids(model)
         self.model = model
         context_len = context_length(model, cfg.max_total_tokens)
-        self._runner = ModelRunner(model, cfg.max_running_requests, context_len, cfg.seed, cfg.cuda_graphs)
+        self._runner = ModelRunner(model, cfg.max_running_requests, context_len, cfg.seed, cfg.cuda_graphs, cfg.cpu)
         self.weights.attach(model, self._runner.device)
         self.grammars = Grammars(self.tokenizer, model.config.vocab_size, self._eos_ids)
-        if self._runner.device.type == "cpu" and not self._keeps_freed_memory:
-            # Every step frees and reallocates its [rows, vocab] logits and probabilities (39 MB
-            # each at 64 rows of a 151936-token vocabulary): kept, they are reused instead of
-            # faulted in afresh (docs/performance.md, "Sampling without a float64 copy").
-            self._keeps_freed_memory = keep_freed_memory()
+        self._cpu.keep_step_memory(self._runner.device)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="local-engine-scheduler", daemon=True)
         self._thread.start()
-        freeze_startup_objects()
-        # Loading ran parallel ops on the calling thread, which gave it an OpenMP team of its own.
-        # Kept, its docked workers count against the CPUs, and libgomp then wakes the scheduler's
-        # workers through a futex at every op instead of spinning: at 2 threads on 2 CPUs the
-        # decode step ran at one thread's speed. The caller gets a team again if it computes.
-        release_openmp_threads()
+        self._cpu.started()
 
     def stop(self) -> None:
         """Stop the thread; queued and running requests end aborted, pending commands fail."""
@@ -133,9 +122,7 @@ class Scheduler:
         self.weights.detach()
         self.model = None
         self._runner = None
-        if self._keeps_freed_memory:
-            self._keeps_freed_memory = False
-            release_freed_memory()
+        self._cpu.release()
 
     def stop_ids(self, params: SamplingParams) -> frozenset[int]:
         """The token ids a generation of ``params`` ends on: its ``stop_token_ids`` and, unless
@@ -352,9 +339,7 @@ class Scheduler:
     def _loop(self) -> None:
         runner = self._runner
         assert runner is not None
-        pin_this_thread(self.config.cores)
-        if self.config.num_threads:
-            set_thread_intra_op_threads(self.config.num_threads)
+        self._cpu.thread_started()
         whole = current = torch.get_num_threads()
         while True:
             with self._cond:
@@ -366,9 +351,7 @@ class Scheduler:
                     and (self._paused or not (self._waiting or runner.rows))
                 ):
                     if not idle:
-                        # Whoever computes while the engine waits (the trainer beside it in
-                        # process) gets the cores' OpenMP threads to itself.
-                        release_openmp_threads()
+                        self._cpu.idle()
                         idle = True
                     self._cond.wait()
                 if self._stopping:
@@ -391,7 +374,7 @@ class Scheduler:
                 computing, share = self._yield_to
                 wanted = min(share, whole) if computing() else whole
                 if wanted != current:
-                    set_thread_intra_op_threads(wanted)
+                    self._cpu.run_on(wanted)
                     current = wanted
             try:
                 version = self.version

@@ -63,8 +63,7 @@ import torch
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdateMeta
-from areal_lite.cpu.gc_freeze import freeze_startup_objects
-from areal_lite.cpu.threads import check_cores
+from areal_lite.cpu import check_cores, freeze_startup_objects
 from areal_lite.engines.remote.fleet import ServerError, ServerFleet, ServerUnavailable
 from areal_lite.utils.moe import routing_shape
 

@@ -35,7 +35,7 @@ from concurrent.futures import Future
 import aiohttp
 
 from areal_lite.api.config import InferenceEngineConfig
-from areal_lite.cpu.threads import pin_this_thread
+from areal_lite.cpu import rollout_client_thread
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class ServerFleet:
         ready = threading.Event()
 
         def run() -> None:
-            pin_this_thread(self.config.client_cores)
+            rollout_client_thread(self.config.client_cores)
             asyncio.set_event_loop(loop)
             loop.call_soon(ready.set)
             loop.run_forever()

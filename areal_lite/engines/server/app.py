@@ -40,7 +40,7 @@ from aiohttp import web
 
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
-from areal_lite.cpu.gc_freeze import freeze_startup_objects
+from areal_lite.cpu import freeze_startup_objects
 from areal_lite.engines.local import grammar
 from areal_lite.engines.local.request import GenerationResult, SamplingParams
 from areal_lite.engines.local.scheduler import Scheduler

@@ -13,9 +13,9 @@ cuts into fewer micro-batches run extra zero-weight passes so that FSDP's collec
 Mixed precision (``dtype=bfloat16``, or ``auto`` where the device computes bf16 natively) keeps
 fp32 master weights and optimizer state, computes in bf16 and reduces gradients in fp32.
 
-On CPU the HF model's RMS norms and SiLU products run fused (`fused_ops.patch_for_training`), and
-its fp32 linears and head go through oneDNN where MKL would run below the CPU's vector width
-(`areal_lite.cpu.linear`: by default on AMD CPUs from Zen 5 on, 2.2x there).
+On CPU the HF model's RMS norms and SiLU products run fused, and its fp32 linears and head go
+through oneDNN where MKL would run below the CPU's vector width (by default on AMD CPUs from Zen 5
+on): `areal_lite.cpu.TrainerTuning`, switched by ``cpu`` (`CPUConfig`).
 
 LoRA (``lora.rank > 0``): peft wraps the model before it is sharded, so each layer's adapters are
 sharded with it; only the adapters require gradients, and so only they get optimizer state. Weight
@@ -53,11 +53,7 @@ from torch.distributed.tensor import DTensor
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import InferenceEngine, LossFn, PackedBatch
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
-from areal_lite.cpu import linear as cpu_linear
-from areal_lite.cpu.gc_freeze import freeze_startup_objects
-from areal_lite.cpu.malloc import keep_freed_memory, release_freed_memory
-from areal_lite.cpu.precision import compute_dtype
-from areal_lite.cpu.threads import CoreSharing
+from areal_lite.cpu import TrainerTuning, compute_dtype
 from areal_lite.engines.train.base import TrainEngineBase, read_back
 from areal_lite.engines.train.fsdp_model import HF_PREFIX, PackedModel, add_lora_adapters, load_hf_model, shard
 from areal_lite.engines.train.shared_prefix import shared_prefix_layout
@@ -92,10 +88,8 @@ class FSDPEngine(TrainEngineBase):
         """With LoRA: each adapter parameter's name in the HF model -> its name in a PEFT file."""
         self._routing: RoutingReplay | None = None
         """A mixture-of-experts model's routers (None for a dense model)."""
-        self._keeps_freed_memory = False
-        """Whether `initialize` made glibc keep freed memory (released by `destroy`)."""
-        self._core_sharing: CoreSharing | None = None
-        """On CPU beside an in-process engine with its own thread share: the trainer's count."""
+        self._cpu = TrainerTuning(config.cpu)
+        """The CPU speed measures: fused kernels, oneDNN products, kept memory, the cores' share."""
 
     # ---------------------------------------------------------------- setup
 
@@ -123,9 +117,7 @@ class FSDPEngine(TrainEngineBase):
                 )
             self._peft, self._adapter_names = add_lora_adapters(hf, cfg.lora)
             hf = self._peft.get_base_model()
-        if self.device.type == "cpu":
-            # fp32 products through oneDNN where MKL would run below the CPU's width (cpu_linear).
-            cpu_linear.patch_for_training(hf)
+        self._cpu.tune_model(hf, self.device)
         if routing_shape(hf.config) is not None:
             self._routing = RoutingReplay(hf)
         elif cfg.routing_replay:
@@ -137,11 +129,8 @@ class FSDPEngine(TrainEngineBase):
         self.model = shard(hf, cfg, self.device, self.compute_dtype)
         if ft_spec is not None:
             self._build_optimizer(ft_spec)
-            if self.device.type == "cpu":
-                # Each step frees and reallocates gigabytes; keeping them spares the page faults
-                # (process-wide, so only until `destroy`).
-                self._keeps_freed_memory = keep_freed_memory()
-        freeze_startup_objects()
+            self._cpu.keep_step_memory(self.device)
+        self._cpu.startup_done(self.device)
 
     def _build_optimizer(self, ft_spec: FinetuneSpec) -> None:
         assert self.model is not None
@@ -167,14 +156,10 @@ class FSDPEngine(TrainEngineBase):
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor(ft_spec))
 
     def destroy(self) -> None:
-        if self._core_sharing is not None:
-            self._core_sharing.detach()
-            self._core_sharing = None
+        self._cpu.stop_sharing_cores()
         self.lr_scheduler = None
         super().destroy()
-        if self._keeps_freed_memory:
-            self._keeps_freed_memory = False
-            release_freed_memory()
+        self._cpu.release()
 
     def _data_parallel_group(self) -> dist.ProcessGroup | None:
         return None  # every rank holds a shard of the whole model: all are data-parallel
@@ -343,10 +328,8 @@ class FSDPEngine(TrainEngineBase):
         if not 0 < share < threads:
             return
         assert self.model is not None
-        if self._core_sharing is not None:
-            self._core_sharing.detach()
-        self._core_sharing = CoreSharing(lambda: engine.busy, threads, threads - share)  # type: ignore[attr-defined]
-        self._core_sharing.attach(self.model.hf.base_model.layers)
+        layers = self.model.hf.base_model.layers
+        self._cpu.share_cores(lambda: engine.busy, threads, threads - share, layers)  # type: ignore[attr-defined]
         logger.info(
             "training on %d threads while the engine generates on %d, on %d otherwise", threads - share, share, threads
         )

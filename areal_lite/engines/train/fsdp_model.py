@@ -21,7 +21,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from areal_lite.api.config import LoRAConfig, TrainEngineConfig
-from areal_lite.cpu import fused_ops
 from areal_lite.engines.train.logprob import logprobs_from_hidden, token_logprobs, token_values
 from areal_lite.engines.train.shared_prefix import SharedPrefixLayout
 from areal_lite.engines.train.varlen_attention import register_varlen_sdpa
@@ -132,7 +131,7 @@ class PackedModel(nn.Module):
 
 def load_hf_model(path: str, config: TrainEngineConfig, device: torch.device) -> nn.Module:
     """The HF model (a value model with ``config.is_critic``) of directory ``path`` in fp32, with
-    the engine's attention and, on CPU, its fused ops."""
+    the engine's attention."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     attn = config.attn_impl
@@ -148,10 +147,6 @@ def load_hf_model(path: str, config: TrainEngineConfig, device: torch.device) ->
     else:
         hf = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     hf.config.use_cache = False
-    if device.type == "cpu":
-        # RMS norms and SiLU products in one compiled pass each, forward and backward, where
-        # they run in fp32 (fused_ops; AREAL_LITE_FUSED_OPS=0 keeps HF's ops).
-        fused_ops.patch_for_training(hf)
     return hf
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from areal_lite.cpu import linear as cpu_linear
+from areal_lite.cpu import trainer_linear
 from areal_lite.engines.train.fused_head import head_logprobs
 
 CHECKPOINT_MIN_BYTES = 256 << 20
@@ -30,7 +30,7 @@ one chunk costs ~3x its logits (201 MiB for 1024 tokens of that vocabulary)."""
 def _chunk_stats(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = cpu_linear.linear(hidden, weight).float()
+    logits = trainer_linear(hidden, weight).float()
     logz = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logz
     if not with_entropy:

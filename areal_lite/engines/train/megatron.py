@@ -58,8 +58,7 @@ from tensordict import TensorDict
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.engine import LossFn, PackedBatch
 from areal_lite.api.io import FinetuneSpec
-from areal_lite.cpu.gc_freeze import freeze_startup_objects
-from areal_lite.cpu.precision import compute_dtype
+from areal_lite.cpu import TrainerTuning, compute_dtype
 from areal_lite.engines.train.base import TrainEngineBase, read_back
 from areal_lite.engines.train.logprob import token_logprobs, token_values
 from areal_lite.engines.train.mcore_convert import ArchSpec
@@ -143,7 +142,7 @@ class MegatronEngine(TrainEngineBase):
         else:
             self.model = wrap_ddp(model)
             self._build_optimizer(ft_spec)
-        freeze_startup_objects()
+        TrainerTuning(cfg.cpu).startup_done(self.device)
 
     def _check_experts(self, arch: ArchSpec) -> None:
         cfg = self.config
