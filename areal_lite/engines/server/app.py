@@ -60,7 +60,7 @@ class Server:
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=1024**3)
         r = app.router
-        GenerateRoute(self.args, self.scheduler, self.state).register(r)
+        GenerateRoute(self.scheduler, self.state, self.args.allow_auto_truncate).register(r)
         SGLangRoutes(self.args, self.scheduler, self.state).register(r)
         names = self.args.served_model_name or [self.args.model_path]
         openai_routes = OpenAIRoutes(self.scheduler, names)

@@ -37,7 +37,6 @@ from areal_lite.engines.server.common import (
 )
 from areal_lite.engines.server.lora_routes import check_lora_path
 from areal_lite.engines.server.openai_request import MAX_TOP_LOGPROBS
-from areal_lite.engines.server.server_args import ServerArgs
 from areal_lite.engines.server.streaming import Job, TextDeltas, merged, send_events
 from areal_lite.openai_format.chat import shaping_fields
 
@@ -212,10 +211,11 @@ def _rids(rid: object, batch: int | None) -> list[str]:
 class GenerateRoute:
     """``/generate`` (POST, and PUT as SGLang takes it) over the embedded engine's `Scheduler`."""
 
-    def __init__(self, args: ServerArgs, scheduler: Scheduler, state: ServerState) -> None:
-        self.args = args
+    def __init__(self, scheduler: Scheduler, state: ServerState, allow_auto_truncate: bool = False) -> None:
         self.scheduler = scheduler
         self.state = state
+        self.allow_auto_truncate = allow_auto_truncate
+        """``--allow-auto-truncate``: cut what does not fit the context rather than refuse it (`_fit_context`)."""
 
     def register(self, router: web.UrlDispatcher) -> None:
         router.add_post("/generate", self.generate)
@@ -301,7 +301,7 @@ class GenerateRoute:
         message; with ``--allow-auto-truncate`` the prompt keeps its head and ``max_new_tokens``
         shrinks instead. An absent ``max_new_tokens`` (128) just ends at the context's end."""
         context = self.scheduler.context_len
-        truncate = self.args.allow_auto_truncate
+        truncate = self.allow_auto_truncate
         if len(prompt) >= context:
             if not truncate:
                 raise BadRequest(

@@ -18,8 +18,8 @@ from areal_lite import __version__
 from areal_lite.engines.local.request import GenerationResult, SamplingParams, TokenOut
 from areal_lite.engines.local.scheduler import Scheduler
 from areal_lite.engines.server.common import CONTEXT_TOKENS, TokenBytes, output_text, token_text
-from areal_lite.engines.server.openai_request import Options
-from areal_lite.engines.server.streaming import TOOL_CALL_START, Answer, Job, TextDeltas
+from areal_lite.engines.server.openai_request import ChoiceRequest
+from areal_lite.engines.server.streaming import TOOL_CALL_START, Answer, TextDeltas
 from areal_lite.openai_format.chat import assistant_message, chat_finish_reason, token_usage
 from areal_lite.openai_format.tool_calls import ToolCall, parse_tool_calls
 
@@ -104,19 +104,12 @@ def top_of(event: TokenOut) -> list | None:
 
 class ChoicesAnswer(Answer):
     """What completions and chat answers share: ``head`` (id, created, model) on every object,
-    one choice per job, and, streamed with ``stream_options.include_usage``, a usage chunk last."""
+    one choice per job of ``req``, and, streamed with ``stream_options.include_usage``, a usage
+    chunk last."""
 
-    def __init__(
-        self,
-        texts: AnswerTexts,
-        head: dict[str, object],
-        o: Options,
-        params: SamplingParams,
-        jobs: list[Job],
-        prompt_tokens: int,
-    ) -> None:
-        self.texts, self.head, self.o, self.params = texts, head, o, params
-        self.jobs, self.prompt_tokens = jobs, prompt_tokens
+    def __init__(self, texts: AnswerTexts, req: ChoiceRequest, head: dict[str, object], prompt_tokens: int) -> None:
+        self.texts, self.head, self.prompt_tokens = texts, head, prompt_tokens
+        self.o, self.params, self.jobs = req.o, req.params, req.jobs
 
     def chunk(self, choices: list[dict[str, object]]) -> dict[str, object]:
         return {**self.head, "choices": choices}
@@ -137,10 +130,7 @@ class CompletionAnswer(ChoicesAnswer):
     def __init__(
         self,
         texts: AnswerTexts,
-        model: str,
-        o: Options,
-        params: SamplingParams,
-        jobs: list[Job],
+        req: ChoiceRequest,
         prompts: list[list[int]],
         prompt_texts: list[str] | None,
         logprobs: bool,
@@ -148,21 +138,22 @@ class CompletionAnswer(ChoicesAnswer):
         echo: bool,
         scored: list[GenerationResult] | None = None,
     ) -> None:
+        o = req.o
         head = {"id": f"cmpl-{o.request_id}", "object": "text_completion", "created": int(time.time()),
-                "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}  # fmt: skip
-        super().__init__(texts, head, o, params, jobs, sum(len(p) for p in prompts))
+                "model": req.model, "system_fingerprint": SYSTEM_FINGERPRINT}  # fmt: skip
+        super().__init__(texts, req, head, sum(len(p) for p in prompts))
         self.logprobs, self.as_ids, self.echo = logprobs, as_ids, echo
         # Echoed, a choice's text and log-probabilities start with its prompt's (top ones included,
         # as vLLM and OpenAI answer).
         if echo and prompt_texts is None:  # token ids: decoded
             tok = texts.tokenizer
             prompt_texts = [tok.decode(p) if tok is not None else "" for p in prompts]
-        self.echoed = [prompt_texts[i // o.n] if echo else "" for i in range(len(jobs))]  # type: ignore[index]
-        self.echo_blocks: list[dict[str, list] | None] = [None] * len(jobs)
+        self.echoed = [prompt_texts[i // o.n] if echo else "" for i in range(len(self.jobs))]  # type: ignore[index]
+        self.echo_blocks: list[dict[str, list] | None] = [None] * len(self.jobs)
         if scored is not None:
             self.echo_blocks = [
                 self.logprob_block(p, scored[i // o.n].input_logprobs or [], scored[i // o.n].input_top_logprobs, 0)
-                for i, (p, _, _) in enumerate(jobs)
+                for i, (p, _, _) in enumerate(self.jobs)
             ]
         # A choice's output offsets go on from its echoed tokens' texts (a BOS's included, as vLLM counts).
         self.starts = [
@@ -266,19 +257,16 @@ class ChatAnswer(ChoicesAnswer):
     def __init__(
         self,
         texts: AnswerTexts,
-        model: str,
-        o: Options,
-        params: SamplingParams,
-        jobs: list[Job],
+        req: ChoiceRequest,
         prompt: list[int],
         logprobs: bool,
         tools: bool,
         forced: bool,
         named: str | None,
     ) -> None:
-        head = {"id": f"chatcmpl-{o.request_id}", "created": int(time.time()), "model": model,
+        head = {"id": f"chatcmpl-{req.o.request_id}", "created": int(time.time()), "model": req.model,
                 "system_fingerprint": SYSTEM_FINGERPRINT}  # fmt: skip
-        super().__init__(texts, head, o, params, jobs, len(prompt))
+        super().__init__(texts, req, head, len(prompt))
         self.prompt, self.logprobs, self.tools, self.forced, self.named = prompt, logprobs, tools, forced, named
 
     def chunk(self, choices: list[dict[str, object]]) -> dict[str, object]:

@@ -2,7 +2,8 @@
 ``/v1/chat/completions``, ``/v1/responses``), held to OpenAI's and vLLM's limits: how to answer
 (`Options`), the sampling with its output constraint (`sampling_params`: ``response_format``,
 vLLM's ``structured_outputs``, or the grammar of a forced tool call, `forced_call`), and the
-generation of each choice (`choice_jobs`)."""
+generation of each choice (`choice_jobs`); for a completion or chat request, all of it at once
+once its prompts are read (`ChoiceRequest.read`)."""
 
 from __future__ import annotations
 
@@ -227,3 +228,38 @@ def choice_jobs(
         p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
         out.append((prompts[i // n], p, f"{request_id}-{i}"))
     return out
+
+
+@dataclass
+class ChoiceRequest:
+    """A completion or chat request, read: the model it names, how to answer, its sampling and
+    the generation of each choice."""
+
+    model: str
+    o: Options
+    params: SamplingParams
+    jobs: list[Job]
+
+    @classmethod
+    def read(
+        cls,
+        scheduler: Scheduler,
+        body: dict[str, object],
+        model: str,
+        o: Options,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        top_logprobs: int,
+        *,
+        prompt_key: str = "messages",
+        budget_key: str = "max_tokens",
+        scoring: bool = False,
+        tool_grammar: str | None = None,
+    ) -> ChoiceRequest:
+        """The sampling of ``body`` (`sampling_params`, the longest prompt against the context)
+        and ``o.n`` choices of each prompt (`choice_jobs`)."""
+        longest = max(len(p) for p in prompts)
+        params = sampling_params(
+            scheduler, body, max_tokens, longest, top_logprobs, prompt_key, budget_key, scoring, tool_grammar
+        )
+        return cls(model, o, params, choice_jobs(scheduler, prompts, params, o.n, o.request_id))

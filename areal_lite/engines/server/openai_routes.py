@@ -49,13 +49,12 @@ from areal_lite.engines.local.scheduler import Scheduler
 from areal_lite.engines.server.common import read_json, token_ids
 from areal_lite.engines.server.openai_answers import AnswerTexts, ChatAnswer, CompletionAnswer
 from areal_lite.engines.server.openai_request import (
+    ChoiceRequest,
     Options,
     chat_logprobs_fields,
     check_messages,
-    choice_jobs,
     completion_logprobs_field,
     forced_call,
-    sampling_params,
 )
 from areal_lite.engines.server.streaming import respond
 from areal_lite.openai_format.chat import (
@@ -164,15 +163,13 @@ class OpenAIRoutes:
         top_n = logprobs or 0
         o = Options.parse(body)
         max_tokens = int_field(body, "max_tokens", 16)
-        longest = max(len(p) for p in prompts)
-        params = sampling_params(self.scheduler, body, max_tokens, longest, top_n, prompt_key="prompt", scoring=echo)
-        jobs = choice_jobs(self.scheduler, prompts, params, o.n, o.request_id)
+        req = ChoiceRequest.read(
+            self.scheduler, body, model, o, prompts, max_tokens, top_n, prompt_key="prompt", scoring=echo
+        )
         as_ids = bool_field(body, "return_tokens_as_token_ids", False)
         scored = await self._prompt_logprobs(prompts, top_n) if echo and logprobs is not None else None
-        answer = CompletionAnswer(
-            self.texts, model, o, params, jobs, prompts, prompt_texts, logprobs is not None, as_ids, echo, scored
-        )
-        return await respond(request, self.scheduler, jobs, answer, o.stream)
+        answer = CompletionAnswer(self.texts, req, prompts, prompt_texts, logprobs is not None, as_ids, echo, scored)
+        return await respond(request, self.scheduler, req.jobs, answer, o.stream)
 
     def _completion_prompts(self, prompt: object, special: bool) -> tuple[list[list[int]], list[str] | None]:
         """The prompts as token-id lists (from a string, a list of strings, token ids, lists of
@@ -216,16 +213,10 @@ class OpenAIRoutes:
         want_logprobs, top_n = chat_logprobs_fields(body)
         o = Options.parse(body)
         budget = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        params = sampling_params(
-            self.scheduler,
-            body,
-            max_completion_tokens(body),
-            len(prompt),
-            top_n,
-            budget_key=budget,
-            tool_grammar=tool_grammar,
+        max_tokens = max_completion_tokens(body)
+        req = ChoiceRequest.read(
+            self.scheduler, body, model, o, [prompt], max_tokens, top_n, budget_key=budget, tool_grammar=tool_grammar
         )
-        jobs = choice_jobs(self.scheduler, [prompt], params, o.n, o.request_id)
         forced = tool_grammar is not None
-        answer = ChatAnswer(self.texts, model, o, params, jobs, prompt, want_logprobs, tools is not None, forced, named)
-        return await respond(request, self.scheduler, jobs, answer, o.stream)
+        answer = ChatAnswer(self.texts, req, prompt, want_logprobs, tools is not None, forced, named)
+        return await respond(request, self.scheduler, req.jobs, answer, o.stream)

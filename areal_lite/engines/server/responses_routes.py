@@ -110,11 +110,18 @@ class ResponseAnswer(Answer):
         [r] = results
         content, calls = self.answer(r)
         lps = self.logprobs(r.output_ids, r.output_logprobs, r.output_top_logprobs)
-        item_id = f"msg_{self.response_id.removeprefix('resp_')}"
         return finished_response(
-            self.body, self.response_id, self.model, content, calls, lps, finish_type(r), len(self.prompt),
-            len(r.output_ids), item_id,
-        )  # fmt: skip
+            self.body,
+            self.response_id,
+            self.model,
+            content,
+            calls,
+            lps,
+            finish=finish_type(r),
+            prompt_tokens=len(self.prompt),
+            output_tokens=len(r.output_ids),
+            item_id=f"msg_{self.response_id.removeprefix('resp_')}",
+        )
 
     def opening(self) -> list[dict[str, object]]:
         self.stream = ResponseEvents(self.body, self.response_id, self.model)
