@@ -190,7 +190,7 @@ class RecordingProxy:
             offsets = list(itertools.accumulate((len(t) for t in tokens), initial=len(prompt)))[:-1]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(resp.output_logprobs),
                                   "top_logprobs": None, "text_offset": offsets}  # fmt: skip
-        return _answer("cmpl", "text_completion", body, choice, resp)
+        return _completion_object("cmpl", "text_completion", body, choice, resp)
 
     async def _generate_recorded(self, body: dict[str, object], text: str) -> tuple[ModelResponse, GenerationConfig]:
         """Generate a continuation of the prompt ``text`` (a trajectory's text, extended, or a new
@@ -304,7 +304,7 @@ class RecordingProxy:
                     {"token": s, "logprob": logprob, "bytes": self.token_bytes(token, s), "top_logprobs": []}
                 )
             choice["logprobs"] = {"content": entries}
-        out = _answer("chatcmpl", "chat.completion", body, choice, resp)
+        out = _completion_object("chatcmpl", "chat.completion", body, choice, resp)
         if bool_field(body, "return_token_ids", False):
             out["prompt_token_ids"] = resp.input_tokens
             choice["token_ids"] = resp.output_tokens
@@ -404,7 +404,7 @@ def _finish_reason(resp: ModelResponse) -> str:
     return {"stop": "stop", "length": "length"}.get(resp.stop_reason, "abort")
 
 
-def _answer(
+def _completion_object(
     id_prefix: str, kind: str, body: dict[str, object], choice: dict[str, object], resp: ModelResponse
 ) -> dict[str, object]:
     """A completion object of ``kind`` (``text_completion``, ``chat.completion``) with one choice."""

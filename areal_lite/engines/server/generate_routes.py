@@ -5,10 +5,11 @@ batch, ``n`` samples each, answered whole or streamed one event per token, with 
 Deliberate differences from SGLang: weight versions are integers (as strings on the wire, "0" at
 start); ``meta_info`` carries one extra key, ``output_token_versions`` (the version of each output
 token, which can change inside one request when weights are updated in place); ``json_schema``,
-``regex`` and ``ebnf`` are held to with llguidance (`areal_lite.engines.local.grammar`), where SGLang
-defaults to xgrammar; ``structural_tag``, ``stop_regex`` and the multimodal, hidden-state and custom-logit-processor
-inputs of ``/generate`` are refused with a 400 rather than silently ignored. A mixture-of-experts model answers ``return_routed_experts`` as SGLang started
-with ``--enable-return-routed-experts`` does (``meta_info["routed_experts"]``, base64 of int32
+``regex`` and ``ebnf`` are held to with llguidance (`areal_lite.engines.local.grammar`), where
+SGLang defaults to xgrammar; ``structural_tag``, ``stop_regex`` and the multimodal, hidden-state
+and custom-logit-processor inputs of ``/generate`` are refused with a 400 rather than silently
+ignored. A mixture-of-experts model answers ``return_routed_experts`` as SGLang started with
+``--enable-return-routed-experts`` does (``meta_info["routed_experts"]``, base64 of int32
 ``[prompt + completion tokens - 1, layers, top_k]``); a dense model refuses it with a 400.
 """
 

@@ -1,9 +1,9 @@
 """The OpenAI-compatible routes of our server: ``/v1/models`` (and ``/v1/models/{id}``),
 ``/v1/completions`` and ``/v1/chat/completions`` (docs/protocol.md, "OpenAI-compatible routes");
 ``/v1/responses`` is `areal_lite.engines.server.responses_routes`, built on this module's `OpenAIRoutes`.
-Each handler reads what is its own (the prompt, log-probabilities) and builds the rest with what the
+Each handler reads what is its own (the prompt, log-probabilities) and the rest with what the
 routes share: the request's options, sampling and one job per choice
-(`areal_lite.engines.server.openai_request`), run and answered whole or streamed
+(`areal_lite.engines.server.openai_request.ChoiceRequest`), run and answered whole or streamed
 (`areal_lite.engines.server.streaming.respond`) by the route's answer writer
 (`areal_lite.engines.server.openai_answers`).
 
@@ -17,24 +17,26 @@ against them. Tool calls are read from the completion in the Hermes format
 (`areal_lite.openai_format.tool_calls`); what a chat request says is read by `areal_lite.openai_format.chat`,
 shared with the agent workflows' recording proxy.
 
-The server answers to the names it is given (``--served-model-name``, default the model path), so
-a client that sends a hub name works once that name is served. ``stream: true`` sends each token as
-the scheduler produces it (`areal_lite.engines.server.streaming`). ``seed`` gives a request a random
-stream of its own (choice ``i`` of ``n`` uses ``seed + i``): the same seed, the same tokens.
-``top_logprobs`` (chat) and ``logprobs`` (completions) report up to `openai_request.MAX_TOP_LOGPROBS` most likely
-tokens per position, the policy's own (temperature 1, before top-p / top-k), like the sampled
-token's; a chat entry's ``bytes`` are the token's own (`areal_lite.openai_format.chat.TokenBytes`). ``echo`` (completions) puts
-the prompt before the answer. ``frequency_penalty``, ``presence_penalty``, ``logit_bias`` and vLLM's
-``repetition_penalty`` and ``min_p`` shape what is sampled (`areal_lite.engines.local.shaping`), not the
-reported log-probabilities. ``response_format`` (``json_object``, ``json_schema``) and vLLM's
-``structured_outputs`` (``json``, ``json_object``, ``regex``, ``choice``, ``grammar``) constrain the
-output (`areal_lite.engines.local.grammar`), and so does a ``tool_choice`` that forces a call (``required``
-or a named function): the answer is held to Hermes-format calls of the tools, their arguments to
-each tool's schema, and read back as the calls. Refused with a 400:
-what OpenAI's ranges exclude (``temperature`` above 2, ``n`` above
-`openai_request.MAX_N`). Every error is OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``);
-an unknown model is a 404, as in vLLM, and so are routes this server does not serve (embeddings,
-images, audio, moderations), with a message that says so.
+The server answers to the names it is given (``--served-model-name``, default the model path), so a
+client that sends a hub name works once that name is served. ``stream: true`` sends each token as
+the scheduler produces it (`areal_lite.engines.server.streaming`). ``seed`` gives a request a
+random stream of its own (choice ``i`` of ``n`` uses ``seed + i``): the same seed, the same tokens.
+``top_logprobs`` (chat) and ``logprobs`` (completions) report up to
+`areal_lite.engines.server.openai_request.MAX_TOP_LOGPROBS` most likely tokens per position, the
+policy's own (temperature 1, before top-p / top-k), like the sampled token's; a chat entry's
+``bytes`` are the token's own (`areal_lite.openai_format.chat.TokenBytes`). ``echo`` (completions)
+puts the prompt before the answer. ``frequency_penalty``, ``presence_penalty``, ``logit_bias`` and
+vLLM's ``repetition_penalty`` and ``min_p`` shape what is sampled
+(`areal_lite.engines.local.shaping`), not the reported log-probabilities. ``response_format``
+(``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``json_object``,
+``regex``, ``choice``, ``grammar``) constrain the output (`areal_lite.engines.local.grammar`), and
+so does a ``tool_choice`` that forces a call (``required`` or a named function): the answer is held
+to Hermes-format calls of the tools, their arguments to each tool's schema, and read back as the
+calls. Refused with a 400: what OpenAI's ranges exclude (``temperature`` above 2, ``n`` above
+`areal_lite.engines.server.openai_request.MAX_N`). Every error is OpenAI's error object
+(``{"error": {"message", "type", "param", "code"}}``); an unknown model is a 404, as in vLLM, and
+so are routes this server does not serve (embeddings, images, audio, moderations), with a message
+that says so.
 """
 
 from __future__ import annotations
