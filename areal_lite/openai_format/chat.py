@@ -280,6 +280,15 @@ def chat_finish_reason(reason: str, calls: list[ToolCall]) -> str:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
+def token_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """A completion's ``usage``: the tokens of its prompt, of its output, and both."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
 def _byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet: the character that stands for each byte in a vocabulary."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]

@@ -8,7 +8,7 @@ a tool call of the assistant message before it, a ``function_call_output`` a ``t
 function ``tools`` in chat's shape, ``max_output_tokens`` as ``max_completion_tokens``, top
 log-probabilities when ``include`` asks for ``message.output_text.logprobs``. `response_object`
 and `ResponseEvents` write the answer: a ``message`` item with one ``output_text`` part, then one
-``function_call`` item per call, and, streamed, the events the SDKs read (``response.created``,
+``function_call`` item per call (`finished_response`), and, streamed, the events the SDKs read (``response.created``,
 ``response.output_text.delta``, ``response.function_call_arguments.done``,
 ``response.completed``, ...), each with its ``sequence_number``.
 
@@ -276,6 +276,25 @@ def response_object(
         "usage": usage_,
         "user": body.get("user"),
     }
+
+
+def finished_response(
+    body: dict[str, object],
+    response_id: str,
+    model: str,
+    content: str,
+    calls: list[ToolCall],
+    logprobs: list[dict[str, object]] | None,
+    finish: str,
+    prompt_tokens: int,
+    output_tokens: int,
+    item_id: str,
+) -> dict[str, object]:
+    """The ``response`` object of a generation that ended for ``finish`` (stop, length or abort):
+    its message item ``item_id`` and function calls (`output_items`), status and usage."""
+    status, incomplete = status_of(finish)
+    output = output_items(content, calls, logprobs, status, item_id)
+    return response_object(body, response_id, model, output, status, incomplete, usage(prompt_tokens, output_tokens))
 
 
 def new_response_id() -> str:

@@ -59,15 +59,13 @@ from areal_lite.openai_format.chat import (
     render_chat,
     shaping_fields,
     stop_strings,
+    token_usage,
 )
 from areal_lite.openai_format.responses import (
     ResponseEvents,
     chat_body,
+    finished_response,
     new_response_id,
-    output_items,
-    response_object,
-    status_of,
-    usage,
     wants_logprobs,
 )
 from areal_lite.openai_format.tool_calls import ToolCall, parse_tool_calls
@@ -185,21 +183,14 @@ class RecordingProxy:
             "index": 0,
             "text": text,
             "logprobs": None,
-            "finish_reason": {"stop": "stop", "length": "length"}.get(resp.stop_reason, "abort"),
+            "finish_reason": _finish_reason(resp),
         }
         if logprobs is not None:
             tokens = [self._decode([t], skip_special=False) for t in resp.output_tokens]
             offsets = list(itertools.accumulate((len(t) for t in tokens), initial=len(prompt)))[:-1]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(resp.output_logprobs),
                                   "top_logprobs": None, "text_offset": offsets}  # fmt: skip
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": body.get("model") or MODEL_NAME,
-            "choices": [choice],
-            "usage": _usage(resp),
-        }
+        return _completion_object("cmpl", "text_completion", body, choice, resp)
 
     async def _generate_recorded(self, body: dict[str, object], text: str) -> tuple[ModelResponse, GenerationConfig]:
         """Generate a continuation of the prompt ``text`` (a trajectory's text, extended, or a new
@@ -299,12 +290,11 @@ class RecordingProxy:
     ) -> dict[str, object]:
         text = self._cut_at_stop(self._decode(resp.output_tokens, skip_special=True), resp, stop)
         content, calls = parse_tool_calls(text) if with_tools else (text, [])
-        reason = {"stop": "stop", "length": "length"}.get(resp.stop_reason, "abort")
         choice: dict[str, object] = {
             "index": 0,
             "message": assistant_message(content, calls),
             "logprobs": None,
-            "finish_reason": chat_finish_reason(reason, calls),
+            "finish_reason": chat_finish_reason(_finish_reason(resp), calls),
         }
         if bool_field(body, "logprobs", False):
             entries = []
@@ -314,14 +304,7 @@ class RecordingProxy:
                     {"token": s, "logprob": logprob, "bytes": self.token_bytes(token, s), "top_logprobs": []}
                 )
             choice["logprobs"] = {"content": entries}
-        out: dict[str, object] = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.get("model") or MODEL_NAME,
-            "choices": [choice],
-            "usage": _usage(resp),
-        }
+        out = _completion_object("chatcmpl", "chat.completion", body, choice, resp)
         if bool_field(body, "return_token_ids", False):
             out["prompt_token_ids"] = resp.input_tokens
             choice["token_ids"] = resp.output_tokens
@@ -346,11 +329,19 @@ class RecordingProxy:
             ToolCall(c["function"]["name"], c["function"]["arguments"], c["id"]) for c in message.get("tool_calls", [])
         ]
         logprobs = choice["logprobs"]["content"] if choice["logprobs"] and wants_logprobs(body) else None
-        status, incomplete = status_of(str(choice["finish_reason"]))
-        response_id = new_response_id()
-        output = output_items(message["content"] or "", calls, logprobs, status, f"msg_{uuid.uuid4().hex}")
-        use = usage(out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"])  # type: ignore[index]
-        return response_object(body, response_id, str(out["model"]), output, status, incomplete, use)
+        use: dict[str, int] = out["usage"]  # type: ignore[assignment]
+        return finished_response(
+            body,
+            new_response_id(),
+            str(out["model"]),
+            message["content"] or "",
+            calls,
+            logprobs,
+            finish=str(choice["finish_reason"]),
+            prompt_tokens=use["prompt_tokens"],
+            output_tokens=use["completion_tokens"],
+            item_id=f"msg_{uuid.uuid4().hex}",
+        )
 
     async def handle(self, method: str, path: str, content: bytes) -> tuple[int, str, bytes]:
         """One HTTP request to the proxy: (status, content type, body). Routes: ``GET
@@ -408,6 +399,25 @@ class RecordingProxy:
         return httpx.Response(status, headers={"content-type": content_type}, content=content)
 
 
+def _finish_reason(resp: ModelResponse) -> str:
+    """OpenAI's ``finish_reason`` of a generation: stop, length, or abort (interrupted)."""
+    return {"stop": "stop", "length": "length"}.get(resp.stop_reason, "abort")
+
+
+def _completion_object(
+    id_prefix: str, kind: str, body: dict[str, object], choice: dict[str, object], resp: ModelResponse
+) -> dict[str, object]:
+    """A completion object of ``kind`` (``text_completion``, ``chat.completion``) with one choice."""
+    return {
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": body.get("model") or MODEL_NAME,
+        "choices": [choice],
+        "usage": token_usage(resp.input_len, resp.output_len),
+    }
+
+
 def _response_events(body: dict[str, object], out: dict[str, object]) -> bytes:
     """A response object as the server-sent events of a streamed response."""
     events = ResponseEvents(body, str(out["id"]), str(out["model"]))
@@ -438,14 +448,6 @@ def _sse(out: dict[str, object], include_usage: bool) -> bytes:
     if include_usage:
         events.append({**head, "choices": [], "usage": out["usage"]})
     return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
-
-
-def _usage(resp: ModelResponse) -> dict[str, int]:
-    return {
-        "prompt_tokens": resp.input_len,
-        "completion_tokens": resp.output_len,
-        "total_tokens": resp.input_len + resp.output_len,
-    }
 
 
 def _completion_sse(out: dict[str, object], include_usage: bool) -> bytes:

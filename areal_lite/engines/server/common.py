@@ -1,13 +1,14 @@
 """What our server's route modules (SGLang, OpenAI and vLLM routes) share: reading a JSON body,
 typed fields, the error that bad input gets (OpenAI's error object ``{"error": {"message", "type",
 "param", "code"}}``, 400 unless said otherwise), the decoded text of a generation, and of each
-token in log-probabilities."""
+token in log-probabilities; and what changes while the server serves (`ServerState`)."""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [  # the typed fields, BadRequest and TokenBytes are the shared OpenAI parsing's, re-exported
     "BadRequest",
+    "ServerState",
     "TokenBytes",
     "bool_field",
     "error_response",
@@ -30,6 +32,17 @@ __all__ = [  # the typed fields, BadRequest and TokenBytes are the shared OpenAI
     "token_ids",
     "token_text",
 ]
+
+
+@dataclass
+class ServerState:
+    """What changes while the server serves, shared by its SGLang routes
+    (`areal_lite.engines.server.generate_routes`, `areal_lite.engines.server.sglang_routes`)."""
+
+    weight_version: str
+    """The version of the weights served: an integer, as a string on the wire (SGLang's)."""
+    ready: bool = False
+    """Startup is done: the health routes answer 200 (503 before)."""
 
 
 def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> web.Response:

@@ -10,22 +10,20 @@ ends. Nothing is stored: ``GET /v1/responses/{id}`` is a 404 that says so.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from aiohttp import web
 
-from areal_lite.engines.local.request import GenerationResult, TokenOut
-from areal_lite.engines.server.common import output_text, read_json
-from areal_lite.engines.server.openai_routes import OpenAIRoutes, finish_type, top_logprobs_field, without_stop_token
-from areal_lite.engines.server.streaming import TOOL_CALL_START, TextDeltas, merged, send_events
-from areal_lite.openai_format.chat import BadRequest, bool_field, chat_tools, max_completion_tokens, render_chat
+from areal_lite.engines.local.request import GenerationResult, SamplingParams, TokenOut
+from areal_lite.engines.server.common import read_json
+from areal_lite.engines.server.openai_answers import AnswerTexts, finish_type, top_of
+from areal_lite.engines.server.openai_request import choice_jobs, forced_call, sampling_params, top_logprobs_field
+from areal_lite.engines.server.openai_routes import OpenAIRoutes
+from areal_lite.engines.server.streaming import TOOL_CALL_START, Answer, respond
+from areal_lite.openai_format.chat import BadRequest, bool_field, chat_tools, max_completion_tokens
 from areal_lite.openai_format.responses import (
     ResponseEvents,
     chat_body,
+    finished_response,
     new_response_id,
-    output_items,
-    response_object,
-    status_of,
     usage,
     wants_logprobs,
 )
@@ -55,13 +53,14 @@ class ResponsesRoute:
         model = self.routes.model_name(body)
         chat = chat_body(body, structured=True)
         tools = chat_tools(chat, forced=True)
-        tool_grammar, _ = self.routes.forced_call(chat, tools)
-        tok = self.routes.scheduler.tokenizer
+        tool_grammar, _ = forced_call(chat, tools)
         # vLLM's Responses route encodes the rendered chat with the tokenizer's special tokens
         # (unlike its chat route): a tokenizer that adds a BOS gets one more prompt token here.
-        prompt = tok.encode(render_chat(tok, chat))  # type: ignore[union-attr]
+        prompt = self.routes.chat_prompt(chat, special=True)
         top_n = top_logprobs_field(chat, "top_logprobs")
-        params = self.routes.sampling(
+        scheduler = self.routes.scheduler
+        params = sampling_params(
+            scheduler,
             chat,
             max_completion_tokens(chat),
             len(prompt),
@@ -71,48 +70,74 @@ class ResponsesRoute:
             tool_grammar=tool_grammar,
         )
         response_id = new_response_id()
-        jobs = self.routes.jobs([prompt], params, 1, response_id)
-        with_logprobs = wants_logprobs(body)
+        jobs = choice_jobs(scheduler, [prompt], params, 1, response_id)
         skip_special = bool_field(chat, "skip_special_tokens", True)
+        answer = ResponseAnswer(
+            self.routes.texts, body, model, response_id, params, prompt, tools is not None, skip_special
+        )
+        return await respond(request, scheduler, jobs, answer, bool_field(body, "stream", False), done_line=False)
 
-        def answer(r: GenerationResult) -> tuple[str, list[ToolCall]]:
-            text = output_text(tok, without_stop_token(r, False), skip_special, False)
-            return parse_tool_calls(text) if tools else (text, [])
 
-        def logprobs(
-            tokens: list[int], lps: list[float], tops: list | None, before: list[int] | None = None
-        ) -> list[dict[str, object]] | None:
-            return self.routes.chat_logprobs(tokens, lps, tops, before or []) if with_logprobs else None
+class ResponseAnswer(Answer):
+    """The answer to one Responses request: the ``response`` object, or streamed, its events
+    (`ResponseEvents`): the text as it comes, the function calls once the generation ends."""
 
-        if not bool_field(body, "stream", False):
-            [r] = await self.routes.generate(jobs)
-            content, calls = answer(r)
-            status, incomplete = status_of(finish_type(r))
-            lps = logprobs(r.output_ids, r.output_logprobs, r.output_top_logprobs)
-            output = output_items(content, calls, lps, status, f"msg_{response_id.removeprefix('resp_')}")
-            use = usage(len(prompt), len(r.output_ids))
-            return web.json_response(response_object(body, response_id, model, output, status, incomplete, use))
+    def __init__(
+        self,
+        texts: AnswerTexts,
+        body: dict[str, object],
+        model: str,
+        response_id: str,
+        params: SamplingParams,
+        prompt: list[int],
+        tools: bool,
+        skip_special: bool,
+    ) -> None:
+        self.texts, self.body, self.model, self.response_id = texts, body, model, response_id
+        self.params, self.prompt, self.tools, self.skip_special = params, prompt, tools, skip_special
+        self.with_logprobs = wants_logprobs(body)
 
-        async def events() -> AsyncIterator[dict[str, object]]:
-            stream = ResponseEvents(body, response_id, model)
-            for e in stream.start():
-                yield e
-            markers = (TOOL_CALL_START,) if tools else ()
-            texts = TextDeltas(tok, skip_special, params.stop, markers, self.routes.ending_ids(params))
-            all_lps: list[dict[str, object]] = []
-            sent: list[int] = []
-            async for _, event in merged(self.routes.scheduler, jobs):
-                if isinstance(event, TokenOut):
-                    tops = [event.top] if event.top is not None else None
-                    lps = logprobs([event.token], [event.logprob], tops, sent)
-                    sent.append(event.token)
-                    all_lps += lps or []
-                    for e in stream.text(texts.add(event.token), lps):
-                        yield e
-                    continue
-                content, calls = answer(event)
-                use = usage(len(prompt), len(event.output_ids))
-                for e in stream.finish(content, calls, all_lps if with_logprobs else None, finish_type(event), use):
-                    yield e
+    def answer(self, r: GenerationResult) -> tuple[str, list[ToolCall]]:
+        text = self.texts.output(r, self.skip_special, False)
+        return parse_tool_calls(text) if self.tools else (text, [])
 
-        return await send_events(request, events(), done_line=False)
+    def logprobs(
+        self, tokens: list[int], lps: list[float], tops: list | None, before: list[int] | None = None
+    ) -> list[dict[str, object]] | None:
+        return self.texts.chat_logprobs(tokens, lps, tops, before or []) if self.with_logprobs else None
+
+    def whole(self, results: list[GenerationResult]) -> dict[str, object]:
+        [r] = results
+        content, calls = self.answer(r)
+        lps = self.logprobs(r.output_ids, r.output_logprobs, r.output_top_logprobs)
+        return finished_response(
+            self.body,
+            self.response_id,
+            self.model,
+            content,
+            calls,
+            lps,
+            finish=finish_type(r),
+            prompt_tokens=len(self.prompt),
+            output_tokens=len(r.output_ids),
+            item_id=f"msg_{self.response_id.removeprefix('resp_')}",
+        )
+
+    def opening(self) -> list[dict[str, object]]:
+        self.stream = ResponseEvents(self.body, self.response_id, self.model)
+        markers = (TOOL_CALL_START,) if self.tools else ()
+        self.deltas = self.texts.deltas(self.params, self.skip_special, False, markers)
+        self.all_lps: list[dict[str, object]] = []
+        self.sent: list[int] = []
+        return self.stream.start()
+
+    def token(self, i: int, event: TokenOut) -> list[dict[str, object]]:
+        lps = self.logprobs([event.token], [event.logprob], top_of(event), self.sent)
+        self.sent.append(event.token)
+        self.all_lps += lps or []
+        return self.stream.text(self.deltas.add(event.token), lps)
+
+    def ending(self, i: int, r: GenerationResult) -> list[dict[str, object]]:
+        content, calls = self.answer(r)
+        use = usage(len(self.prompt), len(r.output_ids))
+        return self.stream.finish(content, calls, self.all_lps if self.with_logprobs else None, finish_type(r), use)

@@ -1,6 +1,7 @@
 """Streaming for the OpenAI-compatible routes: the tokens of several generations merged as the
-scheduler produces them, text deltas that are safe to send before a generation ends, and
-server-sent events.
+scheduler produces them, text deltas that are safe to send before a generation ends, server-sent
+events, and `respond`, which runs a request's jobs and hands their results to the route's
+`Answer`, whole or as the chunks of a stream.
 
 `TextDeltas` turns a growing list of token ids into pieces of text that never need taking back:
 a token that ends inside a multi-byte character adds nothing until the character is complete, the
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 TOOL_CALL_START = "<tool_call>"
+
+Job = tuple[list[int], SamplingParams, str]
+"""One generation a request asks for: (prompt token ids, sampling, request id)."""
 
 
 class TextDeltas:
@@ -106,7 +110,7 @@ class TextDeltas:
 
 
 async def merged(
-    scheduler: Scheduler, jobs: list[tuple[list[int], SamplingParams, str]], input_logprobs: bool = False
+    scheduler: Scheduler, jobs: list[Job], input_logprobs: bool = False
 ) -> AsyncIterator[tuple[int, TokenOut | GenerationResult]]:
     """Run ``jobs`` (prompt, params, rid) at once and yield ``(job index, event)`` as each token
     is produced, a job's `GenerationResult` last (with ``input_logprobs``, each job's first token
@@ -163,3 +167,50 @@ async def send_events(
         await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+class Answer:
+    """How a route writes the answer to one request's jobs: `whole` from the results, or streamed:
+    `opening` events, those of each token as it comes (`token`), of each job's end (`ending`), and
+    `closing` ones after every job ended."""
+
+    def whole(self, results: list[GenerationResult]) -> dict[str, object]:
+        raise NotImplementedError
+
+    def opening(self) -> list[dict[str, object]]:
+        return []
+
+    def token(self, i: int, event: TokenOut) -> list[dict[str, object]]:
+        raise NotImplementedError
+
+    def ending(self, i: int, r: GenerationResult) -> list[dict[str, object]]:
+        raise NotImplementedError
+
+    def closing(self, results: list[GenerationResult]) -> list[dict[str, object]]:
+        return []
+
+
+async def respond(
+    request: web.Request, scheduler: Scheduler, jobs: list[Job], answer: Answer, stream: bool, done_line: bool = True
+) -> web.StreamResponse:
+    """Run ``jobs`` and answer with ``answer``: one JSON object, or with ``stream`` server-sent
+    events written as the tokens come (`send_events`; ``done_line`` as there)."""
+    if not stream:
+        return web.json_response(answer.whole(await scheduler.generate_many(jobs)))
+
+    async def events() -> AsyncIterator[dict[str, object]]:
+        for e in answer.opening():
+            yield e
+        results: list[GenerationResult] = []
+        async for i, event in merged(scheduler, jobs):
+            if isinstance(event, TokenOut):
+                for e in answer.token(i, event):
+                    yield e
+                continue
+            results.append(event)
+            for e in answer.ending(i, event):
+                yield e
+        for e in answer.closing(results):
+            yield e
+
+    return await send_events(request, events(), done_line)

@@ -34,7 +34,7 @@ from areal_lite.engines.local import grammar
 from areal_lite.engines.local.request import GenerationResult, SamplingParams, TokenOut
 from areal_lite.engines.local.scheduler import Scheduler
 from areal_lite.engines.server.common import read_json, token_ids
-from areal_lite.engines.server.openai_routes import MAX_TOP_LOGPROBS
+from areal_lite.engines.server.openai_request import MAX_TOP_LOGPROBS
 from areal_lite.engines.server.streaming import merged, send_events
 from areal_lite.openai_format.chat import BadRequest, bool_field, float_field, int_field, shaping_fields, stop_strings
 
