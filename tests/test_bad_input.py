@@ -126,7 +126,8 @@ def test_training_data_smaller_than_one_batch_is_refused() -> None:
 
 def test_a_model_directory_without_a_tokenizer_is_named(tmp_path) -> None:
     from areal_lite.api.config import ConfigError, LauncherConfig, RecoverConfig
-    from areal_lite.launcher.local import LaunchPlan, check_tokenizer
+    from areal_lite.launcher.plan import LaunchPlan
+    from areal_lite.launcher.preflight import check_tokenizer
     from areal_lite.utils.tiny import build_tiny_model
     from areal_lite.utils.tokenizer import TokenizerMissing, load_tokenizer
 

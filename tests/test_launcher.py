@@ -17,18 +17,10 @@ import torch
 import yaml
 
 from areal_lite.api.config import ConfigError, LauncherConfig, RecoverConfig
-from areal_lite.launcher.local import (
-    CONFIG_ERROR_EXIT,
-    CPU_OVERRIDES,
-    LaunchPlan,
-    check_machine,
-    missing_inputs,
-    read_plan,
-    server_command,
-    stopped_on,
-    trainer_command,
-    trainer_gpus,
-)
+from areal_lite.launcher.cli import CONFIG_ERROR_EXIT, stopped_on
+from areal_lite.launcher.commands import server_command, trainer_command, trainer_gpus
+from areal_lite.launcher.plan import LaunchPlan, read_plan
+from areal_lite.launcher.preflight import CPU_OVERRIDES, check_machine, missing_inputs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROBE = os.path.join(HERE, "scripts", "launcher_probe.py")

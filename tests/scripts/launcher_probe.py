@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from areal_lite.api.config import READS_MODEL, BaseExperimentConfig, InferenceEngineConfig, load_config
-from areal_lite.launcher.local import is_healthy
+from areal_lite.launcher.processes import is_healthy
 
 
 @dataclass
