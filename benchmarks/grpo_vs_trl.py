@@ -276,7 +276,7 @@ def launch(side: str, threads: int, model: str, args: argparse.Namespace) -> tup
     cmd += [] if args.shared_prefix else ["--no-shared-prefix"]
     cmd += ["--async-engine-threads", str(args.async_engine_threads), "--device", args.device]
     cmd += ["--engine-cores", args.engine_cores]
-    from areal_lite.launcher.local import checkout_pythonpath
+    from areal_lite.launcher.commands import checkout_pythonpath
 
     path = checkout_pythonpath()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}

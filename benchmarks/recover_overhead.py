@@ -23,7 +23,7 @@ from tensordict import TensorDict
 from areal_lite.api.config import RecoverConfig, SaverConfig, TrainEngineConfig
 from areal_lite.api.io import FinetuneSpec
 from areal_lite.engines.train.fsdp import FSDPEngine
-from areal_lite.launcher.local import is_healthy
+from areal_lite.launcher.processes import is_healthy
 from areal_lite.utils.dataloader import stateful_dataloader
 from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.recover import RecoverHandler

@@ -69,7 +69,9 @@ from areal_lite.cpu.precision import cpu_kind, native_bf16
 from areal_lite.cpu.threads import release_openmp_threads
 from areal_lite.engines.local.request import SamplingParams
 from areal_lite.engines.local.scheduler import Scheduler
-from areal_lite.launcher.local import LaunchPlan, is_healthy, server_command, spawn, stop, vllm_python
+from areal_lite.launcher.commands import server_command, vllm_python
+from areal_lite.launcher.plan import LaunchPlan
+from areal_lite.launcher.processes import is_healthy, spawn, stop
 from areal_lite.utils.distributed import find_free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

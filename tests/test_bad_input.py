@@ -128,7 +128,8 @@ def test_a_model_directory_without_a_tokenizer_is_named(tmp_path) -> None:
     from areal_lite.api.config import RecoverConfig
     from areal_lite.api.config_loader import ConfigError
     from areal_lite.api.experiment_config import LauncherConfig
-    from areal_lite.launcher.local import LaunchPlan, check_tokenizer
+    from areal_lite.launcher.plan import LaunchPlan
+    from areal_lite.launcher.preflight import check_tokenizer
     from areal_lite.utils.tiny import build_tiny_model
     from areal_lite.utils.tokenizer import TokenizerMissing, load_tokenizer
 
@@ -224,11 +225,11 @@ def test_a_grader_hanging_inline_stops_the_run_naming_it(monkeypatch, caplog) ->
     """The quickstart's mode (inline): the rollout loop blocked in the grader is found within
     rollout.loop_stall_timeout and the run stops with a line naming the grader; meanwhile the wait
     says what it waits for."""
-    import areal_lite.core.loop_watchdog as watchdog_module
-    from areal_lite.core.loop_watchdog import LoopStalled
+    import areal_lite.core.executor as executor_module
+    from areal_lite.core.executor import LoopStalled
     from areal_lite.rewards.runner import RewardRunner
 
-    monkeypatch.setattr(watchdog_module, "WAIT_LINE_SECONDS", 1.0)
+    monkeypatch.setattr(executor_module, "WAIT_LINE_SECONDS", 1.0)
     runner = RewardRunner(sleeping_grader, mode="inline")
 
     class Graded(RewardsWorkflow):

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import trainer_kill
 
-from areal_lite.launcher.local import stopped_on
+from areal_lite.launcher.cli import stopped_on
 
 pytestmark = pytest.mark.cluster
 

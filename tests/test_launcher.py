@@ -19,18 +19,10 @@ import yaml
 from areal_lite.api.config import RecoverConfig
 from areal_lite.api.config_loader import ConfigError
 from areal_lite.api.experiment_config import LauncherConfig
-from areal_lite.launcher.local import (
-    CONFIG_ERROR_EXIT,
-    CPU_OVERRIDES,
-    LaunchPlan,
-    check_machine,
-    missing_inputs,
-    read_plan,
-    server_command,
-    stopped_on,
-    trainer_command,
-    trainer_gpus,
-)
+from areal_lite.launcher.cli import CONFIG_ERROR_EXIT, stopped_on
+from areal_lite.launcher.commands import server_command, trainer_command, trainer_gpus
+from areal_lite.launcher.plan import LaunchPlan, read_plan
+from areal_lite.launcher.preflight import CPU_OVERRIDES, check_machine, missing_inputs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROBE = os.path.join(HERE, "scripts", "launcher_probe.py")
@@ -136,7 +128,7 @@ def test_server_command_lines() -> None:
 
 
 def test_our_server_gets_the_local_engine_settings_and_server_args_win(tmp_path) -> None:
-    from areal_lite.engines.server.server_args import parse_args
+    from areal_lite.engines.server.app import parse_args
 
     cfg = _write_config(
         tmp_path, actor={"path": "/models/m"}, local_engine={"max_running_requests": 256, "dtype": "bfloat16"},

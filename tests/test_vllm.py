@@ -27,14 +27,9 @@ from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.remote.vllm import RemoteVLLMEngine
 from areal_lite.engines.remote.vllm_worker import WeightUpdateExtension
 from areal_lite.engines.train.weight_sync import WeightSender
-from areal_lite.launcher.local import (
-    LaunchPlan,
-    check_machine,
-    checkout_root,
-    server_command,
-    trainer_gpus,
-    vllm_python,
-)
+from areal_lite.launcher.commands import checkout_root, server_command, trainer_gpus, vllm_python
+from areal_lite.launcher.plan import LaunchPlan
+from areal_lite.launcher.preflight import check_machine
 from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
 from areal_lite.utils.tiny import build_tiny_model
 

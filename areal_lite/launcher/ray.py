@@ -36,11 +36,9 @@ by `launcher.local`, except its paths, which are the nodes' to see.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,20 +47,14 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from areal_lite.api.errors import STOP_FILE_ENV, read_stop_file
-from areal_lite.launcher.local import (
-    ATTEMPT_ENV,
-    LaunchPlan,
-    LocalLauncher,
-    check_config,
-    is_healthy,
-    read_plan,
-    run_reporting_config_errors,
-    server_command,
-    spawn,
-    stop,
-    torchrun_command,
-)
+from areal_lite.launcher.cli import argument_parser, launcher_main
+from areal_lite.launcher.commands import server_command, torchrun_command
+from areal_lite.launcher.local import LocalLauncher
+from areal_lite.launcher.plan import LaunchPlan
+from areal_lite.launcher.preflight import check_config
+from areal_lite.launcher.processes import is_healthy, spawn, stop
 from areal_lite.utils.distributed import find_free_port
+from areal_lite.utils.recover import ATTEMPT_ENV
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -387,24 +379,11 @@ class RayLauncher(LocalLauncher):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("script", help="the training script")
-    parser.add_argument("--config", default=None, help="YAML config of the run")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_intermixed_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[launcher] %(levelname)s %(message)s")
-
-    def launch() -> int:
-        plan = read_plan(args.script, args.config, args.overrides)
+    def launch(plan: LaunchPlan, _: object) -> int:
         check_config(plan, paths=False)  # paths are those of the cluster's nodes, not of this one
         return RayLauncher(plan).run()
 
-    try:
-        return run_reporting_config_errors(launch)
-    except KeyboardInterrupt:
-        return 128 + signal.SIGINT
+    return launcher_main(argument_parser(__doc__), launch, argv)
 
 
 if __name__ == "__main__":

@@ -38,16 +38,10 @@ import subprocess
 import sys
 
 from areal_lite.api.errors import STOP_FILE_ENV
-from areal_lite.launcher.local import (
-    LaunchPlan,
-    check_config,
-    read_plan,
-    run_reporting_config_errors,
-    script_args,
-    server_command,
-    stopped_on,
-    trainer_gpus,
-)
+from areal_lite.launcher.cli import argument_parser, launcher_main, stopped_on
+from areal_lite.launcher.commands import script_args, server_command, trainer_gpus
+from areal_lite.launcher.plan import LaunchPlan
+from areal_lite.launcher.preflight import check_config
 
 SERVER_BASE_PORT = 30000
 TRAINER_PORT = 29500
@@ -181,23 +175,18 @@ def submit(plan: LaunchPlan, wait: bool = False) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Submit a training script as a Slurm job.")
-    parser.add_argument("script")
-    parser.add_argument("--config", default=None)
+    parser = argument_parser(__doc__)
     parser.add_argument("--dry-run", action="store_true", help="print the job script instead of submitting it")
     parser.add_argument("--wait", action="store_true", help="wait for the job and exit with its exit code")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_intermixed_args(argv)
 
-    def launch() -> int:
-        plan = read_plan(args.script, args.config, args.overrides)
+    def launch(plan: LaunchPlan, args: argparse.Namespace) -> int:
         check_config(plan, paths=False)  # paths are those of the job's nodes, not of this one
         if args.dry_run:
             print(sbatch_script(plan), end="")
             return 0
         return submit(plan, wait=args.wait)
 
-    return run_reporting_config_errors(launch)
+    return launcher_main(parser, launch, argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 from areal_lite.api.config import LocalEngineConfig
 from areal_lite.engines.local.engine import LocalInferenceEngine
 from areal_lite.engines.local.request import SamplingParams
-from areal_lite.launcher.local import checkout_pythonpath
+from areal_lite.launcher.commands import checkout_pythonpath
 from areal_lite.utils.tiny import build_tiny_model
 
 pytestmark = pytest.mark.gpu

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from areal_lite.api.config import READS_MODEL, InferenceEngineConfig
 from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import BaseExperimentConfig
-from areal_lite.launcher.local import is_healthy
+from areal_lite.launcher.processes import is_healthy
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Start and stop real vLLM servers for the tests marked ``vllm``, with the launcher's own command
-line (`areal_lite.launcher.local.vllm_server_command`: vLLM's venv, our worker extension on its
+line (`areal_lite.launcher.commands.vllm_server_command`: vLLM's venv, our worker extension on its
 PYTHONPATH, vLLM's CPU settings without a GPU), each on a free loopback port with one thread.
 Servers start together (a start-up takes 70-170 s on 2 cores) and are stopped by process group,
 so vLLM's engine-core child goes too."""
@@ -16,7 +16,9 @@ import aiohttp
 
 from areal_lite.api.config import RecoverConfig
 from areal_lite.api.experiment_config import LauncherConfig
-from areal_lite.launcher.local import LaunchPlan, is_healthy, spawn, stop, vllm_python, vllm_server_command
+from areal_lite.launcher.commands import vllm_python, vllm_server_command
+from areal_lite.launcher.plan import LaunchPlan
+from areal_lite.launcher.processes import is_healthy, spawn, stop
 from areal_lite.utils.distributed import find_free_port
 from areal_lite.utils.tiny import build_tiny_model
 

@@ -9,20 +9,20 @@ servers, the HTTP session and its event loop, routing and which servers are aliv
 `ServerFleet`'s (`areal_lite.engines.remote.fleet`); this module is what the calls mean. A
 generation that comes back aborted (the servers paused for a weight update) is resubmitted as
 prompt + generated tokens with the remaining token budget, keeping every token's log-probability
-and version; while this client keeps the servers paused it waits, so that hundreds of
-resubmissions do not queue up on the paused servers and delay the weight update. When a server
-fails (connection error, timeout, 5xx) the request is resent from its last known state to another
-server, so a server dying loses no request and returns none twice. A server that refuses
-connections or stops answering is set aside by the fleet: it gets no generation or control calls
-and the rest of the fleet carries on. When it answers again, this client brings it up to date
-before it is readmitted: the last disk update is loaded again (after a broadcast it waits for the
-next update, whose group takes it in), the current version is set and it is paused or resumed like
-the others.
+and version (`areal_lite.engines.remote.partial_rollout`); while this client keeps the servers
+paused it waits, so that hundreds of resubmissions do not queue up on the paused servers and delay
+the weight update. When a server fails (connection error, timeout, 5xx) the request is resent from
+its last known state to another server, so a server dying loses no request and returns none twice.
+A server that refuses connections or stops answering (this client's `FleetMonitor` watches them:
+`areal_lite.engines.remote.monitor`) is set aside by the fleet: it gets no generation or control
+calls and the rest of the fleet carries on. When it answers again, this client brings it up to
+date before it is readmitted: the last disk update is loaded again (after a broadcast it waits for
+the next update, whose group takes it in), the current version is set and it is paused or resumed
+like the others.
 
-A stop string that straddles two parts of a resumed generation is not seen (each part is checked
-on its own), as with SGLang-based AReaL. While this client keeps the servers paused, new
-generations wait in the client too: every call is sent while the weights it will run on are
-current, which is what tags the tokens of a server that reports no versions (vLLM).
+While this client keeps the servers paused, new generations wait in the client too: every call is
+sent while the weights it will run on are current, which is what tags the tokens of a server that
+reports no versions (vLLM).
 
 Control: pause / resume, weight updates (disk or distributed) and version updates fan out to every
 server; weight updates pause generation around them unless the caller already did. A client built
@@ -37,15 +37,11 @@ pause and resume calls, the weight-update and version calls.
 Mixture-of-experts routes (``GenerationConfig.return_routed_experts``): SGLang's
 ``return_routed_experts``; ``meta_info["routed_experts"]`` (base64 int32) is shaped with the
 ``(num_hidden_layers, num_experts_per_tok)`` of the served model's config, read once from the
-``model_path`` that ``/model_info`` names (so the client must see the servers' model directory). A
-resumed generation keeps the routes of its last part, whose prompt is the whole prefix.
+``model_path`` that ``/model_info`` names (so the client must see the servers' model directory).
 
-LoRA: a client built with an ``adapter_name`` names that adapter in every generation call (SGLang's
-``lora_path``), and a weight update from a LoRA train engine (``WeightUpdateMeta.lora_config``)
-reaches the servers through SGLang's adapter routes: a PEFT adapter directory loaded with
-``/load_lora_adapter`` (after ``/unload_lora_adapter`` of the previous one), or a broadcast of
-the adapter's tensors announced as ``<adapter name>:<tensor name>`` after
-``/register_lora_adapter`` (once per adapter config).
+LoRA: a client built with an ``adapter_name`` names that adapter in every generation call, and
+takes the weight updates of a LoRA train engine (``WeightUpdateMeta.lora_config``); SGLang's
+protocol carries both, through its adapter routes (`areal_lite.engines.remote.sglang`).
 """
 
 from __future__ import annotations
@@ -53,86 +49,20 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import aiohttp
-import torch
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdateMeta
 from areal_lite.cpu import check_cores, freeze_startup_objects
 from areal_lite.engines.remote.fleet import ServerError, ServerFleet, ServerUnavailable
+from areal_lite.engines.remote.monitor import FleetMonitor
+from areal_lite.engines.remote.partial_rollout import Answer, PartialRollout, parse_version
 from areal_lite.utils.moe import routing_shape
 
 logger = logging.getLogger(__name__)
-
-
-def parse_version(value: object, fallback: int) -> int:
-    try:
-        return int(str(value))
-    except ValueError:
-        return fallback
-
-
-@dataclass
-class Answer:
-    """One generation answer of a server, whatever its protocol."""
-
-    output_ids: list[int]
-    logprobs: list[float]
-    versions: list[int] | None
-    """The version of each output token, when the server reports it."""
-    finish: str
-    """``length``, ``stop`` or ``abort`` (a pause ended it: resume)."""
-    routed_experts: torch.Tensor | None = None
-    """The routes of a mixture-of-experts model, when asked for: int32, flat as they came, then
-    ``[tokens, layers, top_k]`` once shaped (`RemoteEngine._shape_routes`)."""
-
-
-@dataclass
-class _Partial:
-    """What a generation has produced so far, across resumptions and retries."""
-
-    t0: float = field(default_factory=time.monotonic)
-    out_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    ttft: float = 0.0
-    routes: torch.Tensor | None = None
-    """The routes of the last answer (its prompt held everything generated before it)."""
-
-    def absorb(self, answer: Answer, sent_version: int) -> str:
-        """Append one answer to a call sent while ``sent_version`` was current (the version of
-        tokens the server does not tag); returns its finish reason (``abort`` = resume)."""
-        if len(answer.logprobs) != len(answer.output_ids):
-            raise RuntimeError(f"{len(answer.output_ids)} tokens came with {len(answer.logprobs)} log-probabilities")
-        if answer.output_ids and not self.out_ids:
-            self.ttft = time.monotonic() - self.t0
-        self.out_ids += answer.output_ids
-        self.logprobs += answer.logprobs
-        versions = answer.versions
-        if versions is None or len(versions) != len(answer.output_ids):
-            versions = [sent_version] * len(answer.output_ids)
-        self.versions += versions
-        if answer.routed_experts is not None:
-            self.routes = answer.routed_experts
-        return answer.finish
-
-    def response(self, req: ModelRequest, stop_reason: str) -> ModelResponse:
-        return ModelResponse(
-            input_tokens=list(req.input_ids),
-            output_tokens=self.out_ids,
-            output_logprobs=self.logprobs,
-            output_versions=self.versions,
-            stop_reason=stop_reason,  # type: ignore[arg-type]
-            latency=time.monotonic() - self.t0,
-            ttft=self.ttft,
-            rid=req.rid,
-            routed_experts=self.routes,
-        )
 
 
 class RemoteEngine(InferenceEngine, abc.ABC):
@@ -148,6 +78,7 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         check_cores(config.client_cores, "rollout.client_cores")
         self.config = config
         self.fleet = ServerFleet(config)
+        self.monitor = FleetMonitor(self.fleet, self._on_return)
         self.control_servers = control_servers
         self.adapter_name = adapter_name
         """The LoRA adapter every generation call names (None: the servers' own weights)."""
@@ -234,15 +165,15 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     def initialize(self) -> None:
         """Start the client loop, wait until every server is healthy, then watch them (a server
         that stops answering is set aside, and brought up to date when it answers again:
-        `ServerFleet`)."""
+        `FleetMonitor`)."""
         self.fleet.start()
         self.fleet.call(self.fleet.wait_healthy()).result()
         self.context_len = self.fleet.call(self._context_len_call()).result()
-        self.fleet.on_return = self._on_return
-        self.fleet.start_monitor()
+        self.monitor.start()
         freeze_startup_objects()
 
     def destroy(self) -> None:
+        self.monitor.stop()
         self.fleet.stop()
         self._resumed = asyncio.Event()  # a new loop would not take one bound to the old
         self._resumed.set()
@@ -310,7 +241,7 @@ class RemoteEngine(InferenceEngine, abc.ABC):
             return await super().agenerate_batch(reqs)
         return await asyncio.wrap_future(self.fleet.call(self._generate_batch(reqs)))
 
-    def _budget(self, req: ModelRequest, part: _Partial) -> int:
+    def _budget(self, req: ModelRequest, part: PartialRollout) -> int:
         """The tokens ``req`` may still produce: what is left of its ``max_new_tokens``, and no
         more than fit in the context after its prompt and what it produced (servers refuse a
         request past the context; the embedded engine ends it there, ``length``, and so does this
@@ -323,13 +254,13 @@ class RemoteEngine(InferenceEngine, abc.ABC):
             raise ValueError(f"the prompt has {len(req.input_ids)} tokens; the context length is {self.context_len}")
         return min(left, self.context_len - used)
 
-    def _call_for(self, reqs: list[ModelRequest], parts: list[_Partial]) -> tuple[str, dict[str, object]]:
+    def _call_for(self, reqs: list[ModelRequest], parts: list[PartialRollout]) -> tuple[str, dict[str, object]]:
         prompts = [list(r.input_ids) + p.out_ids for r, p in zip(reqs, parts)]
         budget = min(self._budget(r, p) for r, p in zip(reqs, parts))
         return self._generate_call(prompts, [r.rid for r in reqs], reqs[0].gconfig, len(parts[0].out_ids), budget)
 
     async def _generate_batch(
-        self, reqs: list[ModelRequest], parts: list[_Partial] | None = None
+        self, reqs: list[ModelRequest], parts: list[PartialRollout] | None = None
     ) -> list[ModelResponse]:
         """One batch call to one server for requests with the same remaining token budget.
         Requests that come back aborted continue after the resume, again as batch calls (one per
@@ -337,7 +268,7 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         asynchronous RL, which aborts every group in flight, is not followed by one call per
         sample. If a call fails, its requests are retried one by one in `_generate`, from what
         they had produced before it."""
-        parts = parts or [_Partial() for _ in reqs]
+        parts = parts or [PartialRollout() for _ in reqs]
         budgets = {self._budget(r, p) for r, p in zip(reqs, parts)}
         if len(reqs) == 1 or len(budgets) > 1:  # one call has one budget
             return list(await asyncio.gather(*(self._generate(r, p) for r, p in zip(reqs, parts))))
@@ -398,10 +329,10 @@ class RemoteEngine(InferenceEngine, abc.ABC):
             )
         return data, error
 
-    async def _generate(self, req: ModelRequest, part: _Partial | None = None) -> ModelResponse:
+    async def _generate(self, req: ModelRequest, part: PartialRollout | None = None) -> ModelResponse:
         """Generate until a stop or the token budget, resuming after aborts and retrying failed
         calls on other servers; ``part`` is what earlier calls produced."""
-        part = part or _Partial()
+        part = part or PartialRollout()
         failures = 0
         failed_on: set[int] = set()
         while True:

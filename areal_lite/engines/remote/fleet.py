@@ -6,17 +6,15 @@ hands a coroutine to that loop. A request whose rid was seen before goes to the 
 others go to the server with the fewest requests in flight. A server that failed a request gets
 no new ones for `DOWN_SECONDS` (unless all are down).
 
-Servers that stop answering are set aside, and taken back when they answer again. Once started
-(`start_monitor`), the fleet asks every server ``GET /health`` every few seconds. A server that
-refuses connections is dead; one that leaves the check unanswered for ``config.control_timeout``
-seconds (a hung or stopped process: the kernel still takes its connections) is unresponsive.
-Either is set aside at once, reported in one line: it gets no new calls, and every call waiting on
-it (a generation, a pause, a weight update) ends with `ServerUnavailable`, so that generations are
-resent elsewhere and fan-outs go on with the others, after a bounded time rather than after the
-request timeout. A server set aside keeps being asked; when it answers again it is *returning*,
-and the fleet hands it to its owner's ``on_return`` (the remote engine brings it up to the
-current weights and version first) and takes it back with `readmit`. While no server is live but
-some may return, generations wait (`until_any_live`, with a line every `WAITING_LINE_SECONDS`).
+Servers that stop answering are set aside, and taken back when they answer again. A server that
+refuses connections is dead; the `FleetMonitor` (`areal_lite.engines.remote.monitor`) also finds
+the ones that stop answering its health checks. Either is set aside at once, reported in one line:
+it gets no new calls, and every call waiting on it (a generation, a pause, a weight update) ends
+with `ServerUnavailable`, so that generations are resent elsewhere and fan-outs go on with the
+others, after a bounded time rather than after the request timeout. A server set aside that
+answers again is *returning* until its owner, having brought it up to date, takes it back with
+`readmit`. While no server is live but some may return, generations wait (`until_any_live`, with a
+line every `WAITING_LINE_SECONDS`).
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ import threading
 import time
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
 
 import aiohttp
@@ -46,10 +44,6 @@ DOWN_SECONDS = 5.0
 """A server that failed a request gets no new requests for this long (unless all are down)."""
 STICKY_RIDS = 100_000
 """How many rid -> server assignments are remembered."""
-PROBE_SECONDS = 5.0
-"""How often the monitor asks each server ``GET /health`` (at most; less with a small control timeout)."""
-RETURN_PROBE_TIMEOUT = 5.0
-"""How long a server set aside may take to answer ``GET /health`` for it to count as back."""
 WAITING_LINE_SECONDS = 30.0
 """While generations wait for a server to come back, a line is said this often."""
 
@@ -91,21 +85,11 @@ class ServerFleet:
         self._out_since: dict[int, float] = {}
         self._returning: set[int] = set()
         """Servers set aside that answer again, until their owner takes them back (`readmit`)."""
-        self._failing_since: dict[int, float] = {}
         self._aside: dict[int, asyncio.Event] = {}
         """Per server, set while it is set aside (calls waiting on it end); on the fleet's loop."""
         self._live_again: asyncio.Event | None = None
         self._none_live_since: float | None = None
         self._waiting_line_at = 0.0
-        self._probing: set[int] = set()
-        self._handing_back: set[int] = set()
-        self._hand_back_failed: set[int] = set()
-        self._monitor: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        """The monitor's probes and hand-backs in progress."""
-        self.on_return: Callable[[int], Awaitable[None]] | None = None
-        """Called (on the fleet's loop) with a returning server, again after each probe until it is
-        readmitted; None: readmit it at once."""
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
         """The one HTTP session; it lives on (and is only used from) the fleet's loop."""
@@ -136,9 +120,8 @@ class ServerFleet:
         self._loop = loop
 
     def stop(self) -> None:
-        """Stop the monitor, close the session and stop the loop thread."""
+        """Close the session and stop the loop thread (stop the `FleetMonitor` first)."""
         if self._loop is not None:
-            self.call(self._stop_monitor()).result()
             if self._session is not None:
                 self.call(self._session.close()).result()
                 self._session = None
@@ -204,6 +187,11 @@ class ServerFleet:
                 message = body.get("error", {}).get("message", body.get("message")) if isinstance(body, dict) else body
                 raise ServerError(self.addresses[idx], resp.status, str(message))
             return body
+
+    async def ask_health(self, idx: int, timeout: float) -> object:
+        """``GET /health`` of server ``idx``, set aside or not (the `FleetMonitor`'s probe); raises
+        as `request` does, never `ServerUnavailable`."""
+        return await self._call(idx, "/health", None, timeout, method="GET")
 
     async def fanout(
         self, path: str, payloads: list[dict[str, object]] | dict[str, object], timeout: float | None = None
@@ -316,7 +304,7 @@ class ServerFleet:
 
     def set_aside(self, idx: int, why: str, *, dead: bool = False) -> None:
         """No more calls to server ``idx``, and every call waiting on it ends (`ServerUnavailable`);
-        reported once. The monitor keeps asking it and hands it back when it answers."""
+        reported once. The `FleetMonitor` keeps asking it and hands it back when it answers."""
         with self._lock:
             if dead:
                 self._dead.add(idx)
@@ -325,7 +313,6 @@ class ServerFleet:
             self._out[idx] = why
             self._out_since[idx] = time.monotonic()
             self._returning.discard(idx)
-            self._failing_since.pop(idx, None)
         logger.error(
             "server %s is %s; it gets no requests, pauses or weight updates until it answers again",
             self.addresses[idx],
@@ -333,6 +320,22 @@ class ServerFleet:
         )
         if self._loop is not None:
             self._loop.call_soon_threadsafe(lambda: self._aside_event(idx).set())
+
+    def mark_returning(self, idx: int) -> None:
+        """Server ``idx``, set aside, answers again: calls reach it again (its owner's, to bring it
+        up to date) but it is not live until `readmit`."""
+        with self._lock:
+            self._returning.add(idx)
+        self._aside_event(idx).clear()
+        logger.warning("server %s answers again", self.addresses[idx])
+
+    def stopped_returning(self, idx: int, error: BaseException) -> None:
+        """A returning server stopped answering again: it is set aside again, which ends the calls
+        waiting on it."""
+        with self._lock:
+            self._returning.discard(idx)
+        self._aside_event(idx).set()
+        logger.error("server %s stopped answering again (%s)", self.addresses[idx], type(error).__name__)
 
     def readmit(self, idx: int) -> None:
         """Take a returning (or set-aside) server back: it gets calls again. On the fleet's loop."""
@@ -389,111 +392,7 @@ class ServerFleet:
                 await asyncio.wait_for(self._live_again.wait(), min(1.0, timeout - (now - t0)) + 1e-3)
         self._none_live_since = None
 
-    # ----- the monitor ---------------------------------------------------------------------
-
-    def start_monitor(self) -> None:
-        """Ask every server ``GET /health`` every few seconds from now on (see the module docstring)."""
-        if self._monitor is None:
-            self.call(self._start_monitor()).result()
-
-    async def _start_monitor(self) -> None:
-        self._monitor = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _stop_monitor(self) -> None:
-        """Cancel the monitor and the probes and hand-backs it started, and wait for them."""
-        tasks = list(self._tasks) + ([self._monitor] if self._monitor is not None else [])
-        self._monitor = None
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def probe_interval(self) -> float:
-        return min(PROBE_SECONDS, max(0.2, self.config.control_timeout / 4))
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.probe_interval())
-            for i in range(len(self.addresses)):
-                if i not in self._probing:
-                    self._probing.add(i)
-                    self._spawn(self._probe(i))
-
-    async def _probe(self, i: int) -> None:
-        try:
-            if i in self._out or i in self._returning:
-                await self._probe_aside(i)
-            else:
-                await self._probe_live(i)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the monitor must outlive any one probe
-            logger.exception("probing server %s failed", self.addresses[i])
-        finally:
-            self._probing.discard(i)
-
-    async def _probe_live(self, i: int) -> None:
-        timeout = self.config.control_timeout
-        try:
-            await self._call(i, "/health", None, timeout, method="GET")
-            self._failing_since.pop(i, None)
-            return
-        except aiohttp.ClientConnectorError as e:
-            self.mark_dead(i, e)
-            return
-        except asyncio.TimeoutError:
-            self.set_aside(i, f"unresponsive (no answer to GET /health within {timeout:g}s)")
-            return
-        except (aiohttp.ClientError, ServerError) as e:
-            failing = self._failing_since.setdefault(i, time.monotonic())
-            if time.monotonic() - failing >= timeout:
-                self.set_aside(i, f"unresponsive (GET /health failing for {timeout:g}s: {e})")
-
-    async def _probe_aside(self, i: int) -> None:
-        """A server set aside that answers is returning: calls reach it again (its owner's, to bring
-        it up to date) but it is not live until `readmit`. One that stops answering while returning
-        is set aside again, which ends those calls."""
-        returning = i in self._returning
-        try:
-            await self._call(
-                i, "/health", None, self.config.control_timeout if returning else RETURN_PROBE_TIMEOUT, "GET"
-            )
-        except (aiohttp.ClientError, asyncio.TimeoutError, ServerError) as e:
-            if returning:
-                with self._lock:
-                    self._returning.discard(i)
-                self._aside_event(i).set()
-                logger.error("server %s stopped answering again (%s)", self.addresses[i], type(e).__name__)
-            return
-        if not returning:
-            with self._lock:
-                self._returning.add(i)
-            self._aside_event(i).clear()
-            logger.warning("server %s answers again", self.addresses[i])
-        if self.on_return is None:
-            self.readmit(i)
-        elif i not in self._handing_back:  # not inside the probe: a hang while it is brought up to date is seen
-            self._handing_back.add(i)
-            self._spawn(self._hand_back(i))
-
-    async def _hand_back(self, i: int) -> None:
-        assert self.on_return is not None
-        try:
-            await self.on_return(i)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ServerError, RuntimeError) as e:
-            if i not in self._hand_back_failed:  # said once; tried again after each probe
-                self._hand_back_failed.add(i)
-                logger.warning(
-                    "bringing server %s back failed (%s: %s); trying again", self.addresses[i], type(e).__name__, e
-                )
-        else:
-            self._hand_back_failed.discard(i)
-        finally:
-            self._handing_back.discard(i)
+    # ----- connections ---------------------------------------------------------------------
 
     async def _refused(self, i: int) -> OSError | None:
         """The error of a new TCP connection to server ``i``, or None when it takes one. A

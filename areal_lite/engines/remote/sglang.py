@@ -5,21 +5,24 @@ How SGLang spells each call (docs/protocol.md): ``/generate`` with ``input_ids``
 ``meta_info`` (log-probabilities, versions, routed experts), ``/pause_generation`` and
 ``/continue_generation``, disk and distributed weight updates (with the weight-update session of
 SGLang >= 0.5.21), ``/update_weight_version``, and the LoRA adapter routes.
+
+LoRA: the client's ``adapter_name`` goes in every generation call as ``lora_path``, and a weight
+update from a LoRA train engine (``WeightUpdateMeta.lora_config``) reaches the servers through the
+adapter routes: a PEFT adapter directory loaded with ``/load_lora_adapter`` (after
+``/unload_lora_adapter`` of the previous one), or a broadcast of the adapter's tensors announced as
+``<adapter name>:<tensor name>`` after ``/register_lora_adapter`` (once per adapter config).
 """
 
 from __future__ import annotations
 
 import base64
-import logging
 
 import torch
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.io import GenerationConfig, WeightUpdateMeta
-
-logger = logging.getLogger(__name__)
-
-from areal_lite.engines.remote.client import Answer, RemoteEngine, parse_version
+from areal_lite.engines.remote.client import RemoteEngine
+from areal_lite.engines.remote.partial_rollout import Answer, parse_version
 
 
 def _sglang_answer(data: object) -> Answer:

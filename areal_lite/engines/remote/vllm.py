@@ -33,7 +33,8 @@ import json
 
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.io import GenerationConfig, WeightUpdateMeta
-from areal_lite.engines.remote.client import Answer, RemoteEngine
+from areal_lite.engines.remote.client import RemoteEngine
+from areal_lite.engines.remote.partial_rollout import Answer
 from areal_lite.engines.remote.vllm_worker import JOIN_GROUP, LEAVE_GROUP, LOAD_FROM_DISK, RECEIVE
 
 FINISH = {"length": "length", "abort": "abort"}
