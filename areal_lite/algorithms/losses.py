@@ -29,17 +29,6 @@ def clipped_value_loss(
     return 0.5 * loss * m, {"value_clip_frac": clipped.float()}
 
 
-def _margin(
-    chosen_logp: torch.Tensor,
-    rejected_logp: torch.Tensor,
-    ref_chosen_logp: torch.Tensor,
-    ref_rejected_logp: torch.Tensor,
-) -> torch.Tensor:
-    """``(log pi_c - log ref_c) - (log pi_r - log ref_r)``: how much more the policy than the
-    reference prefers the chosen answer."""
-    return (chosen_logp - ref_chosen_logp) - (rejected_logp - ref_rejected_logp)
-
-
 def dpo_sigmoid_loss(
     chosen_logp: torch.Tensor,
     rejected_logp: torch.Tensor,
@@ -54,7 +43,7 @@ def dpo_sigmoid_loss(
     ``= -(1 - ls) log sigmoid(h) - ls log sigmoid(-h)`` with label smoothing ``ls`` (conservative
     DPO, Mitchell 2023: the preference label is flipped with probability ``ls``).
     """
-    h = beta * _margin(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp)
+    h = beta * ((chosen_logp - ref_chosen_logp) - (rejected_logp - ref_rejected_logp))
     return -(1.0 - label_smoothing) * torch.nn.functional.logsigmoid(
         h
     ) - label_smoothing * torch.nn.functional.logsigmoid(-h)
@@ -73,7 +62,7 @@ def ipo_loss(
     label smoothing; the argument is accepted so both DPO losses share one signature, and must be 0."""
     if label_smoothing:
         raise ValueError("IPO has no label smoothing")
-    h = _margin(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp)
+    h = (chosen_logp - ref_chosen_logp) - (rejected_logp - ref_rejected_logp)
     return (h - 1.0 / (2.0 * beta)) ** 2
 
 
