@@ -278,6 +278,39 @@ def test_train_calls_count_at_the_call_whether_awaited_or_not(model_dir):
     run(go())
 
 
+def test_a_model_builds_one_actor_per_loss_setting_not_per_step(model_dir, monkeypatch):
+    """The actor behind a ``train_*`` loss is built at the first step that trains with its settings
+    and kept: later steps with the same settings reuse it, other settings get their own."""
+    from areal_lite.recipes import losses
+
+    built: list[str] = []
+
+    def counting(cls):
+        class Counted(cls):
+            def __init__(self, *args, **kwargs):
+                built.append(cls.__name__)
+                super().__init__(*args, **kwargs)
+
+        return Counted
+
+    for cls in (losses.PPOActor, losses.DPOActor):
+        monkeypatch.setattr(losses, cls.__name__, counting(cls))
+
+    async def go():
+        model = await ModelBuilder(model_dir, sgd_config()).spawn_train("actors_once")
+        samples, _, old, ref, adv = await grpo_inputs(model, 4, seed=21)
+        for step in range(3):
+            model.train_grpo(samples[step], old[step], ref[step], adv[step], 0.2, 0.05)
+            model.train_dpo(samples[0], samples[3], ref[0], ref[3])
+            if step == 1:
+                model.train_ppo(samples[3], old[3], adv[3])
+            await model.optim_step(1e-3)
+        assert sorted(built) == ["DPOActor", "PPOActor", "PPOActor"], built
+        await shutdown(model)
+
+    run(go())
+
+
 def test_forward_backward_is_one_pass_and_equals_logprobs_then_tangents(model_dir):
     """``forward_backward(samples, loss)``: one forward pass (counted) returns the log-probabilities
     ``logprobs_per_token`` gives, and its step equals ``train_tangents`` with the loss's autodiff

@@ -362,7 +362,7 @@ MEMORY_PATHS = {
 
 
 def leftover_cgroups() -> list[str]:
-    from areal_lite.rewards.sandbox import memory_cgroup_parent
+    from areal_lite.rewards.sandbox_cgroup import memory_cgroup_parent
 
     where = memory_cgroup_parent()
     return [n for n in os.listdir(where[0]) if n.startswith("areal-sandbox-")] if where else []
@@ -396,7 +396,7 @@ def test_memory_is_bounded_per_run_whatever_the_path(backend: str) -> None:
 def test_memory_cgroup_is_found_where_root_can_make_one() -> None:
     """Where this machine lets root make a memory cgroup (v2 or v1), the sandbox uses one by
     default; asked to use none, it says so; asked to require one where none can be made, it refuses."""
-    from areal_lite.rewards.sandbox import memory_cgroup_parent
+    from areal_lite.rewards.sandbox_cgroup import memory_cgroup_parent
 
     where = memory_cgroup_parent()
     if where is None:

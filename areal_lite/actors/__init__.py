@@ -6,6 +6,15 @@ from areal_lite.actors.dpo import DPOActor
 from areal_lite.actors.ppo import PPOActor, PPOCritic
 from areal_lite.actors.reinforce import ReinforceActor
 from areal_lite.actors.sft import SFTActor
-from areal_lite.actors.tangent import train_on_tangents
+from areal_lite.actors.tangent import summed_loss, train_on_tangents
 
-__all__ = ["DPOActor", "DistillActor", "PPOActor", "PPOCritic", "ReinforceActor", "SFTActor", "train_on_tangents"]
+__all__ = [
+    "DPOActor",
+    "DistillActor",
+    "PPOActor",
+    "PPOCritic",
+    "ReinforceActor",
+    "SFTActor",
+    "summed_loss",
+    "train_on_tangents",
+]

@@ -27,7 +27,7 @@ from areal_lite.api.io import GenerationConfig
 from areal_lite.recipes.model import InferenceModel, ModelBuilder
 from areal_lite.recipes.thread import StringThread
 from areal_lite.rewards.combined import RewardFn
-from areal_lite.rewards.judge import DEFAULT_TEMPLATE
+from areal_lite.rewards.judge import DEFAULT_TEMPLATE, default_judge_gconfig, verdict_reward
 from areal_lite.rewards.runner import RewardRunner, RunnerMode
 
 
@@ -109,7 +109,7 @@ class JudgeGrader(Grader):
         self.judge = judge
         self.template = template
         self.reference_key = reference_key
-        self.gconfig = gconfig or GenerationConfig(greedy=True, max_new_tokens=4)
+        self.gconfig = gconfig or default_judge_gconfig()
         self.name = name
         self.last_verdict = ""
 
@@ -125,7 +125,7 @@ class JudgeGrader(Grader):
         text = self.template.format(question=question, reference=reference, response=thread.completion())
         verdict = (await self.judge.generate(StringThread([("user", text)]), self.gconfig)).completion()
         self.last_verdict = verdict
-        return 1.0 if verdict.strip().lower().startswith("yes") else 0.0
+        return verdict_reward(verdict)
 
     async def close(self) -> None:
         if isinstance(self.judge, InferenceModel):

@@ -20,10 +20,10 @@ import torch
 from areal_lite.algorithms import functional as F
 from areal_lite.api.io import GenerationConfig
 from areal_lite.recipes.concurrency import async_map, async_map_batch
-from areal_lite.recipes.data import CosineScheduler, DataSet
+from areal_lite.recipes.data import CosineScheduler
 from areal_lite.recipes.graders import Grader
 from areal_lite.recipes.inference import InferenceModel
-from areal_lite.recipes.recipe import Recipe, train_minibatches
+from areal_lite.recipes.recipe import Recipe, run_data, train_minibatches
 from areal_lite.recipes.run import Evaluate, RecipeRun, RecipeRunConfig, mean_of, per_rank
 from areal_lite.recipes.thread import StringThread, TokenizedThread, repeat_thread
 from areal_lite.recipes.training import TrainingModel
@@ -91,8 +91,8 @@ class GRPO(Recipe):
             raise ValueError(
                 f"samples_per_batch={samples_per_batch} is not a multiple of completions_per_sample={completions_per_sample}"
             )
-        data = DataSet(dataset, allow_looping=True, seed=data_seed)
-        self.prompts_per_batch = per_rank(samples_per_batch // completions_per_sample, "prompts per batch")
+        per_step = samples_per_batch // completions_per_sample
+        data, self.prompts_per_batch = run_data(dataset, data_seed, per_step, "prompts per batch")
         steps = max_num_grpo_steps or max(1, len(data) // self.prompts_per_batch)
         super().__init__({"policy": model}, data, steps, run_config, evaluate)
         self.model = model

@@ -10,7 +10,9 @@ then a step equal one ``train_batch`` on their union: the loss is normalised ove
 over every rank), exactly as the actors normalise a batch.
 
 The losses are the actors' own ``loss_fn`` / ``loss_weight`` (`areal_lite.actors`), over the
-functions of `areal_lite.algorithms.functional`; nothing here computes a loss.
+functions of `areal_lite.algorithms.functional`, or a sum over tokens through
+`areal_lite.actors.summed_loss` (as the Tinker service's losses); nothing here computes a loss. A
+model builds each distinct `Loss`'s actor once (`Loss.accumulator`) and keeps it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import ClassVar
 import torch
 from tensordict import TensorDict
 
-from areal_lite.actors import DPOActor, PPOActor, PPOCritic, SFTActor, train_on_tangents
+from areal_lite.actors import DPOActor, PPOActor, PPOCritic, SFTActor, summed_loss
+from areal_lite.actors.tangent import tangent_surrogate
 from areal_lite.api.config import DPOConfig, PPOActorConfig, PPOCriticConfig
 from areal_lite.api.engine import LossFn, LossWeightFn, PackedBatch, TrainEngine
 from areal_lite.utils.datasets import padded_batch
@@ -76,6 +79,17 @@ def _zero_without_trained_tokens(weight_fn: LossWeightFn) -> LossWeightFn:
     return weight
 
 
+def _forward_backward(
+    engine: TrainEngine, batch: TensorDict, loss_fn: LossFn, weight_fn: LossWeightFn
+) -> dict[str, float]:
+    return engine.forward_backward(batch, loss_fn, _zero_without_trained_tokens(weight_fn))
+
+
+Accumulate = Callable[[TensorDict], dict[str, float]]
+"""Adds a loss's gradient over a batch to the engine's accumulated gradients; returns the loss's
+statistics."""
+
+
 class Loss(abc.ABC):
     """A loss and its settings: calls with equal `Loss` objects share one batch at ``optim_step``."""
 
@@ -85,13 +99,9 @@ class Loss(abc.ABC):
     rows_per_call: ClassVar[int] = 1
 
     @abc.abstractmethod
-    def accumulate(self, engine: TrainEngine, batch: TensorDict) -> dict[str, float]:
-        """Add the gradient of this loss over ``batch`` to ``engine``'s accumulated gradients."""
-
-    def _forward_backward(
-        self, engine: TrainEngine, batch: TensorDict, loss_fn: LossFn, weight_fn: LossWeightFn
-    ) -> dict[str, float]:
-        return engine.forward_backward(batch, loss_fn, _zero_without_trained_tokens(weight_fn))
+    def accumulator(self, engine: TrainEngine) -> Accumulate:
+        """What adds this loss's gradient over a batch to ``engine``'s. A model asks once per
+        distinct `Loss` and keeps the answer, so its actor is built once, not at every step."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +110,8 @@ class SFTLoss(Loss):
 
     name: ClassVar[str] = "sft"
 
-    def accumulate(self, engine: TrainEngine, batch: TensorDict) -> dict[str, float]:
-        return self._forward_backward(engine, batch, SFTActor.loss_fn, SFTActor.loss_weight)
+    def accumulator(self, engine: TrainEngine) -> Accumulate:
+        return lambda batch: _forward_backward(engine, batch, SFTActor.loss_fn, SFTActor.loss_weight)
 
 
 @dataclass(frozen=True)
@@ -141,11 +151,15 @@ class PolicyLoss(Loss):
         # forward pass; it only insists on having an engine for one when the KL term is on.
         return PPOActor(cfg, engine, ref_engine=engine if self.kl_beta > 0 else None)
 
-    def accumulate(self, engine: TrainEngine, batch: TensorDict) -> dict[str, float]:
+    def accumulator(self, engine: TrainEngine) -> Accumulate:
         actor = self.actor(engine)
-        if not self.reference:
-            batch = batch.exclude("ref_logp")
-        return self._forward_backward(engine, batch, actor.loss_fn, actor.loss_weight)
+
+        def accumulate(batch: TensorDict) -> dict[str, float]:
+            if not self.reference:
+                batch = batch.exclude("ref_logp")
+            return _forward_backward(engine, batch, actor.loss_fn, actor.loss_weight)
+
+        return accumulate
 
 
 @dataclass(frozen=True)
@@ -158,9 +172,9 @@ class ValueLoss(Loss):
     name: ClassVar[str] = "value"
     keys: ClassVar[tuple[str, ...]] = ("values", "returns")
 
-    def accumulate(self, engine: TrainEngine, batch: TensorDict) -> dict[str, float]:
+    def accumulator(self, engine: TrainEngine) -> Accumulate:
         critic = PPOCritic(PPOCriticConfig(value_eps_clip=self.eps_clip), engine)
-        return self._forward_backward(engine, batch, critic.loss_fn, critic.loss_weight)
+        return lambda batch: _forward_backward(engine, batch, critic.loss_fn, critic.loss_weight)
 
 
 @dataclass(frozen=True)
@@ -176,17 +190,21 @@ class DPOLoss(Loss):
     keys: ClassVar[tuple[str, ...]] = ("ref_logp",)
     rows_per_call: ClassVar[int] = 2
 
-    def accumulate(self, engine: TrainEngine, batch: TensorDict) -> dict[str, float]:
+    def accumulator(self, engine: TrainEngine) -> Accumulate:
         pairs = replace(engine.config.mb_spec, granularity=2)  # type: ignore[attr-defined]
         cfg = DPOConfig(beta=self.beta, label_smoothing=self.label_smoothing, dpo_loss=self.dpo_loss, mb_spec=pairs)
         actor = DPOActor(cfg, engine, ref_engine=engine)  # ref_logp comes with every pair
-        # The engine cuts micro-batches by its own spec: keep each pair in one micro-batch.
-        configured = engine.config.mb_spec  # type: ignore[attr-defined]
-        engine.config.mb_spec = pairs  # type: ignore[attr-defined]
-        try:
-            return self._forward_backward(engine, batch, actor.loss_fn, actor.loss_weight)
-        finally:
-            engine.config.mb_spec = configured  # type: ignore[attr-defined]
+
+        def accumulate(batch: TensorDict) -> dict[str, float]:
+            # The engine cuts micro-batches by its own spec: keep each pair in one micro-batch.
+            configured = engine.config.mb_spec  # type: ignore[attr-defined]
+            engine.config.mb_spec = replace(configured, granularity=2)  # type: ignore[attr-defined]
+            try:
+                return _forward_backward(engine, batch, actor.loss_fn, actor.loss_weight)
+            finally:
+                engine.config.mb_spec = configured  # type: ignore[attr-defined]
+
+        return accumulate
 
 
 SAMPLE = "sample_index"
@@ -197,15 +215,12 @@ SampleLoss = Callable[[torch.Tensor, int], torch.Tensor]
 tokens (``[n_i]``, with gradient), for `TrainingModel.forward_backward`."""
 
 
-def per_sample_loss(loss: SampleLoss, n_tokens: float) -> tuple[LossFn, LossWeightFn]:
+def per_sample_loss(loss: SampleLoss, batch: TensorDict) -> tuple[LossFn, LossWeightFn]:
     """The engine's ``(loss_fn, loss_weight_fn)`` whose gradient is that of ``sum_i loss(logp_i, i)``
-    over the rows of a batch of ``n_tokens`` tokens (the batch carries `SAMPLE`). The engine
-    scales micro-batch ``m`` by ``tokens_m / total``; the loss undoes that factor, as
-    `areal_lite.actors.train_on_tangents` does, so with one rank the sum is the plain sum."""
+    over the rows of ``batch`` (which carries `SAMPLE`): `areal_lite.actors.summed_loss` of it, so
+    with one rank the sum is the plain sum."""
 
-    def loss_fn(
-        logp: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def sample_sum(logp: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
         cu, rows, mask = mb["cu_seqlens"], mb[SAMPLE], mb["loss_mask"]
         assert isinstance(cu, torch.Tensor) and isinstance(rows, torch.Tensor) and isinstance(mask, torch.Tensor)
         total = logp.sum() * 0.0
@@ -213,24 +228,10 @@ def per_sample_loss(loss: SampleLoss, n_tokens: float) -> tuple[LossFn, LossWeig
             start, end = int(cu[j]), int(cu[j + 1])
             if i >= 0:
                 total = total + loss(logp[start:end][mask[start:end].bool()], i)
-        return total * (n_tokens / logp.numel()), {}
+        return total
 
-    def weight_fn(mb: PackedBatch) -> float:
-        return float(mb["input_ids"].numel())  # type: ignore[union-attr]
-
+    loss_fn, weight_fn = summed_loss(sample_sum, batch)
     return loss_fn, _zero_without_trained_tokens(weight_fn)
-
-
-class _AccumulateOnly:
-    """A train engine whose ``train_batch`` only accumulates gradients (``forward_backward``),
-    for `train_on_tangents`, which is written against ``train_batch``."""
-
-    def __init__(self, engine: TrainEngine, weight_filter: Callable[[LossWeightFn], LossWeightFn]) -> None:
-        self.engine = engine
-        self.weight_filter = weight_filter
-
-    def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
-        return self.engine.forward_backward(batch, loss_fn, self.weight_filter(loss_weight_fn))
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,5 @@ class TangentLoss(Loss):
     name: ClassVar[str] = "tangents"
     keys: ClassVar[tuple[str, ...]] = ("tangents",)
 
-    def accumulate(self, engine: TrainEngine, batch: TensorDict) -> dict[str, float]:
-        tangents = batch.pop("tangents")
-        return train_on_tangents(_AccumulateOnly(engine, _zero_without_trained_tokens), batch, tangents)  # type: ignore[arg-type]
+    def accumulator(self, engine: TrainEngine) -> Accumulate:
+        return lambda batch: _forward_backward(engine, batch, *summed_loss(tangent_surrogate, batch))

@@ -20,10 +20,10 @@ import torch
 from areal_lite.algorithms import functional as F
 from areal_lite.api.io import GenerationConfig
 from areal_lite.recipes.concurrency import async_map_batch
-from areal_lite.recipes.data import CosineScheduler, DataSet
+from areal_lite.recipes.data import CosineScheduler
 from areal_lite.recipes.graders import Grader
 from areal_lite.recipes.inference import InferenceModel
-from areal_lite.recipes.recipe import Recipe, train_minibatches
+from areal_lite.recipes.recipe import Recipe, run_data, train_minibatches
 from areal_lite.recipes.run import Evaluate, RecipeRun, RecipeRunConfig, mean_of, per_rank
 from areal_lite.recipes.thread import StringThread, TokenizedThread
 from areal_lite.recipes.training import TrainingModel, ValueModel
@@ -99,8 +99,7 @@ class PPO(Recipe):
         run_config: RecipeRunConfig | None = None,
         evaluate: Evaluate | None = None,
     ) -> None:
-        data = DataSet(dataset, allow_looping=True, seed=data_seed)
-        self.samples_per_batch = per_rank(samples_per_batch, "samples_per_batch")
+        data, self.samples_per_batch = run_data(dataset, data_seed, samples_per_batch, "samples_per_batch")
         steps = max_num_ppo_steps or max(1, len(data) // self.samples_per_batch)
         super().__init__({"policy": policy_model, "value": value_model}, data, steps, run_config, evaluate)
         self.policy = policy_model

@@ -1,6 +1,7 @@
 """What the recipe classes share, written once: `Recipe` (the loop of steps with the run's
 bookkeeping around each), `BatchRecipe` (a step is one optimizer step on the next batch of items:
-SFT, DPO) and `train_minibatches` (shuffled mini-batches, one step each: GRPO, PPO). A recipe class
+SFT, DPO), `run_data` (the looping data and each rank's share of a step) and `train_minibatches`
+(shuffled mini-batches, one step each: GRPO, PPO). A recipe class
 says what one step is; the loop, checkpoints, recovery, evaluation and logging are here and in
 `areal_lite.recipes.run`."""
 
@@ -109,8 +110,7 @@ class BatchRecipe(Recipe, Generic[T]):
         run_config: RecipeRunConfig | None = None,
         evaluate: Evaluate | None = None,
     ) -> None:
-        data = DataSet(dataset, allow_looping=True, seed=data_seed)
-        self.samples_per_batch = per_rank(samples_per_batch, "samples_per_batch")
+        data, self.samples_per_batch = run_data(dataset, data_seed, samples_per_batch, "samples_per_batch")
         steps = num_epochs * math.ceil(len(data) / self.samples_per_batch)
         super().__init__({"model": model}, data, min(steps, max_num_steps or steps), run_config, evaluate)
         self.model = model
@@ -128,6 +128,13 @@ class BatchRecipe(Recipe, Generic[T]):
             await async_map(self.train_item, batch)
             lr = self.lr_schedule(self.training_completion_percentage)
             return await self.model.optim_step(lr, wd=self.weight_decay, max_grad_norm=self.max_grad_norm)
+
+
+def run_data(dataset: Sequence[T], seed: int, per_step: int, what: str) -> tuple[DataSet[T], int]:
+    """A run's data (looping: a new shuffle each epoch, of which each rank draws its own share) and
+    this rank's share of the ``per_step`` items a step takes over all ranks (``what`` names it in
+    the error when the ranks cannot share it evenly)."""
+    return DataSet(dataset, allow_looping=True, seed=seed), per_rank(per_step, what)
 
 
 async def train_minibatches(

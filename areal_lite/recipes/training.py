@@ -18,6 +18,7 @@ from areal_lite.api.io import GenerationConfig, SaveLoadMeta, WeightUpdateMeta
 from areal_lite.recipes.inference import InferenceModel
 from areal_lite.recipes.losses import (
     SAMPLE,
+    Accumulate,
     DPOLoss,
     Loss,
     PolicyLoss,
@@ -102,6 +103,8 @@ class _Trainable(InferenceModel):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._queued: list[tuple[Loss, list[TrainRow]]] = []
+        self._accumulators: dict[Loss, Accumulate] = {}
+        """Each distinct loss's accumulator on the engine (`Loss.accumulator`), made at its first step."""
         self._accumulated = False
         """Whether `forward_backward` added to the gradients since the last step."""
         self.version = 0
@@ -159,7 +162,9 @@ class _Trainable(InferenceModel):
             n_samples += len(rows) // loss.rows_per_call
             n_tokens += sum(sum(r.loss_mask) for r in rows)
             batch = rows_to_batch(rows or [placeholder_row(loss.keys)] * loss.rows_per_call)
-            part = loss.accumulate(self.engine, batch)
+            if loss not in self._accumulators:
+                self._accumulators[loss] = loss.accumulator(self.engine)
+            part = self._accumulators[loss](batch)
             prefix = "" if len(everyone) == 1 else f"{loss.name}{i if names.count(loss.name) > 1 else ''}/"
             stats.update({prefix + k: v for k, v in part.items()})
         stats.update(self.engine.optim_step(lr, wd, clip))
@@ -405,7 +410,7 @@ class TrainingModel(_Trainable):
             rows = [train_row(s) for s in checked] or [placeholder_row(())]
             batch = rows_to_batch(rows)
             batch[SAMPLE] = torch.tensor(list(range(len(checked))) or [-1], dtype=torch.int64)
-            loss_fn, weight_fn = per_sample_loss(loss, float(batch["attention_mask"].sum()))
+            loss_fn, weight_fn = per_sample_loss(loss, batch)
             _, logprobs = self.engine.forward_backward_logprobs(batch, loss_fn, weight_fn)
             mask = batch["loss_mask"].bool()
             return [logprobs[i][mask[i]].tolist() for i in range(len(checked))]

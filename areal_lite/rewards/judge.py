@@ -24,6 +24,16 @@ DEFAULT_TEMPLATE = (
 )
 
 
+def default_judge_gconfig() -> GenerationConfig:
+    """The judge's sampling unless told otherwise: greedy, 4 tokens (room for yes or no)."""
+    return GenerationConfig(greedy=True, max_new_tokens=4)
+
+
+def verdict_reward(verdict: str) -> float:
+    """1.0 for a verdict that starts with ``yes`` (any case, after white space), else 0.0."""
+    return 1.0 if verdict.strip().lower().startswith("yes") else 0.0
+
+
 class LLMJudgeGrader:
     """Reward 1.0 when the judge model says ``yes``.
 
@@ -46,7 +56,7 @@ class LLMJudgeGrader:
         self.engine = engine
         self.tokenizer = tokenizer
         self.template = template
-        self.gconfig = gconfig or GenerationConfig(greedy=True, max_new_tokens=4)
+        self.gconfig = gconfig or default_judge_gconfig()
         self.reference_key = reference_key
         self.last_verdict = ""
 
@@ -64,4 +74,4 @@ class LLMJudgeGrader:
         resp = await self.engine.agenerate(ModelRequest(input_ids=ids, gconfig=self.gconfig))
         verdict = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)  # type: ignore[attr-defined]
         self.last_verdict = verdict
-        return 1.0 if verdict.strip().lower().startswith("yes") else 0.0
+        return verdict_reward(verdict)

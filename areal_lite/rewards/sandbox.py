@@ -58,9 +58,6 @@ the process limit and ``nice``).
 from __future__ import annotations
 
 import asyncio
-import errno
-import functools
-import itertools
 import json
 import logging
 import os
@@ -71,9 +68,11 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
+
+from areal_lite.rewards.sandbox_cgroup import RunCgroup, memory_cgroup_parent
+from areal_lite.rewards.sandbox_io import RunOutput, kill_group, read_all, reap, write_all
 
 Backend = Literal["auto", "unshare", "bwrap"]
 Outcome = Literal["ok", "error", "timeout", "cpu_limit", "memory_limit", "file_size_limit", "output_limit", "killed"]
@@ -94,7 +93,6 @@ CHECKER_UID_OFFSET = 1 << 22
 2**22, the kernel's largest ``pid_max``): no program's uid."""
 SOCKET_FAMILIES: tuple[int, ...] = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
 """The address families sandboxed code may open sockets of: those the network namespace confines."""
-_RUN_IDS = itertools.count()
 
 
 class SandboxUnavailable(RuntimeError):
@@ -163,163 +161,6 @@ def system_python() -> str:
         if os.access(path, os.X_OK):
             return path
     return sys.executable
-
-
-@functools.cache
-def memory_cgroup_parent() -> tuple[str, int] | None:
-    """(directory, cgroup version) under which this process can make per-run memory cgroups, or
-    None: cgroup v2 where the memory controller is enabled for the directory's children, else the
-    v1 memory hierarchy; the nearest such directory to this process's own cgroup that it may
-    write (root only). Found once, by making and removing a probe."""
-    if os.geteuid() != 0:
-        return None
-    own: dict[str, str] = {}  # "v2" or a v1 controller -> this process's cgroup in that hierarchy
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                _, controllers, path = line.rstrip("\n").split(":", 2)
-                own.update(dict.fromkeys(controllers.split(",") if controllers else ["v2"], path))
-        with open("/proc/self/mountinfo") as f:
-            mounts = [_cgroup_mount(line) for line in f]
-    except OSError:
-        return None
-    for version, point, root, options in sorted(filter(None, mounts), reverse=True):  # v2 first
-        path = own.get("v2" if version == 2 else "memory")
-        if path is None or (version == 1 and "memory" not in options):
-            continue
-        root = root.rstrip("/")
-        if not (path + "/").startswith(root + "/"):
-            continue  # this process's cgroup is outside what the mount shows
-        here = os.path.normpath(point + "/" + path[len(root) :])
-        while True:  # from this process's cgroup up to the hierarchy's root
-            if _can_make_children(here, version):
-                _remove_stale(here)
-                return here, version
-            if here == os.path.normpath(point):
-                break
-            here = os.path.dirname(here)
-    return None
-
-
-def _cgroup_mount(line: str) -> tuple[int, str, str, list[str]] | None:
-    """A line of /proc/self/mountinfo as (cgroup version, mount point, root, super options), or
-    None for a mount that is not a cgroup hierarchy."""
-    fields = line.split()
-    dash = fields.index("-")
-    fstype, options = fields[dash + 1], fields[dash + 3].split(",")
-    if fstype not in ("cgroup", "cgroup2"):
-        return None
-    return (2 if fstype == "cgroup2" else 1), fields[4], fields[3], options
-
-
-def _can_make_children(directory: str, version: int) -> bool:
-    """Whether a child of ``directory`` can be made and has a memory limit (probed)."""
-    if version == 2:
-        try:
-            with open(os.path.join(directory, "cgroup.subtree_control")) as f:
-                if "memory" not in f.read().split():
-                    return False
-        except OSError:
-            return False
-    probe = os.path.join(directory, f"areal-sandbox-{os.getpid()}-probe")
-    try:
-        os.mkdir(probe)
-    except OSError:
-        return False
-    try:
-        return os.path.exists(os.path.join(probe, "memory.max" if version == 2 else "memory.limit_in_bytes"))
-    finally:
-        os.rmdir(probe)
-
-
-def _remove_stale(directory: str) -> None:
-    """The empty run cgroups a trainer that was killed left behind (its pid is gone)."""
-    for name in os.listdir(directory):
-        parts = name.split("-")
-        if len(parts) == 4 and name.startswith("areal-sandbox-") and parts[2].isdigit():
-            try:
-                os.kill(int(parts[2]), 0)
-            except ProcessLookupError:
-                try:
-                    os.rmdir(os.path.join(directory, name))
-                except OSError:
-                    pass  # processes still in it: left alone
-            except PermissionError:
-                pass  # alive
-
-
-class _RunCgroup:
-    """The memory cgroup of one run: made with its limit, joined by the sandbox's children through
-    the open ``cgroup.procs`` (`procs_fd`), asked how many processes the kernel killed for memory,
-    and removed."""
-
-    def __init__(self, parent: str, version: int, limit_bytes: int) -> None:
-        self.path = os.path.join(parent, f"areal-sandbox-{os.getpid()}-{next(_RUN_IDS)}")
-        self.version = version
-        os.mkdir(self.path)
-        try:
-            if version == 2:
-                self._write("memory.max", limit_bytes)
-                self._write("memory.swap.max", 0, optional=True)
-            else:
-                self._write("memory.limit_in_bytes", limit_bytes)
-                self._write("memory.memsw.limit_in_bytes", limit_bytes, optional=True)  # no swap either
-            self.procs_fd: int | None = os.open(os.path.join(self.path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
-        except BaseException:
-            os.rmdir(self.path)
-            raise
-
-    def _write(self, name: str, value: int, optional: bool = False) -> None:
-        try:
-            with open(os.path.join(self.path, name), "w") as f:
-                f.write(str(value))
-        except FileNotFoundError:
-            if not optional:
-                raise
-
-    def close_procs(self) -> None:
-        if self.procs_fd is not None:
-            os.close(self.procs_fd)
-            self.procs_fd = None
-
-    def oom_kills(self) -> int:
-        """Processes of the run killed for memory (``oom_kill`` in memory.events or memory.oom_control)."""
-        try:
-            with open(os.path.join(self.path, "memory.events" if self.version == 2 else "memory.oom_control")) as f:
-                counts = dict(line.split() for line in f if line.strip())
-        except OSError:
-            return 0
-        return int(counts.get("oom_kill", 0))
-
-    async def remove(self) -> None:
-        """Removed once empty: the PID namespace's processes are gone when its launcher is; any
-        straggler is killed, and a cgroup that cannot be removed is reported."""
-        self.close_procs()
-        for attempt in range(50):
-            try:
-                os.rmdir(self.path)
-                return
-            except FileNotFoundError:
-                return
-            except OSError as e:
-                if e.errno != errno.EBUSY:
-                    break
-                if attempt == 5:
-                    self._kill_members()
-                await asyncio.sleep(0.02)
-        logger.warning("sandbox: could not remove the memory cgroup %s", self.path)
-
-    def _kill_members(self) -> None:
-        try:
-            with open(os.path.join(self.path, "cgroup.procs")) as f:
-                pids = [int(p) for p in f.read().split()]
-        except OSError:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 class Sandbox:
@@ -467,7 +308,7 @@ class Sandbox:
             # memory_mb + tmp_mb: one process may reach its address space with /tmp full, as
             # without a cgroup, and no number of processes more than that.
             limit = (lim.memory_mb + lim.tmp_mb) << 20
-            cgroup = _RunCgroup(*self._cgroups, limit) if self._cgroups else None
+            cgroup = RunCgroup(*self._cgroups, limit) if self._cgroups else None
         except OSError as e:
             raise SandboxUnavailable(f"the run's memory cgroup could not be made: {e}") from e
         try:
@@ -477,7 +318,7 @@ class Sandbox:
                 await cgroup.remove()
 
     async def _run_in(
-        self, files: dict[str, str], stdin: str, checker: str | None, cgroup: _RunCgroup | None, start: float
+        self, files: dict[str, str], stdin: str, checker: str | None, cgroup: RunCgroup | None, start: float
     ) -> SandboxResult:
         lim = self.limits
         cgroup_fd = cgroup.procs_fd if cgroup is not None else None
@@ -503,12 +344,12 @@ class Sandbox:
             if cgroup is not None:
                 cgroup.close_procs()
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-        output = _Output(lim.output_bytes, on_overflow=lambda: _kill_group(proc.pid))
+        output = RunOutput(lim.output_bytes, on_overflow=lambda: kill_group(proc.pid))
         readers = asyncio.gather(output.read(proc.stdout.fileno(), 0), output.read(proc.stderr.fileno(), 1))
         timed_out = False
         try:
             try:
-                await _write_all(
+                await write_all(
                     proc.stdin.fileno(), self._payload(proc.pid, status_w, cgroup_fd, files, stdin, checker)
                 )
             except (BrokenPipeError, ConnectionResetError):
@@ -519,23 +360,23 @@ class Sandbox:
                 await asyncio.wait_for(asyncio.shield(readers), lim.timeout)
             except asyncio.TimeoutError:
                 timed_out = True
-                _kill_group(proc.pid)
+                kill_group(proc.pid)
         except BaseException:  # cancelled (the caller's timeout, shutdown)
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
             raise
         finally:  # in every case, nothing outlives the run
             try:
-                await _reap(proc, readers)
+                await reap(proc, readers)
             finally:
                 proc.stdout.close()
                 proc.stderr.close()
-                status = _read_all(status_r)
+                status = read_all(status_r)
         cut = "output_limit" if output.overflow else ("timeout" if timed_out else None)
         oom_kills = cgroup.oom_kills() if cgroup is not None else 0
         return self._result(cut, status, output, checker is not None, oom_kills, time.monotonic() - start)
 
     def _result(
-        self, cut: str | None, status: str, output: _Output, checked: bool, oom_kills: int, seconds: float
+        self, cut: str | None, status: str, output: RunOutput, checked: bool, oom_kills: int, seconds: float
     ) -> SandboxResult:
         stdout, stderr = output.text(0), output.text(1)
         lines = status.splitlines()
@@ -586,103 +427,3 @@ def _not_unicode(texts: dict[str, str]) -> str | None:
         except UnicodeEncodeError as e:
             return f"{name} is not valid Unicode text ({e.reason}: {e.object[e.start : e.end]!a} at {e.start})"
     return None
-
-
-class _Output:
-    """stdout and stderr of one run, read together up to a shared byte budget."""
-
-    def __init__(self, limit: int, on_overflow: Callable[[], None]) -> None:
-        self.limit = limit
-        self.on_overflow = on_overflow
-        self.parts: list[bytearray] = [bytearray(), bytearray()]
-        self.overflow = False
-
-    async def read(self, fd: int, which: int) -> None:
-        """Keep what fits; past the budget, kill the run and drain the pipe until it closes."""
-        os.set_blocking(fd, False)
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except BlockingIOError:
-                await _ready(fd, writing=False)
-                continue
-            if not chunk:
-                return
-            room = self.limit - len(self.parts[0]) - len(self.parts[1])
-            self.parts[which] += chunk[: max(room, 0)]
-            if len(chunk) > room and not self.overflow:
-                self.overflow = True
-                self.on_overflow()
-
-    def text(self, which: int) -> str:
-        return self.parts[which].decode(errors="replace")
-
-
-async def _ready(fd: int, writing: bool) -> None:
-    """Until ``fd`` can be read (or written) without blocking."""
-    loop = asyncio.get_running_loop()
-    ready = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    (loop.add_writer if writing else loop.add_reader)(fd, wake)
-    try:
-        await ready
-    finally:
-        (loop.remove_writer if writing else loop.remove_reader)(fd)
-
-
-async def _write_all(fd: int, data: bytes) -> None:
-    os.set_blocking(fd, False)
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[os.write(fd, view) :]
-        except BlockingIOError:
-            await _ready(fd, writing=True)
-
-
-async def _exited(proc: subprocess.Popen) -> None:
-    """Until the launcher has exited (and is reaped): its pidfd turns readable then."""
-    try:
-        pidfd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): a thread waits instead
-        await asyncio.to_thread(proc.wait)
-        return
-    try:
-        while proc.poll() is None:
-            await _ready(pidfd, writing=False)
-    finally:
-        os.close(pidfd)
-
-
-async def _reap(proc: subprocess.Popen, readers: asyncio.Future) -> None:
-    """Wait for the launcher, then for its pipes to close (the namespace dies with it)."""
-    await _exited(proc)
-    try:
-        await asyncio.wait_for(readers, 10.0)
-    except asyncio.TimeoutError:
-        readers.cancel()
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _read_all(fd: int) -> str:
-    """What the status pipe holds (a few short lines, written before its writers exited)."""
-    os.set_blocking(fd, False)
-    chunks = []
-    try:
-        while chunk := os.read(fd, 4096):
-            chunks.append(chunk)
-    except BlockingIOError:
-        pass
-    finally:
-        os.close(fd)
-    return b"".join(chunks).decode(errors="replace")

@@ -1,11 +1,12 @@
 """The Tinker API over aiohttp: sessions, training runs, samplers and futures.
 
-Routes are those the ``tinker`` SDK calls (``/api/v1/...``; bodies in `areal_lite.service.wire`).
+Routes are those the ``tinker`` SDK calls (``/api/v1/...``; bodies in `areal_lite.service.wire`;
+the ``RestClient``'s listings of runs, checkpoints and sessions in `areal_lite.service.rest_routes`).
 Handlers only parse and queue work: every call that touches a model runs on one engine thread
-(`concurrent.futures.ThreadPoolExecutor` of one worker), in the order each training client
-numbered its requests (`areal_lite.service.futures.Sequencer`), and its result waits in a future
-for ``retrieve_future``. A training call's error never fails its HTTP
-request: the request is accepted (it holds a place in the client's order) and its future fails
+(`concurrent.futures.ThreadPoolExecutor` of one worker, `areal_lite.service.futures.launch`), in
+the order each training client numbered its requests (`areal_lite.service.futures.Sequencer`),
+and its result waits in a future for ``retrieve_future``. A training call's error never fails its
+HTTP request: the request is accepted (it holds a place in the client's order) and its future fails
 with ``{error, category}``, ``user`` for what the caller sent wrong, ``server`` otherwise.
 So a training call's checks (a checkpoint that does not exist, a bad name, its data) run in its
 turn, not in its handler: refused there, it would leave a gap in the order that every later
@@ -23,62 +24,25 @@ import logging
 import os
 import shutil
 import time
-import traceback
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Literal
 
 from aiohttp import web
 
 from areal_lite.service import wire
 from areal_lite.service.config import ServiceConfig
-from areal_lite.service.futures import Failed, Futures, Pending, Sequencer
-from areal_lite.service.runs import BaseModel, Recorded, Run, RunInfo, Snapshot, Storage, snapshot_from_checkpoint
+from areal_lite.service.futures import Failed, Futures, Sequencer, launch
+from areal_lite.service.rest_routes import RestRoutes
+from areal_lite.service.runs import BaseModel, Run, RunInfo, Snapshot, Storage, snapshot_from_checkpoint
 from areal_lite.service.sampler import SamplingParams
 from areal_lite.service.samplers import Samplers, SamplerSession
-from areal_lite.service.wire import BadRequest
+from areal_lite.service.sessions import Session
+from areal_lite.service.wire import BadRequest, error_response, int_field, json_response, str_field
 from areal_lite.utils.distributed import destroy_default_group, init_default_group
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-RECORD_TTL = 24 * 3600.0
-"""How long a sampled sequence's recorded stability information stays (the Tinker docs' day)."""
-
-
-@dataclass
-class Session:
-    session_id: str
-    last_seen: float = field(default_factory=time.monotonic)
-    finished: bool = False
-    runs: list[str] = field(default_factory=list)
-    samplers: list[str] = field(default_factory=list)
-    recorded: dict[str, Recorded] = field(default_factory=dict)
-    """Sampled sequences recorded for stable_reinforce, by sequence id (engine thread only)."""
-
-
-def _json(body: object, status: int = 200) -> web.Response:
-    return web.json_response(body, status=status)
-
-
-def _error(message: str, status: int = 400) -> web.Response:
-    return _json({"error": message, "category": "user"}, status)
-
-
-def _str(body: dict[str, object], key: str) -> str:
-    value = body.get(key)
-    if not isinstance(value, str) or not value:
-        raise BadRequest(f"{key} must be a non-empty string")
-    return value
-
-
-def _int(body: dict[str, object], key: str, default: int | None = None) -> int:
-    value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"{key} must be an integer")
-    return value
 
 
 class Service:
@@ -131,16 +95,7 @@ class Service:
         post(f"{v1}/asample", self.asample)
         post(f"{v1}/retrieve_future", self.retrieve_future)
         post(f"{v1}/cancel_future", self.cancel_future)
-        get(f"{v1}/training_runs", self.list_training_runs)
-        get(f"{v1}/training_runs/{{model_id}}", self.training_run)
-        get(f"{v1}/checkpoints", self.list_user_checkpoints)
-        get(f"{v1}/sessions", self.list_sessions)
-        get(f"{v1}/sessions/{{session_id}}", self.get_session)
-        get(f"{v1}/training_runs/{{model_id}}/checkpoints", self.list_checkpoints)
-        app.router.add_delete(
-            f"{v1}/training_runs/{{model_id}}/checkpoints/{{checkpoint_id:.+}}", self.delete_checkpoint
-        )
-        post(f"{v1}/weights_info", self.weights_info)
+        RestRoutes(self.storage, self.sessions, self.pool).register(app.router, v1)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -149,13 +104,13 @@ class Service:
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         key = self.cfg.api_key
         if key is not None and request.path != "/api/v1/healthz" and request.headers.get("X-API-Key") != key:
-            return _error("invalid or missing API key (X-API-Key)", 401)
+            return error_response("invalid or missing API key (X-API-Key)", 401)
         try:
             return await handler(request)
         except BadRequest as e:
-            return _error(str(e))
+            return error_response(str(e))
         except KeyError as e:
-            return _error(str(e.args[0]) if e.args else "not found", 404)
+            return error_response(str(e.args[0]) if e.args else "not found", 404)
 
     async def _start(self, app: web.Application) -> None:
         # The process group every engine joins, owned by the service: an engine that created it
@@ -188,31 +143,15 @@ class Service:
         self._session(model_id.split(":train:")[0]).last_seen = time.monotonic()
         return run
 
-    def _launch(self, pending: Pending, fn: Callable[[], object]) -> None:
-        """Run ``fn`` on the engine thread and settle ``pending`` with what it returns or raises."""
-
-        async def go() -> None:
-            try:
-                result = await asyncio.get_running_loop().run_in_executor(self.pool, fn)
-            except BadRequest as e:
-                pending.finish(error=Failed(str(e), "user"))
-            except Exception as e:  # noqa: BLE001 - a failure of ours: keep serving the other requests
-                logger.error("request %s failed:\n%s", pending.request_id, traceback.format_exc())
-                pending.finish(error=Failed(f"{type(e).__name__}: {e}", "server"))
-            else:
-                pending.finish(result)
-
-        asyncio.get_running_loop().create_task(go())
-
     def _sequenced(self, model_id: str, seq_id: int, fn: Callable[[], object]) -> web.Response:
         """Queue ``fn`` as request ``seq_id`` of ``model_id``; the answer a submitting call gets."""
         pending = self.futures.create(model_id)
         sequencer = self.sequencers.setdefault(model_id, Sequencer())
         try:
-            answer = sequencer.submit(seq_id, pending, lambda: self._launch(pending, fn))
+            answer = sequencer.submit(seq_id, pending, lambda: launch(self.pool, pending, fn))
         except ValueError as e:
             raise BadRequest(str(e)) from e
-        return _json(answer.answer())
+        return json_response(answer.answer())
 
     async def _reap(self) -> None:
         """End idle sessions and forget old results, now and then."""
@@ -243,19 +182,19 @@ class Service:
     # ---------------------------------------------------------------- service and sessions
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return _json({"status": "ok"})
+        return json_response({"status": "ok"})
 
     async def capabilities(self, request: web.Request) -> web.Response:
         models = [
             {"model_name": b.name, "max_context_length": b.max_len, "trainable": True, "sampleable": True}
             for b in self.bases.values()
         ]
-        return _json({"supported_models": models})
+        return json_response({"supported_models": models})
 
     async def client_config(self, request: web.Request) -> web.Response:
         # The flags the SDK reads before anything else: plain API keys, our protobuf bodies, and
         # the features this service does not have turned off.
-        return _json(
+        return json_response(
             {
                 "pjwt_auth_enabled": False,
                 "proto_compress_fwdbwd": self.cfg.compress_requests,
@@ -268,35 +207,35 @@ class Service:
         )
 
     async def dynamic_config(self, request: web.Request) -> web.Response:
-        return _json({"sample_cancel_enabled": True})
+        return json_response({"sample_cancel_enabled": True})
 
     async def telemetry(self, request: web.Request) -> web.Response:
-        return _json({"status": "accepted"})
+        return json_response({"status": "accepted"})
 
     async def create_session(self, request: web.Request) -> web.Response:
         await request.read()
         session = Session(self._new_id("session-"))
         self.sessions[session.session_id] = session
         logger.info("session %s started", session.session_id)
-        return _json({"type": "create_session", "session_id": session.session_id})
+        return json_response({"type": "create_session", "session_id": session.session_id})
 
     async def heartbeat(self, request: web.Request) -> web.Response:
-        session_id = _str(wire.json_object(await request.read()), "session_id")
+        session_id = str_field(wire.json_object(await request.read()), "session_id")
         session = self.sessions.get(session_id)
         if session is None:
-            return _error(f"no session {session_id!r}", 404)
+            return error_response(f"no session {session_id!r}", 404)
         if session.finished:
-            return _error(f"session {session_id} has finished", 410)
+            return error_response(f"session {session_id} has finished", 410)
         session.last_seen = time.monotonic()
-        return _json({"type": "session_heartbeat"})
+        return json_response({"type": "session_heartbeat"})
 
     async def finish_session(self, request: web.Request) -> web.Response:
         session = self.sessions.get(request.match_info["session_id"])
         if session is None:
-            return _error("no such session", 404)
+            return error_response("no such session", 404)
         if not session.finished:
             await self._end_session(session)
-        return _json({})
+        return json_response({})
 
     # ---------------------------------------------------------------- models
 
@@ -307,15 +246,15 @@ class Service:
 
     async def create_model(self, request: web.Request) -> web.Response:
         body = wire.json_object(await request.read())
-        session = self._session(_str(body, "session_id"))
-        model_id = f"{session.session_id}:train:{_int(body, 'model_seq_id')}"
-        base = self._base(_str(body, "base_model"))
+        session = self._session(str_field(body, "session_id"))
+        model_id = f"{session.session_id}:train:{int_field(body, 'model_seq_id')}"
+        base = self._base(str_field(body, "base_model"))
         optimizer = body.get("optimizer_config") or {}
         if isinstance(optimizer, dict) and optimizer.get("type", "adamw") != "adamw":
             raise BadRequest(f"optimizer {optimizer.get('type')!r} is not supported: this service trains with AdamW")
         lora = body.get("lora_config")
         if lora is not None:
-            if not isinstance(lora, dict) or _int(lora, "rank") < 1:
+            if not isinstance(lora, dict) or int_field(lora, "rank") < 1:
                 raise BadRequest("lora_config.rank must be an integer >= 1")
             lora = {**lora, "alpha": self.cfg.lora_alpha}
         info = RunInfo(model_id, base.name, lora, dict(body.get("user_metadata") or {}))  # type: ignore[arg-type]
@@ -328,15 +267,15 @@ class Service:
             logger.info("run %s: %s, %s", model_id, base.name, f"LoRA rank {lora['rank']}" if lora else "full")
             return {"type": "create_model", "model_id": model_id}
 
-        self._launch(pending, create)
-        return _json(pending.answer())
+        launch(self.pool, pending, create)
+        return json_response(pending.answer())
 
     async def get_info(self, request: web.Request) -> web.Response:
-        model_id = _str(wire.json_object(await request.read()), "model_id")
+        model_id = str_field(wire.json_object(await request.read()), "model_id")
         run = self.runs.get(model_id)
         info = run.info if run is not None else self.storage.read_info(model_id)
         base = self._base(info.base_model)
-        return _json(
+        return json_response(
             {
                 "type": "get_info",
                 "model_id": model_id,
@@ -364,7 +303,7 @@ class Service:
 
     async def optim_step(self, request: web.Request) -> web.Response:
         body = wire.json_object(await request.read())
-        model_id = _str(body, "model_id")
+        model_id = str_field(body, "model_id")
         run = self._run(model_id)
         params = body.get("adam_params") or body.get("optim_params") or body.get("optimizer_params")
 
@@ -373,11 +312,11 @@ class Service:
                 raise BadRequest("optim_step needs adam_params")
             return {"metrics": run.optim_step(params)}
 
-        return self._sequenced(model_id, _int(body, "seq_id"), step)
+        return self._sequenced(model_id, int_field(body, "seq_id"), step)
 
     async def save_weights(self, request: web.Request) -> web.Response:
         body = wire.json_object(await request.read())
-        model_id = _str(body, "model_id")
+        model_id = str_field(body, "model_id")
         run = self._run(model_id)
         name = str(body.get("path") or self._new_id("state-"))
         overwrite = bool(body.get("overwrite", False))
@@ -388,30 +327,30 @@ class Service:
             run.save_state(directory)
             return {"type": "save_weights", "path": path}
 
-        return self._sequenced(model_id, _int(body, "seq_id"), save)
+        return self._sequenced(model_id, int_field(body, "seq_id"), save)
 
     async def save_weights_external(self, request: web.Request) -> web.Response:
         body = wire.json_object(await request.read())
-        model_id = _str(body, "model_id")
+        model_id = str_field(body, "model_id")
         run = self._run(model_id)
 
         def save() -> dict[str, object]:
-            path, directory = self.storage.checkpoint(model_id, "external_weights", _str(body, "path"))
+            path, directory = self.storage.checkpoint(model_id, "external_weights", str_field(body, "path"))
             _fresh(directory, path, overwrite=False)
             run.save_external(directory)
             return {"type": "save_weights_external", "path": path, "size_bytes": _size(directory)}
 
-        return self._sequenced(model_id, _int(body, "seq_id"), save)
+        return self._sequenced(model_id, int_field(body, "seq_id"), save)
 
     async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
         body = wire.json_object(await request.read())
-        model_id = _str(body, "model_id")
+        model_id = str_field(body, "model_id")
         run = self._run(model_id)
         session = self.sessions[model_id.split(":train:")[0]]
         name = body.get("path")
 
         def unnamed() -> dict[str, object]:
-            sid = f"{session.session_id}:sample:{_int(body, 'sampling_session_seq_id')}"
+            sid = f"{session.session_id}:sample:{int_field(body, 'sampling_session_seq_id')}"
             # kind="inflight" gets a snapshot too: its contract (the saved weights or newer) holds.
             self._add_sampler(SamplerSession(sid, session.session_id, run.snapshot(None), sid), run.info.model_id)
             return {"type": "save_weights_for_sampler", "sampling_session_id": sid}
@@ -422,11 +361,11 @@ class Service:
             run.snapshot(directory)
             return {"type": "save_weights_for_sampler", "path": path}
 
-        return self._sequenced(model_id, _int(body, "seq_id"), unnamed if name is None else named)
+        return self._sequenced(model_id, int_field(body, "seq_id"), unnamed if name is None else named)
 
     def _training_checkpoint(self, body: dict[str, object]) -> tuple[RunInfo, str]:
         """The run and directory of the training checkpoint ``body["path"]`` names."""
-        source, kind, directory = self.storage.resolve(_str(body, "path"))
+        source, kind, directory = self.storage.resolve(str_field(body, "path"))
         if kind != "weights":
             raise BadRequest(f"load a training checkpoint (tinker://<run>/weights/<name>), not {kind}")
         return source, directory
@@ -436,18 +375,18 @@ class Service:
         with_optimizer = bool(body.get("optimizer", False))
         path = str(body.get("path"))
         if body.get("model_id") is not None:  # into an existing run, as its next request
-            model_id = _str(body, "model_id")
+            model_id = str_field(body, "model_id")
             run = self._run(model_id)
 
             def load() -> dict[str, object]:
                 run.load_state(*self._training_checkpoint(body), with_optimizer)
                 return {"type": "load_weights", "path": path, "model_id": model_id}
 
-            return self._sequenced(model_id, _int(body, "seq_id"), load)
+            return self._sequenced(model_id, int_field(body, "seq_id"), load)
         source, directory = self._training_checkpoint(body)
         # A new run made from the checkpoint: its first request.
-        session = self._session(_str(body, "session_id"))
-        model_id = f"{session.session_id}:train:{_int(body, 'model_seq_id')}"
+        session = self._session(str_field(body, "session_id"))
+        model_id = f"{session.session_id}:train:{int_field(body, 'model_seq_id')}"
         base = self._base(str(body.get("base_model") or source.base_model))
         info = RunInfo(model_id, base.name, source.lora, dict(body.get("user_metadata") or {}))  # type: ignore[arg-type]
         pending = self.futures.create(model_id)
@@ -463,8 +402,8 @@ class Service:
             self.runs[model_id] = run
             return {"type": "load_weights", "path": path, "model_id": model_id}
 
-        self._launch(pending, create_and_load)
-        return _json(pending.answer())
+        launch(self.pool, pending, create_and_load)
+        return json_response(pending.answer())
 
     # ---------------------------------------------------------------- sampling
 
@@ -477,8 +416,8 @@ class Service:
 
     async def create_sampling_session(self, request: web.Request) -> web.Response:
         body = wire.json_object(await request.read())
-        session = self._session(_str(body, "session_id"))
-        sid = f"{session.session_id}:sample:{_int(body, 'sampling_session_seq_id')}"
+        session = self._session(str_field(body, "session_id"))
+        sid = f"{session.session_id}:sample:{int_field(body, 'sampling_session_seq_id')}"
         model_path = body.get("model_path")
         if model_path:
             info, kind, directory = self.storage.resolve(str(model_path))
@@ -486,26 +425,26 @@ class Service:
             snapshot = snapshot_from_checkpoint(info, kind, directory)
             key = f"{info.model_id}/{kind}/{directory.rsplit('/', 1)[-1]}"
         else:
-            snapshot = Snapshot(self._base(_str(body, "base_model")).name, "base")
+            snapshot = Snapshot(self._base(str_field(body, "base_model")).name, "base")
             key = f"base:{snapshot.base}"
         sampler = SamplerSession(sid, session.session_id, snapshot, key, str(model_path) if model_path else None)
         await asyncio.get_running_loop().run_in_executor(self.pool, self._add_sampler, sampler)
-        return _json({"type": "create_sampling_session", "sampling_session_id": sid})
+        return json_response({"type": "create_sampling_session", "sampling_session_id": sid})
 
     async def join_sampling_session(self, request: web.Request) -> web.Response:
-        sid = _str(wire.json_object(await request.read()), "sampling_session_id")
+        sid = str_field(wire.json_object(await request.read()), "sampling_session_id")
         sampler = self.samplers.get(sid)
         if sampler is None:
             raise KeyError(f"no sampling session {sid!r}")
         sampler.clients += 1
-        return _json({"type": "join_sampling_session", "client_counter": sampler.clients - 1})
+        return json_response({"type": "join_sampling_session", "client_counter": sampler.clients - 1})
 
     async def get_sampler(self, request: web.Request) -> web.Response:
         sid = request.match_info["sampler_id"]
         sampler = self.samplers.get(sid)
         if sampler is None:
             raise KeyError(f"no sampling session {sid!r}")
-        return _json({"sampler_id": sid, "base_model": sampler.snapshot.base, "model_path": sampler.model_path})
+        return json_response({"sampler_id": sid, "base_model": sampler.snapshot.base, "model_path": sampler.model_path})
 
     async def asample(self, request: web.Request) -> web.Response:
         body = wire.json_object(await request.read())
@@ -523,7 +462,7 @@ class Service:
         if not isinstance(raw, dict):
             raise BadRequest("sampling_params must be an object")
         params = SamplingParams.from_request(raw, body)
-        n = _int(body, "num_samples", 1)
+        n = int_field(body, "num_samples", 1)
         record = bool(body.get("record_stability_info"))
         pending = self.futures.create()
         seq = body.get("seq_id", pending.request_id)
@@ -535,21 +474,17 @@ class Service:
             gen, adapter = self.samplers.generator(sampler)
             samples = gen.sample(prompt, n, params, adapter)
             if record:
-                for seq_id, s in zip(pending.sample_sequence_ids or [], samples.sequences):
-                    session.recorded[seq_id] = Recorded(prompt, s.tokens, s.logprobs)
-                cutoff = time.time() - RECORD_TTL
-                for old in [k for k, r in session.recorded.items() if r.time < cutoff]:
-                    del session.recorded[old]
+                session.record(pending.sample_sequence_ids or [], prompt, samples)
             return samples
 
-        self._launch(pending, sample)
-        return _json(pending.answer())
+        launch(self.pool, pending, sample)
+        return json_response(pending.answer())
 
     # ---------------------------------------------------------------- futures
 
     async def retrieve_future(self, request: web.Request) -> web.Response:
         body = wire.json_object(await request.read())
-        request_id = _str(body, "request_id")
+        request_id = str_field(body, "request_id")
         pending = self.futures.get(request_id)
         if pending is None:
             raise KeyError(f"no request {request_id!r} (unknown, or its result expired)")
@@ -559,94 +494,26 @@ class Service:
         try:
             result = await asyncio.wait_for(asyncio.shield(pending.future), self.cfg.poll_timeout)
         except asyncio.TimeoutError:
-            return _json({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+            return json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         except Failed as e:
-            return _json({"error": str(e), "category": e.category})
+            return json_response({"error": str(e), "category": e.category})
         proto = wire.PROTOBUF in request.headers.get("Accept", "")
         if isinstance(result, wire.ForwardBackwardResult):
             if proto:
                 return web.Response(body=wire.forward_backward_proto(result), content_type=wire.PROTOBUF)
-            return _json(wire.forward_backward_json(result))
+            return json_response(wire.forward_backward_json(result))
         if isinstance(result, wire.Samples):
             if proto:
                 return web.Response(body=wire.samples_proto(result), content_type=wire.PROTOBUF)
-            return _json(wire.samples_json(result))
-        return _json(result)
+            return json_response(wire.samples_json(result))
+        return json_response(result)
 
     async def cancel_future(self, request: web.Request) -> web.Response:
         body = wire.json_object(await request.read())
         pending = self.futures.get(str(body.get("request_id")))
         if pending is not None and pending.model_id is None:  # a sample; training requests keep their order
             pending.finish(error=Failed("cancelled by the client", "user"))
-        return _json({})
-
-    # ---------------------------------------------------------------- runs and checkpoints (REST)
-
-    def _training_run(self, model_id: str) -> dict[str, object]:
-        info = self.storage.read_info(model_id)
-        checkpoints = self.storage.checkpoints(model_id)
-        last = {kind: c for c in checkpoints for kind in [c[1]]}
-        return {
-            "training_run_id": model_id,
-            "base_model": info.base_model,
-            "model_owner": "local",
-            "is_lora": info.lora is not None,
-            "lora_rank": None if info.lora is None else info.lora["rank"],
-            "last_request_time": _iso(info.created),
-            "last_checkpoint": _checkpoint(last["weights"]) if "weights" in last else None,
-            "last_sampler_checkpoint": _checkpoint(last["sampler_weights"]) if "sampler_weights" in last else None,
-            "user_metadata": {k: str(v) for k, v in info.user_metadata.items()},
-        }
-
-    async def training_run(self, request: web.Request) -> web.Response:
-        return _json(self._training_run(request.match_info["model_id"]))
-
-    async def list_training_runs(self, request: web.Request) -> web.Response:
-        ids = self.storage.run_ids()
-        offset, limit = _page(request, 20)
-        page = [self._training_run(m) for m in ids[offset : offset + limit]]
-        return _json({"training_runs": page, "cursor": _cursor(offset, limit, len(ids))})
-
-    async def list_user_checkpoints(self, request: web.Request) -> web.Response:
-        every = sorted(
-            (c for m in self.storage.run_ids() for c in self.storage.checkpoints(m)), key=lambda c: c[2], reverse=True
-        )  # newest first, as Tinker lists them
-        offset, limit = _page(request, 100)
-        page = [_checkpoint(c) for c in every[offset : offset + limit]]
-        return _json({"checkpoints": page, "cursor": _cursor(offset, limit, len(every))})
-
-    async def list_sessions(self, request: web.Request) -> web.Response:
-        offset, limit = _page(request, 20)
-        return _json({"sessions": list(self.sessions)[offset : offset + limit]})
-
-    async def get_session(self, request: web.Request) -> web.Response:
-        session = self.sessions.get(request.match_info["session_id"])
-        if session is None:
-            return _error("no such session", 404)
-        return _json({"training_run_ids": session.runs, "sampler_ids": session.samplers})
-
-    async def list_checkpoints(self, request: web.Request) -> web.Response:
-        model_id = request.match_info["model_id"]
-        self.storage.read_info(model_id)
-        return _json({"checkpoints": [_checkpoint(c) for c in self.storage.checkpoints(model_id)]})
-
-    async def delete_checkpoint(self, request: web.Request) -> web.Response:
-        model_id, checkpoint_id = request.match_info["model_id"], request.match_info["checkpoint_id"]
-        _, _, directory = self.storage.resolve(f"tinker://{model_id}/{checkpoint_id}")
-        await asyncio.get_running_loop().run_in_executor(self.pool, shutil.rmtree, directory)
-        return _json({})
-
-    async def weights_info(self, request: web.Request) -> web.Response:
-        info, _, _ = self.storage.resolve(_str(wire.json_object(await request.read()), "tinker_path"))
-        lora = info.lora or {}
-        return _json(
-            {
-                "base_model": info.base_model,
-                "is_lora": info.lora is not None,
-                "lora_rank": lora.get("rank"),
-                **{flag: lora.get(flag, True) for flag in ("train_mlp", "train_attn", "train_unembed") if info.lora},
-            }
-        )
+        return json_response({})
 
 
 def _fresh(directory: str, path: str, overwrite: bool) -> None:
@@ -658,37 +525,3 @@ def _fresh(directory: str, path: str, overwrite: bool) -> None:
 
 def _size(directory: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
-
-
-def _page(request: web.Request, default_limit: int) -> tuple[int, int]:
-    """``(offset, limit)`` of a listing's query string."""
-    try:
-        offset, limit = int(request.query.get("offset", 0)), int(request.query.get("limit", default_limit))
-    except ValueError as e:
-        raise BadRequest(f"offset and limit must be integers: {e}") from e
-    if offset < 0 or limit < 0:
-        raise BadRequest("offset and limit must be >= 0")
-    return offset, limit
-
-
-def _cursor(offset: int, limit: int, total: int) -> dict[str, int]:
-    return {"offset": offset, "limit": limit, "total_count": total}
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
-
-
-def _checkpoint(c: tuple[str, str, float]) -> dict[str, object]:
-    path, kind, mtime = c
-    types: dict[str, Literal["training", "sampler", "external"]] = {
-        "weights": "training",
-        "sampler_weights": "sampler",
-        "external_weights": "external",
-    }
-    return {
-        "checkpoint_id": path.split("/", 3)[3],
-        "checkpoint_type": types[kind],
-        "time": _iso(mtime),
-        "tinker_path": path,
-    }

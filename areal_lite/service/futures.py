@@ -14,10 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
+import traceback
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Literal
+
+from areal_lite.service.wire import BadRequest
+
+logger = logging.getLogger(__name__)
 
 Category = Literal["user", "server", "unknown"]
 
@@ -111,3 +118,21 @@ class Sequencer:
         for old in [s for s in self._seen if s < self.next - 1024]:
             del self._seen[old]
         return pending
+
+
+def launch(engine_thread: Executor, pending: Pending, fn: Callable[[], object]) -> None:
+    """Run ``fn`` on the engine thread and settle ``pending`` with what it returns or raises: a
+    `BadRequest` is the client's error, anything else the server's (logged)."""
+
+    async def go() -> None:
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(engine_thread, fn)
+        except BadRequest as e:
+            pending.finish(error=Failed(str(e), "user"))
+        except Exception as e:  # noqa: BLE001 - a failure of ours: keep serving the other requests
+            logger.error("request %s failed:\n%s", pending.request_id, traceback.format_exc())
+            pending.finish(error=Failed(f"{type(e).__name__}: {e}", "server"))
+        else:
+            pending.finish(result)
+
+    asyncio.get_running_loop().create_task(go())

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from areal_lite.actors import summed_loss
 from areal_lite.algorithms import functional as F
 from areal_lite.api.engine import LossFn, LossWeightFn, PackedBatch
 from areal_lite.service.wire import BadRequest, Datum, Unsupported
@@ -270,23 +271,15 @@ def _mb_inputs(mb: PackedBatch, keys: tuple[str, ...]) -> dict[str, torch.Tensor
 
 def engine_loss(loss: TinkerLoss, config: dict[str, float], batch: TensorDict) -> tuple[LossFn, LossWeightFn]:
     """``(loss_fn, loss_weight_fn)`` for `TrainEngine.forward_backward` whose gradient is that of
-    the plain sum of ``loss`` over every token of ``batch`` (on one rank). The engine scales
-    micro-batch ``m``'s loss by ``tokens_m / tokens``; the loss undoes that factor (as
-    `areal_lite.actors.train_on_tangents` does)."""
-    n_tokens = float(batch["attention_mask"].sum())
+    the plain sum of ``loss`` over every token of ``batch`` (on one rank):
+    `areal_lite.actors.summed_loss` of it."""
 
-    def loss_fn(
-        logp: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def token_sum(logp: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
         cu = mb["cu_seqlens"]
         assert isinstance(cu, torch.Tensor)
-        total = loss.per_token(logp, _mb_inputs(mb, loss.inputs), cu, config).sum()
-        return total * (n_tokens / logp.numel()), {}
+        return loss.per_token(logp, _mb_inputs(mb, loss.inputs), cu, config).sum()
 
-    def weight_fn(mb: PackedBatch) -> float:
-        return float(mb["input_ids"].numel())  # type: ignore[union-attr]
-
-    return loss_fn, weight_fn
+    return summed_loss(token_sum, batch)
 
 
 def loss_sum(loss: TinkerLoss, config: dict[str, float], batch: TensorDict, logprobs: torch.Tensor) -> float:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+from aiohttp import web
 
 PROTOBUF = "application/x-protobuf"
 
@@ -252,6 +253,7 @@ def forward_backward_call(body: bytes, content_type: str, forward_only: bool = F
 
 
 def json_object(body: bytes) -> dict[str, object]:
+    """A JSON request body, which must be an object; BadRequest otherwise."""
     try:
         obj = json.loads(body or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -259,6 +261,31 @@ def json_object(body: bytes) -> dict[str, object]:
     if not isinstance(obj, dict):
         raise BadRequest("the body must be a JSON object")
     return obj
+
+
+def str_field(body: dict[str, object], key: str) -> str:
+    """``body[key]``, which must be a non-empty string; BadRequest otherwise."""
+    value = body.get(key)
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"{key} must be a non-empty string")
+    return value
+
+
+def int_field(body: dict[str, object], key: str, default: int | None = None) -> int:
+    """``body[key]`` (``default`` when absent), which must be an integer; BadRequest otherwise."""
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{key} must be an integer")
+    return value
+
+
+def json_response(body: object, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status)
+
+
+def error_response(message: str, status: int = 400) -> web.Response:
+    """The client's error, as the SDK reads it: ``{error, category: "user"}``."""
+    return json_response({"error": message, "category": "user"}, status)
 
 
 # ---------------------------------------------------------------------------------- responses

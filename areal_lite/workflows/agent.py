@@ -56,7 +56,41 @@ class Episode:
     num_calls: int
 
 
-class AgentWorkflow(RolloutWorkflow):
+class ProxiedWorkflow(RolloutWorkflow):
+    """What the workflows whose episodes run behind a `RecordingProxy` share (`AgentWorkflow`,
+    ``VerifiersWorkflow``): ``gconfig.n_samples`` episodes per item, each with a proxy of its own
+    set up alike (`new_proxy`). The arguments are `AgentWorkflow`'s."""
+
+    def __init__(
+        self,
+        gconfig: GenerationConfig,
+        tokenizer: object,
+        max_calls: int,
+        max_context_tokens: int | None,
+        template_kwargs: dict[str, object],
+    ) -> None:
+        if max_calls < 1:
+            raise ValueError(f"max_calls must be >= 1, got {max_calls}")
+        self.gconfig = gconfig.new(n_samples=1)
+        self.n_episodes = gconfig.n_samples
+        self.tokenizer = tokenizer
+        self.max_calls = max_calls
+        self.max_context_tokens = max_context_tokens
+        self.template_kwargs = template_kwargs
+
+    def new_proxy(self, engine: InferenceEngine) -> RecordingProxy:
+        """A proxy in front of ``engine`` for one episode."""
+        return RecordingProxy(
+            engine,
+            self.tokenizer,
+            self.gconfig,
+            max_calls=self.max_calls,
+            max_context_tokens=self.max_context_tokens,
+            template_kwargs=self.template_kwargs,
+        )
+
+
+class AgentWorkflow(ProxiedWorkflow):
     """``gconfig.n_samples`` episodes of an OpenAI-SDK agent per item.
 
     Args:
@@ -84,16 +118,9 @@ class AgentWorkflow(RolloutWorkflow):
         reward_timeout: float = 15.0,
         **template_kwargs: object,
     ) -> None:
-        if max_calls < 1:
-            raise ValueError(f"max_calls must be >= 1, got {max_calls}")
+        super().__init__(gconfig, tokenizer, max_calls, max_context_tokens, template_kwargs)
         self.agent_fn = agent_fn
         self.reward = as_runner(reward_fn, reward_timeout)
-        self.gconfig = gconfig.new(n_samples=1)
-        self.n_episodes = gconfig.n_samples
-        self.tokenizer = tokenizer
-        self.max_calls = max_calls
-        self.max_context_tokens = max_context_tokens
-        self.template_kwargs = template_kwargs
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, object]) -> TensorDict | None:
         episodes = await asyncio.gather(*(self.run_one(engine, data) for _ in range(self.n_episodes)))
@@ -101,14 +128,7 @@ class AgentWorkflow(RolloutWorkflow):
 
     async def run_one(self, engine: InferenceEngine, data: dict[str, object]) -> Episode:
         """Run the agent once on ``data`` and grade its answer."""
-        proxy = RecordingProxy(
-            engine,
-            self.tokenizer,
-            self.gconfig,
-            max_calls=self.max_calls,
-            max_context_tokens=self.max_context_tokens,
-            template_kwargs=self.template_kwargs,
-        )
+        proxy = self.new_proxy(engine)
         answer: str | None = None
         async with proxy.client() as client:
             try:

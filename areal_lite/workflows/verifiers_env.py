@@ -29,9 +29,7 @@ from typing import TYPE_CHECKING
 
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import GenerationConfig
-from areal_lite.api.workflow import RolloutWorkflow
-from areal_lite.workflows.agent import Episode, group_batch
-from areal_lite.workflows.openai_proxy import RecordingProxy
+from areal_lite.workflows.agent import Episode, ProxiedWorkflow, group_batch
 from areal_lite.workflows.proxy_server import ProxyServer
 
 if TYPE_CHECKING:
@@ -54,7 +52,7 @@ def local_agent(in_process: bool = False, **agent: object) -> vf.AgentConfig:
     return vf.AgentConfig(harness=harness, runtime=vf.SubprocessConfig(), **agent)  # type: ignore[arg-type]
 
 
-class VerifiersWorkflow(RolloutWorkflow):
+class VerifiersWorkflow(ProxiedWorkflow):
     """``gconfig.n_samples`` episodes of a verifiers env per task.
 
     A dataset item is ``{"task": task}``, a `vf.Task` of the env's taskset (`task_items`).
@@ -79,15 +77,8 @@ class VerifiersWorkflow(RolloutWorkflow):
         max_context_tokens: int | None = None,
         **template_kwargs: object,
     ) -> None:
-        if max_calls < 1:
-            raise ValueError(f"max_calls must be >= 1, got {max_calls}")
+        super().__init__(gconfig, tokenizer, max_calls, max_context_tokens, template_kwargs)
         self.env = env
-        self.gconfig = gconfig.new(n_samples=1)
-        self.n_episodes = gconfig.n_samples
-        self.tokenizer = tokenizer
-        self.max_calls = max_calls
-        self.max_context_tokens = max_context_tokens
-        self.template_kwargs = template_kwargs
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, object]) -> TensorDict | None:
         server = ProxyServer()
@@ -104,14 +95,7 @@ class VerifiersWorkflow(RolloutWorkflow):
         """One episode of ``task``, its model calls recorded; None when the env could not finish it."""
         import verifiers.v1 as vf
 
-        proxy = RecordingProxy(
-            engine,
-            self.tokenizer,
-            self.gconfig,
-            max_calls=self.max_calls,
-            max_context_tokens=self.max_context_tokens,
-            template_kwargs=self.template_kwargs,
-        )
+        proxy = self.new_proxy(engine)
         key, _ = server.register(proxy)
         try:
             # One endpoint for every episode, the episode named by the model: verifiers keeps one
