@@ -1,51 +1,27 @@
-"""The scaffolding every example script shares, written once; the training loop stays in each script.
-
-- `make_train_engine` and `make_rollout`: the train engine and the `RolloutController` the config
-  asks for (``actor.backend``; ``launcher.backend`` with ``weight_update``).
-- `rank_dataloader`: a resumable data loader over this data-parallel rank's share of the data;
-  `on_rank0_first` and `print_rank0` for the work and the output that one rank does for all.
-- `sync_weights`: the weight-sync sequence (pause, push, version, resume), one line in the loop.
-- `RunKit`: after each step, the HF checkpoint, the recover checkpoint, the evaluation and the
-  statistics; before the first, the resume from a recover checkpoint.
-
-A script reads::
-
-    rollout, weight_meta = make_rollout(cfg, model_dir)
-    actor = PPOActor(cfg.actor, make_train_engine(cfg.actor))
-    dataloader = rank_dataloader(items, cfg.train_dataset, actor.engine, seed=cfg.seed)
-    run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
-    actor.engine.initialize(run.finetune_spec)
-    actor.engine.connect_engine(rollout.engine, weight_meta)
-    run.resume()
-    for global_step in range(run.start_step, run.total_steps):
-        batch = rollout.prepare_batch(dataloader, workflow=workflow)
-        ...
-        sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=...)
-    run.close()
-"""
+"""What happens around each training step, written once for every example: `RunKit` (the HF
+checkpoint, the recover checkpoint, the evaluation and the statistics after each step; the engines'
+start and the resume from a recover checkpoint before the first), `sync_weights` (the weight-sync
+sequence, one line in the loop), `mean_reward` (a held-out score) and `job_start_time`."""
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import replace
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from areal_lite.api.config import BaseExperimentConfig, DatasetConfig, RLExperimentConfig, TrainEngineConfig
+from areal_lite.api.config import BaseExperimentConfig, RLExperimentConfig
 from areal_lite.api.engine import TrainEngine
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
 from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.core.controller import RolloutController
-from areal_lite.utils.dataloader import stateful_dataloader
+from areal_lite.kit.ranks import print_rank0
 from areal_lite.utils.evaluator import Evaluator
 from areal_lite.utils.recover import ATTEMPT_ENV, RecoverHandler
 from areal_lite.utils.saver import Saver
@@ -53,155 +29,7 @@ from areal_lite.utils.stats import StatsTracker
 from areal_lite.utils.stats_logger import StatsLogger
 from areal_lite.utils.step import StepInfo
 
-logger = logging.getLogger("areal_lite.kit")
-
-
-def make_train_engine(config: TrainEngineConfig) -> TrainEngine:
-    """An uninitialised `FSDPEngine` or `MegatronEngine` for ``config.backend``, so swapping
-    backends is one config line. The backends are imported lazily: megatron-core is optional."""
-    if config.backend == "fsdp":
-        from areal_lite.engines.train.fsdp import FSDPEngine
-
-        return FSDPEngine(config)
-    if config.backend == "megatron":
-        from areal_lite.engines.train.megatron import MegatronEngine
-
-        return MegatronEngine(config)
-    raise ValueError(f"backend must be fsdp or megatron, got {config.backend!r}")
-
-
-def _is_rank0() -> bool:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def rollout_dtype(cfg: RLExperimentConfig) -> str | None:
-    """The dtype the rollout engine generates in, as far as the config says: ``local_engine.dtype``
-    for the embedded engine and our server (a ``--dtype`` in ``launcher.server_args`` wins for the
-    server), a ``--dtype`` in ``launcher.server_args`` for SGLang and vLLM; None when unknown."""
-    backend = cfg.launcher.backend
-    args = cfg.launcher.server_args
-    given = None
-    for flag, value in zip(args, [*args[1:], ""]):
-        if flag == "--dtype":
-            given = value
-        elif flag.startswith("--dtype="):
-            given = flag.partition("=")[2]
-    if backend == "local":
-        return cfg.local_engine.dtype
-    if backend == "areal":
-        return given or cfg.local_engine.dtype
-    return given
-
-
-def check_dtypes(cfg: RLExperimentConfig) -> tuple[str, str | None]:
-    """The trainer's compute dtype (``actor.dtype``, ``auto`` resolved on this machine) and the
-    rollout engine's (`rollout_dtype`); a warning naming both when they differ. Different dtypes
-    give the same weights different log-probabilities (0.65 nats apart at worst, measured on a
-    135M model in bf16 against fp32): every update then sees that mismatch as off-policyness
-    (the trainer's ``mismatch/*`` statistics)."""
-    from areal_lite.cpu.precision import compute_dtype
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    trainer = str(compute_dtype(cfg.actor.dtype, device)).removeprefix("torch.")
-    rollout = rollout_dtype(cfg)
-    resolved = None if rollout in (None, "auto") else rollout
-    if resolved is not None and resolved != trainer and _is_rank0():
-        where = "local_engine.dtype=" if cfg.launcher.backend in ("local", "areal") else "launcher.server_args --dtype "
-        logger.warning(
-            "the trainer computes in %s (actor.dtype=%s) but the rollout engine generates in %s (%s%s): their "
-            "log-probabilities of the same tokens differ, which the updates see as off-policyness (mismatch/* "
-            "statistics); set both to one dtype",
-            trainer,
-            cfg.actor.dtype,
-            resolved,
-            where,
-            resolved,
-        )
-    return trainer, resolved
-
-
-def make_rollout(cfg: RLExperimentConfig, model_dir: str | None = None) -> tuple[RolloutController, WeightUpdateMeta]:
-    """An initialised `RolloutController` for ``cfg.launcher.backend`` and the `WeightUpdateMeta`
-    that reaches its engine.
-
-    ``local`` generates in this process (`LocalInferenceEngine` on ``model_dir``, default
-    ``cfg.actor.path``; weights copied in place). ``areal`` and ``sglang`` talk to the servers the
-    launcher started (``cfg.rollout.addresses``) with `RemoteSGLangEngine`, ``vllm`` with
-    `RemoteVLLMEngine`; weights go through the disk or a process group (``cfg.weight_update``).
-    With ``actor.lora`` on, requests name the trained adapter. Every trainer rank generates its own share of
-    the rollouts, but only rank 0 controls the servers (pauses, versions, weights); the other
-    ranks' clients follow.
-    """
-    check_dtypes(cfg)
-    if cfg.launcher.backend == "local":
-        from areal_lite.engines.local.engine import LocalInferenceEngine
-
-        engine = LocalInferenceEngine(replace(cfg.local_engine, path=model_dir or cfg.actor.path))
-        rollout = RolloutController(engine, cfg.rollout)
-        meta = WeightUpdateMeta(type="in_process")
-    else:
-        from areal_lite.engines.local.engine import ADAPTER as POLICY_ADAPTER
-        from areal_lite.engines.remote.sglang import RemoteSGLangEngine
-        from areal_lite.engines.remote.vllm import RemoteVLLMEngine
-
-        client = RemoteVLLMEngine if cfg.launcher.backend == "vllm" else RemoteSGLangEngine
-        control = _is_rank0()
-        adapter = POLICY_ADAPTER if cfg.actor.lora.enabled else None  # the name requests give the trained adapter
-        factory = functools.partial(client, cfg.rollout, control_servers=False, adapter_name=adapter)
-        rollout = RolloutController(
-            client(cfg.rollout, control_servers=control, adapter_name=adapter), cfg.rollout, factory
-        )
-        if cfg.weight_update == "distributed":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"  # GPU tensors by NCCL, else gloo
-            meta = WeightUpdateMeta(type="distributed", backend=backend, world_size=1 + len(cfg.rollout.addresses))
-        elif cfg.weight_update == "disk":
-            meta = WeightUpdateMeta(type="disk", path=os.path.join(cfg.output_dir, "weight_update"))
-        else:
-            raise ValueError(f"weight_update must be disk or distributed, got {cfg.weight_update!r}")
-    rollout.initialize()
-    return rollout, meta
-
-
-def rank_dataloader(
-    items: Sequence[object],
-    dataset: DatasetConfig,
-    engine: TrainEngine,
-    *,
-    seed: int,
-    collate_fn: Callable[[list[object]], object] | None = None,
-) -> StatefulDataLoader:
-    """A resumable loader over this data-parallel rank's share of ``items`` (ranks never share an
-    item), ``dataset.batch_size`` items per rank and step. Joins ``engine``'s process group first."""
-    engine.create_process_group()
-    extra = {} if collate_fn is None else {"collate_fn": collate_fn}
-    world = engine.data_parallel_world_size
-    loader = stateful_dataloader(
-        items,
-        batch_size=dataset.batch_size,
-        shuffle=dataset.shuffle,
-        seed=seed,
-        rank=engine.data_parallel_rank,
-        world_size=world,
-        **extra,  # type: ignore[arg-type]
-    )
-    if len(loader) == 0:
-        where = f" ({dataset.path})" if dataset.path else ""
-        raise ValueError(
-            f"the training data{where} has {len(items)} items, fewer than one batch of "
-            f"batch_size={dataset.batch_size} x {world} data-parallel ranks"
-        )
-    return loader
-
-
-def on_rank0_first(engine: TrainEngine, prepare: Callable[[], object]) -> None:
-    """Run ``prepare`` (e.g. build a model directory that every rank then loads) on trainer rank 0
-    while the other ranks wait for it. Joins ``engine``'s process group first."""
-    engine.create_process_group()
-    if dist.get_rank() == 0:
-        prepare()
-    dist.barrier()
+T = TypeVar("T")
 
 
 def job_start_time(output_dir: str) -> float:
@@ -216,12 +44,6 @@ def job_start_time(output_dir: str) -> float:
         os.replace(tmp, path)
     with open(path) as f:
         return float(f.read())
-
-
-def print_rank0(*args: object) -> None:
-    """``print`` on trainer rank 0 only (every rank runs the script)."""
-    if _is_rank0():
-        print(*args, flush=True)
 
 
 def sync_weights(rollout: RolloutController, engine: TrainEngine, meta: WeightUpdateMeta, version: int) -> None:
@@ -272,6 +94,7 @@ class RunKit:
     config's ``record_batches`` makes the controller record every batch it hands out, and
     ``replay_batches`` makes it hand out a recording instead of generating. ``data_stats`` (the
     rows used and left out, `areal_lite.utils.datasets.Rows.stats`) go into every step's statistics.
+    A script calls `start` before its loop and `end_step` after each step.
     """
 
     def __init__(
@@ -308,6 +131,8 @@ class RunKit:
         )
         self.tracker = StatsTracker()
         self.data_stats = dict(data_stats or {})
+        self.resumed: dict[str, object] = {}
+        self.kept: dict[str, object] = {}
         if rollout is not None and isinstance(cfg, RLExperimentConfig):
             _record_or_replay(cfg, rollout)
 
@@ -320,6 +145,24 @@ class RunKit:
     def timer(self, name: str) -> AbstractContextManager[None]:
         """Time a stage of the step (``timing/<name>`` in the statistics)."""
         return self.tracker.timer(name)
+
+    def start(self) -> dict[str, object] | None:
+        """Initialise ``engine`` and ``others`` for the run (their LR schedules span `total_steps`),
+        connect ``engine`` to the rollout engine, then `resume`; returns what `resume` returns."""
+        self.engine.initialize(self.finetune_spec)
+        if self.rollout is not None:
+            self.engine.connect_engine(self.rollout.engine, self.weight_meta)  # type: ignore[arg-type]
+        for other, _ in self.others.values():
+            other.initialize(self.finetune_spec)
+        return self.resume()
+
+    def once(self, name: str, measure: Callable[[], T]) -> T:
+        """``measure()`` on a fresh run (e.g. the held-out score before training); a resumed run
+        gets the value its recover checkpoint kept under ``name`` instead. Every recover checkpoint
+        keeps it. Call it after `start`."""
+        value = self.resumed[name] if name in self.resumed else measure()
+        self.kept[name] = value
+        return value  # type: ignore[return-value]
 
     def resume(self) -> dict[str, object] | None:
         """Load the last recover checkpoint, if recovery is on and one exists: engines, data
@@ -347,6 +190,7 @@ class RunKit:
             if "rollout" in info.extra:
                 self.rollout.load_state_dict(info.extra["rollout"])  # type: ignore[arg-type]
         self.start_step = info.next_step.global_step
+        self.resumed = dict(info.extra)
         print_rank0(f"[areal-lite] resumed after step {self.start_step}")
         return info.extra
 
@@ -358,13 +202,13 @@ class RunKit:
         evaluate: Callable[[], dict[str, float]] | None = None,
         extra: dict[str, object] | None = None,
     ) -> None:
-        """After step ``global_step``: save, dump a recover checkpoint (with ``extra``, which
-        `resume` returns), evaluate when due (``evaluate()`` returns named scores) and log.
+        """After step ``global_step``: save, dump a recover checkpoint (with the values kept by
+        `once` and ``extra``, which `resume` returns), evaluate when due (``evaluate()`` returns named scores) and log.
         Collective over the trainer's ranks. After a SIGTERM the recover checkpoint is written
         whatever its frequency, the evaluation skipped, and the process exits with 143."""
         step = StepInfo.at(global_step, self.steps_per_epoch)
         self.saver.save(self.engine, step, tokenizer=self.tokenizer, last=global_step + 1 == self.total_steps)
-        state = dict(extra or {})
+        state = {**self.kept, **(extra or {})}
         if self.rollout is not None:
             state["rollout"] = self.rollout.state_dict()
         self.recover.dump(self.engine, step, dataloader=self.dataloader, stats_logger=self.stats_logger, extra=state)
