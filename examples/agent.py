@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class TaskConfig:
+class TaskConfig(kit.TinyModelConfig):
     """The calculator task and the SFT warm-up."""
 
     n_digits: int = 2
@@ -70,10 +70,6 @@ class TaskConfig:
     """Demonstrations per SFT step and rank."""
     sft_lr: float = 1e-3
     """SFT learning rate."""
-    hidden_size: int = 128
-    """Width of the tiny model."""
-    num_layers: int = 4
-    """Depth of the tiny model."""
     seed: int = 0
     """Seed of the model and the questions."""
 

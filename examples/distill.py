@@ -42,13 +42,9 @@ from quickstart import QuickstartConfig, held_out_problems, warm_up
 
 
 @dataclass
-class TeacherConfig:
+class TeacherConfig(kit.TinyModelConfig):
     """The teacher's model and SFT (the student's are ``task.*``)."""
 
-    hidden_size: int = 128
-    """Width of the teacher."""
-    num_layers: int = 4
-    """Depth of the teacher."""
     sft_steps: int = 3000
     """At most this many SFT steps for the teacher."""
     sft_target_acc: float = 0.9

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class TaskConfig(AdditionTaskConfig):
+class TaskConfig(AdditionTaskConfig, kit.TinyModelConfig):
     """The synthetic task (its training prompts are questions only, no answers), the tiny model
     and the SFT warm-up; ``seed`` seeds the model too."""
 
@@ -70,10 +70,6 @@ class TaskConfig(AdditionTaskConfig):
     """Demonstrations per SFT step."""
     sft_lr: float = 1e-3
     """SFT learning rate."""
-    hidden_size: int = 128
-    """Width of the tiny model."""
-    num_layers: int = 4
-    """Depth of the tiny model."""
     model_type: str = field(default="dense", metadata=one_of("dense", "moe"))
     """dense (Qwen2) or moe (Qwen3-MoE: each layer's MLP a mixture of experts)."""
     num_experts: int = 8
@@ -156,9 +152,8 @@ def main(argv: list[str]) -> None:
 
     gconfig = replace(cfg.gconfig, n_samples=cfg.actor.group_size, stop_token_ids=[tokenizer.eos_token_id])
     # The verifier is a string comparison: call it on the rollout loop (no worker process or thread).
-    workflow = RLVRWorkflow(
-        RewardRunner(exact_answer_reward, mode="inline"), gconfig, tokenizer, use_chat_template=False
-    )
+    reward = RewardRunner(exact_answer_reward, mode="inline")
+    workflow = RLVRWorkflow(reward, gconfig, tokenizer, use_chat_template=False)
     eval_workflow = greedy_workflow(cfg, tokenizer)
 
     rollout, weight_meta = kit.make_rollout_controller(cfg, sft_dir)

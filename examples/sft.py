@@ -32,7 +32,7 @@ from areal_lite.utils.tiny import build_tiny_model
 
 
 @dataclass
-class TaskConfig:
+class TaskConfig(kit.TinyModelConfig):
     """The generated demonstrations (when no dataset path is given) and the model to start from."""
 
     n_digits: int = 2
@@ -47,10 +47,6 @@ class TaskConfig:
     """Render ``prompt`` items as a user turn of the chat template instead of raw text."""
     tiny_model: bool = False
     """Build a tiny random model (byte-level tokenizer) at ``actor.path`` if none is there."""
-    hidden_size: int = 128
-    """Width of the tiny model."""
-    num_layers: int = 4
-    """Depth of the tiny model."""
 
 
 @dataclass

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class TaskConfig:
+class TaskConfig(kit.TinyModelConfig):
     """The verifiers taskset and the SFT warm-up."""
 
     n_digits: int = 3
@@ -66,10 +66,6 @@ class TaskConfig:
     """Demonstrations per SFT step and rank."""
     sft_lr: float = 1e-3
     """SFT learning rate."""
-    hidden_size: int = 128
-    """Width of the tiny model."""
-    num_layers: int = 4
-    """Depth of the tiny model."""
     in_process: bool = True
     """Run the harness's chat from this process (no program start per episode): see areal_lite_harness."""
     seed: int = 0

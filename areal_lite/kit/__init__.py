@@ -11,7 +11,8 @@
   the statistics. `sync_weights`: the weight-sync sequence (pause, push, version, resume), one line
   in the loop. `mean_reward`: a held-out score.
 - `warm_up_with_sft` (`areal_lite.kit.warm_up`): the SFT warm-up before RL, until a dev score is
-  reached; the example passes its data and its stopping rule.
+  reached; the example passes its data and its stopping rule. `TinyModelConfig`
+  (`areal_lite.kit.tiny_model`): the config fields of the tiny model an example builds.
 
 A script reads::
 
@@ -32,10 +33,12 @@ A script reads::
 from areal_lite.kit.factory import check_dtypes, make_rollout_controller, make_train_engine, rollout_dtype
 from areal_lite.kit.ranks import on_rank0_first, print_rank0, rank_dataloader
 from areal_lite.kit.run import RunKit, job_start_time, mean_reward, sync_weights
+from areal_lite.kit.tiny_model import TinyModelConfig
 from areal_lite.kit.warm_up import resampled_batches, warm_up_with_sft
 
 __all__ = [
     "RunKit",
+    "TinyModelConfig",
     "check_dtypes",
     "job_start_time",
     "make_rollout_controller",

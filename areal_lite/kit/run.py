@@ -151,7 +151,8 @@ class RunKit:
         connect ``engine`` to the rollout engine, then `resume`; returns what `resume` returns."""
         self.engine.initialize(self.finetune_spec)
         if self.rollout is not None:
-            self.engine.connect_engine(self.rollout.engine, self.weight_meta)  # type: ignore[arg-type]
+            assert self.weight_meta is not None
+            self.engine.connect_engine(self.rollout.engine, self.weight_meta)
         for other, _ in self.others.values():
             other.initialize(self.finetune_spec)
         return self.resume()

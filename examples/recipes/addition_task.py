@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from areal_lite.api.config import READS_MODEL
 from areal_lite.api.io import GenerationConfig
-from areal_lite.kit import print_rank0
+from areal_lite.kit import TinyModelConfig, print_rank0
 from areal_lite.recipes import (
     CosineScheduler,
     Grader,
@@ -33,16 +33,12 @@ Problem = dict[str, object]
 
 
 @dataclass
-class TaskConfig(AdditionTaskConfig):
+class TaskConfig(AdditionTaskConfig, TinyModelConfig):
     """The synthetic task (``n_train_prompts``: training prompts for RL, demonstrations for SFT)
     and the tiny model; ``seed`` seeds the model too."""
 
     n_dev: int = 200
     """Dev problems for the SFT warm-up's stopping rule."""
-    hidden_size: int = 128
-    """Width of the tiny model."""
-    num_layers: int = 4
-    """Depth of the tiny model."""
     model_path: str = field(default="", metadata=READS_MODEL)
     """A HF model directory to start from instead of the tiny model (e.g. SmolLM2-135M-Instruct:
     ``python -m areal_lite.utils.pretrained smollm2`` prints its directory; with a chat model, set
