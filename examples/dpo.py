@@ -112,7 +112,7 @@ def main(argv: list[str]) -> None:
     dpo.engine.destroy()
     ref.destroy()
     kit.print_rank0(
-        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} "  # type: ignore[index]
+        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} "
         f"reward_accuracy_after={after['reward_accuracy']:.3f}"
     )
 

@@ -115,7 +115,7 @@ def main(argv: list[str]) -> None:
     run.close()
     sft.engine.destroy()
     kit.print_rank0(
-        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} ppl_after={after['ppl']:.2f}",  # type: ignore[index]
+        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} ppl_after={after['ppl']:.2f}",
     )
 
 
