@@ -168,10 +168,10 @@ class RunKit:
     def resume(self) -> dict[str, object] | None:
         """Load the last recover checkpoint, if recovery is on and one exists: engines, data
         position, logger state; the rollout side gets the recovered weights and version and
-        replays the prompts that were in flight. Sets `start_step`; returns the ``extra`` that
-        `end_step` saved, or None for a fresh run. A fresh start that is a launcher's restart
-        (``AREAL_LITE_ATTEMPT`` > 0) pushes the initial weights and version to the rollout side,
-        which may hold the failed attempt's."""
+        replays the prompts that were in flight. Sets `start_step`; returns what the checkpoint
+        kept (the values of `once`, the rollout controller's state), or None for a fresh run. A
+        fresh start that is a launcher's restart (``AREAL_LITE_ATTEMPT`` > 0) pushes the initial
+        weights and version to the rollout side, which may hold the failed attempt's."""
         info = self.recover.load(self.engine, dataloader=self.dataloader, stats_logger=self.stats_logger)
         for other, handler in self.others.values():
             handler.load(other)
@@ -201,15 +201,14 @@ class RunKit:
         stats: dict[str, float],
         *,
         evaluate: Callable[[], dict[str, float]] | None = None,
-        extra: dict[str, object] | None = None,
     ) -> None:
-        """After step ``global_step``: save, dump a recover checkpoint (with the values kept by
-        `once` and ``extra``, which `resume` returns), evaluate when due (``evaluate()`` returns named scores) and log.
-        Collective over the trainer's ranks. After a SIGTERM the recover checkpoint is written
-        whatever its frequency, the evaluation skipped, and the process exits with 143."""
+        """After step ``global_step``: save, dump a recover checkpoint (with the values `once`
+        kept), evaluate when due (``evaluate()`` returns named scores) and log. Collective over the
+        trainer's ranks. After a SIGTERM the recover checkpoint is written whatever its frequency,
+        the evaluation skipped, and the process exits with 143."""
         step = StepInfo.at(global_step, self.steps_per_epoch)
         self.saver.save(self.engine, step, tokenizer=self.tokenizer, last=global_step + 1 == self.total_steps)
-        state = {**self.kept, **(extra or {})}
+        state = dict(self.kept)
         if self.rollout is not None:
             state["rollout"] = self.rollout.state_dict()
         self.recover.dump(self.engine, step, dataloader=self.dataloader, stats_logger=self.stats_logger, extra=state)
