@@ -721,8 +721,8 @@ def test_packed_prefill_equals_the_per_sequence_prefill(model_path: str, monkeyp
     monkeypatch.setattr(flash_varlen, "available", lambda device, dtype: True)
     engine = make_engine(model_path, max_running_requests=5)
     calls = []
-    real = engine.scheduler._runner._prefill_packed
-    engine.scheduler._runner._prefill_packed = lambda *a: calls.append(1) or real(*a)  # type: ignore[method-assign]
+    real = engine.scheduler._runner.cache.scatter
+    engine.scheduler._runner.cache.scatter = lambda *a: calls.append(1) or real(*a)  # type: ignore[method-assign]
     try:
         got = generate_all(engine, jobs)
     finally:

@@ -233,8 +233,8 @@ def test_engine_on_cuda_in_bf16_prefills_groups_packed(model_dir: str) -> None:
     engine.initialize()
     runner = engine.scheduler._runner
     packed = []
-    real = runner._prefill_packed
-    runner._prefill_packed = lambda *a: packed.append(1) or real(*a)
+    real = runner.cache.scatter
+    runner.cache.scatter = lambda *a: packed.append(1) or real(*a)
     try:
         jobs = [
             (list(range(5, 12 + 4 * (i // 4))), SamplingParams(max_new_tokens=20, ignore_eos=True)) for i in range(16)
