@@ -129,6 +129,9 @@ class ModelRunner:
         """``lens`` as the host knows it, kept in step with it: sizing the cache, removing rows and
         taking a row's routes need no read from the device."""
         self.last = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.sample_on_device = self.device.type == "cuda"
+        """Choose plain rows' tokens as the decode graph does, in eager steps too: on a GPU each
+        check `choose_tokens` makes waits for the device (on CPU the lazy checks cost less)."""
         self.uniforms = torch.zeros(max_rows, 1, dtype=torch.float64, device=self.device)
         """This step's uniforms for rows sampled inside the decode graph (drawn before the replay
         from ``generator``, as `choose_tokens` draws them)."""
@@ -367,9 +370,14 @@ class ModelRunner:
             offsets.append(offsets[-1] + n)
         ids = torch.tensor([t for u in first_of for t in u], dtype=torch.long, device=dev)
         ids = torch.cat([self.last[:d], ids]) if d else ids
-        pos = [pos_d] + [torch.arange(n, device=dev) for n in lengths]
-        pos = torch.cat(pos) if len(pos) > 1 else pos[0]
-        rows_of = [[start + j for j, u in enumerate(inverse) if u == v] for v in range(len(lengths))]
+        if lengths:  # one copy of every prefill position, not a kernel per sequence
+            prefill_pos = torch.tensor([p for n in lengths for p in range(n)], dtype=torch.long, device=dev)
+            pos = torch.cat([pos_d, prefill_pos]) if d else prefill_pos
+        else:
+            pos = pos_d
+        rows_of: list[list[int]] = [[] for _ in lengths]
+        for j, u in enumerate(inverse):
+            rows_of[u].append(start + j)
         cache = self.cache
         # Every distinct prompt in one varlen call where torch has one (CUDA), its keys and values
         # scattered into every row that shares it: not a call and a copy per sequence and row.
@@ -502,6 +510,18 @@ class ModelRunner:
         # sampled as the policy stands (the common case), the sampling too, where a log-softmax
         # besides cost one more pass over the vocabulary and one more [n, V] buffer per step.
         policy = torch.softmax(logits, dim=-1)
+        mode = graph_mode(seqs) if self.sample_on_device else "logits"
+        if mode != "logits":
+            # As the decode graph chooses (`static_decode_step`): one read back instead of a
+            # synchronising check per step of `choose_tokens` / `record_tokens`.
+            if mode == "greedy":
+                tokens = logits.argmax(dim=-1)
+            else:
+                u = torch.rand((len(seqs), 1), generator=self.generator, dtype=torch.float64, device=self.device)
+                tokens = inverse_cdf(policy, u)
+            self.last[rows] = tokens
+            record_chosen(seqs, chosen_logprobs(tokens, logits, policy).tolist(), self.vocab_size)
+            return
         tokens = choose_tokens(logits, policy, seqs, self.generator)
         self.last[rows] = tokens
         record_tokens(seqs, tokens, logits, policy)
