@@ -225,11 +225,11 @@ def test_a_grader_hanging_inline_stops_the_run_naming_it(monkeypatch, caplog) ->
     """The quickstart's mode (inline): the rollout loop blocked in the grader is found within
     rollout.loop_stall_timeout and the run stops with a line naming the grader; meanwhile the wait
     says what it waits for."""
-    import areal_lite.core.executor as executor_module
-    from areal_lite.core.executor import LoopStalled
+    import areal_lite.core.loop_watchdog as watchdog_module
+    from areal_lite.core.loop_watchdog import LoopStalled
     from areal_lite.rewards.runner import RewardRunner
 
-    monkeypatch.setattr(executor_module, "WAIT_LINE_SECONDS", 1.0)
+    monkeypatch.setattr(watchdog_module, "WAIT_LINE_SECONDS", 1.0)
     runner = RewardRunner(sleeping_grader, mode="inline")
 
     class Graded(RewardsWorkflow):

@@ -87,7 +87,7 @@ def test_the_embedded_engine_takes_its_configs_switches(no_overrides: pytest.Mon
     try:
         runner = engine.scheduler._runner
         assert runner is not None
-        assert runner.ops is None and runner.decode_attention is None and runner.block == 1
+        assert runner.ops is None and runner.decode_attention is None and runner.cache.block == 1
     finally:
         engine.destroy()
 

@@ -128,7 +128,7 @@ def test_server_command_lines() -> None:
 
 
 def test_our_server_gets_the_local_engine_settings_and_server_args_win(tmp_path) -> None:
-    from areal_lite.engines.server.app import parse_args
+    from areal_lite.engines.server.server_args import parse_args
 
     cfg = _write_config(
         tmp_path, actor={"path": "/models/m"}, local_engine={"max_running_requests": 256, "dtype": "bfloat16"},
