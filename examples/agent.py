@@ -49,31 +49,15 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class TaskConfig(kit.TinyModelConfig):
-    """The calculator task and the SFT warm-up."""
+class TaskConfig(kit.RewardWarmUpConfig):
+    """The calculator task (its items are questions) and the SFT warm-up."""
 
     n_digits: int = 2
     """Digits of each factor."""
     n_train: int = 4096
     """Training questions (two digits give 8100 in all, the held-out ones excluded)."""
-    n_eval: int = 100
-    """Held-out questions for the mean greedy reward before and after RL."""
-    n_dev: int = 20
-    """Dev questions for the SFT stopping rule."""
-    sft_steps: int = 300
-    """At most this many SFT steps."""
-    sft_target_reward: float = 0.2
-    """Stop SFT once the dev greedy reward reaches this: RL needs groups that sometimes succeed."""
-    sft_eval_every: int = 5
-    """Measure the dev reward every this many SFT steps."""
     sft_pool: int = 512
     """Demonstrations recorded before SFT, shared among the ranks; each step samples its rank's share."""
-    sft_batch_size: int = 16
-    """Demonstrations per SFT step and rank."""
-    sft_lr: float = 1e-3
-    """SFT learning rate."""
-    seed: int = 0
-    """Seed of the model and the questions."""
 
 
 @dataclass
@@ -188,11 +172,9 @@ def main(argv: list[str]) -> None:
     dataloader = kit.rank_dataloader(train_items, cfg.train_dataset, actor.engine, seed=cfg.seed)
     run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
     run.start()
-    before = run.once("reward_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_items))
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_items, "eval/reward")
+    before = run.once("reward_before", score)
     kit.print_rank0(f"[agent] held-out greedy reward after SFT: {before:.3f}")
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/reward": kit.mean_reward(rollout, eval_workflow, eval_items)}
 
     for global_step in range(run.start_step, run.total_steps):
         with run.timer("rollout"):
@@ -204,13 +186,10 @@ def main(argv: list[str]) -> None:
         with run.timer("weight_sync"):
             kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
         stats.update(episode_means(batch))
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate)
 
-    after = kit.mean_reward(rollout, eval_workflow, eval_items)
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
-    kit.print_rank0(f"RESULT reward_before={before:.3f} reward_after={after:.3f} minutes={(time.time() - t0) / 60:.1f}")
+    after = score()
+    run.finish(f"reward_before={before:.3f} reward_after={after:.3f} minutes={(time.time() - t0) / 60:.1f}")
 
 
 if __name__ == "__main__":

@@ -110,11 +110,9 @@ def main(argv: list[str]) -> None:
         run.end_step(global_step, stats, evaluate=evaluate)
 
     after = dpo.evaluate_dpo(eval_batch)
-    run.close()
-    dpo.engine.destroy()
     ref.destroy()
-    kit.print_rank0(
-        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} "
+    run.finish(
+        f"loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} "
         f"reward_accuracy_after={after['reward_accuracy']:.3f}"
     )
 

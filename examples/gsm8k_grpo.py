@@ -102,9 +102,7 @@ def main(argv: list[str]) -> None:
         data_stats=train_rows.stats(),
     )
     run.start()
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_items)} if eval_items else {}
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_items, "eval/accuracy")
 
     for global_step in range(run.start_step, run.total_steps):
         with run.timer("rollout"):
@@ -115,15 +113,12 @@ def main(argv: list[str]) -> None:
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
             kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate if eval_items else None)
 
-    final_acc = kit.mean_reward(rollout, eval_workflow, eval_items) if eval_items else float("nan")
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
+    final_acc = score() if eval_items else float("nan")
     if ref is not None:
         ref.destroy()
-    kit.print_rank0(f"RESULT steps={run.total_steps} eval_accuracy={final_acc:.3f}")
+    run.finish(f"steps={run.total_steps} eval_accuracy={final_acc:.3f}")
 
 
 if __name__ == "__main__":

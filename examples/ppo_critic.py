@@ -63,10 +63,8 @@ def main(argv: list[str]) -> None:
         others={"critic": critic.engine},
     )
     run.start()  # the critic too
-    acc_before = run.once("acc_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_problems))
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_problems)}
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_problems, "eval/accuracy")
+    acc_before = run.once("acc_before", score)
 
     for global_step in range(run.start_step, run.total_steps):
         batch = rollout.prepare_batch(dataloader, workflow=workflow)
@@ -77,14 +75,10 @@ def main(argv: list[str]) -> None:
         actor.step_lr_scheduler()
         critic.step_lr_scheduler()
         kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate)
 
-    acc_after = kit.mean_reward(rollout, eval_workflow, eval_problems)
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
-    critic.engine.destroy()
-    kit.print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f}")
+    acc_after = score()
+    run.finish(f"acc_before={acc_before:.3f} acc_after={acc_after:.3f}")  # the critic too
 
 
 if __name__ == "__main__":

@@ -66,10 +66,8 @@ def main(argv: list[str]) -> None:
     dataloader = kit.rank_dataloader(train_problems, cfg.train_dataset, actor.engine, seed=cfg.seed)
     run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
     run.start()
-    acc_before = run.once("acc_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_problems))
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_problems)}
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_problems, "eval/accuracy")
+    acc_before = run.once("acc_before", score)
 
     for global_step in range(run.start_step, run.total_steps):
         with run.timer("rollout"):
@@ -80,14 +78,11 @@ def main(argv: list[str]) -> None:
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
             kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate)
 
-    acc_after = kit.mean_reward(rollout, eval_workflow, eval_problems)
+    acc_after = score()
     rejected = rollout.stats().get("rollout/rejected", 0.0)
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
-    kit.print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f} rejected_groups={rejected:.0f}")
+    run.finish(f"acc_before={acc_before:.3f} acc_after={acc_after:.3f} rejected_groups={rejected:.0f}")
 
 
 if __name__ == "__main__":

@@ -167,11 +167,9 @@ def main(argv: list[str]) -> None:
     # The LR schedule spans the steps run; a resumed run pushes the recovered weights to the
     # rollout side and replays in-flight prompts.
     run.start()
-    acc_before = run.once("acc_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_problems))
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_problems, "eval/accuracy")
+    acc_before = run.once("acc_before", score)
     kit.print_rank0(f"[quickstart] held-out greedy accuracy after SFT: {acc_before:.3f}")
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_problems)}
 
     t_rl = time.time()
     for global_step in range(run.start_step, run.total_steps):
@@ -183,14 +181,12 @@ def main(argv: list[str]) -> None:
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
             kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate)
 
     kit.print_rank0(f"[quickstart] RL: {run.total_steps - run.start_step} steps in {time.time() - t_rl:.2f}s")
-    acc_after = kit.mean_reward(rollout, eval_workflow, eval_problems)
+    acc_after = score()
     minutes = (time.time() - t_start) / 60
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
+    run.finish()
     kit.print_rank0(f"\n{'held-out greedy accuracy':<28}{'value':>8}")
     kit.print_rank0(f"{'after SFT (before RL)':<28}{acc_before:>8.3f}")
     kit.print_rank0(f"{'after RL':<28}{acc_after:>8.3f}")

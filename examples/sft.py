@@ -114,11 +114,7 @@ def main(argv: list[str]) -> None:
         run.end_step(global_step, stats, evaluate=evaluate)
 
     after = sft.evaluate_lm(eval_batch)
-    run.close()
-    sft.engine.destroy()
-    kit.print_rank0(
-        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} ppl_after={after['ppl']:.2f}",
-    )
+    run.finish(f"loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} ppl_after={after['ppl']:.2f}")
 
 
 if __name__ == "__main__":
