@@ -31,13 +31,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import agents
-import torch
 from tensordict import TensorDict
 
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.api.config import TrainEngineConfig
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
@@ -148,8 +146,7 @@ def greedy_workflow(cfg: AgentExperimentConfig, tokenizer: PreTrainedTokenizerBa
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, AgentExperimentConfig)
-    torch.manual_seed(cfg.seed)
+    cfg = kit.load_config_and_seed(argv, AgentExperimentConfig)
     t0 = time.time()
     base_dir, sft_dir = os.path.join(cfg.output_dir, "base_model"), os.path.join(cfg.output_dir, "sft_model")
     eval_items = questions(cfg.task.n_eval, cfg.task.n_digits, cfg.task.seed + 1)

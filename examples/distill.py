@@ -27,12 +27,9 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from areal_lite import kit
 from areal_lite.actors.distill import DistillActor, reverse_kl_advantage_fn
 from areal_lite.api.config import TrainEngineConfig
-from areal_lite.api.config_loader import load_config
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import addition_problems
 from areal_lite.workflows.rlvr import RLVRWorkflow
@@ -76,9 +73,8 @@ def held_out_accuracy(
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, DistillConfig)
+    cfg = kit.load_config_and_seed(argv, DistillConfig)
     t_start = time.time()
-    torch.manual_seed(cfg.seed)
     out = cfg.output_dir
     teacher_dir, student_dir = os.path.join(out, "teacher_model"), os.path.join(out, "student_model")
     eval_problems = held_out_problems(cfg.task)

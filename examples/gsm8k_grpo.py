@@ -22,12 +22,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 
-import torch
-
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.api.config import DatasetConfig
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards import RewardRunner, math_answer_reward
 from areal_lite.utils.datasets import GSM8K_FIELDS, Rows, gsm8k_item, read_rows
@@ -63,8 +60,7 @@ def load_gsm8k(tokenizer: object, dataset: DatasetConfig, name: str, enable_thin
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, GSM8KConfig)
-    torch.manual_seed(cfg.seed)
+    cfg = kit.load_config_and_seed(argv, GSM8KConfig)
     from areal_lite.utils.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)

@@ -35,13 +35,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import torch
 from tensordict import TensorDict
 
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.api.config import TrainEngineConfig, one_of
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards.format import exact_answer_reward
 from areal_lite.rewards.runner import RewardRunner
@@ -135,9 +133,8 @@ def warm_up(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_out: set[st
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, QuickstartConfig)
+    cfg = kit.load_config_and_seed(argv, QuickstartConfig)
     t_start = kit.job_start_time(cfg.output_dir)
-    torch.manual_seed(cfg.seed)
     base_dir = os.path.join(cfg.output_dir, "base_model")
     sft_dir = os.path.join(cfg.output_dir, "sft_model")
     eval_problems = held_out_problems(cfg.task)

@@ -17,11 +17,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from areal_lite import kit
 from areal_lite.actors.reinforce import ReinforceActor
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import AdditionTaskConfig, addition_splits
@@ -35,8 +32,7 @@ class ReMaxConfig(RLExperimentConfig):
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, ReMaxConfig)
-    torch.manual_seed(cfg.seed)
+    cfg = kit.load_config_and_seed(argv, ReMaxConfig)
     from areal_lite.utils.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)

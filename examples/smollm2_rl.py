@@ -32,12 +32,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import torch
 from tensordict import TensorDict
 
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards import RewardRunner, math_answer_reward
 from areal_lite.utils.datasets import sft_batch
@@ -167,9 +165,8 @@ def greedy_workflow(cfg: SmolLM2Config, tokenizer: object) -> RLVRWorkflow:
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, SmolLM2Config)
+    cfg = kit.load_config_and_seed(argv, SmolLM2Config)
     t_start = kit.job_start_time(cfg.output_dir)
-    torch.manual_seed(cfg.seed)
     data = splits(cfg.task)
     sft_dir = os.path.join(cfg.output_dir, "sft_model")
     if not os.path.exists(os.path.join(sft_dir, "config.json")):

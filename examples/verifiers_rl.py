@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import torch
 import verifiers.v1 as vf
 
 # verifiers imports the taskset by module name: this script's directory is on the path (as the
@@ -35,7 +34,6 @@ from tensordict import TensorDict
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.api.config import TrainEngineConfig
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
 from areal_lite.workflows.agent import episode_means
@@ -124,8 +122,7 @@ def warm_up(cfg: VerifiersExperimentConfig, base_dir: str, sft_dir: str, train: 
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, VerifiersExperimentConfig)
-    torch.manual_seed(cfg.seed)
+    cfg = kit.load_config_and_seed(argv, VerifiersExperimentConfig)
     t0 = time.time()
     task = cfg.task
     base_dir, sft_dir = os.path.join(cfg.output_dir, "base_model"), os.path.join(cfg.output_dir, "sft_model")

@@ -1,5 +1,6 @@
 """The scaffolding every example script shares, written once; the training loop stays in each script.
 
+- `load_config_and_seed` (`areal_lite.kit.run`): the script's config, torch seeded from it.
 - `make_train_engine` and `make_rollout_controller` (`areal_lite.kit.factory`): the train engine
   and the `RolloutController` the config asks for (``actor.backend``; ``launcher.backend`` with
   ``weight_update``).
@@ -19,25 +20,27 @@
 
 A script reads::
 
+    cfg = load_config_and_seed(argv, MyExperimentConfig)
+    ...
     rollout, weight_meta = make_rollout_controller(cfg, model_dir)
     actor = PPOActor(cfg.actor, make_train_engine(cfg.actor))
     dataloader = rank_dataloader(items, cfg.train_dataset, actor.engine, seed=cfg.seed)
     run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
     run.start()  # initialise the engine, connect it to the rollout engine, resume
-    held_out = HeldOutScore(rollout, eval_workflow, eval_items, "eval/accuracy")
-    acc_before = run.once("acc_before", held_out)
+    score = HeldOutScore(rollout, eval_workflow, eval_items, "eval/accuracy")
+    acc_before = run.once("acc_before", score)
     for global_step in range(run.start_step, run.total_steps):
         batch = rollout.prepare_batch(dataloader, workflow=workflow)
         ...
         sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=held_out.evaluate)
-    acc_after = held_out()
-    run.finish()  # the loggers, the rollout controller, the engine
+        run.end_step(global_step, stats, evaluate=score.evaluate)
+    acc_after = score()
+    run.finish(f"acc_before={acc_before:.3f} acc_after={acc_after:.3f}")  # loggers, engines, RESULT line
 """
 
 from areal_lite.kit.factory import check_dtypes, make_rollout_controller, make_train_engine, rollout_dtype
 from areal_lite.kit.ranks import on_rank0_first, print_rank0, rank_dataloader
-from areal_lite.kit.run import HeldOutScore, RunKit, job_start_time, mean_reward, sync_weights
+from areal_lite.kit.run import HeldOutScore, RunKit, job_start_time, load_config_and_seed, mean_reward, sync_weights
 from areal_lite.kit.tiny_model import RewardWarmUpConfig, TinyModelConfig
 from areal_lite.kit.warm_up import resampled_batches, warm_up_with_sft
 
@@ -48,6 +51,7 @@ __all__ = [
     "TinyModelConfig",
     "check_dtypes",
     "job_start_time",
+    "load_config_and_seed",
     "make_rollout_controller",
     "make_train_engine",
     "mean_reward",

@@ -2,7 +2,8 @@
 checkpoint, the recover checkpoint, the evaluation and the statistics after each step; the engines'
 start and the resume from a recover checkpoint before the first; their end after the last),
 `sync_weights` (the weight-sync sequence, one line in the loop), `mean_reward` and `HeldOutScore`
-(a held-out score, before, during and after training) and `job_start_time`."""
+(a held-out score, before, during and after training); before all that, `load_config_and_seed`
+and `job_start_time`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from areal_lite.api.config_loader import load_config
 from areal_lite.api.engine import TrainEngine
 from areal_lite.api.experiment_config import BaseExperimentConfig, RLExperimentConfig
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
@@ -31,6 +33,15 @@ from areal_lite.utils.stats_logger import StatsLogger
 from areal_lite.utils.step import StepInfo
 
 T = TypeVar("T")
+C = TypeVar("C", bound=BaseExperimentConfig)
+
+
+def load_config_and_seed(argv: list[str], config_cls: type[C]) -> C:
+    """The script's config (`areal_lite.api.config_loader.load_config` of ``argv``), with torch's
+    generator seeded from its ``seed`` before anything is built."""
+    cfg = load_config(argv, config_cls)
+    torch.manual_seed(cfg.seed)
+    return cfg
 
 
 def job_start_time(output_dir: str) -> float:
