@@ -35,7 +35,6 @@ from tensordict import TensorDict
 
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
@@ -131,7 +130,7 @@ def warm_up(cfg: AgentExperimentConfig, base_dir: str, sft_dir: str, held_out: s
         pool = questions(task.sft_pool, task.n_digits, task.seed + 1000, exclude=held_out)[rank::world]
         return kit.resampled_batches(demonstrations(tokenizer, pool), task.sft_batch_size, seed=task.seed + rank)
 
-    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
+    engine_cfg = kit.warm_up_engine_config(cfg, base_dir, seed=task.seed)
     kit.warm_up_with_sft(
         cfg, engine_cfg, sft_dir, build=build, batches=batches, judge=functools.partial(greedy_workflow, cfg),
         dev=questions(task.n_dev, task.n_digits, task.seed + 2, exclude=held_out), lr=task.sft_lr,

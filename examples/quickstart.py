@@ -39,7 +39,7 @@ from tensordict import TensorDict
 
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.api.config import TrainEngineConfig, one_of
+from areal_lite.api.config import one_of
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards.format import exact_answer_reward
 from areal_lite.rewards.runner import RewardRunner
@@ -121,7 +121,7 @@ def warm_up(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_out: set[st
                 tokenizer, [{"prompt": p["prompt"], "completion": p["answer"]} for p in problems[rank::world]]
             )
 
-    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
+    engine_cfg = kit.warm_up_engine_config(cfg, base_dir, seed=task.seed)
     kit.warm_up_with_sft(
         cfg, engine_cfg, sft_dir, build=build, batches=batches, judge=functools.partial(greedy_workflow, cfg),
         dev=addition_problems(task.n_dev, task.n_digits, task.seed + 2, exclude=held_out), lr=task.sft_lr,

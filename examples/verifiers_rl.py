@@ -33,7 +33,6 @@ from tensordict import TensorDict
 
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
 from areal_lite.workflows.agent import episode_means
@@ -113,7 +112,7 @@ def warm_up(cfg: VerifiersExperimentConfig, base_dir: str, sft_dir: str, train: 
     def greedy(tokenizer: PreTrainedTokenizerBase) -> VerifiersWorkflow:
         return VerifiersWorkflow(dev, cfg.gconfig.new(n_samples=1, greedy=True), tokenizer)
 
-    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
+    engine_cfg = kit.warm_up_engine_config(cfg, base_dir, seed=task.seed)
     kit.warm_up_with_sft(
         cfg, engine_cfg, sft_dir, build=build, batches=batches, judge=greedy, dev=task_items(dev.taskset),
         lr=task.sft_lr, max_steps=task.sft_steps, eval_every=task.sft_eval_every, target=task.sft_target_reward,

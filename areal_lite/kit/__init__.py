@@ -13,10 +13,10 @@
   the weight-sync sequence (pause, push, version, resume), one line in the loop. `mean_reward` and
   `HeldOutScore`: a held-out score, before, during (``evaluate``) and after training.
 - `warm_up_with_sft` (`areal_lite.kit.warm_up`): the SFT warm-up before RL, until a dev score is
-  reached; the example passes its data and its stopping rule. `TinyModelConfig`
-  (`areal_lite.kit.tiny_model`): the config fields of the tiny model an example builds;
-  `RewardWarmUpConfig` adds those of the held-out and dev items and of a warm-up that stops on a
-  dev reward.
+  reached; the example passes its data and its stopping rule (`warm_up_engine_config`: the engine
+  of a model it built). `TinyModelConfig` (`areal_lite.kit.tiny_model`): the config fields of the
+  tiny model an example builds; `RewardWarmUpConfig` adds those of the held-out and dev items and
+  of a warm-up that stops on a dev reward.
 
 A script reads::
 
@@ -42,7 +42,7 @@ from areal_lite.kit.factory import check_dtypes, make_rollout_controller, make_t
 from areal_lite.kit.ranks import on_rank0_first, print_rank0, rank_dataloader
 from areal_lite.kit.run import HeldOutScore, RunKit, job_start_time, load_config_and_seed, mean_reward, sync_weights
 from areal_lite.kit.tiny_model import RewardWarmUpConfig, TinyModelConfig
-from areal_lite.kit.warm_up import resampled_batches, warm_up_with_sft
+from areal_lite.kit.warm_up import resampled_batches, warm_up_engine_config, warm_up_with_sft
 
 __all__ = [
     "HeldOutScore",
@@ -61,5 +61,6 @@ __all__ = [
     "resampled_batches",
     "rollout_dtype",
     "sync_weights",
+    "warm_up_engine_config",
     "warm_up_with_sft",
 ]
