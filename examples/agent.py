@@ -31,13 +31,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import agents
-import torch
 from tensordict import TensorDict
 
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.api.config import TrainEngineConfig
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
@@ -49,31 +46,15 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class TaskConfig(kit.TinyModelConfig):
-    """The calculator task and the SFT warm-up."""
+class TaskConfig(kit.RewardWarmUpConfig):
+    """The calculator task (its items are questions) and the SFT warm-up."""
 
     n_digits: int = 2
     """Digits of each factor."""
     n_train: int = 4096
     """Training questions (two digits give 8100 in all, the held-out ones excluded)."""
-    n_eval: int = 100
-    """Held-out questions for the mean greedy reward before and after RL."""
-    n_dev: int = 20
-    """Dev questions for the SFT stopping rule."""
-    sft_steps: int = 300
-    """At most this many SFT steps."""
-    sft_target_reward: float = 0.2
-    """Stop SFT once the dev greedy reward reaches this: RL needs groups that sometimes succeed."""
-    sft_eval_every: int = 5
-    """Measure the dev reward every this many SFT steps."""
     sft_pool: int = 512
     """Demonstrations recorded before SFT, shared among the ranks; each step samples its rank's share."""
-    sft_batch_size: int = 16
-    """Demonstrations per SFT step and rank."""
-    sft_lr: float = 1e-3
-    """SFT learning rate."""
-    seed: int = 0
-    """Seed of the model and the questions."""
 
 
 @dataclass
@@ -149,7 +130,7 @@ def warm_up(cfg: AgentExperimentConfig, base_dir: str, sft_dir: str, held_out: s
         pool = questions(task.sft_pool, task.n_digits, task.seed + 1000, exclude=held_out)[rank::world]
         return kit.resampled_batches(demonstrations(tokenizer, pool), task.sft_batch_size, seed=task.seed + rank)
 
-    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
+    engine_cfg = kit.warm_up_engine_config(cfg, base_dir, seed=task.seed)
     kit.warm_up_with_sft(
         cfg, engine_cfg, sft_dir, build=build, batches=batches, judge=functools.partial(greedy_workflow, cfg),
         dev=questions(task.n_dev, task.n_digits, task.seed + 2, exclude=held_out), lr=task.sft_lr,
@@ -164,8 +145,7 @@ def greedy_workflow(cfg: AgentExperimentConfig, tokenizer: PreTrainedTokenizerBa
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, AgentExperimentConfig)
-    torch.manual_seed(cfg.seed)
+    cfg = kit.load_config_and_seed(argv, AgentExperimentConfig)
     t0 = time.time()
     base_dir, sft_dir = os.path.join(cfg.output_dir, "base_model"), os.path.join(cfg.output_dir, "sft_model")
     eval_items = questions(cfg.task.n_eval, cfg.task.n_digits, cfg.task.seed + 1)
@@ -188,11 +168,9 @@ def main(argv: list[str]) -> None:
     dataloader = kit.rank_dataloader(train_items, cfg.train_dataset, actor.engine, seed=cfg.seed)
     run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
     run.start()
-    before = run.once("reward_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_items))
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_items, "eval/reward")
+    before = run.once("reward_before", score)
     kit.print_rank0(f"[agent] held-out greedy reward after SFT: {before:.3f}")
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/reward": kit.mean_reward(rollout, eval_workflow, eval_items)}
 
     for global_step in range(run.start_step, run.total_steps):
         with run.timer("rollout"):
@@ -204,13 +182,10 @@ def main(argv: list[str]) -> None:
         with run.timer("weight_sync"):
             kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
         stats.update(episode_means(batch))
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate)
 
-    after = kit.mean_reward(rollout, eval_workflow, eval_items)
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
-    kit.print_rank0(f"RESULT reward_before={before:.3f} reward_after={after:.3f} minutes={(time.time() - t0) / 60:.1f}")
+    after = score()
+    run.finish(f"reward_before={before:.3f} reward_after={after:.3f} minutes={(time.time() - t0) / 60:.1f}")
 
 
 if __name__ == "__main__":

@@ -27,12 +27,9 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from areal_lite import kit
 from areal_lite.actors.distill import DistillActor, reverse_kl_advantage_fn
 from areal_lite.api.config import TrainEngineConfig
-from areal_lite.api.config_loader import load_config
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import addition_problems
 from areal_lite.workflows.rlvr import RLVRWorkflow
@@ -76,9 +73,8 @@ def held_out_accuracy(
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, DistillConfig)
+    cfg = kit.load_config_and_seed(argv, DistillConfig)
     t_start = time.time()
-    torch.manual_seed(cfg.seed)
     out = cfg.output_dir
     teacher_dir, student_dir = os.path.join(out, "teacher_model"), os.path.join(out, "student_model")
     eval_problems = held_out_problems(cfg.task)
@@ -119,11 +115,9 @@ def main(argv: list[str]) -> None:
     run = kit.RunKit(cfg, student, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
     run.start()
     teacher_acc = run.once("teacher_acc", lambda: held_out_accuracy(cfg, teacher_dir, eval_workflow, eval_problems))
-    acc_before = run.once("acc_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_problems))
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_problems, "eval/accuracy")
+    acc_before = run.once("acc_before", score)
     kit.print_rank0(f"[distill] held-out greedy accuracy: teacher {teacher_acc:.3f}, student {acc_before:.3f}")
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_problems)}
 
     t_distill = time.time()  # the minutes before this are the SFT warm-ups (when not cached) and the first evaluations
     for global_step in range(run.start_step, run.total_steps):
@@ -135,13 +129,11 @@ def main(argv: list[str]) -> None:
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
             kit.sync_weights(rollout, student, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate)
 
-    acc_after = kit.mean_reward(rollout, eval_workflow, eval_problems)
-    run.close()
-    rollout.destroy()
+    acc_after = score()
+    run.finish()  # the rollout controller and the student
     teacher.destroy()
-    student.destroy()
     gap = teacher_acc - acc_before
     closed = (acc_after - acc_before) / gap if gap > 0 else float("nan")
     kit.print_rank0(f"\n{'held-out greedy accuracy':<30}{'value':>8}")

@@ -23,12 +23,9 @@ import sys
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-import torch
-
 from areal_lite import kit
 from areal_lite.actors.dpo import DPOActor
 from areal_lite.api.config import DatasetConfig, DPOConfig, TrainEngineConfig
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import BaseExperimentConfig
 from areal_lite.utils.dataloader import endless
 from areal_lite.utils.datasets import PREFERENCE_FIELDS, addition_problems, preference_batch, read_rows
@@ -75,8 +72,7 @@ def file_pairs(dataset: DatasetConfig, name: str) -> list[dict[str, object]]:
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, DPOExperimentConfig)
-    torch.manual_seed(cfg.seed)
+    cfg = kit.load_config_and_seed(argv, DPOExperimentConfig)
     from areal_lite.utils.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
@@ -110,11 +106,9 @@ def main(argv: list[str]) -> None:
         run.end_step(global_step, stats, evaluate=evaluate)
 
     after = dpo.evaluate_dpo(eval_batch)
-    run.close()
-    dpo.engine.destroy()
     ref.destroy()
-    kit.print_rank0(
-        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} "
+    run.finish(
+        f"loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} "
         f"reward_accuracy_after={after['reward_accuracy']:.3f}"
     )
 

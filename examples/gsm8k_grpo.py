@@ -22,12 +22,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 
-import torch
-
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.api.config import DatasetConfig
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards import RewardRunner, math_answer_reward
 from areal_lite.utils.datasets import GSM8K_FIELDS, Rows, gsm8k_item, read_rows
@@ -63,8 +60,7 @@ def load_gsm8k(tokenizer: object, dataset: DatasetConfig, name: str, enable_thin
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, GSM8KConfig)
-    torch.manual_seed(cfg.seed)
+    cfg = kit.load_config_and_seed(argv, GSM8KConfig)
     from areal_lite.utils.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
@@ -102,9 +98,7 @@ def main(argv: list[str]) -> None:
         data_stats=train_rows.stats(),
     )
     run.start()
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_items)} if eval_items else {}
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_items, "eval/accuracy")
 
     for global_step in range(run.start_step, run.total_steps):
         with run.timer("rollout"):
@@ -115,15 +109,12 @@ def main(argv: list[str]) -> None:
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
             kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate if eval_items else None)
 
-    final_acc = kit.mean_reward(rollout, eval_workflow, eval_items) if eval_items else float("nan")
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
+    final_acc = score() if eval_items else float("nan")
     if ref is not None:
         ref.destroy()
-    kit.print_rank0(f"RESULT steps={run.total_steps} eval_accuracy={final_acc:.3f}")
+    run.finish(f"steps={run.total_steps} eval_accuracy={final_acc:.3f}")
 
 
 if __name__ == "__main__":

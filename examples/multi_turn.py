@@ -20,11 +20,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import AdditionTaskConfig, addition_splits
@@ -54,8 +51,7 @@ class MultiTurnConfig(RLExperimentConfig):
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, MultiTurnConfig)
-    torch.manual_seed(cfg.seed)
+    cfg = kit.load_config_and_seed(argv, MultiTurnConfig)
     from transformers import AutoConfig
 
     from areal_lite.utils.tokenizer import load_tokenizer
@@ -81,10 +77,8 @@ def main(argv: list[str]) -> None:
     dataloader = kit.rank_dataloader(train_problems, cfg.train_dataset, actor.engine, seed=cfg.seed)
     run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
     run.start()
-    reward_before = run.once("reward_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_problems))
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/reward": kit.mean_reward(rollout, eval_workflow, eval_problems)}
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_problems, "eval/reward")
+    reward_before = run.once("reward_before", score)
 
     for global_step in range(run.start_step, run.total_steps):
         batch = rollout.prepare_batch(dataloader, workflow=workflow)
@@ -93,13 +87,10 @@ def main(argv: list[str]) -> None:
         actor.step_lr_scheduler()
         kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
         stats["num_turns_mean"] = float(batch["num_turns"].mean())
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate)
 
-    reward_after = kit.mean_reward(rollout, eval_workflow, eval_problems)
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
-    kit.print_rank0(f"RESULT reward_before={reward_before:.3f} reward_after={reward_after:.3f}")
+    reward_after = score()
+    run.finish(f"reward_before={reward_before:.3f} reward_after={reward_after:.3f}")
 
 
 if __name__ == "__main__":

@@ -18,12 +18,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor, PPOCritic
 from areal_lite.api.config import PPOCriticConfig
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import AdditionTaskConfig, addition_splits
@@ -37,8 +34,7 @@ class PPOCriticExperimentConfig(RLExperimentConfig):
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, PPOCriticExperimentConfig)
-    torch.manual_seed(cfg.seed)
+    cfg = kit.load_config_and_seed(argv, PPOCriticExperimentConfig)
     from areal_lite.utils.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
@@ -63,10 +59,8 @@ def main(argv: list[str]) -> None:
         others={"critic": critic.engine},
     )
     run.start()  # the critic too
-    acc_before = run.once("acc_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_problems))
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_problems)}
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_problems, "eval/accuracy")
+    acc_before = run.once("acc_before", score)
 
     for global_step in range(run.start_step, run.total_steps):
         batch = rollout.prepare_batch(dataloader, workflow=workflow)
@@ -77,14 +71,10 @@ def main(argv: list[str]) -> None:
         actor.step_lr_scheduler()
         critic.step_lr_scheduler()
         kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate)
 
-    acc_after = kit.mean_reward(rollout, eval_workflow, eval_problems)
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
-    critic.engine.destroy()
-    kit.print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f}")
+    acc_after = score()
+    run.finish(f"acc_before={acc_before:.3f} acc_after={acc_after:.3f}")  # the critic too
 
 
 if __name__ == "__main__":

@@ -29,11 +29,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import AdditionTaskConfig, addition_splits
@@ -48,8 +45,7 @@ class PresetConfig(RLExperimentConfig):
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, PresetConfig)
-    torch.manual_seed(cfg.seed)
+    cfg = kit.load_config_and_seed(argv, PresetConfig)
     from areal_lite.utils.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
@@ -66,10 +62,8 @@ def main(argv: list[str]) -> None:
     dataloader = kit.rank_dataloader(train_problems, cfg.train_dataset, actor.engine, seed=cfg.seed)
     run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
     run.start()
-    acc_before = run.once("acc_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_problems))
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_problems)}
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_problems, "eval/accuracy")
+    acc_before = run.once("acc_before", score)
 
     for global_step in range(run.start_step, run.total_steps):
         with run.timer("rollout"):
@@ -80,14 +74,11 @@ def main(argv: list[str]) -> None:
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
             kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate)
 
-    acc_after = kit.mean_reward(rollout, eval_workflow, eval_problems)
+    acc_after = score()
     rejected = rollout.stats().get("rollout/rejected", 0.0)
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
-    kit.print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f} rejected_groups={rejected:.0f}")
+    run.finish(f"acc_before={acc_before:.3f} acc_after={acc_after:.3f} rejected_groups={rejected:.0f}")
 
 
 if __name__ == "__main__":

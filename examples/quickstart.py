@@ -35,13 +35,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import torch
 from tensordict import TensorDict
 
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.api.config import TrainEngineConfig, one_of
-from areal_lite.api.config_loader import load_config
+from areal_lite.api.config import one_of
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards.format import exact_answer_reward
 from areal_lite.rewards.runner import RewardRunner
@@ -123,7 +121,7 @@ def warm_up(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_out: set[st
                 tokenizer, [{"prompt": p["prompt"], "completion": p["answer"]} for p in problems[rank::world]]
             )
 
-    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
+    engine_cfg = kit.warm_up_engine_config(cfg, base_dir, seed=task.seed)
     kit.warm_up_with_sft(
         cfg, engine_cfg, sft_dir, build=build, batches=batches, judge=functools.partial(greedy_workflow, cfg),
         dev=addition_problems(task.n_dev, task.n_digits, task.seed + 2, exclude=held_out), lr=task.sft_lr,
@@ -135,9 +133,8 @@ def warm_up(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_out: set[st
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, QuickstartConfig)
+    cfg = kit.load_config_and_seed(argv, QuickstartConfig)
     t_start = kit.job_start_time(cfg.output_dir)
-    torch.manual_seed(cfg.seed)
     base_dir = os.path.join(cfg.output_dir, "base_model")
     sft_dir = os.path.join(cfg.output_dir, "sft_model")
     eval_problems = held_out_problems(cfg.task)
@@ -167,11 +164,9 @@ def main(argv: list[str]) -> None:
     # The LR schedule spans the steps run; a resumed run pushes the recovered weights to the
     # rollout side and replays in-flight prompts.
     run.start()
-    acc_before = run.once("acc_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_problems))
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_problems, "eval/accuracy")
+    acc_before = run.once("acc_before", score)
     kit.print_rank0(f"[quickstart] held-out greedy accuracy after SFT: {acc_before:.3f}")
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_problems)}
 
     t_rl = time.time()
     for global_step in range(run.start_step, run.total_steps):
@@ -183,14 +178,12 @@ def main(argv: list[str]) -> None:
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
             kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate)
 
     kit.print_rank0(f"[quickstart] RL: {run.total_steps - run.start_step} steps in {time.time() - t_rl:.2f}s")
-    acc_after = kit.mean_reward(rollout, eval_workflow, eval_problems)
+    acc_after = score()
     minutes = (time.time() - t_start) / 60
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
+    run.finish()
     kit.print_rank0(f"\n{'held-out greedy accuracy':<28}{'value':>8}")
     kit.print_rank0(f"{'after SFT (before RL)':<28}{acc_before:>8.3f}")
     kit.print_rank0(f"{'after RL':<28}{acc_after:>8.3f}")

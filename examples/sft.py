@@ -21,12 +21,9 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-import torch
-
 from areal_lite import kit
 from areal_lite.actors.sft import SFTActor
 from areal_lite.api.config import DatasetConfig, TrainEngineConfig
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import BaseExperimentConfig
 from areal_lite.utils.dataloader import endless
 from areal_lite.utils.datasets import Rows, addition_problems, demonstration_row, read_rows, sft_batch
@@ -70,8 +67,7 @@ def demonstrations(dataset: DatasetConfig, name: str, n: int, task: TaskConfig, 
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, SFTConfig)
-    torch.manual_seed(cfg.seed)
+    cfg = kit.load_config_and_seed(argv, SFTConfig)
     task = cfg.task
     sft = SFTActor(cfg.actor, kit.make_train_engine(cfg.actor))
 
@@ -114,11 +110,7 @@ def main(argv: list[str]) -> None:
         run.end_step(global_step, stats, evaluate=evaluate)
 
     after = sft.evaluate_lm(eval_batch)
-    run.close()
-    sft.engine.destroy()
-    kit.print_rank0(
-        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} ppl_after={after['ppl']:.2f}",
-    )
+    run.finish(f"loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} ppl_after={after['ppl']:.2f}")
 
 
 if __name__ == "__main__":

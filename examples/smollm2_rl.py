@@ -32,12 +32,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import torch
 from tensordict import TensorDict
 
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.rewards import RewardRunner, math_answer_reward
 from areal_lite.utils.datasets import sft_batch
@@ -167,9 +165,8 @@ def greedy_workflow(cfg: SmolLM2Config, tokenizer: object) -> RLVRWorkflow:
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, SmolLM2Config)
+    cfg = kit.load_config_and_seed(argv, SmolLM2Config)
     t_start = kit.job_start_time(cfg.output_dir)
-    torch.manual_seed(cfg.seed)
     data = splits(cfg.task)
     sft_dir = os.path.join(cfg.output_dir, "sft_model")
     if not os.path.exists(os.path.join(sft_dir, "config.json")):
@@ -193,11 +190,9 @@ def main(argv: list[str]) -> None:
     dataloader = kit.rank_dataloader(data["rl"], cfg.train_dataset, actor.engine, seed=cfg.seed)
     run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
     run.start()
-    acc_before = run.once("acc_before", lambda: kit.mean_reward(rollout, eval_workflow, data["held_out"]))
+    score = kit.HeldOutScore(rollout, eval_workflow, data["held_out"], "eval/accuracy")
+    acc_before = run.once("acc_before", score)
     kit.print_rank0(f"[smollm2] held-out greedy accuracy after the SFT warm-up: {acc_before:.3f}")
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, data["held_out"])}
 
     t_rl = time.time()
     for global_step in range(run.start_step, run.total_steps):
@@ -209,14 +204,12 @@ def main(argv: list[str]) -> None:
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
             kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate)
 
     kit.print_rank0(f"[smollm2] RL: {run.total_steps - run.start_step} steps in {time.time() - t_rl:.0f}s")
-    acc_after = kit.mean_reward(rollout, eval_workflow, data["held_out"])
+    acc_after = score()
     minutes = (time.time() - t_start) / 60
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
+    run.finish()
     kit.print_rank0(f"\n{'held-out greedy accuracy':<30}{'value':>8}")
     kit.print_rank0(f"{'after SFT warm-up (before RL)':<30}{acc_before:>8.3f}")
     kit.print_rank0(f"{'after RL':<30}{acc_after:>8.3f}")

@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import torch
 import verifiers.v1 as vf
 
 # verifiers imports the taskset by module name: this script's directory is on the path (as the
@@ -34,8 +33,6 @@ from tensordict import TensorDict
 
 from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.api.config import TrainEngineConfig
-from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
 from areal_lite.workflows.agent import episode_means
@@ -47,31 +44,21 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class TaskConfig(kit.TinyModelConfig):
-    """The verifiers taskset and the SFT warm-up."""
+class TaskConfig(kit.RewardWarmUpConfig):
+    """The verifiers taskset (its items are tasks; the dev tasks' numbers are neither held out nor
+    trained on) and the SFT warm-up."""
 
     n_digits: int = 3
     """Digits of each number."""
     n_train: int = 600
     """Training tasks."""
-    n_eval: int = 100
-    """Held-out tasks for the mean greedy reward before and after RL."""
-    n_dev: int = 32
-    """Dev tasks for the SFT stopping rule (drawn from the training tasks' numbers' complement)."""
-    sft_steps: int = 400
-    """At most this many SFT steps."""
-    sft_target_reward: float = 0.5
-    """Stop SFT once the dev greedy reward reaches this: RL needs groups whose rewards differ."""
-    sft_eval_every: int = 10
-    """Measure the dev reward every this many SFT steps."""
-    sft_batch_size: int = 32
-    """Demonstrations per SFT step and rank."""
-    sft_lr: float = 1e-3
-    """SFT learning rate."""
     in_process: bool = True
     """Run the harness's chat from this process (no program start per episode): see areal_lite_harness."""
-    seed: int = 0
-    """Seed of the model and the tasks."""
+
+
+def default_task() -> TaskConfig:
+    """This task's warm-up: more dev tasks, steps and demonstrations, up to a higher dev reward."""
+    return TaskConfig(n_dev=32, sft_steps=400, sft_target_reward=0.5, sft_eval_every=10, sft_batch_size=32)
 
 
 @dataclass
@@ -79,7 +66,7 @@ class VerifiersExperimentConfig(RLExperimentConfig):
     """``gconfig`` is the sampling of each model call; ``actor.group_size`` is the number of episodes
     per task."""
 
-    task: TaskConfig = field(default_factory=TaskConfig)
+    task: TaskConfig = field(default_factory=default_task)
 
 
 def make_env(task: TaskConfig, n_tasks: int, seed: int, exclude: list[str] | None = None) -> vf.Env:
@@ -125,7 +112,7 @@ def warm_up(cfg: VerifiersExperimentConfig, base_dir: str, sft_dir: str, train: 
     def greedy(tokenizer: PreTrainedTokenizerBase) -> VerifiersWorkflow:
         return VerifiersWorkflow(dev, cfg.gconfig.new(n_samples=1, greedy=True), tokenizer)
 
-    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
+    engine_cfg = kit.warm_up_engine_config(cfg, base_dir, seed=task.seed)
     kit.warm_up_with_sft(
         cfg, engine_cfg, sft_dir, build=build, batches=batches, judge=greedy, dev=task_items(dev.taskset),
         lr=task.sft_lr, max_steps=task.sft_steps, eval_every=task.sft_eval_every, target=task.sft_target_reward,
@@ -134,8 +121,7 @@ def warm_up(cfg: VerifiersExperimentConfig, base_dir: str, sft_dir: str, train: 
 
 
 def main(argv: list[str]) -> None:
-    cfg = load_config(argv, VerifiersExperimentConfig)
-    torch.manual_seed(cfg.seed)
+    cfg = kit.load_config_and_seed(argv, VerifiersExperimentConfig)
     t0 = time.time()
     task = cfg.task
     base_dir, sft_dir = os.path.join(cfg.output_dir, "base_model"), os.path.join(cfg.output_dir, "sft_model")
@@ -159,11 +145,9 @@ def main(argv: list[str]) -> None:
     dataloader = kit.rank_dataloader(task_items(train.taskset), cfg.train_dataset, actor.engine, seed=cfg.seed)
     run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
     run.start()
-    before = run.once("reward_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_items))
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_items, "eval/reward")
+    before = run.once("reward_before", score)
     kit.print_rank0(f"[verifiers] held-out greedy reward after SFT: {before:.3f}")
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/reward": kit.mean_reward(rollout, eval_workflow, eval_items)}
 
     for global_step in range(run.start_step, run.total_steps):
         with run.timer("rollout"):
@@ -175,13 +159,10 @@ def main(argv: list[str]) -> None:
         with run.timer("weight_sync"):
             kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
         stats.update(episode_means(batch))
-        run.end_step(global_step, stats, evaluate=evaluate)
+        run.end_step(global_step, stats, evaluate=score.evaluate)
 
-    after = kit.mean_reward(rollout, eval_workflow, eval_items)
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
-    kit.print_rank0(f"RESULT reward_before={before:.3f} reward_after={after:.3f} minutes={(time.time() - t0) / 60:.1f}")
+    after = score()
+    run.finish(f"reward_before={before:.3f} reward_after={after:.3f} minutes={(time.time() - t0) / 60:.1f}")
 
 
 if __name__ == "__main__":

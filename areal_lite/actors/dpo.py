@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from areal_lite.actors.ppo import per_token_forward
 from areal_lite.algorithms import functional as F
 from areal_lite.api.config import DPOConfig
 from areal_lite.api.engine import PackedBatch, TrainEngine
@@ -32,9 +33,7 @@ class DPOActor:
 
     def compute_ref_logp(self, batch: TensorDict) -> torch.Tensor:
         """Per-token log-probabilities ``[B, L]`` under the reference model."""
-        out = self.ref_engine.forward(batch)
-        assert isinstance(out, torch.Tensor)
-        return out
+        return per_token_forward(self.ref_engine, batch)
 
     def loss_fn(
         self, logp: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch

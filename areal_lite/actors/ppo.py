@@ -38,6 +38,14 @@ def packed_view(batch: TensorDict, key: str) -> torch.Tensor:
     return batch[key][batch["attention_mask"].bool()]
 
 
+def per_token_forward(engine: TrainEngine, batch: TensorDict) -> torch.Tensor:
+    """``engine.forward(batch)`` without entropy: the per-token log-probabilities ``[B, L]`` (the
+    values, for a critic's engine)."""
+    out = engine.forward(batch)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
 def cu_seqlens_of(batch: TensorDict) -> torch.Tensor:
     lens = seqlens_of(batch)
     cu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
@@ -204,9 +212,7 @@ class PPOActor:
 
     def compute_logp(self, batch: TensorDict) -> torch.Tensor:
         """Log-probabilities ``[B, L]`` of the batch's tokens under the current policy."""
-        out = self.engine.forward(batch)
-        assert isinstance(out, torch.Tensor)
-        return out
+        return per_token_forward(self.engine, batch)
 
     def shaped_rewards(self, batch: TensorDict) -> torch.Tensor:
         """Sequence rewards ``[B]`` after the overlong penalty, bias, scale, clip and truncation."""
@@ -241,7 +247,7 @@ class PPOActor:
         if cfg.kl_ctl > 0:
             if "ref_logp" not in batch:
                 assert self.ref_engine is not None
-                batch["ref_logp"] = self.ref_engine.forward(batch)
+                batch["ref_logp"] = per_token_forward(self.ref_engine, batch)
             if cfg.kl_in_reward:
                 kl = self.kl_estimator(packed_view(batch, "logprobs"), packed_view(batch, "ref_logp")) * mask
         x = AdvantageInputs(
@@ -429,9 +435,7 @@ class PPOCritic:
         self.engine = engine
 
     def compute_values(self, batch: TensorDict) -> torch.Tensor:
-        out = self.engine.forward(batch)
-        assert isinstance(out, torch.Tensor)
-        return out
+        return per_token_forward(self.engine, batch)
 
     def loss_fn(
         self, values: torch.Tensor, entropy: torch.Tensor, mb: PackedBatch

@@ -1,7 +1,9 @@
 """What happens around each training step, written once for every example: `RunKit` (the HF
 checkpoint, the recover checkpoint, the evaluation and the statistics after each step; the engines'
-start and the resume from a recover checkpoint before the first), `sync_weights` (the weight-sync
-sequence, one line in the loop), `mean_reward` (a held-out score) and `job_start_time`."""
+start and the resume from a recover checkpoint before the first; their end after the last),
+`sync_weights` (the weight-sync sequence, one line in the loop), `mean_reward` and `HeldOutScore`
+(a held-out score, before, during and after training); before all that, `load_config_and_seed`
+and `job_start_time`."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from areal_lite.api.config_loader import load_config
 from areal_lite.api.engine import TrainEngine
 from areal_lite.api.experiment_config import BaseExperimentConfig, RLExperimentConfig
 from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
@@ -30,6 +33,15 @@ from areal_lite.utils.stats_logger import StatsLogger
 from areal_lite.utils.step import StepInfo
 
 T = TypeVar("T")
+C = TypeVar("C", bound=BaseExperimentConfig)
+
+
+def load_config_and_seed(argv: list[str], config_cls: type[C]) -> C:
+    """The script's config (`areal_lite.api.config_loader.load_config` of ``argv``), with torch's
+    generator seeded from its ``seed`` before anything is built."""
+    cfg = load_config(argv, config_cls)
+    torch.manual_seed(cfg.seed)
+    return cfg
 
 
 def job_start_time(output_dir: str) -> float:
@@ -72,6 +84,28 @@ def mean_reward(rollout: RolloutController, workflow: RolloutWorkflow, items: li
     return float(totals[0] / totals[1])
 
 
+class HeldOutScore:
+    """The mean reward of ``workflow`` over the held-out ``items`` (`mean_reward`; with a greedy
+    workflow and a verifier, the held-out accuracy): call it for the score before and after
+    training, and pass `evaluate` to `RunKit.end_step`, which logs the score as ``name`` when due.
+    Collective, as `mean_reward`."""
+
+    def __init__(
+        self, rollout: RolloutController, workflow: RolloutWorkflow, items: list[dict[str, object]], name: str
+    ) -> None:
+        self.rollout = rollout
+        self.workflow = workflow
+        self.items = items
+        self.name = name
+
+    def __call__(self) -> float:
+        return mean_reward(self.rollout, self.workflow, self.items)
+
+    def evaluate(self) -> dict[str, float]:
+        """The score under its name, as `RunKit.end_step` logs it."""
+        return {self.name: self()}
+
+
 def _record_or_replay(cfg: RLExperimentConfig, rollout: RolloutController) -> None:
     """``record_batches`` / ``replay_batches``: the run's controller records or replays this
     rank's batches (``rank<r>/`` of the directory)."""
@@ -94,7 +128,7 @@ class RunKit:
     config's ``record_batches`` makes the controller record every batch it hands out, and
     ``replay_batches`` makes it hand out a recording instead of generating. ``data_stats`` (the
     rows used and left out, `areal_lite.utils.datasets.Rows.stats`) go into every step's statistics.
-    A script calls `start` before its loop and `end_step` after each step.
+    A script calls `start` before its loop, `end_step` after each step and `finish` after the last.
     """
 
     def __init__(
@@ -230,3 +264,17 @@ class RunKit:
     def close(self) -> None:
         """Finish the loggers (curves, wandb)."""
         self.stats_logger.close()
+
+    def finish(self, result: str | None = None) -> None:
+        """After the last step: `close` the loggers, destroy the rollout controller (with its
+        engine), ``engine`` and ``others``, then print ``RESULT <result>`` on rank 0: the run's one
+        line for the tests and the benchmark tables to read. Engines the run does not hold (a frozen
+        reference) are the script's to destroy."""
+        self.close()
+        if self.rollout is not None:
+            self.rollout.destroy()
+        self.engine.destroy()
+        for other, _ in self.others.values():
+            other.destroy()
+        if result is not None:
+            print_rank0(f"RESULT {result}")

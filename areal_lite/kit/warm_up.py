@@ -1,7 +1,8 @@
 """The SFT warm-up that an RL example runs before RL, written once: `warm_up_with_sft` trains a model
 on demonstrations until its greedy score on dev items reaches a target, and saves it. The example
 passes what differs: how its model is built, its batches (`resampled_batches` for a fixed pool of
-demonstrations), the workflow that scores it, and its stopping rule.
+demonstrations), the workflow that scores it, and its stopping rule; `warm_up_engine_config` is the
+train engine of a model the example built.
 
 Stopping on a measured score, not a step count, gives RL the same starting point on any machine.
 """
@@ -96,6 +97,13 @@ def warm_up_with_sft(
     scorer.destroy()
     engine.save(SaveLoadMeta(path=sft_dir, weight_format="hf", tokenizer=tokenizer))
     engine.destroy()
+
+
+def warm_up_engine_config(cfg: RLExperimentConfig, model_dir: str, seed: int) -> TrainEngineConfig:
+    """The train engine of a warm-up on the model an example built at ``model_dir``: the actor's
+    backend and micro-batching, seeded with ``seed``, every other setting its default (the
+    optimizer is `warm_up_with_sft`'s)."""
+    return TrainEngineConfig(path=model_dir, backend=cfg.actor.backend, seed=seed, mb_spec=cfg.actor.mb_spec)
 
 
 def resampled_batches(pool: Sequence[tuple[list[int], list[int]]], batch_size: int, seed: int) -> Iterator[TensorDict]:

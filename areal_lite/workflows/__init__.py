@@ -1,6 +1,7 @@
 """Rollout workflows, one per file: RLVR (GRPO groups), ReMax, multi-turn agents with their
 environments, and agents written with the OpenAI SDK (`AgentWorkflow`, through the recording
-`RecordingProxy`); `trajectory` builds and checks the data contract's tensors."""
+`RecordingProxy`); `episodes` holds what the workflows with a group of episodes per item share,
+`trajectory` builds and checks the data contract's tensors."""
 
 from areal_lite.workflows.agent import AgentWorkflow
 from areal_lite.workflows.envs import CalculatorEnv, MathFeedbackEnv, calculate

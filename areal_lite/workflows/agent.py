@@ -31,10 +31,10 @@ from tensordict import TensorDict
 
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse
-from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.rewards.combined import RewardFn
 from areal_lite.rewards.runner import RewardRunner
 from areal_lite.utils.data import concat_padded
+from areal_lite.workflows.episodes import EpisodeWorkflow
 from areal_lite.workflows.openai_proxy import RecordingProxy
 from areal_lite.workflows.rlvr import as_runner, grader_fields
 from areal_lite.workflows.trajectory import TokenTrace
@@ -56,10 +56,10 @@ class Episode:
     num_calls: int
 
 
-class ProxiedWorkflow(RolloutWorkflow):
+class ProxiedWorkflow(EpisodeWorkflow):
     """What the workflows whose episodes run behind a `RecordingProxy` share (`AgentWorkflow`,
-    ``VerifiersWorkflow``): ``gconfig.n_samples`` episodes per item, each with a proxy of its own
-    set up alike (`new_proxy`). The arguments are `AgentWorkflow`'s."""
+    ``VerifiersWorkflow``): each episode has a proxy of its own, set up alike (`new_proxy`). The
+    arguments are `AgentWorkflow`'s."""
 
     def __init__(
         self,
@@ -71,12 +71,8 @@ class ProxiedWorkflow(RolloutWorkflow):
     ) -> None:
         if max_calls < 1:
             raise ValueError(f"max_calls must be >= 1, got {max_calls}")
-        self.gconfig = gconfig.new(n_samples=1)
-        self.n_episodes = gconfig.n_samples
-        self.tokenizer = tokenizer
+        super().__init__(gconfig, tokenizer, max_context_tokens, template_kwargs)
         self.max_calls = max_calls
-        self.max_context_tokens = max_context_tokens
-        self.template_kwargs = template_kwargs
 
     def new_proxy(self, engine: InferenceEngine) -> RecordingProxy:
         """A proxy in front of ``engine`` for one episode."""

@@ -22,8 +22,8 @@ from tensordict import TensorDict
 
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse
-from areal_lite.api.workflow import RolloutWorkflow
 from areal_lite.utils.data import concat_padded
+from areal_lite.workflows.episodes import EpisodeWorkflow
 from areal_lite.workflows.trajectory import TokenTrace, encode_chat
 
 _SENTINEL = "\u2063ASSISTANT-REPLY\u2063"
@@ -77,7 +77,7 @@ class ChatTurnGlue:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
 
 
-class MultiTurnWorkflow(RolloutWorkflow):
+class MultiTurnWorkflow(EpisodeWorkflow):
     """Agent loop over an `Environment`, ``gconfig.n_samples`` independent episodes per item.
 
     Args:
@@ -103,14 +103,10 @@ class MultiTurnWorkflow(RolloutWorkflow):
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        super().__init__(gconfig, tokenizer, max_context_tokens, template_kwargs)
         self.env_factory = env_factory
-        self.gconfig = gconfig.new(n_samples=1)
-        self.n_episodes = gconfig.n_samples
-        self.tokenizer = tokenizer
         self.max_turns = max_turns
         self.turn_discount = turn_discount
-        self.max_context_tokens = max_context_tokens
-        self.template_kwargs = template_kwargs
         self.glue = ChatTurnGlue(tokenizer, **template_kwargs)
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, object]) -> TensorDict:

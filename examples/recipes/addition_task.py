@@ -1,6 +1,8 @@
 """The quickstart's task for the recipe examples: two-digit addition (``57+68=`` -> ``125``) with
 an exact-answer grader, as threads of the recipe API; the tiny model, greedy accuracy and the SFT
-warm-up that the RL examples start from. Shared by the scripts of this directory (one copy)."""
+warm-up that the RL examples start from; GRPO's settings (the same for the `GRPO` class and the
+walkthrough, so that the two stay comparable) and the RESULT line that ends a script. Shared by
+the scripts of this directory (one copy)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from areal_lite.kit import TinyModelConfig, print_rank0
 from areal_lite.recipes import (
     CosineScheduler,
     Grader,
+    InferenceModel,
     ModelBuilder,
     ModelConfig,
     RecipeRunConfig,
@@ -22,6 +25,7 @@ from areal_lite.recipes import (
     StringThread,
     TrainingModel,
     async_map,
+    shutdown,
 )
 from areal_lite.recipes.data import data_parallel_rank
 from areal_lite.recipes.run import Evaluate
@@ -64,6 +68,27 @@ class WarmupConfig:
 def default_model() -> ModelConfig:
     """Raw text (no chat template), short threads, each group's prompt through the model once."""
     return ModelConfig(use_chat_template=False, max_seq_len=64, max_running_requests=256, shared_prefix=True)
+
+
+@dataclass
+class GRPOSettings:
+    """GRPO's settings on this task, the same in examples/recipes/grpo.py (the `GRPO` class) and
+    examples/recipes/grpo_walkthrough.py (written out)."""
+
+    completions_per_sample: int = 8
+    """Completions per prompt (the group)."""
+    samples_per_batch: int = 256
+    """Completions per step (32 prompts of 8)."""
+    samples_per_mini_batch: int = 256
+    """Completions per optimizer step (one on-policy update per batch by default)."""
+    lr: float = 1e-4
+    """Peak learning rate (3e-4 collapses on this task; FINDINGS)."""
+    warmup_fraction: float = 0.083
+    """Linear LR warm-up over this fraction of the steps, then cosine to 0."""
+    kl_beta: float = 0.001
+    """Weight of the k3 KL to the reference (the policy after the SFT warm-up)."""
+    max_new_tokens: int = 5
+    """Completion length limit (answers have at most 3 digits, then eos)."""
 
 
 @dataclass
@@ -189,3 +214,10 @@ async def warm_up_with_sft(model: TrainingModel, task: TaskConfig, warmup: Warmu
             if acc >= warmup.target_acc:
                 break
     return acc
+
+
+async def finish(t0: float, result: str, *models: InferenceModel) -> None:
+    """Shut ``models`` down (`shutdown`), then print the script's RESULT line: ``result`` and the
+    minutes since ``t0``."""
+    await shutdown(*models)
+    print_rank0(f"RESULT {result} minutes={(time.time() - t0) / 60:.1f}")

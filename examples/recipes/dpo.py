@@ -19,14 +19,14 @@ from addition_task import (
     RLExampleConfig,
     WarmupConfig,
     demonstration,
+    finish,
     greedy_accuracy,
     prompt_thread,
     start,
 )
 
 from areal_lite.api.config_loader import load_config
-from areal_lite.kit import print_rank0
-from areal_lite.recipes import DPO, StringThread, TrainingModel, async_map, shutdown
+from areal_lite.recipes import DPO, StringThread, TrainingModel, async_map
 
 
 @dataclass
@@ -79,11 +79,11 @@ async def main(cfg: DPOExampleConfig) -> None:
     )  # fmt: skip
     last = await dpo.run()
     acc_after = await greedy_accuracy(model, split.held_out)
-    await shutdown(model)
-    minutes = (time.time() - t0) / 60
-    print_rank0(
-        f"RESULT preference_before={pref_before:.3f} preference_after={last['eval/preference_accuracy']:.3f} "
-        f"acc_before={acc_before:.3f} acc_after={acc_after:.3f} minutes={minutes:.1f}"
+    await finish(
+        t0,
+        f"preference_before={pref_before:.3f} preference_after={last['eval/preference_accuracy']:.3f} "
+        f"acc_before={acc_before:.3f} acc_after={acc_after:.3f}",
+        model,
     )
 
 

@@ -12,32 +12,17 @@ import sys
 import time
 from dataclasses import dataclass
 
-from addition_task import RLExampleConfig, exact_grader, held_out_accuracy, prompt_thread, start
+from addition_task import GRPOSettings, RLExampleConfig, exact_grader, finish, held_out_accuracy, prompt_thread, start
 
 from areal_lite.api.config_loader import load_config
 from areal_lite.api.io import GenerationConfig
-from areal_lite.kit import print_rank0
-from areal_lite.recipes import GRPO, CosineScheduler, shutdown
+from areal_lite.recipes import GRPO, CosineScheduler
 
 
 @dataclass
-class GRPOExampleConfig(RLExampleConfig):
+class GRPOExampleConfig(RLExampleConfig, GRPOSettings):
     steps: int = 100
     """GRPO steps."""
-    completions_per_sample: int = 8
-    """Group size."""
-    samples_per_batch: int = 256
-    """Completions per step."""
-    samples_per_mini_batch: int = 256
-    """Completions per optimizer step."""
-    lr: float = 1e-4
-    """Peak learning rate."""
-    warmup_fraction: float = 0.083
-    """Linear LR warm-up over this fraction of the steps, then cosine to 0."""
-    kl_beta: float = 0.001
-    """KL weight (k3, to the policy after the warm-up)."""
-    max_new_tokens: int = 5
-    """Completion length limit."""
 
 
 async def main(cfg: GRPOExampleConfig) -> None:
@@ -51,9 +36,7 @@ async def main(cfg: GRPOExampleConfig) -> None:
         evaluate=held_out_accuracy(model, split),
     )  # fmt: skip
     last = await grpo.run()
-    await shutdown(model)
-    minutes = (time.time() - t0) / 60
-    print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={last['eval/accuracy']:.3f} minutes={minutes:.1f}")
+    await finish(t0, f"acc_before={acc_before:.3f} acc_after={last['eval/accuracy']:.3f}", model)
 
 
 if __name__ == "__main__":

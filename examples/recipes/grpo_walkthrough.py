@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 from addition_task import (
+    GRPOSettings,
     TaskConfig,
     WarmupConfig,
     default_model,
@@ -138,8 +139,9 @@ class GRPO:
 
 
 @dataclass
-class WalkthroughConfig:
-    """The task, the SFT warm-up and GRPO's settings (configs/recipes/grpo_walkthrough.yaml)."""
+class WalkthroughConfig(GRPOSettings):
+    """The task, the SFT warm-up and GRPO's settings (configs/recipes/grpo_walkthrough.yaml; those
+    this script shares with examples/recipes/grpo.py in `GRPOSettings`)."""
 
     output_dir: str = "outputs/recipes/grpo_walkthrough"
     """The tiny model is built here."""
@@ -149,28 +151,14 @@ class WalkthroughConfig:
     """The policy's engines."""
     grpo_steps: int = 150
     """GRPO steps (batches)."""
-    completions_per_sample: int = 8
-    """Completions per prompt (the group)."""
-    samples_per_batch: int = 256
-    """Completions per step (32 prompts of 8)."""
-    samples_per_mini_batch: int = 256
-    """Completions per optimizer step (one on-policy update per batch by default)."""
     mini_epochs_per_batch: int = 1
     """Passes over each batch."""
-    lr: float = 1e-4
-    """Peak GRPO learning rate (3e-4 collapses on this task; FINDINGS)."""
-    warmup_fraction: float = 0.083
-    """Linear warm-up over this fraction of the steps, then cosine to 0."""
     clip_range: float = 0.2
     """PPO clip of the ratio."""
-    kl_beta: float = 0.001
-    """Weight of the k3 KL to the reference."""
     max_grad_norm: float = 1.0
     """Gradient clipping."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    max_new_tokens: int = 5
-    """Completion length limit (answers have at most 3 digits, then eos)."""
     seed: int = 0
     """Order of the prompts."""
 

@@ -12,12 +12,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-from addition_task import RLExampleConfig, exact_grader, held_out_accuracy, prompt_thread, start
+from addition_task import RLExampleConfig, exact_grader, finish, held_out_accuracy, prompt_thread, start
 
 from areal_lite.api.config_loader import load_config
 from areal_lite.api.io import GenerationConfig
-from areal_lite.kit import print_rank0
-from areal_lite.recipes import PPO, ModelBuilder, shutdown
+from areal_lite.recipes import PPO, ModelBuilder
 
 
 @dataclass
@@ -55,12 +54,13 @@ async def main(cfg: PPOExampleConfig) -> None:
         evaluate=held_out_accuracy(policy, split),
     )  # fmt: skip
     last = await ppo.run()
-    await shutdown(policy, value)
     ev = [h["value/explained_variance"] for h in ppo.history]
-    minutes = (time.time() - t0) / 60
-    print_rank0(
-        f"RESULT acc_before={acc_before:.3f} acc_after={last['eval/accuracy']:.3f} "
-        f"explained_variance_first={ev[0]:.3f} explained_variance_last={ev[-1]:.3f} minutes={minutes:.1f}"
+    await finish(
+        t0,
+        f"acc_before={acc_before:.3f} acc_after={last['eval/accuracy']:.3f} "
+        f"explained_variance_first={ev[0]:.3f} explained_variance_last={ev[-1]:.3f}",
+        policy,
+        value,
     )
 
 

@@ -12,11 +12,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from addition_task import ExampleConfig, demonstration, held_out_accuracy, start
+from addition_task import ExampleConfig, demonstration, finish, held_out_accuracy, start
 
 from areal_lite.api.config_loader import load_config
-from areal_lite.kit import print_rank0
-from areal_lite.recipes import SFT, shutdown
+from areal_lite.recipes import SFT
 
 
 @dataclass
@@ -40,10 +39,8 @@ async def main(cfg: SFTExampleConfig) -> None:
         evaluate=held_out_accuracy(model, split),
     )  # fmt: skip
     last = await sft.run()
-    await shutdown(model)
-    minutes = (time.time() - t0) / 60
-    print_rank0(
-        f"RESULT acc_before={acc_before:.3f} acc_after={last['eval/accuracy']:.3f} steps={sft.total_steps} minutes={minutes:.1f}"
+    await finish(
+        t0, f"acc_before={acc_before:.3f} acc_after={last['eval/accuracy']:.3f} steps={sft.total_steps}", model
     )
 
 
