@@ -170,10 +170,10 @@ def test_quickstart_on_cuda(tmp_path: Path) -> None:
 
 
 def test_fused_head_on_cuda_matches_autograd_in_bf16() -> None:
-    """The LM head of the train engines on CUDA (`fused_head.head_logprobs`, its passes compiled):
+    """The LM head of the train engines on CUDA (`fused_head.HeadLogprobs`, its passes compiled):
     log-probabilities, entropies and both gradients against autograd through full fp32 logits of
     the same bf16 product, at a vocabulary like Qwen2.5's."""
-    from areal_lite.engines.train.fused_head import head_logprobs
+    from areal_lite.engines.train.fused_head import HeadLogprobs
 
     torch.manual_seed(0)
     n, hidden, vocab = 3000, 256, 151936
@@ -181,7 +181,7 @@ def test_fused_head_on_cuda_matches_autograd_in_bf16() -> None:
     w = (torch.randn(vocab, hidden, device="cuda") * 0.05).bfloat16().requires_grad_()
     y = torch.randint(0, vocab, (n,), device="cuda")
     g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
-    lp, ent = head_logprobs(h, w, y, chunk_size=1024, with_entropy=True)
+    lp, ent = HeadLogprobs.apply(h, w, y, 1024, True, 8 << 30)
     grads = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (h, w))
     logq = torch.log_softmax((h @ w.t()).float(), dim=-1)
     rlp = logq.gather(-1, y[:, None])[:, 0]

@@ -305,6 +305,7 @@ class TrainEngineBase(TrainEngine):
         if total <= 0:
             raise ValueError("loss_weight_fn gave a total weight of 0 over the whole batch (no trained tokens?)")
         sums: dict[str, float] = {}
+        self._module().train(train)
         for stats, w in zip(self._loss_passes(mbs, n_real, weights, total, loss_fn, train), weights):
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v * w / total

@@ -203,7 +203,6 @@ class FSDPEngine(TrainEngineBase):
         self, mbs: list[PackedBatch], n_real: int, weights: list[float], total: float, loss_fn: LossFn, train: bool
     ) -> list[dict[str, float]]:
         model = self._module()
-        model.train(train)
         world = dist.get_world_size()
         results = []
         for i, (mb, w) in enumerate(zip(mbs, weights)):

@@ -4,7 +4,7 @@
 them through a checkpoint) and lets autograd differentiate ``logsumexp``, ``gather`` and the
 entropy's softmax as separate full-vocabulary passes. On a GPU with a large vocabulary (151,936
 for Qwen2.5) those passes over ``[chunk, V]`` fp32 tensors cost more than the head's matrix
-products. `head_logprobs` instead:
+products. `HeadLogprobs` instead:
 
 - forward: per chunk, ``logits = hidden @ weight.T`` in the compute dtype, then one fused pass that
   reads them once and returns ``logz``, the label's log-probability and the entropy (fp32
@@ -97,7 +97,12 @@ def _pass(name: str, fn: Callable[..., object], device: torch.device) -> Callabl
     return run
 
 
-class _HeadLogprobs(torch.autograd.Function):
+class HeadLogprobs(torch.autograd.Function):
+    """``apply(hidden [T, H], weight [V, H], labels [T], chunk_size, with_entropy, keep_logits_bytes)``:
+    ``log softmax(hidden @ weight.T)[t, labels[t]]`` and each row's entropy (zeros without
+    ``with_entropy``), fp32, differentiable in ``hidden`` and ``weight`` without keeping the logits
+    beyond ``keep_logits_bytes`` (see the module docstring). `logprobs_from_hidden` calls it on CUDA."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx,
@@ -151,26 +156,3 @@ class _HeadLogprobs(torch.autograd.Function):
                 grad_w.add_(g.t() @ h)
         ctx.kept = None  # type: ignore[attr-defined]
         return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None
-
-
-def head_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    chunk_size: int = 4096,
-    with_entropy: bool = False,
-    keep_logits_bytes: int = KEEP_LOGITS_BYTES,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(hidden @ weight.T)[t, labels[t]]`` (and the entropy of each row), fp32,
-    differentiable in ``hidden`` and ``weight`` without keeping logits (module docstring).
-
-    Args:
-        hidden: ``[T, H]`` final hidden states, in the compute dtype.
-        weight: ``[V, H]`` the LM head weight, in the same dtype.
-        labels: ``[T]`` int64 token ids to score.
-        chunk_size: rows whose ``[chunk, V]`` logits exist at once.
-        with_entropy: also return each row's entropy.
-        keep_logits_bytes: keep the forward's logits for the backward up to this size.
-    """
-    logp, entropy = _HeadLogprobs.apply(hidden, weight, labels, chunk_size, with_entropy, keep_logits_bytes)
-    return logp, (entropy if with_entropy else None)

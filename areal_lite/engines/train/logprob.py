@@ -18,7 +18,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from areal_lite.cpu import trainer_linear
-from areal_lite.engines.train.fused_head import head_logprobs
+from areal_lite.engines.train.fused_head import KEEP_LOGITS_BYTES, HeadLogprobs
 
 CHECKPOINT_MIN_BYTES = 256 << 20
 """A chunk's fp32 logits above this size are recomputed in the backward pass rather than kept.
@@ -60,7 +60,8 @@ def logprobs_from_hidden(
     No shifting happens here: callers pass the labels each row predicts.
     """
     if hidden.is_cuda:
-        return head_logprobs(hidden, weight, labels, chunk_size=chunk_size, with_entropy=with_entropy)
+        logp, entropy = HeadLogprobs.apply(hidden, weight, labels, chunk_size, with_entropy, KEEP_LOGITS_BYTES)
+        return logp, (entropy if with_entropy else None)
     if hidden.ndim != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden [T, H] and labels [T], got {tuple(hidden.shape)} and {tuple(labels.shape)}")
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)

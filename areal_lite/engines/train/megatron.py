@@ -371,8 +371,6 @@ class MegatronEngine(TrainEngineBase):
     def _loss_passes(
         self, mbs: list[PackedBatch], n_real: int, weights: list[float], total: float, loss_fn: LossFn, train: bool
     ) -> list[dict[str, float]]:
-        model = self._module()
-        model.train(train)
         with cpu_compat():
             store = self._schedule(
                 list(zip(mbs, weights)), self._loss_head(loss_fn, total, train), forward_only=not train
