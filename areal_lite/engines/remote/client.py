@@ -16,20 +16,20 @@ its last known state to another server, so a server dying loses no request and r
 A server that refuses connections or stops answering (this client's `FleetMonitor` watches them:
 `areal_lite.engines.remote.monitor`) is set aside by the fleet: it gets no generation or control
 calls and the rest of the fleet carries on. When it answers again, this client brings it up to
-date before it is readmitted: the last disk update is loaded again (after a broadcast or an ipc update
-it waits for the next update, which takes it in), the current version is set and it is paused or resumed
-like the others.
+date before it is readmitted: the last disk update is loaded again (after a broadcast or an ipc
+update it waits for the next update, which takes it in), the current version is set and it is
+paused or resumed like the others.
 
 While this client keeps the servers paused, new generations wait in the client too: every call is
 sent while the weights it will run on are current, which is what tags the tokens of a server that
 reports no versions (vLLM).
 
 Control: pause / resume, weight updates (disk, distributed, or ipc for servers on this machine) and
-version updates fan out to every server; weight updates pause generation around them unless the caller already did. A client built
-with ``control_servers=False`` generates only: its pause, resume and version change what it does
-with its own requests (aborted generations wait for the resume; tokens a server does not tag get
-its version), while another client of the same servers (the trainer's) controls them. The
-rollout controller's episode child uses one.
+version updates fan out to every server; weight updates pause generation around them unless the
+caller already did. A client built with ``control_servers=False`` generates only: its pause, resume
+and version change what it does with its own requests (aborted generations wait for the resume;
+tokens a server does not tag get its version), while another client of the same servers (the
+trainer's) controls them. The rollout controller's episode child uses one.
 
 A subclass says how its protocol spells each of these: the generation call and its answer, the
 pause and resume calls, the weight-update and version calls.
@@ -212,8 +212,8 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     async def _on_return(self, i: int) -> None:
         """A server set aside answers again. A client that controls the servers brings it up to
         the current weights (the last disk update, loaded again; after a distributed or ipc update
-        it waits for the next update, whose group or first bucket takes it in) and version, resumed or paused as the others, then
-        readmits it. Any other client readmits it once it reports the current version."""
+        it waits for the next update, whose group or first bucket takes it in) and version, resumed
+        or paused as the others, then readmits it. Any other client readmits it once it reports the current version."""
         if not self.control_servers:
             try:
                 info = await self.fleet.request(i, "/model_info", None, 10.0, method="GET")
