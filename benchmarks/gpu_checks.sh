@@ -6,7 +6,8 @@
 #                                                 (0.5B and 1.5B shapes), then `make test-gpu`'s tests
 #     benchmarks/gpu_checks.sh rollout [OUTDIR]   generation against HF generate, the GRPO step
 #                                                 against TRL (sync, async in process, async with
-#                                                 our server beside the trainer)
+#                                                 our server beside the trainer), a weight update
+#                                                 into that server by disk and by CUDA IPC handles
 #     benchmarks/gpu_checks.sh all     [OUTDIR]   both
 #
 # Each stage's whole log goes to OUTDIR/<stage>.log (default gpu-checks/); the end of each is
@@ -49,8 +50,9 @@ fi
 if [ "$PART" = rollout ] || [ "$PART" = all ]; then
     stage generation 120 env OMP_NUM_THREADS=4 "$PY" benchmarks/generation.py --device cuda --dtype bfloat16 \
         --skip-sync --model "$MODEL_DIR" --repeats 2
-    stage grpo_smollm2 170 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --model "$MODEL_DIR" \
+    stage grpo_smollm2 240 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --model "$MODEL_DIR" \
         --threads-list 4 --prompts 4 --group 8 --tokens 64 --steps 3 --warmup 2
+    stage weight_handover 90 env OMP_NUM_THREADS=4 "$PY" benchmarks/weight_handover.py --device cuda --repeats 2
 fi
 echo "=== RESULT lines"
 grep -h "^RESULT" "$OUTDIR"/*.log
