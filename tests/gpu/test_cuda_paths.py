@@ -186,7 +186,7 @@ def test_server_on_the_same_gpu_takes_cuda_ipc_handles(model_dir: str) -> None:
         bucket.free()
         scribble = torch.full((size,), 255, dtype=torch.uint8, device="cuda")  # reuses the freed block, likely
         torch.cuda.synchronize()
-        assert not [f for f in os.listdir(SHM_DIR) if f.startswith(SEGMENT_PREFIX)]
+        assert not [f for f in os.listdir(SHM_DIR) if f.startswith(f"{SEGMENT_PREFIX}{os.getpid()}_")]
 
         async def run() -> list:
             gconfig = GenerationConfig(max_new_tokens=10, ignore_eos=True)

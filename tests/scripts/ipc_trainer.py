@@ -82,7 +82,7 @@ def update_and_check(engine: FSDPEngine, rollout: RemoteSGLangEngine | None, ver
             float((torch.tensor(served[n]) - t.float().flatten()).abs().max()) for n, t in carried.items()
         )
         report["max_alive_at_make"] = max(WatchedBucket.alive_at_make[before:])
-        report["leaked"] = glob.glob(os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}*"))
+        report["leaked"] = own_segments()
     return report
 
 
