@@ -6,7 +6,8 @@
 #                                                 (0.5B and 1.5B shapes), then `make test-gpu`'s tests
 #     benchmarks/gpu_checks.sh rollout [OUTDIR]   generation against HF generate, the GRPO step
 #                                                 against TRL (sync, async in process, async with
-#                                                 our server beside the trainer)
+#                                                 our server beside the trainer), a weight update
+#                                                 into that server by disk and by CUDA IPC handles
 #     benchmarks/gpu_checks.sh all     [OUTDIR]   both
 #     benchmarks/gpu_checks.sh train_mfu,generation [OUTDIR]   any stages by name, in the order of the script
 #
@@ -25,8 +26,8 @@ set -u
 PART=${1:-all}
 case $PART in
     train) PART=train_mfu,test_gpu ;;
-    rollout) PART=generation,grpo_smollm2 ;;
-    all) PART=train_mfu,test_gpu,generation,grpo_smollm2 ;;
+    rollout) PART=generation,grpo_smollm2,weight_handover ;;
+    all) PART=train_mfu,test_gpu,generation,grpo_smollm2,weight_handover ;;
 esac
 OUTDIR=${2:-gpu-checks}
 PY=${PY:-python3}
@@ -54,7 +55,8 @@ TAIL=40 stage test_gpu "${TEST_LIMIT:-200}" env OMP_NUM_THREADS=1 "$PY" -m pytes
     --timeout 170 -rfEs ${TEST_FILTER:+-k "$TEST_FILTER"}
 stage generation 120 env OMP_NUM_THREADS=4 "$PY" benchmarks/generation.py --device cuda --dtype bfloat16 \
     --skip-sync --model "$MODEL_DIR" --repeats 2
-stage grpo_smollm2 170 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --model "$MODEL_DIR" \
+stage grpo_smollm2 240 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --model "$MODEL_DIR" \
     --threads-list 4 --prompts 4 --group 8 --tokens 64 --steps 3 --warmup 2
+stage weight_handover 90 env OMP_NUM_THREADS=4 "$PY" benchmarks/weight_handover.py --device cuda --repeats 2
 echo "=== RESULT lines"
 grep -h "^RESULT" "$OUTDIR"/*.log

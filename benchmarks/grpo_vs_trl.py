@@ -19,6 +19,11 @@ same cheap function on both sides.
   recomputed): the engine generates the next batch while the trainer trains on this one. The
   engine keeps the process's thread count (``local_engine.num_threads`` 0): it and the trainer
   each run on half of the threads while both compute, on all of them alone.
+- ``async_server``: the async loop with the engine in a process of its own on the same device:
+  our server (``python -m areal_lite.engines.server``, what ``launcher.backend=areal`` starts,
+  with the configuration's thread count) behind `RemoteSGLangEngine`, the weights handed over by
+  ``ipc`` updates (shared memory on CPU, CUDA IPC handles on a GPU; no file). The trainer's
+  interpreter and the engine's never contend; they share the device.
 
 Our trainer runs each group's shared prompt through the model once (``shared_prefix``, as the
 quickstart does; ``--no-shared-prefix`` turns it off): the same tokens are trained, with fewer
@@ -63,6 +68,7 @@ Needs ``trl`` (``pip install -e ".[bench]"``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -70,11 +76,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areal_lite.api.config import InferenceEngineConfig
+    from areal_lite.core.controller import RolloutController
 
 MODEL = {"hidden_size": 384, "num_layers": 10, "num_heads": 6, "num_kv_heads": 2, "vocab_size": 512}
 LR, CLIP, MAX_GRAD_NORM = 1e-6, 0.2, 1.0
 LORA_ALPHA = 16.0
-SIDES = ("trl", "sync", "async", "async_split", "async_pinned")
+SIDES = ("trl", "sync", "async", "async_server", "async_split", "async_pinned")
 """``async_split``: the async loop with its engine on ``--async-engine-threads`` threads (run only
 where that is fewer than the configuration's threads); ``async_pinned``: the same with the engine's
 scheduler thread pinned to ``--engine-cores`` (run only where those are given)."""
@@ -169,6 +182,43 @@ def cores(text: str) -> list[int]:
     return [int(c) for c in text.split(",") if c.strip()]
 
 
+@contextlib.contextmanager
+def served_rollout(path: str, args: argparse.Namespace, config: InferenceEngineConfig) -> Iterator[RolloutController]:
+    """The ``async_server`` side's rollout: our server on ``path`` in a process of its own (on
+    ``args.device``, with this process's thread count), its controller, stopped on exit."""
+    from areal_lite.core.controller import RolloutController
+    from areal_lite.engines.remote.sglang import RemoteSGLangEngine
+    from areal_lite.launcher.processes import is_healthy, spawn, stop
+    from areal_lite.utils.distributed import find_free_port
+
+    port = find_free_port()
+    cmd = [sys.executable, "-m", "areal_lite.engines.server", "--model-path", path, "--port", str(port)]
+    cmd += [
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--max-running-requests",
+        str(2 * args.prompts * args.group),
+    ]
+    server = spawn(cmd, cores=[], env=dict(os.environ))
+    try:
+        address = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while not is_healthy(address):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"our server on {address} did not start (exit code {server.poll()})")
+            time.sleep(0.5)
+        rollout = RolloutController(RemoteSGLangEngine(replace(config, addresses=[address])), config)
+        rollout.initialize()
+        try:
+            yield rollout
+        finally:
+            rollout.destroy()
+    finally:
+        stop([server])
+
+
 def run_ours(path: str, args: argparse.Namespace, eta: int) -> tuple[list[float], list[float], list[float]]:
     """Step times, tokens per step and training seconds per step (advantages, update and weight
     sync; the rest of a step is waiting for the batch) of our loop at staleness bound ``eta``."""
@@ -206,9 +256,16 @@ def run_ours(path: str, args: argparse.Namespace, eta: int) -> tuple[list[float]
         lora=LoRAConfig(rank=args.lora, alpha=LORA_ALPHA),
     )
     engine = make_train_engine(cfg)
-    rollout = RolloutController(
-        LocalInferenceEngine(
-            LocalEngineConfig(
+    rollout_config = InferenceEngineConfig(
+        consumer_batch_size=args.prompts, max_head_offpolicyness=eta, max_concurrent_rollouts=2 * args.prompts
+    )
+    with contextlib.ExitStack() as stack:
+        stack.callback(engine.destroy)
+        if args.side == "async_server":
+            rollout = stack.enter_context(served_rollout(path, args, rollout_config))
+            meta = WeightUpdateMeta(type="ipc")
+        else:
+            local = LocalEngineConfig(
                 path=path,
                 dtype=args.dtype,
                 device=args.device,
@@ -217,27 +274,25 @@ def run_ours(path: str, args: argparse.Namespace, eta: int) -> tuple[list[float]
                 num_threads=args.async_engine_threads if args.side in SPLIT else 0,
                 cores=cores(args.engine_cores) if args.side == "async_pinned" else [],
             )
-        ),
-        InferenceEngineConfig(
-            consumer_batch_size=args.prompts, max_head_offpolicyness=eta, max_concurrent_rollouts=2 * args.prompts
-        ),
-    )
-    rollout.initialize()
-    total = args.steps + args.warmup
-    items = [{"prompt": p, "answer": ""} for p in prompts(args.prompts * total)]
-    dataloader = rank_dataloader(items, DatasetConfig(batch_size=args.prompts, shuffle=False), engine, seed=0)
-    engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=len(items), train_batch_size=args.prompts))
-    meta = WeightUpdateMeta(type="in_process")
-    engine.connect_engine(rollout.engine, meta)
-    actor = PPOActor(cfg, engine)
-    gconfig = GenerationConfig(n_samples=args.group, max_new_tokens=args.tokens, min_new_tokens=args.tokens)
+            rollout = RolloutController(LocalInferenceEngine(local), rollout_config)
+            rollout.initialize()
+            stack.callback(rollout.destroy)
+            meta = WeightUpdateMeta(type="in_process")
+        total = args.steps + args.warmup
+        items = [{"prompt": p, "answer": ""} for p in prompts(args.prompts * total)]
+        dataloader = rank_dataloader(items, DatasetConfig(batch_size=args.prompts, shuffle=False), engine, seed=0)
+        engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=len(items), train_batch_size=args.prompts))
+        engine.connect_engine(rollout.engine, meta)
+        actor = PPOActor(cfg, engine)
+        gconfig = GenerationConfig(n_samples=args.group, max_new_tokens=args.tokens, min_new_tokens=args.tokens)
 
-    def reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **kw: object) -> float:
-        return digit_share(completion)
+        def reward(
+            prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], **kw: object
+        ) -> float:
+            return digit_share(completion)
 
-    workflow = RLVRWorkflow(RewardRunner(reward, mode="inline"), gconfig, tokenizer, use_chat_template=False)
-    times, tokens, train = [], [], []
-    try:
+        workflow = RLVRWorkflow(RewardRunner(reward, mode="inline"), gconfig, tokenizer, use_chat_template=False)
+        times, tokens, train = [], [], []
         for step in range(total):
             t0 = time.perf_counter()
             batch = rollout.prepare_batch(dataloader, workflow=workflow)
@@ -248,9 +303,6 @@ def run_ours(path: str, args: argparse.Namespace, eta: int) -> tuple[list[float]
             times.append(time.perf_counter() - t0)
             train.append(time.perf_counter() - t1)
             tokens.append(float(batch["loss_mask"].sum()))
-    finally:
-        rollout.destroy()
-        engine.destroy()
     return times, tokens, train
 
 

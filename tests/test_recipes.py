@@ -461,11 +461,11 @@ def test_generation_uses_the_current_weights_and_clones_stay_frozen(model_dir, l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weight_update", ["disk", "distributed"])
+@pytest.mark.parametrize("weight_update", ["disk", "distributed", "ipc"])
 def test_generation_on_a_server_follows_the_steps(model_dir, tmp_path, weight_update):
     """With ``servers`` the policy generates on our SGLang-protocol server, and a step's weights
-    reach it (through files, or a gloo broadcast) before the next generation. Slow: about 17 s
-    each, most of it the server's start."""
+    reach it (through files, a gloo broadcast, or shared memory) before the next generation. Slow:
+    about 17 s each, most of it the server's start."""
     from inference_servers import start_servers, stop_servers
 
     procs, addresses = start_servers(model_dir, 1)

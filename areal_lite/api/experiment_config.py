@@ -145,10 +145,12 @@ class RLExperimentConfig(BaseExperimentConfig):
     local_engine: LocalEngineConfig = field(default_factory=LocalEngineConfig)
     """The embedded engine (``launcher.backend=local``; our server, ``areal``, takes its settings too)."""
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
-    weight_update: str = field(default="disk", metadata=one_of("disk", "distributed"))
-    """How weights reach rollout servers: disk (safetensors files every server loads) or
-    distributed (a broadcast from trainer rank 0: NCCL on GPU, gloo on CPU). The embedded engine
-    takes them in process whatever this says."""
+    weight_update: str = field(default="disk", metadata=one_of("disk", "distributed", "ipc"))
+    """How weights reach rollout servers: disk (safetensors files every server loads; works
+    everywhere, and a server that comes back after a failure reloads them), distributed (a
+    broadcast from trainer rank 0: NCCL on GPU, gloo on CPU), or ipc (servers on the trainer's
+    machine map its memory: shared memory on CPU, CUDA IPC handles on a GPU; no file, no process
+    group). The embedded engine takes them in process whatever this says."""
     record_batches: str = ""
     """Directory where the run's rollout controller records every batch it hands out (training
     batches with their token versions and the policy version they were consumed at, and

@@ -25,7 +25,7 @@ StopReason = Literal["length", "stop", "interrupt", "abort"]
 - ``abort``: the request was cancelled (``/abort_request``, shutdown) and will not be resumed.
 """
 
-WeightUpdateType = Literal["in_process", "disk", "distributed"]
+WeightUpdateType = Literal["in_process", "disk", "distributed", "ipc"]
 
 WeightFormat = Literal["hf", "peft", "train_state"]
 """What `TrainEngine.save` writes and `TrainEngine.load` reads.
@@ -181,6 +181,11 @@ class WeightUpdateMeta:
     - ``distributed``: trainer rank 0 and the servers share a process group
       (``master_address:master_port``, ``group_name``); rank 0 broadcasts each tensor, in chunks
       of at most ``chunk_bytes``, after announcing the chunk's ``param_specs``.
+    - ``ipc``: servers on the trainer's machine map the trainer's memory. Rank 0 copies the full
+      tensors into buckets of at most ``chunk_bytes`` (POSIX shared memory on CPU, one device
+      allocation on a GPU) and sends each bucket's handles (``serialized_tensors``, SGLang's
+      ``update_weights_from_tensor``); a bucket is freed once every server has loaded it. No
+      file and no process group: the servers must run on this machine.
     """
 
     type: WeightUpdateType
@@ -192,13 +197,18 @@ class WeightUpdateMeta:
     world_size: int = 0
     """Size of the weight-update group: 1 (trainer rank 0) + all server ranks. Set by the engine."""
     chunk_bytes: int = 256 * 1024 * 1024
+    """Distributed and ipc: the most bytes of tensors one chunk (one bucket) carries; a larger
+    tensor goes alone."""
     version: int | None = None
     """Policy version the new weights carry; the receiving side tags new tokens with it."""
     param_specs: list[ParamSpec] = field(default_factory=list)
     """Distributed only: the tensors of the chunk about to be broadcast, in broadcast order."""
     last_chunk: bool = True
-    """Distributed only: whether this chunk ends the update. Servers that apply an update whole
+    """Distributed and ipc: whether this chunk ends the update. Servers that apply an update whole
     (vLLM's, through our worker extension) keep earlier chunks until the last one arrives."""
+    serialized_tensors: str | None = field(default=None, repr=False)
+    """Ipc only: one bucket's tensors as handles to the trainer's memory, one entry of SGLang's
+    ``serialized_named_tensors`` (`areal_lite.utils.tensor_handles.TensorBucket.serialize`)."""
     named_tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     """In-process only: full (unsharded) tensors keyed by HF parameter name (adapter tensors keyed
     by their PEFT name when ``lora_config`` is set)."""
@@ -208,8 +218,8 @@ class WeightUpdateMeta:
     ``disk``), and this is its PEFT config (what ``adapter_config.json`` holds). None: full weights."""
 
     def __post_init__(self) -> None:
-        if self.type not in ("in_process", "disk", "distributed"):
-            raise ValueError(f"WeightUpdateMeta.type must be in_process, disk or distributed, got {self.type!r}")
+        if self.type not in ("in_process", "disk", "distributed", "ipc"):
+            raise ValueError(f"WeightUpdateMeta.type must be in_process, disk, distributed or ipc, got {self.type!r}")
         if self.type == "disk" and not self.path:
             raise ValueError("a disk weight update needs WeightUpdateMeta.path")
 

@@ -90,7 +90,8 @@ def make_rollout_controller(
     ``local`` generates in this process (`LocalInferenceEngine` on ``model_dir``, default
     ``cfg.actor.path``; weights copied in place). ``areal`` and ``sglang`` talk to the servers the
     launcher started (``cfg.rollout.addresses``) with `RemoteSGLangEngine`, ``vllm`` with
-    `RemoteVLLMEngine`; weights go through the disk or a process group (``cfg.weight_update``).
+    `RemoteVLLMEngine`; weights go through the disk, a process group, or the memory of this machine
+    (``cfg.weight_update``: disk, distributed, ipc).
     With ``actor.lora`` on, requests name the trained adapter. Every trainer rank generates its own share of
     the rollouts, but only rank 0 controls the servers (pauses, versions, weights); the other
     ranks' clients follow.
@@ -119,7 +120,9 @@ def make_rollout_controller(
             meta = WeightUpdateMeta(type="distributed", backend=backend, world_size=1 + len(cfg.rollout.addresses))
         elif cfg.weight_update == "disk":
             meta = WeightUpdateMeta(type="disk", path=os.path.join(cfg.output_dir, "weight_update"))
+        elif cfg.weight_update == "ipc":
+            meta = WeightUpdateMeta(type="ipc")
         else:
-            raise ValueError(f"weight_update must be disk or distributed, got {cfg.weight_update!r}")
+            raise ValueError(f"weight_update must be disk, distributed or ipc, got {cfg.weight_update!r}")
     rollout.initialize()
     return rollout, meta

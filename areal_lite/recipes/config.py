@@ -35,8 +35,9 @@ class ModelConfig:
     servers: list[str] = field(default_factory=list)
     """host:port of SGLang-protocol servers that generate for this model; empty = the embedded
     engine in this process."""
-    weight_update: str = field(default="disk", metadata=one_of("disk", "distributed"))
-    """How weights reach servers (the embedded engine takes them in process)."""
+    weight_update: str = field(default="disk", metadata=one_of("disk", "distributed", "ipc"))
+    """How weights reach servers: disk, distributed (a broadcast), or ipc (servers on this machine
+    map the trainer's memory); the embedded engine takes them in process."""
     max_running_requests: int = 128
     """Embedded engine: requests decoded together."""
     inference_device: str = "cpu"

@@ -257,6 +257,8 @@ class TrainingModel(_Trainable):
             return WeightUpdateMeta(type="in_process")
         if self.config.weight_update == "distributed":
             return WeightUpdateMeta(type="distributed", world_size=1 + len(self.config.servers))
+        if self.config.weight_update == "ipc":
+            return WeightUpdateMeta(type="ipc")
         path = os.path.join(work_dir(self.config), f"{self.name}-weights")
         return WeightUpdateMeta(type="disk", path=path)
 

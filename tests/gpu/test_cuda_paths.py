@@ -1,5 +1,6 @@
 """Every CUDA path, on a real GPU (marker ``gpu``; deselected without CUDA): FSDP on NCCL in bf16,
-the embedded engine on CUDA, NCCL weight updates into it, and the quickstart on CUDA."""
+the embedded engine on CUDA, NCCL weight updates into it, ipc updates (CUDA IPC handles) into our
+server on the same GPU, and the quickstart on CUDA."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_lite.api.config import LocalEngineConfig
+from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
+from areal_lite.api.io import GenerationConfig, ModelRequest, WeightUpdateMeta
 from areal_lite.engines.local.engine import LocalInferenceEngine
 from areal_lite.engines.local.request import SamplingParams
 from areal_lite.launcher.commands import checkout_pythonpath
+from areal_lite.utils.tensor_handles import SEGMENT_PREFIX, SHM_DIR, TensorBucket
 from areal_lite.utils.tiny import build_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -153,6 +156,52 @@ def test_nccl_weight_update_into_the_engine(model_dir: str) -> None:
         pytest.skip("NCCL needs a GPU per rank: the trainer on GPU 0, the engine on GPU 1")
     out = torchrun(1, "nccl_update", model_dir)
     assert "UPDATE OK" in out
+
+
+def test_server_on_the_same_gpu_takes_cuda_ipc_handles(model_dir: str) -> None:
+    """Our server on the trainer's GPU gets an ipc update: CUDA IPC handles of one bucket on the
+    device (no copy to the host, no shared-memory segment). Once it answers, the bucket is freed
+    and its memory overwritten; the server then generates with the new weights: log-probabilities
+    equal to a HF forward of the updated model on the same GPU, tokens tagged with the version."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_lite.engines.remote.sglang import RemoteSGLangEngine
+
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    from inference_servers import start_servers, stop_servers
+
+    procs, addresses = start_servers(model_dir, 1, ["--device", "cuda"])
+    client = RemoteSGLangEngine(InferenceEngineConfig(addresses=addresses, setup_timeout=120, request_timeout=120))
+    try:
+        client.initialize()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir).cuda().eval()
+        g = torch.Generator(device="cuda").manual_seed(0)
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g, device="cuda"))
+        bucket = TensorBucket(list(hf.state_dict().items()))
+        assert bucket.segment is None and all(t.is_cuda for _, t in bucket.named)
+        client.update_weights(WeightUpdateMeta(type="ipc", serialized_tensors=bucket.serialize(), version=3)).result()
+        size = bucket.nbytes
+        bucket.free()
+        scribble = torch.full((size,), 255, dtype=torch.uint8, device="cuda")  # reuses the freed block, likely
+        torch.cuda.synchronize()
+        assert not [f for f in os.listdir(SHM_DIR) if f.startswith(f"{SEGMENT_PREFIX}{os.getpid()}_")]
+
+        async def run() -> list:
+            gconfig = GenerationConfig(max_new_tokens=10, ignore_eos=True)
+            reqs = [ModelRequest(input_ids=[5 + i, 17, 30 + 2 * i], gconfig=gconfig) for i in range(6)]
+            return await asyncio.gather(*[client.agenerate(r) for r in reqs])
+
+        for r in asyncio.run(run()):
+            assert r.output_versions == [3] * 10
+            torch.testing.assert_close(
+                torch.tensor(r.output_logprobs), hf_logprobs(hf, r.input_tokens, r.output_tokens), atol=2e-3, rtol=0
+            )
+        del scribble
+    finally:
+        client.destroy()
+        stop_servers(procs)
 
 
 def test_quickstart_on_cuda(tmp_path: Path) -> None:

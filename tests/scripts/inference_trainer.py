@@ -32,8 +32,7 @@ from areal_lite.engines.remote.vllm import RemoteVLLMEngine
 from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.distributed import destroy_default_group
 
-MODEL, ADDRESSES, WORKDIR = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
-CLIENT = {"sglang": RemoteSGLangEngine, "vllm": RemoteVLLMEngine}[sys.argv[4]]
+CLIENTS = {"sglang": RemoteSGLangEngine, "vllm": RemoteVLLMEngine}
 
 
 def nll(out: torch.Tensor, ent: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -87,13 +86,14 @@ def check(engine: FSDPEngine, rollout: RemoteEngine | None) -> dict[str, object]
 
 
 def main() -> None:
+    model, addresses, workdir, client = sys.argv[1], sys.argv[2].split(","), sys.argv[3], CLIENTS[sys.argv[4]]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     rollout = None
     if rank == 0:
-        rollout = CLIENT(InferenceEngineConfig(addresses=ADDRESSES, request_timeout=120, setup_timeout=120))
+        rollout = client(InferenceEngineConfig(addresses=addresses, request_timeout=120, setup_timeout=120))
         rollout.initialize()
-    engine = FSDPEngine(TrainEngineConfig(path=MODEL, optimizer=OptimizerConfig(lr=1e-2)))
+    engine = FSDPEngine(TrainEngineConfig(path=model, optimizer=OptimizerConfig(lr=1e-2)))
     engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=16, train_batch_size=4))
     dist_meta = WeightUpdateMeta(type="distributed", backend="gloo", chunk_bytes=64 * 1024)
     engine.connect_engine(rollout, dist_meta)  # type: ignore[arg-type]
@@ -101,7 +101,7 @@ def main() -> None:
 
     train_step(engine, seed=1)
     engine.set_version(1)
-    engine.update_weights(WeightUpdateMeta(type="disk", path=os.path.join(WORKDIR, "v1")))
+    engine.update_weights(WeightUpdateMeta(type="disk", path=os.path.join(workdir, "v1")))
     report["disk"] = check(engine, rollout)
 
     train_step(engine, seed=2)
@@ -110,29 +110,29 @@ def main() -> None:
     report["broadcast"] = check(engine, rollout)
 
     engine.destroy()
-    if CLIENT is RemoteSGLangEngine:
-        report.update(check_lora(rollout))
+    if client is RemoteSGLangEngine:
+        report.update(check_lora(rollout, model, addresses, workdir))
     if rollout is not None:
-        with open(os.path.join(WORKDIR, "trainer.json"), "w") as f:
+        with open(os.path.join(workdir, "trainer.json"), "w") as f:
             json.dump(report, f)
         rollout.destroy()
     destroy_default_group()
 
 
-def check_lora(full_rollout: RemoteEngine | None) -> dict[str, object]:
+def check_lora(full_rollout: RemoteEngine | None, model: str, addresses: list[str], workdir: str) -> dict[str, object]:
     """The servers back on the base weights, then a LoRA engine: its adapter sent at connect, after
     a step through disk, after another by broadcast; then the servers unload it."""
     rollout = None
     if full_rollout is not None:
-        full_rollout.update_weights(WeightUpdateMeta(type="disk", path=MODEL, version=0)).result()
+        full_rollout.update_weights(WeightUpdateMeta(type="disk", path=model, version=0)).result()
         rollout = RemoteSGLangEngine(
-            InferenceEngineConfig(addresses=ADDRESSES, request_timeout=120), adapter_name="policy"
+            InferenceEngineConfig(addresses=addresses, request_timeout=120), adapter_name="policy"
         )
         rollout.initialize()
     lora = LoRAConfig(rank=4, alpha=16.0)
-    engine = FSDPEngine(TrainEngineConfig(path=MODEL, optimizer=OptimizerConfig(lr=1e-2), lora=lora))
+    engine = FSDPEngine(TrainEngineConfig(path=model, optimizer=OptimizerConfig(lr=1e-2), lora=lora))
     engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=16, train_batch_size=4))
-    disk_meta = WeightUpdateMeta(type="disk", path=os.path.join(WORKDIR, "adapter"))
+    disk_meta = WeightUpdateMeta(type="disk", path=os.path.join(workdir, "adapter"))
     engine.connect_engine(rollout, disk_meta)  # type: ignore[arg-type]
     report: dict[str, object] = {"lora_connect": check(engine, rollout)}
     train_step(engine, seed=3)
@@ -146,15 +146,15 @@ def check_lora(full_rollout: RemoteEngine | None) -> dict[str, object]:
     engine.update_weights(dist_meta)
     report["lora_broadcast"] = check(engine, rollout)
     if rollout is not None:
-        asyncio.run(unload_adapter())
+        asyncio.run(unload_adapter(addresses))
         rollout.destroy()
     engine.destroy()
     return report
 
 
-async def unload_adapter() -> None:
+async def unload_adapter(addresses: list[str]) -> None:
     async with aiohttp.ClientSession() as session:
-        for address in ADDRESSES:
+        for address in addresses:
             async with session.post(f"http://{address}/unload_lora_adapter", json={"lora_name": "policy"}) as r:
                 assert r.status == 200, await r.text()
 

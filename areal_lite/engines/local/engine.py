@@ -106,6 +106,8 @@ class LocalInferenceEngine(InferenceEngine):
             if lora is not None:
                 return self.scheduler.weights.load_adapter(ADAPTER, lora, dict(meta.named_tensors), meta.version)
             return self.scheduler.weights.load_tensors(dict(meta.named_tensors), meta.version)
+        if meta.type == "ipc":
+            raise ValueError("the embedded engine shares the trainer's process: give it in_process updates, not ipc")
         if meta.type == "disk":
             if lora is not None:
                 return self.scheduler.weights.load_adapter_from_disk(ADAPTER, meta.path or "", meta.version)

@@ -482,6 +482,9 @@ class Scheduler:
     def load_tensors(self, named: dict[str, torch.Tensor], version: int | None = None) -> Future[None]:
         return self.weights.load_tensors(named, version)
 
+    def load_shared_tensors(self, named: list[tuple[str, torch.Tensor]], version: int | None = None) -> Future[None]:
+        return self.weights.load_shared_tensors(named, version)
+
     def load_weights_from_disk(self, path: str, version: int | None = None) -> Future:
         return self.weights.load_weights_from_disk(path, version)
 

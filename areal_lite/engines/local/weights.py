@@ -1,5 +1,6 @@
-"""Weight loads into the embedded engine's model: from tensors, from a model directory on disk,
-received by broadcast in a weight-update group, and LoRA adapters.
+"""Weight loads into the embedded engine's model: from tensors (also views of another process's
+memory, an ipc update's), from a model directory on disk, received by broadcast in a weight-update
+group, and LoRA adapters.
 
 A `WeightLoader` checks every tensor of a load before it copies any, and copies them in the
 scheduler thread between two steps (``between_steps``); the scheduler then sets the version new
@@ -69,6 +70,18 @@ class WeightLoader:
         copied), recompute the running requests' caches under the new weights, and set the
         version (unless None). The future completes once loaded."""
         return self._between_steps(lambda: self._load_tensors(named.items(), version))
+
+    def load_shared_tensors(self, named: list[tuple[str, torch.Tensor]], version: int | None = None) -> Future[None]:
+        """`load_tensors` for views of another process's memory (an ipc update's bucket): the
+        future completes only once the copies are done on the device too, since the sender frees
+        that memory as soon as it is told."""
+
+        def run() -> None:
+            self._load_tensors(named, version)
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        return self._between_steps(run)
 
     def _load_tensors(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None) -> None:
         pairs = list(named)

@@ -16,20 +16,20 @@ its last known state to another server, so a server dying loses no request and r
 A server that refuses connections or stops answering (this client's `FleetMonitor` watches them:
 `areal_lite.engines.remote.monitor`) is set aside by the fleet: it gets no generation or control
 calls and the rest of the fleet carries on. When it answers again, this client brings it up to
-date before it is readmitted: the last disk update is loaded again (after a broadcast it waits for
-the next update, whose group takes it in), the current version is set and it is paused or resumed
-like the others.
+date before it is readmitted: the last disk update is loaded again (after a broadcast or an ipc
+update it waits for the next update, which takes it in), the current version is set and it is
+paused or resumed like the others.
 
 While this client keeps the servers paused, new generations wait in the client too: every call is
 sent while the weights it will run on are current, which is what tags the tokens of a server that
 reports no versions (vLLM).
 
-Control: pause / resume, weight updates (disk or distributed) and version updates fan out to every
-server; weight updates pause generation around them unless the caller already did. A client built
-with ``control_servers=False`` generates only: its pause, resume and version change what it does
-with its own requests (aborted generations wait for the resume; tokens a server does not tag get
-its version), while another client of the same servers (the trainer's) controls them. The
-rollout controller's episode child uses one.
+Control: pause / resume, weight updates (disk, distributed, or ipc for servers on this machine) and
+version updates fan out to every server; weight updates pause generation around them unless the
+caller already did. A client built with ``control_servers=False`` generates only: its pause, resume
+and version change what it does with its own requests (aborted generations wait for the resume;
+tokens a server does not tag get its version), while another client of the same servers (the
+trainer's) controls them. The rollout controller's episode child uses one.
 
 A subclass says how its protocol spells each of these: the generation call and its answer, the
 pause and resume calls, the weight-update and version calls.
@@ -48,7 +48,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import ipaddress
 import logging
+import socket
+import urllib.parse
 from concurrent.futures import Future
 
 import aiohttp
@@ -90,6 +93,10 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         """The version of the weights each server holds (servers absent: the initial ones, 0)."""
         self._last_update: WeightUpdateMeta | None = None
         """The last weight update that reached the servers (a returning server loads it from disk)."""
+        self._handover_open = False
+        """An ipc update has sent some of its buckets, not its last one."""
+        self._elsewhere: list[str] | None = None
+        """The servers not on this machine (an ipc update needs none), found at the first one."""
         self._control = asyncio.Lock()
         """Held while the servers are paused, and while a returning server is brought up to date,
         so that neither happens during the other (a disk update rewrites the files it would load)."""
@@ -156,6 +163,27 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     async def _receive_broadcast_call(self, meta: WeightUpdateMeta) -> None:
         """Every server of the group receives ``meta.param_specs`` by broadcast; answers once loaded."""
 
+    async def _load_from_handles_call(self, meta: WeightUpdateMeta) -> None:
+        """Every live server loads the tensors whose handles ``meta.serialized_tensors`` holds (one
+        bucket of an ipc update); answers once loaded. Protocols that take none leave it out and
+        refuse in `_check_ipc`."""
+        raise NotImplementedError
+
+    def _check_ipc(self, meta: WeightUpdateMeta) -> None:
+        """Refuse an ipc update that cannot work: a LoRA adapter's (they go by disk or broadcast),
+        one without handles, or any while a server of the fleet is on another machine."""
+        if meta.lora_config is not None:
+            raise ValueError("LoRA adapter updates go by weight_update=disk or distributed, not ipc")
+        if meta.serialized_tensors is None:
+            raise ValueError("an ipc weight update carries its bucket's handles (WeightUpdateMeta.serialized_tensors)")
+        if self._elsewhere is None:
+            self._elsewhere = [a for a in self.fleet.addresses if not on_this_machine(a)]
+        if self._elsewhere:
+            raise ValueError(
+                f"weight_update=ipc hands the trainer's memory to servers on this machine, and "
+                f"{', '.join(self._elsewhere)} is not on it: use weight_update=distributed or disk"
+            )
+
     @abc.abstractmethod
     async def _version_call(self, version: int) -> None:
         """Tell every live server the version of later tokens (a no-op where they are not told)."""
@@ -183,9 +211,9 @@ class RemoteEngine(InferenceEngine, abc.ABC):
 
     async def _on_return(self, i: int) -> None:
         """A server set aside answers again. A client that controls the servers brings it up to
-        the current weights (the last disk update, loaded again; after a distributed update it
-        waits to join the next one's group) and version, resumed or paused as the others, then
-        readmits it. Any other client readmits it once it reports the current version."""
+        the current weights (the last disk update, loaded again; after a distributed or ipc update
+        it waits for the next update, whose group or first bucket takes it in) and version, resumed
+        or paused as the others, then readmits it. Any other client readmits it once it reports the current version."""
         if not self.control_servers:
             try:
                 info = await self.fleet.request(i, "/model_info", None, 10.0, method="GET")
@@ -455,7 +483,9 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         if not self.control_servers:
             raise RuntimeError("this client does not control the servers (control_servers=False)")
         if meta.type == "in_process":
-            raise ValueError("remote servers cannot take in_process weight updates: use disk or distributed")
+            raise ValueError("remote servers cannot take in_process weight updates: use disk, distributed or ipc")
+        if meta.type == "ipc":
+            self._check_ipc(meta)
         return self.fleet.call(self._update_weights(meta))
 
     async def _update_weights(self, meta: WeightUpdateMeta) -> None:
@@ -469,6 +499,12 @@ class RemoteEngine(InferenceEngine, abc.ABC):
                 # (A broadcast's group takes returning servers in when it is formed, not between chunks.)
                 await self._rejoin_returning()
                 await self._load_from_disk_call(meta)
+            elif meta.type == "ipc":
+                if not self._handover_open:  # returning servers join at the first bucket, never later
+                    await self._rejoin_returning()
+                self._handover_open = False  # until this bucket is in: a failed update ends here
+                await self._load_from_handles_call(meta)
+                self._handover_open = not meta.last_chunk
             else:
                 await self._receive_broadcast_call(meta)
             if meta.version is not None:
@@ -502,3 +538,23 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     def resume(self) -> None:
         self.fleet.call(self._resume_servers()).result()
         self._paused = False
+
+
+def on_this_machine(address: str) -> bool:
+    """Whether the server at ``address`` (``http://host:port``) runs on this machine: every IP
+    address its host resolves to is a loopback address or one a socket here can bind."""
+    host = urllib.parse.urlsplit(address).hostname or ""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        ip = str(sockaddr[0])
+        if ipaddress.ip_address(ip.partition("%")[0]).is_loopback:
+            continue
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((ip, 0))
+            except OSError:
+                return False
+    return bool(infos)

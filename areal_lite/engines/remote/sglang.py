@@ -4,7 +4,9 @@ on CPU), on the shared `RemoteEngine` base (`areal_lite.engines.remote.client`).
 How SGLang spells each call (docs/protocol.md): ``/generate`` with ``input_ids``, its answer's
 ``meta_info`` (log-probabilities, versions, routed experts), ``/pause_generation`` and
 ``/continue_generation``, disk and distributed weight updates (with the weight-update session of
-SGLang >= 0.5.21), ``/update_weight_version``, and the LoRA adapter routes.
+SGLang >= 0.5.21), ``ipc`` updates for servers on this machine (``/update_weights_from_tensor``: each
+bucket's handles, once per tensor-parallel rank of a server, as ``/get_server_info`` counts them),
+``/update_weight_version``, and the LoRA adapter routes.
 
 LoRA: the client's ``adapter_name`` goes in every generation call as ``lora_path``, and a weight
 update from a LoRA train engine (``WeightUpdateMeta.lora_config``) reaches the servers through the
@@ -22,6 +24,7 @@ import torch
 from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.io import GenerationConfig, WeightUpdateMeta
 from areal_lite.engines.remote.client import RemoteEngine
+from areal_lite.engines.remote.fleet import ServerError
 from areal_lite.engines.remote.partial_rollout import Answer, parse_version
 
 
@@ -54,6 +57,8 @@ class RemoteSGLangEngine(RemoteEngine):
         super().__init__(config, control_servers, adapter_name)
         self._adapter_held: dict[str, object] | None = None
         """The config of the adapter the servers hold (loaded or registered by this client)."""
+        self._tp_size: dict[int, int] = {}
+        """Tensor-parallel ranks of each server (SGLang takes one handles entry per rank)."""
 
     def _generate_call(
         self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int
@@ -148,6 +153,32 @@ class RemoteSGLangEngine(RemoteEngine):
                 "abort_all_requests": False,
             },
         )
+        if session:
+            await self.fleet.fanout("/end_weight_update", {})
+
+    async def _load_from_handles_call(self, meta: WeightUpdateMeta) -> None:
+        for i in self.fleet.live():
+            if i not in self._tp_size:
+                try:
+                    info = await self.fleet.request(
+                        i, "/get_server_info", None, self.config.request_timeout, method="GET"
+                    )
+                except ServerError:  # a server that does not say: one rank
+                    info = None
+                size = info.get("tp_size") if isinstance(info, dict) else None
+                self._tp_size[i] = size if isinstance(size, int) and size > 0 else 1
+        body = {
+            "load_format": None,  # SGLang's default: the entry is a list of (name, tensor)
+            "weight_version": None if meta.version is None else str(meta.version),
+            "flush_cache": True,
+            "abort_all_requests": False,
+        }
+        payloads = [
+            {**body, "serialized_named_tensors": [meta.serialized_tensors] * self._tp_size.get(i, 1)}
+            for i in range(len(self.fleet))
+        ]
+        session = await self.fleet.optional_fanout("/begin_weight_update", {"selector": "all"})
+        await self.fleet.fanout_checked("/update_weights_from_tensor", payloads)
         if session:
             await self.fleet.fanout("/end_weight_update", {})
 

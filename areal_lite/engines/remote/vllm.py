@@ -12,7 +12,7 @@ protocol"; the launcher starts them so with ``launcher.backend=vllm``)::
   with a list of prompts; a generation a pause ended comes back with ``finish_reason: "abort"``;
 - pause and resume: ``POST /pause?mode=abort`` and ``POST /resume`` (vLLM's RL routes);
 - weights: ``POST /collective_rpc`` calling the methods of `WeightUpdateExtension` (join or leave
-  the weight-update group, receive a broadcast chunk, load a directory), then
+  the weight-update group, receive a broadcast chunk, load a directory; no ipc updates), then
   ``/reset_prefix_cache``. The servers apply an update whole, at its last chunk, or refuse it and
   keep their weights; a refusal (HTTP 500 with the worker's error) is raised naming the server, and
   a broadcast chunk's call fails as soon as one server fails it.
@@ -156,6 +156,12 @@ class RemoteVLLMEngine(RemoteEngine):
         finally:
             for call in calls:
                 call.cancel()
+
+    def _check_ipc(self, meta: WeightUpdateMeta) -> None:
+        raise ValueError(
+            "vLLM servers take weight_update=disk or distributed (our worker extension's calls), not ipc; "
+            "launcher.backend=areal or sglang serves ipc updates"
+        )
 
     async def _version_call(self, version: int) -> None:
         """Nothing to tell: vLLM tags no tokens with versions; this client does."""

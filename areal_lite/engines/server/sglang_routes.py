@@ -1,14 +1,20 @@
 """SGLang's routes on our server other than ``/generate`` (docs/protocol.md): health and
 information (``/health``, ``/model_info``, ``/server_info``, ``/get_weight_version``), control of
 running generations (``/abort_request``, ``/pause_generation``, ``/continue_generation``,
-``/flush_cache``) and weight updates (from a checkpoint directory, or broadcast by the trainer in a
-process group), with SGLang's payloads and answers. Weight versions are integers here (as strings on
-the wire).
+``/flush_cache``) and weight updates (from a checkpoint directory, broadcast by the trainer in a
+process group, or handed over in memory by a trainer on this machine), with SGLang's payloads and
+answers. Weight versions are integers here (as strings on the wire).
+
+``/update_weights_from_tensor`` maps the sender's memory (`areal_lite.utils.tensor_handles`): it
+answers only callers on this machine (a loopback peer, or one whose address is the address it
+called), where those handles mean something; like ``/update_weights_from_disk`` with its path, it
+otherwise trusts the caller it lets in (behind ``--api-key`` when one is set).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 
 from aiohttp import web
 
@@ -16,6 +22,7 @@ from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.local.scheduler import Scheduler
 from areal_lite.engines.server.common import BadRequest, ServerState, bool_field, int_field, read_json
 from areal_lite.engines.server.server_args import ServerArgs
+from areal_lite.utils.tensor_handles import load_named_tensors
 
 
 class SGLangRoutes:
@@ -44,6 +51,7 @@ class SGLangRoutes:
         r.add_post("/begin_weight_update", self.begin_weight_update)
         r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/pause_generation", self.pause_generation)
@@ -199,6 +207,40 @@ class SGLangRoutes:
             lambda: self.scheduler.receive_broadcast(names, dtypes, shapes, v).result(), version
         )
 
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """SGLang's payload: ``serialized_named_tensors`` (one entry per tensor-parallel rank; this
+        server has one and reads the first), ``load_format`` (None, or ``direct``: both mean a
+        list of (name, tensor) here), ``weight_version``, ``abort_all_requests``, ``flush_cache``
+        (the caches of running requests are recomputed anyway). Answers once the tensors are
+        copied into the model, after which the sender may free its memory."""
+        if not _from_this_machine(request):
+            raise BadRequest(
+                f"tensor handles resolve only on this server's machine; {request.remote} is another one: "
+                "use /update_weights_from_disk or /update_weights_from_distributed",
+                status=403,
+            )
+        body = await read_json(request)
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not entries or not all(isinstance(e, str) for e in entries):
+            raise BadRequest(
+                "serialized_named_tensors must be a non-empty list of base64 strings, one per tensor-parallel rank",
+                param="serialized_named_tensors",
+            )
+        load_format = body.get("load_format")
+        if load_format not in (None, "direct"):
+            message = f"load_format {load_format!r} is not served here: send null (a list of (name, tensor))"
+            return web.json_response({"success": False, "message": message}, status=400)
+        bool_field(body, "flush_cache", True)
+        if bool_field(body, "abort_all_requests", False):
+            self.scheduler.abort(abort_all=True, message="aborted for a weight update")
+        version = body.get("weight_version")
+        v = self._version_int(version) if version is not None else None
+
+        def load() -> None:
+            self.scheduler.load_shared_tensors(load_named_tensors(entries[0]), v).result()
+
+        return await self._weight_op(load, version)
+
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         v = self._version_int(body.get("new_version"))
@@ -235,6 +277,23 @@ class SGLangRoutes:
         if v is not None:
             self.state.weight_version = str(v)
         return web.json_response({"success": True, "message": "Succeeded to update model weights."})
+
+
+def _from_this_machine(request: web.Request) -> bool:
+    """Whether the caller runs on this machine: a loopback peer, or one whose address is the
+    address of this server it called."""
+    peer = request.remote
+    if not peer:
+        return False
+    try:
+        ip = ipaddress.ip_address(peer.partition("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    if ip.is_loopback or (mapped is not None and mapped.is_loopback):
+        return True
+    local = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    return isinstance(local, tuple) and local[0] == peer
 
 
 def _port(value: object) -> int:

@@ -4,7 +4,7 @@ for `FSDPEngine` and `MegatronEngine` (two copies of it would drift apart).
 What lives here: the policy version; the split of a batch into packed micro-batches (as many on
 every rank where collectives need it) and the per-sequence outputs put back in the batch's order;
 the weight-update sender (`areal_lite.engines.train.weight_sync`), fed in the checkpoint layout
-for broadcasts (`areal_lite.utils.hf_layout`: a mixture-of-experts model's experts one tensor
+for broadcasts and ipc updates (`areal_lite.utils.hf_layout`: a mixture-of-experts model's experts one tensor
 each, as any server reads them); the global loss normalisation (each micro-batch loss weighted by
 ``loss_weight_fn(mb) / total``, ``total`` summed over the micro-batches and the data-parallel
 ranks) with the weighted means of the loss and the stats reduced over those ranks; `train_batch`
@@ -362,7 +362,7 @@ class TrainEngineBase(TrainEngine):
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         tensors = self._hf_tensors
-        if meta.type == "distributed" and not self._checkpoint_layout().identity:
+        if meta.type in ("distributed", "ipc") and not self._checkpoint_layout().identity:
             layout = self._checkpoint_layout()
 
             def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -371,7 +371,7 @@ class TrainEngineBase(TrainEngine):
         self._sender.send(meta, self._version, tensors, self._write_weights)
 
     def _checkpoint_layout(self) -> CheckpointLayout:
-        """The checkpoint layout of the trained model (what disk and broadcast updates carry)."""
+        """The checkpoint layout of the trained model (what disk, broadcast and ipc updates carry)."""
         if self._checkpoint is None:
             self._checkpoint = CheckpointLayout(self._hf_model_config())
         return self._checkpoint

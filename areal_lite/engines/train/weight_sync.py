@@ -4,6 +4,10 @@ An engine only knows how to produce its full HF-named tensors (a collective iter
 shards) and how to write a HF directory; `WeightSender` does the rest of
 `TrainEngine.connect_engine` / `TrainEngine.update_weights`: trainer rank 0 builds the weight-update
 group and talks to the inference engine, and every rank runs the engine's collectives.
+
+An ``ipc`` update packs rank 0's tensors into buckets of memory the servers of this machine map
+(`areal_lite.utils.tensor_handles.TensorBucket`), two at most alive at once: the next bucket is
+gathered and packed while the servers load the previous one, which is freed once they all have.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import ParamSpec, WeightUpdateMeta
 from areal_lite.utils.distributed import CustomGroup, find_free_port, init_custom_process_group
+from areal_lite.utils.tensor_handles import TensorBucket
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +97,8 @@ class WeightSender:
         meta = replace(meta, version=version if meta.version is None else meta.version)
         if meta.type == "distributed":
             self._send_distributed(meta, tensors())
+        elif meta.type == "ipc":
+            self._send_ipc(meta, tensors())
         elif meta.type == "disk":
             assert meta.path is not None
             write_disk(meta.path)
@@ -130,6 +137,52 @@ class WeightSender:
             size += nbytes
         if rank == 0 and chunk:
             self._send_chunk(chunk, meta, last=True)
+
+    def _send_ipc(self, meta: WeightUpdateMeta, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Rank 0 sends bucket after bucket; the other ranks only take part in the gathers."""
+        rank = dist.get_rank()
+        chunk: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        loading: tuple[TensorBucket, Future[None]] | None = None
+        try:
+            for name, tensor in tensors:
+                if rank != 0:
+                    continue
+                nbytes = tensor.numel() * tensor.element_size()
+                if chunk and size + nbytes > meta.chunk_bytes:
+                    loading = self._send_bucket(chunk, meta, loading, last=False)
+                    chunk, size = [], 0
+                chunk.append((name, tensor))
+                size += nbytes
+            if rank == 0 and chunk:
+                loading = self._send_bucket(chunk, meta, loading, last=True)
+            if loading is not None:
+                loading[1].result()
+        finally:
+            if loading is not None:
+                loading[0].free()
+
+    def _send_bucket(
+        self,
+        chunk: list[tuple[str, torch.Tensor]],
+        meta: WeightUpdateMeta,
+        loading: tuple[TensorBucket, Future[None]] | None,
+        last: bool,
+    ) -> tuple[TensorBucket, Future[None]]:
+        """Pack ``chunk`` into a bucket while the servers load the previous one (``loading``),
+        free that one once they have, then send this one's handles."""
+        bucket = TensorBucket(chunk)
+        try:
+            if loading is not None:
+                try:
+                    loading[1].result()
+                finally:
+                    loading[0].free()
+            sent = replace(meta, serialized_tensors=bucket.serialize(), last_chunk=last)
+            return bucket, self._engine().update_weights(sent)
+        except BaseException:
+            bucket.free()
+            raise
 
     def _send_chunk(self, chunk: list[tuple[str, torch.Tensor]], meta: WeightUpdateMeta, last: bool) -> None:
         """Announce the chunk's specs, broadcast its tensors in that order, wait for the load."""
