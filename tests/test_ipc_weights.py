@@ -25,11 +25,10 @@ from transformers import AutoModelForCausalLM
 from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
 from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.engines.local.engine import LocalInferenceEngine
-from areal_lite.engines.remote.client import on_this_machine
 from areal_lite.engines.remote.sglang import RemoteSGLangEngine
 from areal_lite.engines.remote.vllm import RemoteVLLMEngine
 from areal_lite.engines.server.sglang_routes import _from_this_machine
-from areal_lite.utils.tensor_handles import SEGMENT_PREFIX, SHM_DIR, TensorBucket
+from areal_lite.utils.tensor_handles import SEGMENT_PREFIX, SHM_DIR, TensorBucket, on_this_machine
 from areal_lite.utils.tiny import build_tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))

@@ -22,10 +22,13 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import ipaddress
 import os
 import pickle
 import re
 import secrets
+import socket
+import urllib.parse
 from multiprocessing import shared_memory
 from multiprocessing.reduction import ForkingPickler
 
@@ -204,3 +207,23 @@ def load_named_tensors(entry: str | bytes) -> list[tuple[str, torch.Tensor]]:
     ):
         raise ValueError("serialized_named_tensors entries must hold a list of (name, tensor) pairs")
     return named
+
+
+def on_this_machine(address: str) -> bool:
+    """Whether the server at ``address`` (``http://host:port``) runs on this machine: every IP
+    address its host resolves to is a loopback address or one a socket here can bind."""
+    host = urllib.parse.urlsplit(address).hostname or ""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        ip = str(sockaddr[0])
+        if ipaddress.ip_address(ip.partition("%")[0]).is_loopback:
+            continue
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((ip, 0))
+            except OSError:
+                return False
+    return bool(infos)

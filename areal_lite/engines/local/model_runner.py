@@ -37,10 +37,9 @@ from areal_lite.engines.local.kv_cache import KVCache
 from areal_lite.engines.local.packed_linears import PackedLinears
 from areal_lite.engines.local.request import Sequence
 from areal_lite.engines.local.sampling import (
+    choose_plain,
     choose_tokens,
-    chosen_logprobs,
     graph_mode,
-    inverse_cdf,
     record_chosen,
     record_tokens,
 )
@@ -456,9 +455,7 @@ class ModelRunner:
         logits = self.static_decode_logits(rows)
         if mode == "logits":
             return logits
-        policy = torch.softmax(logits, dim=-1)
-        tokens = logits.argmax(dim=-1) if mode == "greedy" else inverse_cdf(policy, self.uniforms[:rows])
-        return chosen_logprobs(tokens, logits, policy)
+        return choose_plain(logits, torch.softmax(logits, dim=-1), mode, self.uniforms[:rows])
 
     def static_decode_logits(self, rows: int) -> torch.Tensor:
         """fp32 logits [rows, vocab] of a decode step of cache rows ``0..rows-1`` (``rows`` may
@@ -514,13 +511,11 @@ class ModelRunner:
         if mode != "logits":
             # As the decode graph chooses (`static_decode_step`): one read back instead of a
             # synchronising check per step of `choose_tokens` / `record_tokens`.
-            if mode == "greedy":
-                tokens = logits.argmax(dim=-1)
-            else:
-                u = torch.rand((len(seqs), 1), generator=self.generator, dtype=torch.float64, device=self.device)
-                tokens = inverse_cdf(policy, u)
-            self.last[rows] = tokens
-            record_chosen(seqs, chosen_logprobs(tokens, logits, policy).tolist(), self.vocab_size)
+            g, dev = self.generator, self.device
+            u = torch.rand((len(seqs), 1), generator=g, dtype=torch.float64, device=dev) if mode == "sample" else None
+            chosen = choose_plain(logits, policy, mode, u)
+            self.last[rows] = chosen[:, 0].long()
+            record_chosen(seqs, chosen.tolist(), self.vocab_size)
             return
         tokens = choose_tokens(logits, policy, seqs, self.generator)
         self.last[rows] = tokens

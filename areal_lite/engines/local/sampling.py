@@ -115,6 +115,13 @@ def graph_mode(seqs: list[Sequence]) -> str:
     return mode
 
 
+def choose_plain(raw: torch.Tensor, policy: torch.Tensor, mode: str, uniforms: torch.Tensor | None) -> torch.Tensor:
+    """`chosen_logprobs` of the rows' tokens as `graph_mode` allows choosing them on the device:
+    the argmax of ``raw`` (``greedy``), or `inverse_cdf` of ``policy`` at ``uniforms`` (``sample``)."""
+    tokens = raw.argmax(dim=-1) if mode == "greedy" else inverse_cdf(policy, uniforms)
+    return chosen_logprobs(tokens, raw, policy)
+
+
 def chosen_logprobs(tokens: torch.Tensor, raw: torch.Tensor, policy: torch.Tensor) -> torch.Tensor:
     """``[n, 2]`` float64: each row's token and its log-probability under ``policy`` (the softmax of
     ``raw``), as `record_tokens` reports it, computed without reading anything back: NaN where the

@@ -48,10 +48,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import ipaddress
 import logging
-import socket
-import urllib.parse
 from concurrent.futures import Future
 
 import aiohttp
@@ -64,6 +61,7 @@ from areal_lite.engines.remote.fleet import ServerError, ServerFleet, ServerUnav
 from areal_lite.engines.remote.monitor import FleetMonitor
 from areal_lite.engines.remote.partial_rollout import Answer, PartialRollout, parse_version
 from areal_lite.utils.moe import routing_shape
+from areal_lite.utils.tensor_handles import on_this_machine
 
 logger = logging.getLogger(__name__)
 
@@ -538,23 +536,3 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     def resume(self) -> None:
         self.fleet.call(self._resume_servers()).result()
         self._paused = False
-
-
-def on_this_machine(address: str) -> bool:
-    """Whether the server at ``address`` (``http://host:port``) runs on this machine: every IP
-    address its host resolves to is a loopback address or one a socket here can bind."""
-    host = urllib.parse.urlsplit(address).hostname or ""
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except socket.gaierror:
-        return False
-    for family, _, _, _, sockaddr in infos:
-        ip = str(sockaddr[0])
-        if ipaddress.ip_address(ip.partition("%")[0]).is_loopback:
-            continue
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            try:
-                s.bind((ip, 0))
-            except OSError:
-                return False
-    return bool(infos)
