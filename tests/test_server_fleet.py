@@ -105,3 +105,69 @@ def test_a_dying_server_is_retried_until_it_refuses_connections(two_servers) -> 
     finally:
         dying.kill()
         dying.wait()
+
+
+SLOW_APP = """
+import asyncio, sys
+from aiohttp import web
+
+async def ok(request):
+    if request.path == "/slow":
+        await asyncio.sleep(float(sys.argv[2]))
+    return web.json_response({"success": True})
+
+app = web.Application()
+app.router.add_route("*", "/{tail:.*}", ok)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
+
+
+@pytest.fixture
+def short_timeouts():
+    """Two servers answering at once, except ``/slow`` (3 s), under a fleet whose request timeout
+    (1 s) is below its control timeout (2 s): issue 53's combination, scaled down."""
+    ports = [find_free_port("127.0.0.1") for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", SLOW_APP, str(p), "3"], start_new_session=True) for p in ports]
+    config = InferenceEngineConfig(
+        addresses=[f"127.0.0.1:{p}" for p in ports], setup_timeout=60, request_timeout=1.0, control_timeout=2.0
+    )
+    fleet = ServerFleet(config)
+    try:
+        fleet.call(fleet.wait_healthy()).result()
+        yield fleet, procs
+    finally:
+        fleet.stop()
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_a_fanout_timing_out_on_a_hung_server_sets_it_aside_and_goes_on(short_timeouts) -> None:
+    """A stopped server (SIGSTOP: its port still takes connections) leaves a pause unanswered for
+    the request timeout and GET /health for the control timeout: the fan-out sets it aside and
+    answers with the other server's answer, where it used to raise a message-less TimeoutError."""
+    fleet, procs = short_timeouts
+    procs[1].send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    answers = fleet.call(fleet.fanout("/pause_generation", {})).result()
+    took = time.monotonic() - t0
+    assert [i for i, _ in answers] == [0] and fleet.live() == [0]
+    assert 1.0 <= took < 1.0 + 2.0 + 3.0, took
+    why = fleet._out[1]
+    assert "unresponsive" in why and "/pause_generation" in why and "1s" in why
+    assert [i for i, _ in fleet.call(fleet.fanout("/continue_generation", {})).result()] == [0]
+
+
+def test_a_fanout_timing_out_on_a_slow_server_names_the_key(short_timeouts) -> None:
+    """Servers that answer GET /health but not the call within the request timeout are slow, not
+    hung: the fan-out fails with one line that names the call, the server and the key to raise."""
+    from areal_lite.engines.remote.fleet import CallTimeout
+
+    fleet, _ = short_timeouts
+    with pytest.raises(CallTimeout) as e:
+        fleet.call(fleet.fanout("/slow", {})).result()
+    message = str(e.value)
+    assert "/slow" in message and "127.0.0.1" in message and "within 1s" in message
+    assert "raise rollout.request_timeout" in message and "\n" not in message
+    assert fleet.live() == [0, 1], "a slow server is not set aside"

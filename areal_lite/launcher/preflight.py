@@ -117,7 +117,7 @@ def check_machine(plan: LaunchPlan) -> None:
             "local_engine.device=cpu local_engine.dtype=float32)"
         )
     if cfg.backend == "areal":
-        from areal_lite.engines.server.app import argument_parser
+        from areal_lite.engines.server.server_args import argument_parser
 
         _, unknown = argument_parser().parse_known_args(["--model-path", "-", *plan.engine_args, *cfg.server_args])
         if unknown:
