@@ -303,3 +303,47 @@ def test_recover_checkpoints_of_a_train_engine_on_a_small_file_system(tmp_path) 
     assert len(said) == 1 and "a copy takes 12." in said[0] and "the next copy will not fit" in said[0], out
     assert [line for line in out.splitlines() if line.startswith("WROTE")] == ["WROTE ['checkpoint']"]
     assert read_stop_file(str(stop_file)) == "CheckpointWriteError: " + in_medium.removeprefix("ERROR ")
+
+
+ROOM_FS = """
+import os, sys, torch
+from areal_lite.utils.saver import intact_checkpoint, write_atomically
+def write(value):
+    def w(d):
+        torch.save({"w": torch.full((6000,), value)}, d + "/model.pt")  # about 24 kB
+    return w
+root = sys.argv[1]
+for value in (1.0, 2.0, 3.0):
+    write_atomically(root + "/ckpt", write(value), keep_previous=True)
+    print("COPIES", sorted(os.listdir(root)), flush=True)
+print("LATEST", float(torch.load(intact_checkpoint(root + "/ckpt") + "/model.pt")["w"][0]))
+"""
+
+
+def test_the_previous_checkpoint_makes_room_for_the_next_where_three_copies_do_not_fit(tmp_path) -> None:
+    """A 64 kB file system holds two copies of a 24 kB checkpoint, not three: the third write
+    removes the previous copy first, saying so, and the run goes on with the current copy as the
+    fallback while it writes."""
+    if shutil.which("unshare") is None:
+        pytest.fail("these tests need util-linux's unshare")
+    root = tmp_path / "room"
+    root.mkdir()
+    script = f"mount -t tmpfs -o size=64k tmpfs {root} && exec {sys.executable} -c '{ROOM_FS}' {root}"
+    proc = subprocess.run(
+        ["unshare", "--mount", "--map-root-user", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line for line in lines if line.startswith("COPIES")] == [
+        "COPIES ['ckpt']",
+        "COPIES ['ckpt', 'ckpt.prev']",
+        "COPIES ['ckpt', 'ckpt.prev']",
+    ]
+    removed = [line for line in lines if "the previous one is removed first" in line]
+    assert len(removed) == 1 and f"{root}/ckpt" in removed[0], proc.stdout
+    assert lines[-1] == "LATEST 3.0"
