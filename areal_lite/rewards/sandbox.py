@@ -303,7 +303,8 @@ class Sandbox:
         for link, target in self._links.items():
             fs += ["--symlink", target, link]
         fs += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
-               "--size", str(self.limits.tmp_mb << 20), "--perms", "0700", "--tmpfs", "/tmp", "--remount-ro", "/"]  # fmt: skip
+               "--size", str(self.limits.tmp_mb << 20), "--perms", "0700", "--tmpfs", "/tmp",
+               "--remount-ro", "/"]  # fmt: skip
         # --as-pid-1: the init is the namespace's pid 1 (not dumpable), with no reaper of bwrap's
         # that the code's uid could trace (under bwrap without root the uids are the same).
         spaces = ["--unshare-pid", "--as-pid-1", "--unshare-net", "--unshare-ipc", "--unshare-uts"]

@@ -11,11 +11,11 @@ refuses connections is dead; the `FleetMonitor` (`areal_lite.engines.remote.moni
 the ones that stop answering its health checks. Either is set aside at once, reported in one line:
 it gets no new calls, and every call waiting on it (a generation, a pause, a weight update) ends
 with `ServerUnavailable`, so that generations are resent elsewhere and fan-outs go on with the
-others, after a bounded time rather than after the request timeout. A fan-out whose request timeout
-is the shorter sets aside itself a server that leaves both its call and ``GET /health`` unanswered. A server set aside that
-answers again is *returning* until its owner, having brought it up to date, takes it back with
-`readmit`. While no server is live but some may return, generations wait (`until_any_live`, with a
-line every `WAITING_LINE_SECONDS`).
+others, after a bounded time rather than after the request timeout. Where the request timeout is
+the shorter, a fan-out sets aside itself a server that leaves both its call and ``GET /health``
+unanswered. A server set aside that answers again is *returning* until its owner, having brought
+it up to date, takes it back with `readmit`. While no server is live but some may return,
+generations wait (`until_any_live`, with a line every `WAITING_LINE_SECONDS`).
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ class TokenizerRoutes:
 
         # A long document's encoding is slow: not on the event loop, where generations stream.
         tokens = await asyncio.get_running_loop().run_in_executor(None, encode)
-        strs = tok.convert_ids_to_tokens(tokens) if bool_field(body, "return_token_strs", False) else None  # type: ignore[attr-defined]
+        with_strs = bool_field(body, "return_token_strs", False)
+        strs = tok.convert_ids_to_tokens(tokens) if with_strs else None  # type: ignore[attr-defined]
         context = self.routes.scheduler.context_len
         return web.json_response({"count": len(tokens), "max_model_len": context, "tokens": tokens, "token_strs": strs})
 
