@@ -9,6 +9,7 @@ import errno
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -105,6 +106,22 @@ def test_a_failed_write_names_its_cause_and_keeps_the_previous_checkpoint(tmp_pa
     assert loaded(intact_checkpoint(path)) == 1.0  # type: ignore[arg-type]
 
 
+def in_mount_namespace(
+    mounts: str, command: list[str], timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess:
+    """``command`` run after the shell's ``mounts`` in a mount namespace of its own (no root needed)."""
+    if shutil.which("unshare") is None:
+        pytest.fail("these tests need util-linux's unshare")
+    return subprocess.run(
+        ["unshare", "--mount", "--map-root-user", "sh", "-c", f"{mounts} && exec {shlex.join(command)}"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        check=False,
+    )
+
+
 TINY_FS = """
 import sys, torch
 from areal_lite.utils.saver import CheckpointWriteError, intact_checkpoint, write_atomically
@@ -127,23 +144,11 @@ def test_a_checkpoint_on_a_full_or_read_only_file_system(tmp_path) -> None:
     """torch.save on a full disk fails with ``unexpected pos`` and no errno; the cause is named all
     the same, as a read-only file system is. 64 kB tmpfs mounts, in a mount namespace of our own
     (no root needed), one full (with a checkpoint in it already) and one read-only."""
-    if shutil.which("unshare") is None:
-        pytest.fail("these tests need util-linux's unshare")
     full, read_only = tmp_path / "full", tmp_path / "read-only"
     full.mkdir()
     read_only.mkdir()
-    script = (
-        f"mount -t tmpfs -o size=64k tmpfs {full} && mount -t tmpfs -o size=64k,ro tmpfs {read_only} && "
-        f"exec {sys.executable} -c '{TINY_FS}' {full} {read_only}"
-    )
-    proc = subprocess.run(
-        ["unshare", "--mount", "--map-root-user", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        check=False,
-    )
+    mounts = f"mount -t tmpfs -o size=64k tmpfs {full} && mount -t tmpfs -o size=64k,ro tmpfs {read_only}"
+    proc = in_mount_namespace(mounts, [sys.executable, "-c", TINY_FS, str(full), str(read_only)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     errors = [line for line in lines if line.startswith("ERROR")]
@@ -267,26 +272,16 @@ def test_recover_checkpoints_of_a_train_engine_on_a_small_file_system(tmp_path) 
     from areal_lite.api.errors import STOP_FILE_ENV, read_stop_file
     from areal_lite.utils.tiny import build_tiny_model
 
-    if shutil.which("unshare") is None:
-        pytest.fail("this test needs util-linux's unshare")
     model = build_tiny_model(
         str(tmp_path / "model"), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=256
     )
     small, medium, stop_file = tmp_path / "small", tmp_path / "medium", tmp_path / "stop"
     small.mkdir()
     medium.mkdir()
-    script = (
-        f"mount -t tmpfs -o size=8m tmpfs {small} && mount -t tmpfs -o size=20m tmpfs {medium} && "
-        f"exec {sys.executable} {os.path.join(HERE, 'scripts', 'full_disk_recover.py')} {model} {small} {medium}"
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", STOP_FILE_ENV: str(stop_file)}
-    proc = subprocess.run(
-        ["unshare", "--mount", "--map-root-user", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
+    mounts = f"mount -t tmpfs -o size=8m tmpfs {small} && mount -t tmpfs -o size=20m tmpfs {medium}"
+    script = os.path.join(HERE, "scripts", "full_disk_recover.py")
+    proc = in_mount_namespace(
+        mounts, [sys.executable, script, model, str(small), str(medium)], timeout=300, **{STOP_FILE_ENV: str(stop_file)}
     )
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr[-3000:]
@@ -324,19 +319,9 @@ def test_the_previous_checkpoint_makes_room_for_the_next_where_three_copies_do_n
     """A 64 kB file system holds two copies of a 24 kB checkpoint, not three: the third write
     removes the previous copy first, saying so, and the run goes on with the current copy as the
     fallback while it writes."""
-    if shutil.which("unshare") is None:
-        pytest.fail("these tests need util-linux's unshare")
     root = tmp_path / "room"
     root.mkdir()
-    script = f"mount -t tmpfs -o size=64k tmpfs {root} && exec {sys.executable} -c '{ROOM_FS}' {root}"
-    proc = subprocess.run(
-        ["unshare", "--mount", "--map-root-user", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        check=False,
-    )
+    proc = in_mount_namespace(f"mount -t tmpfs -o size=64k tmpfs {root}", [sys.executable, "-c", ROOM_FS, str(root)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert [line for line in lines if line.startswith("COPIES")] == [

@@ -1,14 +1,18 @@
 """ServerFleet's fan-out when a server dies between calls: every connection the fleet's pool keeps
 open to it is dead, yet the next fan-out must mark it dead and go on with the others (a keep-alive
-connection that fails is not proof of death; a refused new connection is)."""
+connection that fails is not proof of death; a refused new connection is). And when a call times
+out under a request timeout below the control timeout: a hung server is set aside, a slow one named
+with the key to raise."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -42,10 +46,12 @@ while time.monotonic() < end:
 """
 
 APP = """
-import sys
+import asyncio, sys
 from aiohttp import web
 
 async def ok(request):
+    if request.path == "/slow":
+        await asyncio.sleep(3.0)
     return web.json_response({"success": True})
 
 app = web.Application()
@@ -54,11 +60,13 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
 """
 
 
-@pytest.fixture
-def two_servers():
+@contextlib.contextmanager
+def fleet_of_two(**config: float) -> Iterator[tuple[ServerFleet, list[subprocess.Popen]]]:
+    """Two servers that answer every call at once (but ``/slow``, after 3 s), and a fleet of them."""
     ports = [find_free_port("127.0.0.1") for _ in range(2)]
     procs = [subprocess.Popen([sys.executable, "-c", APP, str(p)], start_new_session=True) for p in ports]
-    fleet = ServerFleet(InferenceEngineConfig(addresses=[f"127.0.0.1:{p}" for p in ports], setup_timeout=60))
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    fleet = ServerFleet(InferenceEngineConfig(addresses=addresses, setup_timeout=60, **config))  # type: ignore[arg-type]
     try:
         fleet.call(fleet.wait_healthy()).result()
         yield fleet, procs
@@ -68,6 +76,12 @@ def two_servers():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+@pytest.fixture
+def two_servers():
+    with fleet_of_two() as both:
+        yield both
 
 
 def test_a_server_killed_between_fanouts_is_marked_dead_not_raised(two_servers) -> None:
@@ -107,40 +121,12 @@ def test_a_dying_server_is_retried_until_it_refuses_connections(two_servers) -> 
         dying.wait()
 
 
-SLOW_APP = """
-import asyncio, sys
-from aiohttp import web
-
-async def ok(request):
-    if request.path == "/slow":
-        await asyncio.sleep(float(sys.argv[2]))
-    return web.json_response({"success": True})
-
-app = web.Application()
-app.router.add_route("*", "/{tail:.*}", ok)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
-"""
-
-
 @pytest.fixture
 def short_timeouts():
-    """Two servers answering at once, except ``/slow`` (3 s), under a fleet whose request timeout
-    (1 s) is below its control timeout (2 s): issue 53's combination, scaled down."""
-    ports = [find_free_port("127.0.0.1") for _ in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", SLOW_APP, str(p), "3"], start_new_session=True) for p in ports]
-    config = InferenceEngineConfig(
-        addresses=[f"127.0.0.1:{p}" for p in ports], setup_timeout=60, request_timeout=1.0, control_timeout=2.0
-    )
-    fleet = ServerFleet(config)
-    try:
-        fleet.call(fleet.wait_healthy()).result()
-        yield fleet, procs
-    finally:
-        fleet.stop()
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    """A fleet whose request timeout (1 s) is below its control timeout (2 s): issue 53's
+    combination, scaled down."""
+    with fleet_of_two(request_timeout=1.0, control_timeout=2.0) as both:
+        yield both
 
 
 def test_a_fanout_timing_out_on_a_hung_server_sets_it_aside_and_goes_on(short_timeouts) -> None:
