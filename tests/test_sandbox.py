@@ -634,11 +634,12 @@ def test_a_program_sees_no_host_file_but_what_the_interpreter_needs(backend: str
     (this checkout, the home directory, /etc/passwd, /etc/hostname, a file the trainer left in its
     /tmp) sees only the system directories, the interpreter's prefix, a few files of /etc, its
     devices, /proc and its own /tmp, and can read none of those files; nothing outside /tmp can be
-    written. Under the system's python3, and under this interpreter wherever it lives (a prefix
-    outside /usr, e.g. pyenv's under the home directory, is shown alone)."""
+    written. Under the system's python3, and under this interpreter wherever it lives (named by its
+    virtual environment's link; a prefix outside /usr, e.g. pyenv's under the home directory, is
+    shown alone)."""
     from areal_lite.rewards.sandbox import ETC_FILES, system_python, visible_paths
 
-    python = system_python() if interpreter == "system" else os.path.realpath(sys.executable)
+    python = system_python() if interpreter == "system" else sys.executable  # a virtual environment's link
     binds, links = visible_paths(python)
     left = tmp_path / "left-behind.txt"
     left.write_text("a file of the trainer's\n")

@@ -196,7 +196,8 @@ class Sandbox:
         limits: what each run may use.
         backend: ``auto`` (``unshare`` under root, else ``bwrap``), ``unshare`` or ``bwrap``.
         max_parallel: runs at once (more wait their turn; the timeout starts with the run).
-        python: the interpreter inside (default `system_python`).
+        python: the interpreter inside (default `system_python`), by its real path: a virtual
+            environment's packages are not in the sandbox, its interpreter is.
         memory_cgroup: bound each run's memory in total with a cgroup of its own: None (the
             default) where the machine allows it, True to require it (`SandboxUnavailable`
             where it cannot), False never (the rlimits alone: see the module's docstring).
@@ -214,7 +215,8 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self.backend = available_backend(backend)
         self.max_parallel = max_parallel or os.cpu_count() or 1
-        self.python = python or system_python()
+        # The file itself: a symlink's directory (a virtual environment's bin) is not in the sandbox.
+        self.python = os.path.realpath(python or system_python())
         self._binds, self._links = visible_paths(self.python)
         self._memory_cgroup_asked = memory_cgroup
         self._cgroups = memory_cgroup_parent() if memory_cgroup is not False else None
