@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -50,7 +51,7 @@ import asyncio, sys
 from aiohttp import web
 
 async def ok(request):
-    if request.path == "/slow":
+    if request.path in ("/slow", "/generate"):
         await asyncio.sleep(3.0)
     return web.json_response({"success": True})
 
@@ -62,7 +63,8 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
 
 @contextlib.contextmanager
 def fleet_of_two(**config: float) -> Iterator[tuple[ServerFleet, list[subprocess.Popen]]]:
-    """Two servers that answer every call at once (but ``/slow``, after 3 s), and a fleet of them."""
+    """Two servers that answer every call at once (but ``/slow`` and ``/generate``, after 3 s), and
+    a fleet of them."""
     ports = [find_free_port("127.0.0.1") for _ in range(2)]
     procs = [subprocess.Popen([sys.executable, "-c", APP, str(p)], start_new_session=True) for p in ports]
     addresses = [f"127.0.0.1:{p}" for p in ports]
@@ -157,3 +159,26 @@ def test_a_fanout_timing_out_on_a_slow_server_names_the_key(short_timeouts) -> N
     assert "/slow" in message and "127.0.0.1" in message and "within 1s" in message
     assert "raise rollout.request_timeout" in message and "\n" not in message
     assert fleet.live() == [0, 1], "a slow server is not set aside"
+
+
+def test_generations_that_time_out_everywhere_fail_naming_the_keys(short_timeouts) -> None:
+    """Every server answers GET /health but no generation within the request timeout: each try is
+    retried elsewhere, with its cause in the line, and the last failure names both keys."""
+    import asyncio
+
+    from areal_lite.api.io import GenerationConfig, ModelRequest
+    from areal_lite.engines.remote.sglang import RemoteSGLangEngine
+
+    fleet, _ = short_timeouts
+    engine = RemoteSGLangEngine(replace(fleet.config, request_retries=2))
+    try:
+        engine.initialize()
+        request = ModelRequest(input_ids=[1, 2, 3], gconfig=GenerationConfig(max_new_tokens=4))
+        with pytest.raises(RuntimeError) as e:
+            asyncio.run(engine.agenerate(request))
+        message = str(e.value)
+        assert "failed 2 times (rollout.request_retries)" in message and "rollout.request_timeout" in message
+        assert "POST /generate on http://127.0.0.1:" in message and "within 1s" in message
+        assert engine.fleet.live() == [0, 1], "slow servers are not set aside"
+    finally:
+        engine.destroy()
