@@ -685,3 +685,66 @@ def test_chat_message_has_a_null_refusal(base_url: str, model_path: str) -> None
     r = httpx.post(f"{base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
     message = r.json()["choices"][0]["message"]
     assert message["refusal"] is None and message["role"] == "assistant"
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(base_url: str, model_path: str) -> None:
+    """``POST /tokenize`` and ``POST /detokenize`` in the shapes vLLM documents, as plain HTTP (as
+    lm-evaluation-harness and vLLM's own clients send them): a text, a chat (generation prompt,
+    continued final message, tools), token strings, the served names checked (an unknown model is
+    vLLM's 404 error object), bad input a 400 naming the field."""
+    root = base_url.removesuffix("/v1")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    tok = AutoTokenizer.from_pretrained(model_path)
+    context = httpx.get(f"{base_url}/models", headers=auth).json()["data"][0]["max_model_len"]
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{root}{path}", json=body, headers=auth, timeout=30)
+
+    text = "Hello world, 12+7=19"
+    ids = tok.encode(text, add_special_tokens=True)
+    answer = post("/tokenize", {"model": model_path, "prompt": text})
+    assert answer.status_code == 200
+    assert answer.json() == {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": None}
+    plain = post("/tokenize", {"prompt": text, "add_special_tokens": False, "return_token_strs": True}).json()
+    bare = tok.encode(text, add_special_tokens=False)
+    assert plain["tokens"] == bare and plain["token_strs"] == tok.convert_ids_to_tokens(bare)
+
+    rendered = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    chat = post("/tokenize", {"model": ALIASES[1], "messages": QUESTION}).json()
+    assert chat["tokens"] == tok.encode(rendered, add_special_tokens=False)
+    completion = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0).chat.completions.create(
+        model=model_path, messages=QUESTION, max_tokens=1
+    )
+    assert chat["count"] == completion.usage.prompt_tokens, "the chat route's prompt, token for token"
+    with_tools = post("/tokenize", {"messages": QUESTION, "tools": [WEATHER_TOOL]}).json()["tokens"]
+    assert with_tools == tok.encode(
+        tok.apply_chat_template(QUESTION, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    started = [*QUESTION, {"role": "assistant", "content": "It is"}]
+    continued = post("/tokenize", {"messages": started, "continue_final_message": True}).json()["tokens"]
+    assert tok.decode(continued).endswith("It is"), "the final message left open"
+    both = post("/tokenize", {"messages": started, "continue_final_message": True, "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+    back = post("/detokenize", {"model": ALIASES[0], "tokens": bare})
+    assert back.status_code == 200 and back.json() == {"prompt": tok.decode(bare)} == {"prompt": text}
+
+    for path, body in (("/tokenize", {"prompt": text}), ("/detokenize", {"tokens": bare})):
+        unknown = post(path, {**body, "model": "nope/nothing"})
+        assert unknown.status_code == 404
+        assert unknown.json() == {"error": {"message": "The model `nope/nothing` does not exist.",
+                                            "type": "invalid_request_error", "param": "model",
+                                            "code": "model_not_found"}}  # fmt: skip
+        assert httpx.post(f"{root}{path}", json=body).status_code == 401, "the API key is asked for"
+    for path, body, param in (
+        ("/tokenize", {"prompt": text, "messages": QUESTION}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": [1, 2]}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user"}]}, "messages[0].content"),
+        ("/detokenize", {"tokens": [1, len(tok) + 5]}, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+    ):
+        refused = post(path, body)
+        assert refused.status_code == 400, (path, body, refused.text)
+        assert refused.json()["error"]["param"] == param and refused.json()["error"]["message"], refused.json()

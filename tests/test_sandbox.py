@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 
 import pytest
@@ -601,3 +602,71 @@ def test_runs_cancelled_by_a_failing_sibling_end_cleanly() -> None:
             asyncio.run(main(delay))
         assert time.monotonic() - start < 20.0
     assert wait_until_no_sandbox_processes() == [] and leftover_cgroups() == []
+
+
+HOST_VIEW = r"""
+import json, os, sys
+seen, read = [], {}
+for root, dirs, files in os.walk("/"):
+    if root in ("/proc", "/dev", "/tmp") or root.startswith(tuple(sys.argv[1:])):
+        dirs[:] = []  # the kernel's own, the run's own, and the system's trees (listed at their top)
+    seen += [os.path.join(root, n) for n in dirs + files]
+for path in json.loads(open("wanted.json").read()):
+    try:
+        read[path] = open(path, "rb").read(64).decode(errors="replace") if not os.path.isdir(path) else os.listdir(path)
+    except OSError as e:
+        read[path] = type(e).__name__
+wrote = {}
+for path in ("/usr/x", "/etc/x", "/x", "/dev/x", "/tmp/x"):
+    try:
+        open(path, "w").close()
+        wrote[path] = "written"
+    except OSError as e:
+        wrote[path] = type(e).__name__
+print(json.dumps({"seen": sorted(seen), "read": read, "wrote": wrote}))
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("interpreter", ["system", "this one"])
+def test_a_program_sees_no_host_file_but_what_the_interpreter_needs(backend: str, interpreter: str, tmp_path) -> None:
+    """Issue 53: a program that lists the whole tree it can see and reads world-readable host files
+    (this checkout, the home directory, /etc/passwd, /etc/hostname, a file the trainer left in its
+    /tmp) sees only the system directories, the interpreter's prefix, a few files of /etc, its
+    devices, /proc and its own /tmp, and can read none of those files; nothing outside /tmp can be
+    written. Under the system's python3, and under this interpreter wherever it lives (named by its
+    virtual environment's link; a prefix outside /usr, e.g. pyenv's under the home directory, is
+    shown alone)."""
+    from areal_lite.rewards.sandbox import ETC_FILES, system_python, visible_paths
+
+    python = system_python() if interpreter == "system" else sys.executable  # a virtual environment's link
+    binds, links = visible_paths(python)
+    left = tmp_path / "left-behind.txt"
+    left.write_text("a file of the trainer's\n")
+    left.chmod(0o644)
+    here = os.path.dirname(os.path.abspath(__file__))
+    wanted = [os.path.join(os.path.dirname(here), "README.md"), os.path.expanduser("~"), "/etc/passwd",
+              "/etc/hostname", "/etc/hosts", str(left), here, "/home", "/root", "/var", "/sys"]  # fmt: skip
+    wanted = [p for p in wanted if os.path.exists(p) and not any(p == b or p.startswith(b + "/") for b in binds)]
+    assert len(wanted) >= 5, wanted  # readable here, hidden there
+    big = [p for p in binds if os.path.isdir(p)] + list(links)
+    code = f"import sys\nsys.argv[1:] = {big!r}\n" + HOST_VIEW
+    sandbox = Sandbox(LIMITS, backend=backend, python=python)
+    result = asyncio.run(sandbox.run(code, files={"wanted.json": json.dumps(wanted)}))
+    assert result.ok, result.stderr
+    view = json.loads(result.stdout)
+
+    shown = ["/dev", "/proc", "/tmp", *binds, *links]
+    through = set()  # the directories a deep path is reached through
+    for path in shown:
+        while (path := os.path.dirname(path)) != "/":
+            through.add(path)
+    outside = [p for p in view["seen"] if p not in through and not any(p == s or p.startswith(s + "/") for s in shown)]
+    assert not outside, f"host paths visible in the sandbox: {outside}"
+    etc = sorted(p for p in view["seen"] if os.path.dirname(p) == "/etc")
+    assert etc == sorted(f"/etc/{n}" for n in ETC_FILES if os.path.lexists(f"/etc/{n}"))
+    # A directory a shown path is reached through (pyenv's prefix: /root) lists that path alone.
+    leads = {p: sorted({s[len(p) + 1 :].split("/")[0] for s in shown if s.startswith(p + "/")}) for p in through}
+    assert view["read"] == {p: leads.get(p, "FileNotFoundError") for p in wanted}
+    assert view["wrote"].pop("/tmp/x") == "written"
+    assert all(v in ("OSError", "PermissionError") for v in view["wrote"].values()), view["wrote"]

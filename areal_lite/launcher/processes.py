@@ -53,6 +53,7 @@ def stop(procs: list[subprocess.Popen], grace: float = TEARDOWN_GRACE_S) -> None
     """SIGTERM every process group, SIGKILL what is left after ``grace`` seconds, reap them all."""
     for p in procs:
         signal_group(p, signal.SIGTERM)
+        signal_group(p, signal.SIGCONT)  # a stopped process (SIGSTOP, Ctrl-Z) acts on SIGTERM once it runs
     deadline = time.monotonic() + grace
     for p in procs:
         try:

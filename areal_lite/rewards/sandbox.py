@@ -7,8 +7,11 @@ Each run is a fresh process tree, contained by layers that each stop something:
    only a loopback that is down: no connection leaves. A PID namespace with a fresh ``/proc``: the
    code sees only its own processes (not the trainer, not its environment), and when the
    namespace's init ends or is killed the kernel kills every process in it, so nothing outlives
-   the run. A mount namespace in which every mount is read-only and ``/tmp``, the working
-   directory, is a fresh tmpfs of ``tmp_mb``: nothing outside it can be written. IPC and UTS
+   the run. A mount namespace whose root holds only what the interpreter needs, read-only: the
+   system's programs and libraries, the interpreter's own prefix and a few files of /etc
+   (`visible_paths`), a few devices in ``/dev``, its own ``/proc``, and ``/tmp``, the working
+   directory, a fresh tmpfs of ``tmp_mb``. Nothing else of the host (the project's checkout, home
+   directories, the rest of /etc) can be read, and nothing outside ``/tmp`` written. IPC and UTS
    namespaces.
 2. An unprivileged identity. Under root the code runs as a uid of its own (1,000,000 + the
    launcher's pid), no groups, with ``no_new_privs``: it cannot read the trainer's private files,
@@ -27,8 +30,8 @@ Each run is a fresh process tree, contained by layers that each stop something:
    Without one (bwrap without root, a container whose cgroups are read-only), the bound is the
    sum of the rlimits: ``memory_mb`` of address space per process (``processes`` of them) plus
    ``tmp_mb`` of files; the filter closes the paths rlimits do not see (memfd, System V shared
-   memory, a tmpfs in a new user namespace) and every other tmpfs (``/dev``, ``/dev/shm``, the
-   hidden home) is read-only. `Sandbox.memory_cgroup` tells which applies.
+   memory, a tmpfs in a new user namespace) and every other tmpfs (the root,
+   ``/dev``) is read-only. `Sandbox.memory_cgroup` tells which applies.
 5. rlimits: CPU seconds (SIGXCPU), address space (a memory bomb gets MemoryError), processes (a
    fork bomb gets EAGAIN), file size (EFBIG), open files, no core files; and ``nice`` 19, so a
    busy sandbox yields the CPU to the trainer.
@@ -93,6 +96,29 @@ CHECKER_UID_OFFSET = 1 << 22
 2**22, the kernel's largest ``pid_max``): no program's uid."""
 SOCKET_FAMILIES: tuple[int, ...] = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
 """The address families sandboxed code may open sockets of: those the network namespace confines."""
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+"""The system's programs and libraries, shown read-only (or as the symlinks they are, into /usr)."""
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "alternatives")
+"""What of /etc a program may see: the dynamic loader's configuration, the time zone, the
+alternatives' symlinks. Nothing about the host's users, network, services or secrets."""
+
+
+def visible_paths(python: str) -> tuple[list[str], dict[str, str]]:
+    """The host paths sandboxed code sees, read-only at the same place (`SYSTEM_DIRS`, the
+    `ETC_FILES`, the interpreter's own prefix where it lies outside them), and the symlinks among
+    the system directories (``/bin`` -> ``usr/bin`` on a merged /usr): nothing else of the host."""
+    binds: list[str] = []
+    links: dict[str, str] = {}
+    for path in SYSTEM_DIRS:
+        if os.path.islink(path):
+            links[path] = os.readlink(path)
+        elif os.path.isdir(path):
+            binds.append(path)
+    binds += [p for p in (os.path.join("/etc", name) for name in ETC_FILES) if os.path.lexists(p)]
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))  # <prefix>/bin/python3.X
+    if not any(prefix == b or prefix.startswith(b + "/") for b in (os.path.realpath(p) for p in binds)):
+        binds.append(prefix)
+    return binds, links
 
 
 class SandboxUnavailable(RuntimeError):
@@ -170,7 +196,8 @@ class Sandbox:
         limits: what each run may use.
         backend: ``auto`` (``unshare`` under root, else ``bwrap``), ``unshare`` or ``bwrap``.
         max_parallel: runs at once (more wait their turn; the timeout starts with the run).
-        python: the interpreter inside (default `system_python`).
+        python: the interpreter inside (default `system_python`), by its real path: a virtual
+            environment's packages are not in the sandbox, its interpreter is.
         memory_cgroup: bound each run's memory in total with a cgroup of its own: None (the
             default) where the machine allows it, True to require it (`SandboxUnavailable`
             where it cannot), False never (the rlimits alone: see the module's docstring).
@@ -188,7 +215,9 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self.backend = available_backend(backend)
         self.max_parallel = max_parallel or os.cpu_count() or 1
-        self.python = python or system_python()
+        # The file itself: a symlink's directory (a virtual environment's bin) is not in the sandbox.
+        self.python = os.path.realpath(python or system_python())
+        self._binds, self._links = visible_paths(self.python)
         self._memory_cgroup_asked = memory_cgroup
         self._cgroups = memory_cgroup_parent() if memory_cgroup is not False else None
         if memory_cgroup and self._cgroups is None:
@@ -257,16 +286,27 @@ class Sandbox:
     def _command(self) -> list[str]:
         boot = [self.python, "-I", "-S", "-c", INIT_SOURCE]
         if self.backend == "unshare":
-            namespaces = ["--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--ipc", "--uts"]
+            # The init mounts a fresh /proc in the root it builds (`sandbox_init.private_root`).
+            namespaces = ["--net", "--pid", "--fork", "--kill-child", "--mount", "--ipc", "--uts"]
             return [shutil.which("unshare") or "unshare", *namespaces, "--", *boot]
         user = [] if os.geteuid() == 0 else ["--unshare-user", "--cap-drop", "ALL"]
-        # /dev is a tmpfs that the code's uid owns in a user namespace: read-only, like every
-        # other mount but /tmp, so that no file is written outside /tmp's size.
-        fs = ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
-              "--size", str(self.limits.tmp_mb << 20), "--perms", "0700", "--tmpfs", "/tmp"]  # fmt: skip
-        if os.geteuid() != 0 and os.environ.get("HOME"):
-            # the trainer's own files are readable by its uid: hidden under an empty, read-only tmpfs
-            fs += ["--tmpfs", os.environ["HOME"], "--remount-ro", os.environ["HOME"]]
+        # bwrap's root is an empty tmpfs: the visible paths are bound into it. /dev is a tmpfs that
+        # the code's uid owns in a user namespace: read-only, like every other mount but /tmp (and
+        # the root itself, last), so that no file is written outside /tmp's size.
+        fs: list[str] = []
+        parents: set[str] = set()
+        for path in self._binds:
+            while (path := os.path.dirname(path)) != "/":
+                parents.add(path)
+        for parent in sorted(parents):
+            fs += ["--perms", "0755", "--dir", parent]  # bwrap would make them 0700: not the code's
+        for path in self._binds:
+            fs += ["--ro-bind", path, path]
+        for link, target in self._links.items():
+            fs += ["--symlink", target, link]
+        fs += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+               "--size", str(self.limits.tmp_mb << 20), "--perms", "0700", "--tmpfs", "/tmp",
+               "--remount-ro", "/"]  # fmt: skip
         # --as-pid-1: the init is the namespace's pid 1 (not dumpable), with no reaper of bwrap's
         # that the code's uid could trace (under bwrap without root the uids are the same).
         spaces = ["--unshare-pid", "--as-pid-1", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
@@ -293,6 +333,8 @@ class Sandbox:
             "uid": UID_BASE + pid,
             "checker_uid": UID_BASE + CHECKER_UID_OFFSET + pid,
             "mounts": self.backend == "unshare",
+            "binds": self._binds,
+            "links": self._links,
             "tmp_bytes": lim.tmp_mb << 20,
             "socket_families": [int(f) for f in SOCKET_FAMILIES],
             "status_fd": status_fd,

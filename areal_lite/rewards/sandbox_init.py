@@ -9,8 +9,9 @@ so it imports nothing but the standard library. It reads one JSON object from st
 - ``stdin``: the program's standard input; ``argv``: the program's command line;
 - ``limits``: rlimits by name (``RLIMIT_CPU``: seconds, the others bytes or counts);
 - ``uid``, ``checker_uid``: the unprivileged uids to run the program and the checker as, when
-  started as root; ``mounts``: make every mount read-only and mount the tmpfs here (the
-  ``unshare`` backend; ``bwrap`` does it itself); ``tmp_bytes``: the tmpfs's size;
+  started as root; ``mounts``: build the program's root here (the ``unshare`` backend; ``bwrap``
+  does it itself) from ``binds`` (host paths shown read-only) and ``links`` (symlinks), with /tmp
+  a fresh tmpfs of ``tmp_bytes``;
 - ``socket_families``: the address families the program may open sockets of;
 - ``status_fd``: the inherited pipe that reports to the parent; ``cgroup_fd``: an inherited
   ``cgroup.procs`` of the run's memory cgroup, or None;
@@ -38,7 +39,14 @@ import struct
 import sys
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_RELATIME = 1024, 2048, 4096, 1 << 21
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 1 << 14, 1 << 18, 1 << 21
+MNT_DETACH = 2
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+"""pivot_root's system call number by machine (the C library has no wrapper)."""
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+"""The device nodes a program sees in /dev."""
+DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+             "stderr": "/proc/self/fd/2"}  # fmt: skip
 PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 4, 22, 38
 KEPT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
               "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}  # fmt: skip
@@ -155,15 +163,54 @@ def _mount_points() -> list[tuple[str, int]]:
     return out
 
 
-def read_only_root(tmp_bytes: int, uid: int) -> None:
-    """Every mount of this (private) mount namespace read-only; /tmp a fresh tmpfs for ``uid``."""
+def _bind(source: str, target: str) -> None:
+    """``source`` (a directory or a file) at ``target``, with what is mounted under it."""
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "w").close()  # a mount point
+    _mount(source, target, None, MS_BIND | MS_REC, None)
+
+
+def private_root(binds: list[str], links: dict[str, str], tmp_bytes: int, uid: int) -> None:
+    """A new root for this (private) mount namespace holding only ``binds`` (host paths, at the
+    same place), ``links`` (symlinks), a few devices in /dev, a fresh /proc of this PID namespace
+    and /tmp, a fresh tmpfs of ``tmp_bytes`` for ``uid``; every mount but /tmp and /proc
+    read-only. The host's root is detached: nothing else of it can be reached."""
+    new = "/tmp"  # any directory is a mount point here: nothing propagates to the host
+    _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
+    _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    for path in binds:
+        _bind(path, new + path)
+    for link, target in links.items():
+        os.symlink(target, new + link)
+    os.makedirs(new + "/dev")
+    _mount("tmpfs", new + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
+    for name in DEVICES:
+        if os.path.exists("/dev/" + name):
+            _bind("/dev/" + name, new + "/dev/" + name)
+    for name, target in DEV_LINKS.items():
+        os.symlink(target, new + "/dev/" + name)
+    os.makedirs(new + "/dev/shm")
+    os.makedirs(new + "/proc")
+    _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    os.makedirs(new + "/tmp")
+    _mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_bytes},mode=0700,uid={uid},gid={uid}")
+    os.chdir(new)
+    if libc.syscall(PIVOT_ROOT[os.uname().machine], b".", b".") != 0:  # the old root under the new
+        raise OSError(ctypes.get_errno(), "pivot_root")
+    if libc.umount2(b".", MNT_DETACH) != 0:
+        raise OSError(ctypes.get_errno(), "umount the host's root")
+    os.chdir("/")
     for point, flags in _mount_points():
+        if point in ("/tmp", "/proc"):
+            continue
         try:
             _mount("none", point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | flags, None)
         except OSError:
             if os.path.exists(point) and not os.statvfs(point).f_flag & os.ST_RDONLY:
                 raise  # a mount we could not make read-only is still writable: refuse
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_bytes},mode=0700,uid={uid},gid={uid}")
 
 
 def write_files(files: dict[str, str], stdin: str, uid: int | None) -> None:
@@ -278,7 +325,7 @@ def main() -> None:
         cfg["status_fd"], cfg["cgroup_fd"] = _high(cfg["status_fd"]), _high(cfg.get("cgroup_fd"))
         uid = cfg.get("uid") if os.geteuid() == 0 else None
         if cfg.get("mounts"):
-            read_only_root(cfg["tmp_bytes"], uid if uid is not None else os.geteuid())
+            private_root(cfg["binds"], cfg["links"], cfg["tmp_bytes"], uid if uid is not None else os.geteuid())
         write_files(cfg["files"], cfg["stdin"], uid)
         checking = cfg.get("checker") is not None
         calls_r, calls_w = os.pipe() if checking else (-1, -1)  # checker -> program

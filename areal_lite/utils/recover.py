@@ -14,8 +14,8 @@ resumes when one exists; ``resume`` writes and requires one to exist.
 Nothing is lost on a fault. The checkpoint is checksummed and the previous one kept beside it
 (``checkpoint.prev``): a damaged latest one (truncated, corrupted, a few weights overwritten) is
 reported and the run resumes from the previous one (`areal_lite.utils.saver.intact_checkpoint`). A
-write that fails names its cause (a full disk, a read-only directory) and leaves the previous
-checkpoint as it was. On SIGTERM (the launchers forward it; Slurm sends it before a time limit or
+write that fails names its cause (a full disk with the space a copy needs, a read-only directory)
+and leaves the previous checkpoint as it was; the first checkpoint says what its copies need. On SIGTERM (the launchers forward it; Slurm sends it before a time limit or
 a preemption) the step under way finishes, a checkpoint is written whatever ``freq_steps`` says,
 and `stop_requested` tells the loop to exit (`areal_lite.kit.RunKit` does, with exit code 143); a
 second SIGTERM ends the process at once.

@@ -8,11 +8,15 @@ previous checkpoint intact and never a half one. `intact_checkpoint` finds the n
 files match their checksums: a truncated file, a corrupted one or a few bytes overwritten inside an
 intact-looking file is reported and the previous copy used (recover checkpoints keep one,
 ``<path>.prev``). A write that fails (a full disk, a read-only directory) leaves nothing behind
-and raises `CheckpointWriteError` naming the cause, on every rank.
+and raises `CheckpointWriteError` naming the cause, on every rank; a full disk's line names the
+space a copy needs and what is free. A new copy that would not fit beside the current one is
+refused before anything is written (or, where that makes room, the previous copy is removed
+first), and the first recover checkpoint says what its copies need.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -35,6 +39,9 @@ CHECKSUMS = "checksums.sha256"
 LOW_SPACE_BYTES = 64 << 20
 """A write that fails with less free space than this on its file system failed for lack of it (the
 real cause of e.g. torch.save's ``unexpected pos`` error, which carries no errno)."""
+
+
+MAKE_ROOM = "free space there, or move the run's output to a larger file system (cluster.fileroot)"
 
 
 class CheckpointWriteError(RecurringError, OSError):
@@ -69,14 +76,44 @@ def _errno_of(error: BaseException) -> int | None:
     return None
 
 
-def write_failure(error: BaseException, directory: str) -> str:
-    """Why writing into ``directory`` failed with ``error``, in words."""
-    code = _errno_of(error)
-    probe = directory
-    while probe and not os.path.exists(probe):
-        probe = os.path.dirname(probe)
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _existing(directory: str) -> str:
+    """``directory`` or its nearest ancestor that exists (where its file system is asked about)."""
+    while directory and not os.path.exists(directory):
+        directory = os.path.dirname(directory)
+    return directory or "."
+
+
+def size_of(directory: str) -> int:
+    """Bytes of the files under ``directory`` (0 when it is absent)."""
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            with contextlib.suppress(OSError):  # a file removed meanwhile
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def space_line(directory: str) -> str:
+    """The free and total space of ``directory``'s file system, in words."""
+    probe = _existing(directory)
     try:
-        free = shutil.disk_usage(probe or ".").free
+        usage = shutil.disk_usage(probe)
+    except OSError as e:
+        return f"the space on {probe} is unknown ({e})"
+    return f"{_mib(usage.free)} free of {_mib(usage.total)} on {probe}"
+
+
+def write_failure(error: BaseException, directory: str, need: str = "") -> str:
+    """Why writing into ``directory`` failed with ``error``, in words; ``need`` (what the
+    checkpoint needs, in words) goes into a full disk's line."""
+    code = _errno_of(error)
+    probe = _existing(directory)
+    try:
+        free = shutil.disk_usage(probe).free
     except OSError:
         free = None
     if code == errno.EROFS:
@@ -85,7 +122,7 @@ def write_failure(error: BaseException, directory: str) -> str:
         return f"permission denied in {probe}"
     if code in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < LOW_SPACE_BYTES):
         what = "the disk quota is exceeded" if code == errno.EDQUOT else "the disk is full"
-        return f"{what} ({free if free is not None else '?'} bytes free on {probe})"
+        return f"{what} ({space_line(probe)}{need}); {MAKE_ROOM}"
     return f"{type(error).__name__}: {error}"
 
 
@@ -140,6 +177,51 @@ def checkpoint_problem(directory: str) -> str | None:
     return None
 
 
+def _need(size: int, keep_previous: bool) -> str:
+    """What copies of ``size`` bytes need while one more is written, in words."""
+    if keep_previous:
+        return (
+            f"; a copy takes {_mib(size)}: {_mib(3 * size)} while one is written beside the current and the"
+            f" previous one, {_mib(2 * size)} at least"
+        )
+    return f"; a copy takes {_mib(size)}: {_mib(2 * size)} while one is written beside the current one"
+
+
+def _make_room(path: str, keep_previous: bool) -> None:
+    """Before a new copy of ``path`` is written beside the current one (of about its size): where
+    it does not fit, remove the previous copy if that makes room (the current one stays the
+    fallback), else raise ENOSPC naming the need, before anything is written."""
+    if not os.path.isdir(path):
+        return
+    size = size_of(path)
+    free = shutil.disk_usage(path).free
+    if free >= size:
+        return
+    previous = path + ".prev"
+    if keep_previous and os.path.isdir(previous) and free + size_of(previous) >= size:
+        print(
+            f"[areal-lite] checkpoint {path}: {space_line(path)}, too little for a new copy of {_mib(size)} beside"
+            f" the current and the previous one; the previous one is removed first (the current one stays the"
+            f" fallback while the new one is written)",
+            flush=True,
+        )
+        shutil.rmtree(previous)
+        return
+    raise OSError(errno.ENOSPC, f"no room for a new copy beside the current one{_need(size, keep_previous)}")
+
+
+def _state_need(path: str) -> None:
+    """After the first copy of a recover checkpoint: say what its copies need, and whether the
+    next write will fit."""
+    size = size_of(path)
+    fits = shutil.disk_usage(path).free >= size
+    print(
+        f"[areal-lite] checkpoint {path} written{_need(size, True)} ({space_line(path)})"
+        + ("" if fits else f": the next copy will not fit; {MAKE_ROOM}"),
+        flush=True,
+    )
+
+
 def write_atomically(path: str, write: Callable[[str], None], *, keep_previous: bool = False) -> None:
     """Call ``write(tmp_dir)`` on every rank, then checksum ``tmp_dir`` and replace ``path`` with it
     on rank 0.
@@ -148,9 +230,17 @@ def write_atomically(path: str, write: Callable[[str], None], *, keep_previous: 
     ``path + ".prev"`` with ``keep_previous``, where it stays as the fallback of
     `intact_checkpoint`; else to ``path + ".old"``, deleted after), so at every instant one
     complete copy exists. A failure on any rank removes ``tmp_dir`` and raises
-    `CheckpointWriteError` naming the cause on every rank.
+    `CheckpointWriteError` naming the cause on every rank; a full disk's line names the space a
+    copy needs.
+
+    Room: a new copy is written beside the current one and, with ``keep_previous``, the previous
+    one. Before writing, the free space is checked against the current copy's size: where the new
+    one does not fit, the previous copy is removed first if that makes room, else the write is
+    refused before it starts. The first copy written with ``keep_previous`` says what the copies
+    need (and when the next one will not fit).
     """
     tmp, aside = path + ".tmp", path + (".prev" if keep_previous else ".old")
+    first = not os.path.isdir(path)
 
     def attempt(step: Callable[[], None], ranks: str) -> None:
         problem = None
@@ -158,7 +248,9 @@ def write_atomically(path: str, write: Callable[[str], None], *, keep_previous: 
             try:
                 step()
             except Exception as e:  # noqa: BLE001 - reported on every rank below, with its cause
-                problem = write_failure(e, tmp)
+                size = size_of(path) if os.path.isdir(path) else 0
+                written = f"; {_mib(size_of(tmp))} of this copy were written" if not size else ""
+                problem = write_failure(e, tmp, _need(size, keep_previous) if size else written)
                 logger.error("writing checkpoint %s failed: %s: %s", path, type(e).__name__, e)
         problem = _any_rank(problem)
         if problem is not None:
@@ -168,6 +260,7 @@ def write_atomically(path: str, write: Callable[[str], None], *, keep_previous: 
 
     def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
+        _make_room(path, keep_previous)
         os.makedirs(tmp)
 
     def seal() -> None:
@@ -178,6 +271,8 @@ def write_atomically(path: str, write: Callable[[str], None], *, keep_previous: 
         os.rename(tmp, path)
         if not keep_previous:
             shutil.rmtree(aside, ignore_errors=True)
+        elif first:
+            _state_need(path)
 
     attempt(prepare, "rank0")
     attempt(lambda: write(tmp), "all")

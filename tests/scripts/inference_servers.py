@@ -81,12 +81,12 @@ async def running_on(address: str) -> bool:
         return r.status == 400
 
 
-def perturbed_copy(model_path: str, out: str) -> torch.nn.Module:
-    """A copy of the model with noise added to every weight, saved to ``out``."""
+def perturbed_copy(model_path: str, out: str, seed: int = 0) -> torch.nn.Module:
+    """A copy of the model with noise (drawn from ``seed``) added to every weight, saved to ``out``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=g))

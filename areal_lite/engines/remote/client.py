@@ -57,7 +57,7 @@ from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.io import GenerationConfig, ModelRequest, ModelResponse, WeightUpdateMeta
 from areal_lite.cpu import check_cores, freeze_startup_objects
-from areal_lite.engines.remote.fleet import ServerError, ServerFleet, ServerUnavailable
+from areal_lite.engines.remote.fleet import CallTimeout, ServerError, ServerFleet, ServerUnavailable
 from areal_lite.engines.remote.monitor import FleetMonitor
 from areal_lite.engines.remote.partial_rollout import Answer, PartialRollout, parse_version
 from areal_lite.utils.moe import routing_shape
@@ -378,7 +378,11 @@ class RemoteEngine(InferenceEngine, abc.ABC):
                 if len(failed_on) == len(self.fleet):
                     failed_on.clear()
                 if failures >= self.config.request_retries:
-                    raise RuntimeError(f"request {req.rid} failed {failures} times; last error: {error}") from error
+                    # Name the keys: a generation longer than the request timeout fails on every server.
+                    key = " (each call is bounded by rollout.request_timeout)" if isinstance(error, CallTimeout) else ""
+                    raise RuntimeError(
+                        f"request {req.rid} failed {failures} times (rollout.request_retries); last error: {error}{key}"
+                    ) from error
                 continue
             answer = (await self._shape_routes(self._answers(data, 1), idx))[0]
             reason = part.absorb(answer, sent_version)

@@ -11,10 +11,11 @@ refuses connections is dead; the `FleetMonitor` (`areal_lite.engines.remote.moni
 the ones that stop answering its health checks. Either is set aside at once, reported in one line:
 it gets no new calls, and every call waiting on it (a generation, a pause, a weight update) ends
 with `ServerUnavailable`, so that generations are resent elsewhere and fan-outs go on with the
-others, after a bounded time rather than after the request timeout. A server set aside that
-answers again is *returning* until its owner, having brought it up to date, takes it back with
-`readmit`. While no server is live but some may return, generations wait (`until_any_live`, with a
-line every `WAITING_LINE_SECONDS`).
+others, after a bounded time rather than after the request timeout. Where the request timeout is
+the shorter, a fan-out sets aside itself a server that leaves both its call and ``GET /health``
+unanswered. A server set aside that answers again is *returning* until its owner, having brought
+it up to date, takes it back with `readmit`. While no server is live but some may return,
+generations wait (`until_any_live`, with a line every `WAITING_LINE_SECONDS`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ class ServerError(RuntimeError):
     def __init__(self, address: str, status: int, message: str) -> None:
         super().__init__(f"{address} answered {status}: {message}")
         self.status = status
+
+
+class CallTimeout(TimeoutError):
+    """A call got no answer within its timeout (aiohttp's own timeout error says nothing)."""
+
+    def __init__(self, address: str, method: str, path: str, timeout: float, advice: str = "") -> None:
+        super().__init__(f"{method} {path} on {address} got no answer within {timeout:g}s{advice}")
+        self.address, self.method, self.path, self.timeout = address, method, path, timeout
 
 
 class ServerUnavailable(aiohttp.ClientError):
@@ -176,17 +185,22 @@ class ServerFleet:
         self, idx: int, path: str, payload: dict[str, object] | None, timeout: float, method: str = "POST"
     ) -> object:
         url = self.addresses[idx] + path
-        async with self._http().request(
-            method, url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as resp:
-            if resp.content_type == "application/json":
-                body: object = await resp.json()
-            else:
-                body = await resp.text()
-            if resp.status != 200:
-                message = body.get("error", {}).get("message", body.get("message")) if isinstance(body, dict) else body
-                raise ServerError(self.addresses[idx], resp.status, str(message))
-            return body
+        try:
+            async with self._http().request(
+                method, url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                if resp.content_type == "application/json":
+                    body: object = await resp.json()
+                else:
+                    body = await resp.text()
+        except TimeoutError as e:
+            if isinstance(e, (aiohttp.ClientError, CallTimeout)):  # these say what timed out
+                raise
+            raise CallTimeout(self.addresses[idx], method, path, timeout) from e
+        if resp.status != 200:
+            message = body.get("error", {}).get("message", body.get("message")) if isinstance(body, dict) else body
+            raise ServerError(self.addresses[idx], resp.status, str(message))
+        return body
 
     async def ask_health(self, idx: int, timeout: float) -> object:
         """``GET /health`` of server ``idx``, set aside or not (the `FleetMonitor`'s probe); raises
@@ -198,7 +212,10 @@ class ServerFleet:
     ) -> list[tuple[int, object]]:
         """Send one call to every live server concurrently (``payloads`` per server, or one for
         all); returns (server index, answer) of each. A server that refuses connections is marked
-        dead; any other failure is raised."""
+        dead; one that leaves the call unanswered for ``timeout`` (the request timeout by default)
+        and ``GET /health`` for ``config.control_timeout`` is set aside; any other failure is
+        raised (a server that answers ``GET /health`` but not the call: `CallTimeout`, naming the
+        key to raise)."""
 
         async def call(i: int) -> object:
             deadline = time.monotonic() + DYING_SECONDS
@@ -210,6 +227,20 @@ class ServerFleet:
                 except aiohttp.ClientConnectorError as e:
                     self.mark_dead(i, e)
                     return _GONE
+                except CallTimeout as e:
+                    # The request timeout may be shorter than the health watch's: the server is set
+                    # aside here once it leaves GET /health unanswered too, as the watch would.
+                    if not await self._answers_health(i):
+                        self.set_aside(i, f"unresponsive (no answer to {path} within {timeout:g}s nor to GET /health)")
+                        return _GONE
+                    raise CallTimeout(
+                        self.addresses[i],
+                        "POST",
+                        path,
+                        timeout,
+                        " (rollout.request_timeout), though it answers GET /health: it is slow, not hung;"
+                        " raise rollout.request_timeout",
+                    ) from e
                 except aiohttp.ClientConnectionError:
                     # The connection dropped mid-call: the server was killed while it answered, a
                     # pooled keep-alive connection reached one killed since, or its process is still
@@ -237,6 +268,20 @@ class ServerFleet:
         if not out and targets is None and not self.may_return():
             raise RuntimeError(f"no rollout server is reachable (calling {path})")
         return out
+
+    async def _answers_health(self, i: int) -> bool:
+        """Whether server ``i`` answers ``GET /health`` (if with an error status) within
+        ``config.control_timeout``, and is not set aside meanwhile."""
+        try:
+            await self.request(i, "/health", None, self.config.control_timeout, method="GET")
+        except ServerError:
+            return True
+        except aiohttp.ClientConnectorError as e:
+            self.mark_dead(i, e)
+            return False
+        except (aiohttp.ClientError, TimeoutError):  # ServerUnavailable too
+            return False
+        return True
 
     @contextlib.contextmanager
     def only(self, *servers: int) -> Iterator[None]:
@@ -304,14 +349,15 @@ class ServerFleet:
 
     def set_aside(self, idx: int, why: str, *, dead: bool = False) -> None:
         """No more calls to server ``idx``, and every call waiting on it ends (`ServerUnavailable`);
-        reported once. The `FleetMonitor` keeps asking it and hands it back when it answers."""
+        reported once. The `FleetMonitor` keeps asking it and hands it back when it answers. A
+        returning server (being brought up to date) is set aside again."""
         with self._lock:
             if dead:
                 self._dead.add(idx)
-            if idx in self._out:
+            if idx in self._out and idx not in self._returning:
                 return
             self._out[idx] = why
-            self._out_since[idx] = time.monotonic()
+            self._out_since.setdefault(idx, time.monotonic())
             self._returning.discard(idx)
         logger.error(
             "server %s is %s; it gets no requests, pauses or weight updates until it answers again",

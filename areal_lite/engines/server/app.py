@@ -12,7 +12,8 @@ module per family: SGLang's ``/generate`` (`areal_lite.engines.server.generate_r
 information, control and weight-update routes (`areal_lite.engines.server.sglang_routes`), the
 OpenAI-compatible routes (`areal_lite.engines.server.openai_routes`, the Responses API in
 `areal_lite.engines.server.responses_routes`), vLLM's token-in-token-out route
-(`areal_lite.engines.server.tokens_routes`) and RL control routes
+(`areal_lite.engines.server.tokens_routes`), tokenizer routes
+(`areal_lite.engines.server.tokenizer_routes`) and RL control routes
 (`areal_lite.engines.server.vllm_routes`), and SGLang's LoRA adapter routes
 (`areal_lite.engines.server.lora_routes`). Every error, on every route (unknown routes and methods
 included), is OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``, and the
@@ -36,6 +37,7 @@ from areal_lite.engines.server.openai_routes import OpenAIRoutes
 from areal_lite.engines.server.responses_routes import ResponsesRoute
 from areal_lite.engines.server.server_args import ServerArgs, parse_args
 from areal_lite.engines.server.sglang_routes import SGLangRoutes
+from areal_lite.engines.server.tokenizer_routes import TokenizerRoutes
 from areal_lite.engines.server.tokens_routes import TokensRoute
 from areal_lite.engines.server.vllm_routes import VLLMRoutes
 
@@ -66,6 +68,7 @@ class Server:
         openai_routes = OpenAIRoutes(self.scheduler, names)
         openai_routes.register(r)
         ResponsesRoute(openai_routes).register(r)
+        TokenizerRoutes(openai_routes).register(r)
         TokensRoute(self.scheduler, names).register(r)
         VLLMRoutes(self.scheduler, self.args.device).register(r)
         LoRARoutes(self.scheduler).register(r)

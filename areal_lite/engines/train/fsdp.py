@@ -30,6 +30,7 @@ agreement with generation, expert load and the load-balancing loss (``moe/*``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from tensordict import TensorDict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -70,6 +72,19 @@ logger = logging.getLogger(__name__)
 
 def _fused_adam_supported(params: list[torch.Tensor]) -> bool:
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+
+
+@contextlib.contextmanager
+def _rank_failure(doing: str, path: str) -> Iterator[None]:
+    """torch.distributed.checkpoint reports a rank's failure as a `CheckpointException`, a
+    BaseException (``except Exception`` misses it: a full disk then escaped the checkpoint's own
+    error handling) whose text is every rank's traceback: raise the first rank's error instead, so
+    that its cause (an errno, a message) reaches the caller."""
+    try:
+        yield
+    except CheckpointException as e:
+        rank, (error, _) = min(e.failures.items())
+        raise RuntimeError(f"{doing} {path} failed on rank {rank}: {type(error).__name__}: {error}") from error
 
 
 class FSDPEngine(TrainEngineBase):
@@ -366,7 +381,8 @@ class FSDPEngine(TrainEngineBase):
         """Model and optimizer (when the engine has one) with torch.distributed.checkpoint, and per
         rank a `torch.save` file of the LR scheduler, step, version and RNG state."""
         os.makedirs(path, exist_ok=True)
-        dcp.save(self._training_state(), checkpoint_id=path)
+        with _rank_failure("writing", path):
+            dcp.save(self._training_state(), checkpoint_id=path)
         extra = {
             "version": self._version,
             "global_step": self._global_step,
@@ -390,7 +406,8 @@ class FSDPEngine(TrainEngineBase):
         extra_file = self._train_state_file(path, f"extra_state_rank{dist.get_rank()}.pt")
         model = self._module()
         state = self._training_state()
-        dcp.load(state, checkpoint_id=path)
+        with _rank_failure("reading", path):
+            dcp.load(state, checkpoint_id=path)
         if self.optimizer is None:
             set_model_state_dict(model, state["model"])  # type: ignore[arg-type]
         else:
