@@ -77,3 +77,60 @@ def test_bad_sizes_are_refused(tmp_path) -> None:
         build_tiny_vlm(str(tmp_path / "a"), hidden_size=60, num_heads=4)
     with pytest.raises(ValueError, match="min_pixels"):
         build_tiny_vlm(str(tmp_path / "b"), min_pixels=100)
+
+
+def test_trajectories_carry_their_prompts_images(vlm_dir: str) -> None:
+    from tensordict import TensorDict
+
+    from areal_lite.api.workflow import TrajectoryError, check_trajectory_layout
+    from areal_lite.utils.data import concat_padded, pack_batch
+    from areal_lite.workflows.trajectory import check_trajectory, with_images
+
+    processor = load_processor(vlm_dir)
+    text = processor.apply_chat_template(image_message("?"), tokenize=False, add_generation_prompt=True)
+    enc = processor(text=[text], images=[Image.new("RGB", (56, 112), (0, 0, 255))], return_tensors="pt")
+    n, length = 3, enc["input_ids"].shape[1] + 2
+    base = TensorDict(
+        {
+            "input_ids": torch.cat([enc["input_ids"], torch.tensor([[5, 6]])], 1).expand(n, -1).clone(),
+            "attention_mask": torch.ones(n, length, dtype=torch.bool),
+            "loss_mask": torch.tensor([[0] * (length - 2) + [1, 1]] * n, dtype=torch.int32),
+            "logprobs": torch.tensor([[0.0] * (length - 2) + [-1.0, -2.0]] * n),
+            "versions": torch.tensor([[-1] * (length - 2) + [0, 0]] * n, dtype=torch.int32),
+            "rewards": torch.zeros(n),
+        },
+        batch_size=[n],
+    )
+    traj = with_images(base, enc["pixel_values"], enc["image_grid_thw"])
+    check_trajectory(traj)
+    assert traj["pixel_values"].shape == (n, 32, 1176) and traj["image_grid_thw"].tolist() == [[[1, 8, 4]]] * n
+    no_image = with_images(base[:1], torch.zeros(0, 1176), torch.zeros(0, 3, dtype=torch.int64))
+    batch = concat_padded([traj, no_image])
+    assert batch["pixel_values"].shape == (n + 1, 32, 1176) and not batch["image_grid_thw"][n].any()
+    packed = pack_batch(batch)
+    assert torch.equal(packed["pixel_values"], enc["pixel_values"].repeat(n, 1))
+    with pytest.raises(ValueError, match="accounts for 32 patches"):
+        with_images(base, enc["pixel_values"][:5], enc["image_grid_thw"])
+    del traj["image_grid_thw"]
+    with pytest.raises(TrajectoryError, match="without 'image_grid_thw'"):
+        check_trajectory_layout(traj)
+    traj["image_grid_thw"] = torch.zeros(n, 1, 2, dtype=torch.int64)
+    with pytest.raises(TrajectoryError, match=r"integer \[n, images, 3\]"):
+        check_trajectory_layout(traj)
+
+
+def test_engines_that_cannot_take_images_refuse_them(tmp_path) -> None:
+    import asyncio
+
+    from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
+    from areal_lite.api.io import ModelRequest
+    from areal_lite.engines import LocalInferenceEngine, RemoteSGLangEngine
+    from areal_lite.utils.tiny import build_tiny_model
+
+    req = ModelRequest(input_ids=[1, 2], images=[encode_image(Image.new("RGB", (28, 28)))])
+    local = LocalInferenceEngine(LocalEngineConfig(path=build_tiny_model(str(tmp_path / "text"))))
+    with pytest.raises(NotImplementedError, match="does not take images"):
+        asyncio.run(local.agenerate(req))
+    remote = RemoteSGLangEngine(InferenceEngineConfig(addresses=["127.0.0.1:9"]))
+    with pytest.raises(NotImplementedError, match="does not send images"):
+        asyncio.run(remote.agenerate(req))
