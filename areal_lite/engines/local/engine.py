@@ -78,6 +78,8 @@ class LocalInferenceEngine(InferenceEngine):
         return self.scheduler.tokenizer
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        if req.images:
+            raise NotImplementedError("the embedded engine does not take images yet (docs/vision.md)")
         if req.gconfig.return_routed_experts and self.scheduler.routing_shape is None:
             raise ValueError("return_routed_experts is set but the model has no mixture-of-experts layers")
         res = await self.scheduler.generate(req.input_ids, SamplingParams.from_gconfig(req.gconfig), rid=req.rid)

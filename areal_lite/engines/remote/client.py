@@ -233,11 +233,13 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     # ----- generation ----------------------------------------------------------------------
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        if req.images:
+            raise NotImplementedError(f"{type(self).__name__} does not send images yet (docs/vision.md)")
         # Runs on the client loop, awaited from the caller's (cancelling one cancels the other).
         return await asyncio.wrap_future(self.fleet.call(self._generate(req)))
 
     async def agenerate_batch(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
-        if len(reqs) < 2 or any(r.gconfig != reqs[0].gconfig for r in reqs):
+        if len(reqs) < 2 or any(r.gconfig != reqs[0].gconfig or r.images for r in reqs):
             return await super().agenerate_batch(reqs)
         return await asyncio.wrap_future(self.fleet.call(self._generate_batch(reqs)))
 

@@ -1,0 +1,80 @@
+"""Vision-language models: telling one from a text model, loading its processor, images as bytes.
+
+A Qwen-VL processor holds an image processor, a tokenizer and a video processor; transformers'
+video processors need torchvision, and ``AutoProcessor.from_pretrained`` fails without it even
+when no video is ever processed. Where torchvision is missing, `load_processor` loads the same
+processor class without its video slot (`image_only`): images and text are processed exactly as
+the full processor does. Images travel between workflows and engines as encoded files (PNG by
+default), the form servers take them in (`encode_image`, `decode_image`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from PIL import Image
+    from transformers import PretrainedConfig, ProcessorMixin
+
+
+def is_vision_config(config: PretrainedConfig) -> bool:
+    """Whether a HF model config is a vision-language model's (a vision tower and image tokens)."""
+    return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
+
+
+def image_only(cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
+    """A subclass of the processor class ``cls`` (a Qwen-VL processor's: image processor, tokenizer,
+    video processor) without the video processor, under the same name, so that what it saves
+    names ``cls`` and loads as one where torchvision is installed."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs) -> None:
+        cls.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
+
+
+def _processor_class_name(path: str) -> str:
+    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        file = os.path.join(path, name)
+        if os.path.exists(file):
+            with open(file) as f:
+                found = json.load(f).get("processor_class")
+            if found:
+                return found
+    raise FileNotFoundError(f"{path} names no processor class (no processor_config.json or preprocessor_config.json)")
+
+
+def load_processor(path: str) -> ProcessorMixin:
+    """The processor of the vision-language model directory ``path``: ``AutoProcessor``'s where
+    torchvision is installed, else the same class without its video processor (`image_only`)."""
+    import transformers
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available() or not os.path.isdir(path):
+        return transformers.AutoProcessor.from_pretrained(path)
+    name = _processor_class_name(path)
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise ValueError(f"{path} names processor class {name!r}, which transformers {transformers.__version__} lacks")
+    return image_only(cls).from_pretrained(path)
+
+
+def encode_image(image: Image.Image, format: str = "PNG") -> bytes:
+    """``image`` as the bytes of an image file (PNG: lossless, so the pixels come back exact)."""
+    buf = io.BytesIO()
+    image.save(buf, format=format)
+    return buf.getvalue()
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """The RGB image an image file's bytes hold (what `encode_image` wrote, or a JPEG, ...)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")
+
+
+__all__ = ["decode_image", "encode_image", "image_only", "is_vision_config", "load_processor"]

@@ -1,0 +1,136 @@
+"""Vision-language models: the tiny VLM, its processor, images as bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from areal_lite.utils.tiny_vlm import build_tiny_vlm
+from areal_lite.utils.vision import decode_image, encode_image, is_vision_config, load_processor
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_vlm(str(tmp_path_factory.mktemp("vlm") / "tiny"), seed=1)
+
+
+def image_message(text: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+
+
+def test_tiny_vlm_loads_as_a_qwen2_5_vl_checkpoint_and_is_seeded(vlm_dir: str, tmp_path) -> None:
+    config = AutoConfig.from_pretrained(vlm_dir)
+    assert config.model_type == "qwen2_5_vl" and is_vision_config(config)
+    text = config.text_config
+    assert text.hidden_size // text.num_attention_heads == 32  # a head size vLLM's CPU attention has
+    assert sum(text.rope_parameters["mrope_section"]) == 16
+    with open(os.path.join(vlm_dir, "processor_config.json")) as f:
+        assert json.load(f)["processor_class"] == "Qwen2_5_VLProcessor"
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dir)
+    again = AutoModelForImageTextToText.from_pretrained(build_tiny_vlm(str(tmp_path / "again"), seed=1))
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert not is_vision_config(AutoConfig.for_model("qwen2"))
+
+
+@pytest.mark.parametrize(("size", "tokens"), [((112, 112), 16), ((56, 56), 4), ((84, 140), 15), ((20, 20), 4)])
+def test_processor_expands_each_image_to_its_tokens(vlm_dir: str, size: tuple[int, int], tokens: int) -> None:
+    processor = load_processor(vlm_dir)
+    text = processor.apply_chat_template(image_message("What colour?"), tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What colour?<|im_end|>")
+    assert text.endswith("<|im_start|>assistant\n")
+    enc = processor(text=[text], images=[Image.new("RGB", size, (200, 30, 30))], return_tensors="pt")
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert int((enc["input_ids"] == image_id).sum()) == tokens
+    assert int(enc["image_grid_thw"].prod()) == enc["pixel_values"].shape[0] == 4 * tokens
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dir)
+    logits = model(**enc).logits
+    assert logits.shape == (1, enc["input_ids"].shape[1], len(processor.tokenizer)) and logits.isfinite().all()
+
+
+def test_text_only_messages_keep_the_text_models_template(vlm_dir: str) -> None:
+    tokenizer = load_processor(vlm_dir).tokenizer
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "1+1?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == "<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_images_round_trip_through_png_bytes() -> None:
+    image = Image.new("RGB", (30, 20))
+    image.putpixel((3, 4), (1, 2, 3))
+    data = encode_image(image)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    back = decode_image(data)
+    assert back.size == (30, 20) and back.getpixel((3, 4)) == (1, 2, 3)
+    assert decode_image(encode_image(image.convert("L"))).mode == "RGB"
+
+
+def test_bad_sizes_are_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="multiple of 8"):
+        build_tiny_vlm(str(tmp_path / "a"), hidden_size=60, num_heads=4)
+    with pytest.raises(ValueError, match="min_pixels"):
+        build_tiny_vlm(str(tmp_path / "b"), min_pixels=100)
+
+
+def test_trajectories_carry_their_prompts_images(vlm_dir: str) -> None:
+    from tensordict import TensorDict
+
+    from areal_lite.api.workflow import TrajectoryError, check_trajectory_layout
+    from areal_lite.utils.data import concat_padded, pack_batch
+    from areal_lite.workflows.trajectory import check_trajectory, with_images
+
+    processor = load_processor(vlm_dir)
+    text = processor.apply_chat_template(image_message("?"), tokenize=False, add_generation_prompt=True)
+    enc = processor(text=[text], images=[Image.new("RGB", (56, 112), (0, 0, 255))], return_tensors="pt")
+    n, length = 3, enc["input_ids"].shape[1] + 2
+    base = TensorDict(
+        {
+            "input_ids": torch.cat([enc["input_ids"], torch.tensor([[5, 6]])], 1).expand(n, -1).clone(),
+            "attention_mask": torch.ones(n, length, dtype=torch.bool),
+            "loss_mask": torch.tensor([[0] * (length - 2) + [1, 1]] * n, dtype=torch.int32),
+            "logprobs": torch.tensor([[0.0] * (length - 2) + [-1.0, -2.0]] * n),
+            "versions": torch.tensor([[-1] * (length - 2) + [0, 0]] * n, dtype=torch.int32),
+            "rewards": torch.zeros(n),
+        },
+        batch_size=[n],
+    )
+    traj = with_images(base, enc["pixel_values"], enc["image_grid_thw"])
+    check_trajectory(traj)
+    assert traj["pixel_values"].shape == (n, 32, 1176) and traj["image_grid_thw"].tolist() == [[[1, 8, 4]]] * n
+    no_image = with_images(base[:1], torch.zeros(0, 1176), torch.zeros(0, 3, dtype=torch.int64))
+    batch = concat_padded([traj, no_image])
+    assert batch["pixel_values"].shape == (n + 1, 32, 1176) and not batch["image_grid_thw"][n].any()
+    packed = pack_batch(batch)
+    assert torch.equal(packed["pixel_values"], enc["pixel_values"].repeat(n, 1))
+    with pytest.raises(ValueError, match="accounts for 32 patches"):
+        with_images(base, enc["pixel_values"][:5], enc["image_grid_thw"])
+    del traj["image_grid_thw"]
+    with pytest.raises(TrajectoryError, match="without 'image_grid_thw'"):
+        check_trajectory_layout(traj)
+    traj["image_grid_thw"] = torch.zeros(n, 1, 2, dtype=torch.int64)
+    with pytest.raises(TrajectoryError, match=r"integer \[n, images, 3\]"):
+        check_trajectory_layout(traj)
+
+
+def test_engines_that_cannot_take_images_refuse_them(tmp_path) -> None:
+    import asyncio
+
+    from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
+    from areal_lite.api.io import ModelRequest
+    from areal_lite.engines import LocalInferenceEngine, RemoteSGLangEngine
+    from areal_lite.utils.tiny import build_tiny_model
+
+    req = ModelRequest(input_ids=[1, 2], images=[encode_image(Image.new("RGB", (28, 28)))])
+    local = LocalInferenceEngine(LocalEngineConfig(path=build_tiny_model(str(tmp_path / "text"))))
+    with pytest.raises(NotImplementedError, match="does not take images"):
+        asyncio.run(local.agenerate(req))
+    remote = RemoteSGLangEngine(InferenceEngineConfig(addresses=["127.0.0.1:9"]))
+    with pytest.raises(NotImplementedError, match="does not send images"):
+        asyncio.run(remote.agenerate(req))
