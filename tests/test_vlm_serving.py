@@ -83,7 +83,7 @@ def hf_logprobs(model: torch.nn.Module, prompt: Prompt, output: list[int]) -> to
 
 
 async def generate(engine: LocalInferenceEngine, prompt: Prompt, n: int, rid: str | None = None):
-    images = await engine.scheduler.prepare_images(prompt.ids, prompt.images)
+    _, images = await engine.scheduler.prepare_images(prompt.ids, prompt.images)
     return await engine.scheduler.generate(prompt.ids, prompt.params(n), rid=rid, images=images)
 
 
@@ -219,7 +219,7 @@ def test_prompt_logprobs_with_images_and_agenerate(vlm_dir: str, hf: torch.nn.Mo
     engine = make_engine(vlm_dir)
 
     async def run():
-        images = await engine.scheduler.prepare_images(prompt.ids, prompt.images)
+        _, images = await engine.scheduler.prepare_images(prompt.ids, prompt.images)
         params = SamplingParams(max_new_tokens=1)
         scored = await engine.scheduler.generate(prompt.ids, params, return_input_logprobs=True, images=images)
         return scored, await engine.agenerate(prompt.request(1))

@@ -5,11 +5,13 @@ video processors need torchvision, and ``AutoProcessor.from_pretrained`` fails w
 when no video is ever processed. Where torchvision is missing, `load_processor` loads the same
 processor class without its video slot (`image_only`): images and text are processed exactly as
 the full processor does. Images travel between workflows and engines as encoded files (PNG by
-default), the form servers take them in (`encode_image`, `decode_image`).
+default), the form servers take them in (`encode_image`, `decode_image`), and over HTTP as data
+URLs (`data_url`).
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -85,4 +87,22 @@ def decode_image(data: bytes) -> Image.Image:
         return img.convert("RGB")
 
 
-__all__ = ["auto_model_class", "decode_image", "encode_image", "image_only", "is_vision_config", "load_processor"]
+_MEDIA_TYPES = {b"\x89PNG": "image/png", b"\xff\xd8\xff": "image/jpeg", b"GIF8": "image/gif", b"RIFF": "image/webp"}
+
+
+def data_url(data: bytes) -> str:
+    """An image file's bytes as a data URL (``data:image/png;base64,...``), as vLLM's and SGLang's
+    servers take images inline; the media type from the file's first bytes (PNG when unknown)."""
+    media = next((t for magic, t in _MEDIA_TYPES.items() if data.startswith(magic)), "image/png")
+    return f"data:{media};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+__all__ = [
+    "auto_model_class",
+    "data_url",
+    "decode_image",
+    "encode_image",
+    "image_only",
+    "is_vision_config",
+    "load_processor",
+]

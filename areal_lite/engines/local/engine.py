@@ -82,7 +82,7 @@ class LocalInferenceEngine(InferenceEngine):
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         if req.gconfig.return_routed_experts and self.scheduler.routing_shape is None:
             raise ValueError("return_routed_experts is set but the model has no mixture-of-experts layers")
-        images = await self.scheduler.prepare_images(req.input_ids, req.images)
+        _, images = await self.scheduler.prepare_images(req.input_ids, req.images)
         params = SamplingParams.from_gconfig(req.gconfig)
         res = await self.scheduler.generate(req.input_ids, params, rid=req.rid, images=images)
         return ModelResponse(

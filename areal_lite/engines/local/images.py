@@ -2,14 +2,15 @@
 request's images become before it is queued, and their features at prefill.
 
 A request's images arrive as image files' bytes (`areal_lite.api.io.ModelRequest.images`) with a
-prompt whose image tokens are already expanded, or as text with one placeholder per image (our
-server's chat and ``/generate`` text prompts), which the model's processor expands. Either way
-`ImagePrompts` (off the scheduler thread: decoding and resizing take time) turns them into
-`ImageInputs`: the processor's pixel patches and patch grids, where the image tokens sit, and the
-prompt's multimodal rotary positions by the model's own rule (``get_rope_index``), with the offset
-its later text positions keep (`ImageInputs.delta`). The image tokens' count is checked against
-the grids, image by image, so that a prompt and its images that disagree are refused rather than
-run misaligned.
+prompt whose image tokens are already expanded (each image one run of image tokens, as many as the
+processor makes of it). `ImagePrompts` (off the scheduler thread: decoding and resizing take time)
+turns them into `ImageInputs`: the processor's pixel patches and patch grids, where the image
+tokens sit, and the prompt's multimodal rotary positions by the model's own rule
+(``get_rope_index``), with the offset its later text positions keep (`ImageInputs.delta`). The
+image tokens' count is checked against the grids, image by image, so that a prompt and its images
+that disagree are refused rather than run misaligned. Our server's prompts (a chat template's
+output, SGLang's ``/generate``) may instead hold one placeholder token per image, which is then
+expanded to the image's count, as the processor expands its text (``expand``).
 
 At prefill the vision tower encodes the pass's images (`VisionTower`) and their features take the
 place of the image tokens' embeddings; the decoder then runs as for text. A request re-prefilled
@@ -66,13 +67,12 @@ class ImagePrompts:
         model: the HF model (a Qwen-VL ``*ForConditionalGeneration``): its config names the image
             token and the merge size, and its ``get_rope_index`` gives the positions.
         path: the model directory, whose processor (`areal_lite.utils.vision.load_processor`)
-            resizes and patches the images and expands the placeholders of text prompts.
+            resizes and patches the images (and whose chat template our server renders).
     """
 
     def __init__(self, model: torch.nn.Module, path: str) -> None:
         self.processor: ProcessorMixin = load_processor(path)
         self.image_token_id = int(model.config.image_token_id)
-        self.image_token: str = self.processor.image_token
         self.merge = int(model.config.vision_config.spatial_merge_size)
         self._rope_index = model.model.get_rope_index
 
@@ -81,33 +81,29 @@ class ImagePrompts:
         if images is None and self.image_token_id in input_ids:
             raise ValueError("the prompt has image tokens but the request has no images")
 
-    def from_ids(self, input_ids: list[int], images: list[bytes]) -> ImageInputs:
-        """The `ImageInputs` of a prompt whose image tokens are expanded (one per merged patch
-        block, each image's tokens one run); ValueError where they disagree with the images."""
+    def prepare(self, input_ids: list[int], images: list[bytes], expand: bool = False) -> tuple[list[int], ImageInputs]:
+        """The prompt ``input_ids`` with its images' `ImageInputs`: each image's tokens one run of
+        as many image tokens as the processor makes of it, or (with ``expand``) a single
+        placeholder token, which is expanded (the prompt returned is then longer). ValueError where
+        the prompt and the images disagree."""
         pixels, grid = self._process(images)
-        spans = [len(list(run)) for is_image, run in groupby(input_ids, lambda t: t == self.image_token_id) if is_image]
         made = (grid.prod(dim=-1) // self.merge**2).tolist()
+        runs = [(t, len(list(run))) for t, run in groupby(input_ids)]
+        spans = [n for t, n in runs if t == self.image_token_id]
         if len(spans) != len(made):
             raise ValueError(f"the prompt has image tokens for {len(spans)} image(s) but {len(made)} image(s) came")
         for i, (held, needed) in enumerate(zip(spans, made)):
-            if held != needed:
+            if held != needed and not (expand and held == 1):
                 raise ValueError(f"image {i} makes {needed} image tokens but the prompt holds {held} for it")
-        return self._inputs(torch.tensor(input_ids), pixels, grid)
-
-    def from_text(self, text: str, images: list[bytes], add_special_tokens: bool) -> tuple[list[int], ImageInputs]:
-        """The token ids of ``text``, whose image placeholders (one per image, as the chat template
-        writes them) the processor expands, and their `ImageInputs`."""
-        placeholders = text.count(self.image_token)
-        if placeholders != len(images):
-            raise ValueError(f"the prompt has {placeholders} image placeholder(s) for {len(images)} image(s)")
-        pictures = [self._decode(i, data) for i, data in enumerate(images)]
-        enc = self.processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=add_special_tokens)
-        ids = enc["input_ids"][0]
-        return ids.tolist(), self._inputs(ids, enc["pixel_values"], enc["image_grid_thw"])
+        if expand:
+            counts = iter(made)
+            expanded: list[int] = []
+            for t, n in runs:
+                expanded += [t] * (next(counts) if t == self.image_token_id else n)
+            input_ids = expanded
+        return input_ids, self._inputs(torch.tensor(input_ids), pixels, grid)
 
     def _process(self, images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
-        if not images:
-            raise ValueError("no images given")
         pictures = [self._decode(i, data) for i, data in enumerate(images)]
         out = self.processor.image_processor(images=pictures, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]

@@ -13,7 +13,7 @@ A streamed request (`stream`) gets each token as it is sampled: the scheduler ha
 after the step that produced it, before the request's result.
 
 A vision-language model's request may carry images, made ready off the scheduler thread
-(`prepare_images`, `expand_images`: `areal_lite.engines.local.images`) and passed with the request.
+(`prepare_images`: `areal_lite.engines.local.images`) and passed with the request.
 
 This is the API of our HTTP server (`areal_lite.engines.server`); `LocalInferenceEngine` adapts
 it to the `InferenceEngine` contract.
@@ -189,25 +189,18 @@ class Scheduler:
         if self.images is not None:
             self.images.check_tokens(input_ids, images)
 
-    async def prepare_images(self, input_ids: list[int], images: list[bytes]) -> ImageInputs | None:
-        """The `ImageInputs` of a prompt whose image tokens are expanded and its images' files
-        (None without images), made in a worker thread. ValueError where the model takes no
-        images or the prompt and the images disagree."""
+    async def prepare_images(
+        self, input_ids: list[int], images: list[bytes], expand: bool = False
+    ) -> tuple[list[int], ImageInputs | None]:
+        """The prompt and its images' `ImageInputs` (None without images), made in a worker
+        thread; with ``expand``, image placeholders (one token an image) are expanded
+        (`ImagePrompts.prepare`). ValueError where the model takes no images or the prompt and
+        the images disagree."""
         if not images:
-            return None
-        return await asyncio.to_thread(self._image_prompts().from_ids, input_ids, images)
-
-    async def expand_images(
-        self, text: str, images: list[bytes], add_special_tokens: bool = False
-    ) -> tuple[list[int], ImageInputs]:
-        """The token ids of ``text`` with its image placeholders expanded by the processor, and
-        its images' `ImageInputs` (a worker thread's work; ValueError as `prepare_images`)."""
-        return await asyncio.to_thread(self._image_prompts().from_text, text, images, add_special_tokens)
-
-    def _image_prompts(self) -> ImagePrompts:
+            return input_ids, None
         if self.images is None:
             raise ValueError("this model takes no images: it is not a vision-language model")
-        return self.images
+        return await asyncio.to_thread(self.images.prepare, input_ids, images, expand)
 
     def submit_request(
         self,

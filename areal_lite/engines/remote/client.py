@@ -109,11 +109,18 @@ class RemoteEngine(InferenceEngine, abc.ABC):
 
     @abc.abstractmethod
     def _generate_call(
-        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int
+        self,
+        prompts: list[list[int]],
+        rids: list[str],
+        g: GenerationConfig,
+        produced: int,
+        budget: int,
+        images: list[list[bytes]],
     ) -> tuple[str, dict[str, object]]:
-        """(path, payload) of one generation call for ``prompts`` (one, or a batch of several)
-        that have each produced ``produced`` of ``g``'s tokens so far, for at most ``budget`` more
-        (what is left of ``g.max_new_tokens``, or less where the context ends first)."""
+        """(path, payload) of one generation call for ``prompts`` (one, or a batch of several; a
+        prompt with ``images``, its image files, is sent alone) that have each produced
+        ``produced`` of ``g``'s tokens so far, for at most ``budget`` more (what is left of
+        ``g.max_new_tokens``, or less where the context ends first)."""
 
     @abc.abstractmethod
     async def _context_len_call(self) -> int | None:
@@ -233,8 +240,6 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     # ----- generation ----------------------------------------------------------------------
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
-        if req.images:
-            raise NotImplementedError(f"{type(self).__name__} does not send images yet (docs/vision.md)")
         # Runs on the client loop, awaited from the caller's (cancelling one cancels the other).
         return await asyncio.wrap_future(self.fleet.call(self._generate(req)))
 
@@ -259,7 +264,8 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     def _call_for(self, reqs: list[ModelRequest], parts: list[PartialRollout]) -> tuple[str, dict[str, object]]:
         prompts = [list(r.input_ids) + p.out_ids for r, p in zip(reqs, parts)]
         budget = min(self._budget(r, p) for r, p in zip(reqs, parts))
-        return self._generate_call(prompts, [r.rid for r in reqs], reqs[0].gconfig, len(parts[0].out_ids), budget)
+        rids, images = [r.rid for r in reqs], [r.images for r in reqs]
+        return self._generate_call(prompts, rids, reqs[0].gconfig, len(parts[0].out_ids), budget, images)
 
     async def _generate_batch(
         self, reqs: list[ModelRequest], parts: list[PartialRollout] | None = None

@@ -1,7 +1,8 @@
 """`RemoteSGLangEngine`: the client of SGLang-protocol servers (real SGLang on GPU nodes, or ours
 on CPU), on the shared `RemoteEngine` base (`areal_lite.engines.remote.client`).
 
-How SGLang spells each call (docs/protocol.md): ``/generate`` with ``input_ids``, its answer's
+How SGLang spells each call (docs/protocol.md): ``/generate`` with ``input_ids`` (and a
+vision-language model's images as ``image_data``: data URLs, as SGLang takes them), its answer's
 ``meta_info`` (log-probabilities, versions, routed experts), ``/pause_generation`` and
 ``/continue_generation``, disk and distributed weight updates (with the weight-update session of
 SGLang >= 0.5.21), ``/update_weight_version``, and the LoRA adapter routes.
@@ -23,6 +24,7 @@ from areal_lite.api.config import InferenceEngineConfig
 from areal_lite.api.io import GenerationConfig, WeightUpdateMeta
 from areal_lite.engines.remote.client import RemoteEngine
 from areal_lite.engines.remote.partial_rollout import Answer, parse_version
+from areal_lite.utils.vision import data_url
 
 
 def _sglang_answer(data: object) -> Answer:
@@ -56,7 +58,13 @@ class RemoteSGLangEngine(RemoteEngine):
         """The config of the adapter the servers hold (loaded or registered by this client)."""
 
     def _generate_call(
-        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int
+        self,
+        prompts: list[list[int]],
+        rids: list[str],
+        g: GenerationConfig,
+        produced: int,
+        budget: int,
+        images: list[list[bytes]],
     ) -> tuple[str, dict[str, object]]:
         params = g.to_sglang()
         params["max_new_tokens"] = budget
@@ -68,6 +76,9 @@ class RemoteSGLangEngine(RemoteEngine):
             "return_logprob": True,
             "rid": rids if batch else rids[0],
         }
+        if any(images):  # SGLang's forms: a list of images for one prompt, one such list a prompt for a batch
+            urls = [[data_url(image) for image in per_prompt] for per_prompt in images]
+            payload["image_data"] = urls if batch else urls[0]
         if g.return_routed_experts:
             payload["return_routed_experts"] = True
         if self.adapter_name is not None:

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from areal_lite.engines.local import grammar
+from areal_lite.engines.local.images import ImageInputs
 from areal_lite.engines.local.request import SamplingParams
 from areal_lite.engines.local.scheduler import Scheduler
 from areal_lite.engines.server.streaming import Job
@@ -100,11 +101,12 @@ def chat_logprobs_fields(body: dict[str, object]) -> tuple[bool, int]:
     return want_logprobs, top_n
 
 
-def check_messages(body: dict[str, object]) -> None:
+def check_messages(body: dict[str, object], images: bool = False) -> None:
     """Raise `BadRequest` naming ``messages`` for a chat request's messages OpenAI refuses: none,
-    not objects with a known role, or a message without content where its role needs some (every
-    role but an assistant's message with tool calls)."""
-    chat_messages(body.get("messages"))
+    not objects with a known role, parts other than text (and ``image_url`` where ``images``),
+    or a message without content where its role needs some (every role but an assistant's
+    message with tool calls)."""
+    chat_messages(body.get("messages"), images)
     for i, m in enumerate(body["messages"]):  # type: ignore[arg-type]
         if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise BadRequest(
@@ -212,15 +214,21 @@ def forced_call(body: dict[str, object], tools: list[dict[str, object]] | None) 
 
 
 def choice_jobs(
-    scheduler: Scheduler, prompts: list[list[int]], params: SamplingParams, n: int, request_id: str
+    scheduler: Scheduler,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    n: int,
+    request_id: str,
+    images: ImageInputs | None = None,
 ) -> list[Job]:
     """(prompt, params, rid) of each choice: ``n`` of each prompt, in the order prompt 0's
-    choices, prompt 1's, ...; choice ``i`` of a seeded request samples with ``seed + i``."""
+    choices, prompt 1's, ...; choice ``i`` of a seeded request samples with ``seed + i``.
+    ``images``: those of the one prompt."""
     if not 1 <= n <= MAX_N:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", param="n")
     try:
         for p in prompts:
-            scheduler.validate_request(p, params)
+            scheduler.validate_request(p, params, images)
     except ValueError as e:
         raise BadRequest(str(e)) from e
     out = []
@@ -239,6 +247,8 @@ class ChoiceRequest:
     o: Options
     params: SamplingParams
     jobs: list[Job]
+    images: ImageInputs | None = None
+    """The images of a chat request's prompt (every job's)."""
 
     @classmethod
     def read(
@@ -255,11 +265,13 @@ class ChoiceRequest:
         budget_key: str = "max_tokens",
         scoring: bool = False,
         tool_grammar: str | None = None,
+        images: ImageInputs | None = None,
     ) -> ChoiceRequest:
         """The sampling of ``body`` (`sampling_params`, the longest prompt against the context)
-        and ``o.n`` choices of each prompt (`choice_jobs`)."""
+        and ``o.n`` choices of each prompt (`choice_jobs`; ``images``: those of the one prompt)."""
         longest = max(len(p) for p in prompts)
         params = sampling_params(
             scheduler, body, max_tokens, longest, top_logprobs, prompt_key, budget_key, scoring, tool_grammar
         )
-        return cls(model, o, params, choice_jobs(scheduler, prompts, params, o.n, o.request_id))
+        jobs = choice_jobs(scheduler, prompts, params, o.n, o.request_id, images)
+        return cls(model, o, params, jobs, images)
