@@ -10,6 +10,7 @@ import asyncio
 import base64
 import os
 import sys
+from dataclasses import dataclass
 
 import httpx
 import openai
@@ -33,24 +34,24 @@ CLIENTS = {"sglang": RemoteSGLangEngine, "vllm": RemoteVLLMEngine}
 QUESTION = "What colour is it?"
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_vlm(str(tmp_path_factory.mktemp("vlm") / "tiny"), seed=5)
+@dataclass
+class VLM:
+    """The tiny VLM under test: its directory, its HF model and its processor."""
+
+    path: str
+    hf: torch.nn.Module
+    processor: object
 
 
 @pytest.fixture(scope="module")
-def hf(vlm_dir: str) -> torch.nn.Module:
-    return AutoModelForImageTextToText.from_pretrained(vlm_dir).eval()
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> VLM:
+    path = build_tiny_vlm(str(tmp_path_factory.mktemp("vlm") / "tiny"), seed=5)
+    return VLM(path, AutoModelForImageTextToText.from_pretrained(path).eval(), load_processor(path))
 
 
 @pytest.fixture(scope="module")
-def processor(vlm_dir: str):
-    return load_processor(vlm_dir)
-
-
-@pytest.fixture(scope="module")
-def address(vlm_dir: str):
-    procs, addresses = start_servers(vlm_dir, 1)
+def address(vlm: VLM):
+    procs, addresses = start_servers(vlm.path, 1)
     yield addresses[0]
     stop_servers(procs)
 
@@ -66,9 +67,10 @@ def assert_scored(model: torch.nn.Module, prompt: Prompt, output: list[int], log
     torch.testing.assert_close(torch.tensor(logprobs), hf_logprobs(model, prompt, output), atol=1e-4, rtol=0)
 
 
-def test_openai_sdk_sends_an_image_and_gets_the_answer(address: str, hf, processor) -> None:
+def test_openai_sdk_sends_an_image_and_gets_the_answer(address: str, vlm: VLM) -> None:
     """The chat template renders the image part, the server expands its placeholder as the
     processor does (the same prompt ids), and the answer's log-probabilities are the HF forward's."""
+    hf, processor = vlm.hf, vlm.processor
     prompt = Prompt(processor, QUESTION, [RED])
     client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="none")
     content = [
@@ -113,9 +115,10 @@ def test_openai_sdk_sends_an_image_and_gets_the_answer(address: str, hf, process
         )
 
 
-def test_generate_takes_image_data_in_sglangs_forms(address: str, hf, processor) -> None:
+def test_generate_takes_image_data_in_sglangs_forms(address: str, vlm: VLM) -> None:
     """``image_data`` for one prompt (a list, or one image) and for a batch (one entry per prompt),
     with text prompts (one placeholder an image) and token ids (expanded), as base64 or data URLs."""
+    hf, processor = vlm.hf, vlm.processor
     one, two = Prompt(processor, QUESTION, [GREEN]), Prompt(processor, "Which is bigger?", [GREEN, BLUE])
     plain = Prompt(processor, "No image.", [])
     text = processor.apply_chat_template(
@@ -158,9 +161,10 @@ def test_generate_takes_image_data_in_sglangs_forms(address: str, hf, processor)
         assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
 
 
-def test_token_in_route_takes_content_parts(address: str, hf, processor) -> None:
+def test_token_in_route_takes_content_parts(address: str, vlm: VLM) -> None:
     """vLLM 0.32's ``/inference/v1/generate``: ``content_parts`` with image data URLs; the
     placeholder expanded (``prompt_token_ids``), log-probabilities scored by HF."""
+    hf, processor = vlm.hf, vlm.processor
     prompt = Prompt(processor, QUESTION, [BLUE])
     collapsed = processor.tokenizer(
         processor.apply_chat_template(
@@ -186,10 +190,11 @@ def test_token_in_route_takes_content_parts(address: str, hf, processor) -> None
 
 
 @pytest.mark.parametrize("kind", sorted(CLIENTS))
-def test_remote_clients_send_images_and_weight_updates(kind: str, address: str, vlm_dir: str, hf, processor, tmp_path):
+def test_remote_clients_send_images_and_weight_updates(kind: str, address: str, vlm: VLM, tmp_path) -> None:
     """`RemoteSGLangEngine` (``image_data``) and `RemoteVLLMEngine` (``/inference/v1/generate``
     with ``content_parts``) against our server: answers scored by HF with the images, before and
     after a disk update of every weight (the vision tower's too)."""
+    hf, processor, vlm_dir = vlm.hf, vlm.processor, vlm.path
     prompts = [
         Prompt(processor, QUESTION, [RED]),
         Prompt(processor, "Two?", [GREEN, BLUE]),

@@ -82,6 +82,11 @@ def hf_logprobs(model: torch.nn.Module, prompt: Prompt, output: list[int]) -> to
     return logp.gather(1, ids[0, 1:, None])[len(prompt.ids) - 1 :, 0]
 
 
+async def wait_tokens(engine: LocalInferenceEngine, rid: str, n: int) -> None:
+    while (engine.scheduler.generated_tokens(rid) or 0) < n:
+        await asyncio.sleep(0.005)
+
+
 async def generate(engine: LocalInferenceEngine, prompt: Prompt, n: int, rid: str | None = None):
     _, images = await engine.scheduler.prepare_images(prompt.ids, prompt.images)
     return await engine.scheduler.generate(prompt.ids, prompt.params(n), rid=rid, images=images)
@@ -138,8 +143,7 @@ def test_image_requests_join_a_running_batch(vlm_dir: str, hf: torch.nn.Module) 
 
     async def run():
         long = asyncio.ensure_future(generate(engine, text, 60, rid="long"))
-        while (engine.scheduler.generated_tokens("long") or 0) < 10:
-            await asyncio.sleep(0.005)
+        await wait_tokens(engine, "long", 10)
         mid = await asyncio.gather(generate(engine, red, 8), generate(engine, both, 12))
         assert not long.done()
         return [await long, *mid]
@@ -168,8 +172,7 @@ def test_weight_update_recomputes_an_image_requests_cache(vlm_dir: str, hf: torc
 
     async def run():
         task = asyncio.ensure_future(generate(engine, prompt, 80, rid="long"))
-        while (engine.scheduler.generated_tokens("long") or 0) < 5:
-            await asyncio.sleep(0.005)
+        await wait_tokens(engine, "long", 5)
         meta = WeightUpdateMeta(type="in_process", named_tensors=new_state, version=1)
         await asyncio.wrap_future(engine.update_weights(meta))
         return await task
@@ -178,8 +181,9 @@ def test_weight_update_recomputes_an_image_requests_cache(vlm_dir: str, hf: torc
         r = asyncio.run(run())
     finally:
         engine.destroy()
-    switch = r.output_versions.index(1)
-    assert 5 <= switch < 80 and r.output_versions == [0] * switch + [1] * (80 - switch)
+    versions = r.output_versions
+    switch = versions.index(1)
+    assert versions == [0] * switch + [1] * (80 - switch) and switch >= 5
     lp = torch.tensor(r.output_logprobs)
     old, new = hf_logprobs(hf, prompt, r.output_ids), hf_logprobs(new_model, prompt, r.output_ids)
     torch.testing.assert_close(lp[:switch], old[:switch], atol=1e-4, rtol=0)

@@ -230,13 +230,9 @@ class Scheduler:
         return seq.rid
 
     async def generate(
-        self,
-        input_ids: list[int],
-        params: SamplingParams,
-        rid: str | None = None,
-        return_input_logprobs: bool = False,
-        images: ImageInputs | None = None,
-    ) -> GenerationResult:
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+        return_input_logprobs: bool = False, images: ImageInputs | None = None,
+    ) -> GenerationResult:  # fmt: skip
         """Generate from ``input_ids`` (and ``images``) in the caller's event loop (any loop, any thread)."""
         [res] = await self.generate_many([(input_ids, params, rid)], return_input_logprobs, [images])
         return res
@@ -280,13 +276,9 @@ class Scheduler:
         return list(results)
 
     async def stream(
-        self,
-        input_ids: list[int],
-        params: SamplingParams,
-        rid: str | None = None,
-        return_input_logprobs: bool = False,
-        images: ImageInputs | None = None,
-    ) -> AsyncIterator[TokenOut | GenerationResult]:
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+        return_input_logprobs: bool = False, images: ImageInputs | None = None,
+    ) -> AsyncIterator[TokenOut | GenerationResult]:  # fmt: skip
         """`generate` token by token: yields each `TokenOut` as the scheduler produces it (the first
         carries the prompt's log-probabilities when asked for), then the `GenerationResult`.
         Closing the iterator early aborts the request."""

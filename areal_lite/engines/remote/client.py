@@ -109,14 +109,9 @@ class RemoteEngine(InferenceEngine, abc.ABC):
 
     @abc.abstractmethod
     def _generate_call(
-        self,
-        prompts: list[list[int]],
-        rids: list[str],
-        g: GenerationConfig,
-        produced: int,
-        budget: int,
+        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int,
         images: list[list[bytes]],
-    ) -> tuple[str, dict[str, object]]:
+    ) -> tuple[str, dict[str, object]]:  # fmt: skip
         """(path, payload) of one generation call for ``prompts`` (one, or a batch of several; a
         prompt with ``images``, its image files, is sent alone) that have each produced
         ``produced`` of ``g``'s tokens so far, for at most ``budget`` more (what is left of

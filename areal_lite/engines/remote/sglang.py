@@ -58,14 +58,9 @@ class RemoteSGLangEngine(RemoteEngine):
         """The config of the adapter the servers hold (loaded or registered by this client)."""
 
     def _generate_call(
-        self,
-        prompts: list[list[int]],
-        rids: list[str],
-        g: GenerationConfig,
-        produced: int,
-        budget: int,
+        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int,
         images: list[list[bytes]],
-    ) -> tuple[str, dict[str, object]]:
+    ) -> tuple[str, dict[str, object]]:  # fmt: skip
         params = g.to_sglang()
         params["max_new_tokens"] = budget
         params["min_new_tokens"] = min(budget, max(0, g.min_new_tokens - produced))

@@ -87,14 +87,9 @@ class RemoteVLLMEngine(RemoteEngine):
         super().__init__(config, control_servers)
 
     def _generate_call(
-        self,
-        prompts: list[list[int]],
-        rids: list[str],
-        g: GenerationConfig,
-        produced: int,
-        budget: int,
+        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int,
         images: list[list[bytes]],
-    ) -> tuple[str, dict[str, object]]:
+    ) -> tuple[str, dict[str, object]]:  # fmt: skip
         if g.return_routed_experts:
             raise ValueError("routed experts come from SGLang-protocol servers: use launcher.backend sglang or areal")
         sampling: dict[str, object] = {
