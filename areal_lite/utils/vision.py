@@ -25,6 +25,14 @@ def is_vision_config(config: PretrainedConfig) -> bool:
     return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
 
 
+def auto_model_class(config: PretrainedConfig) -> type:
+    """The transformers auto class that builds the generating model of ``config``:
+    ``AutoModelForImageTextToText`` for a vision-language model, else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+
+
 def image_only(cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
     """A subclass of the processor class ``cls`` (a Qwen-VL processor's: image processor, tokenizer,
     video processor) without the video processor, under the same name, so that what it saves
@@ -77,4 +85,4 @@ def decode_image(data: bytes) -> Image.Image:
         return img.convert("RGB")
 
 
-__all__ = ["decode_image", "encode_image", "image_only", "is_vision_config", "load_processor"]
+__all__ = ["auto_model_class", "decode_image", "encode_image", "image_only", "is_vision_config", "load_processor"]
