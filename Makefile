@@ -101,9 +101,11 @@ BENCH_ARGS ?= --quick
 bench-vllm: real-model $(if $(VLLM_PYTHON),,$(VLLM_STAMP))
 	AREAL_LITE_VLLM_PYTHON=$(or $(VLLM_PYTHON),$(abspath $(VLLM_PY))) OMP_NUM_THREADS=1 $(PY) benchmarks/vs_vllm.py $(BENCH_ARGS)
 
-# The CUDA paths (tests/gpu): FSDP on NCCL in bf16, the engine on CUDA, NCCL weight updates, the
-# quickstart on CUDA. On a GPU machine, install torch for its CUDA first (not the CPU build above).
+# The CUDA paths (tests/gpu): FSDP on NCCL in bf16, Megatron in bf16, the LM head and varlen
+# attention, Liger's kernels (the `liger` extra, installed here if missing), the engine on CUDA, NCCL
+# weight updates, the quickstart on CUDA. On a GPU machine, install torch for its CUDA first.
 test-gpu: $(STAMP)
+	$(PY) -c "import liger_kernel" 2> /dev/null || $(PIP) install -q -c constraints.txt -e ".[liger]"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
 
 # verifiers (environments as a source of training) needs openai<3, while the dev extra's

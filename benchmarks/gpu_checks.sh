@@ -8,7 +8,9 @@
 #                                                 against TRL (sync, async in process, async with
 #                                                 our server beside the trainer)
 #     benchmarks/gpu_checks.sh all     [OUTDIR]   both
+#     benchmarks/gpu_checks.sh train_mfu,generation [OUTDIR]   any stages by name, in the order of the script
 #
+# TEST_FILTER=EXPR runs only the GPU tests ``-k EXPR`` selects (TEST_LIMIT: that stage's seconds).
 # Each stage's whole log goes to OUTDIR/<stage>.log (default gpu-checks/); the end of each is
 # printed here, and every RESULT line again at the end. It runs from the repository without
 # installing it (PYTHONPATH), with whatever Python has torch with CUDA and the package's
@@ -21,6 +23,11 @@
 #     mkdir -p .gpu/smollm2-config && cp "$d"/*.json "$d"/*.jinja .gpu/smollm2-config/
 set -u
 PART=${1:-all}
+case $PART in
+    train) PART=train_mfu,test_gpu ;;
+    rollout) PART=generation,grpo_smollm2 ;;
+    all) PART=train_mfu,test_gpu,generation,grpo_smollm2 ;;
+esac
 OUTDIR=${2:-gpu-checks}
 PY=${PY:-python3}
 MODEL_DIR=${MODEL_DIR:-.gpu/smollm2-config}
@@ -30,6 +37,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZER
 stage() {
     local name=$1 limit=$2 start rc
     shift 2
+    case ",$PART," in *",$name,"*) ;; *) return ;; esac
     echo "=== $name (limit ${limit} s): $*"
     start=$(date +%s)
     timeout -k 10 "$limit" "$@" >"$OUTDIR/$name.log" 2>&1
@@ -41,16 +49,12 @@ stage() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 
-if [ "$PART" = train ] || [ "$PART" = all ]; then
-    stage train_mfu 240 "$PY" benchmarks/train_mfu.py --device cuda --shapes 0.5b,1.5b --warmup 2 --steps 3
-    TAIL=40 stage test_gpu 200 env OMP_NUM_THREADS=1 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
-        --timeout 170 -rfEs
-fi
-if [ "$PART" = rollout ] || [ "$PART" = all ]; then
-    stage generation 120 env OMP_NUM_THREADS=4 "$PY" benchmarks/generation.py --device cuda --dtype bfloat16 \
-        --skip-sync --model "$MODEL_DIR" --repeats 2
-    stage grpo_smollm2 170 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --model "$MODEL_DIR" \
-        --threads-list 4 --prompts 4 --group 8 --tokens 64 --steps 3 --warmup 2
-fi
+stage train_mfu 240 "$PY" benchmarks/train_mfu.py --device cuda --shapes 0.5b,1.5b --warmup 2 --steps 3 --sync-report
+TAIL=40 stage test_gpu "${TEST_LIMIT:-200}" env OMP_NUM_THREADS=1 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+    --timeout 170 -rfEs ${TEST_FILTER:+-k "$TEST_FILTER"}
+stage generation 120 env OMP_NUM_THREADS=4 "$PY" benchmarks/generation.py --device cuda --dtype bfloat16 \
+    --skip-sync --model "$MODEL_DIR" --repeats 2
+stage grpo_smollm2 170 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --model "$MODEL_DIR" \
+    --threads-list 4 --prompts 4 --group 8 --tokens 64 --steps 3 --warmup 2
 echo "=== RESULT lines"
 grep -h "^RESULT" "$OUTDIR"/*.log

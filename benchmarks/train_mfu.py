@@ -158,6 +158,27 @@ def padded_microbatches(batch: TensorDict, max_tokens: int) -> list[TensorDict]:
     return out
 
 
+def report_syncs(step: Callable[[], object]) -> None:
+    """Run ``step`` once with CUDA's sync debug mode on and print where the host waited for the
+    device (the Python lines that asked for a value, most frequent first)."""
+    import collections
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    places = collections.Counter(
+        f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+    print(f"  host syncs in one step: {sum(places.values())}")
+    for place, n in places.most_common(12):
+        print(f"    {n:4d}  {place}")
+
+
 def plain_hf_step(path: str, batch: TensorDict, device: torch.device, max_tokens: int) -> Callable[[], None]:
     from transformers import AutoModelForCausalLM
 
@@ -240,6 +261,8 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, peak: 
         engine = FSDPEngine(engine_config(path, device, args.max_tokens, variant))
         engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=len(batch), train_batch_size=len(batch)))
         record("ours" + (f" ({variant})" if variant else ""), lambda e=engine: e.train_batch(batch, _nll, _n_tokens))
+        if args.sync_report and device.type == "cuda" and not variant:
+            report_syncs(lambda e=engine: e.train_batch(batch, _nll, _n_tokens))
         engine.destroy()
         del engine
         gc.collect()
@@ -265,6 +288,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--variant", action="append", default=[], help="KEY=VALUE,... of TrainEngineConfig")
+    parser.add_argument("--sync-report", action="store_true", help="CUDA: where one step of ours waits for the device")
     args = parser.parse_args()
     device = torch.device(args.device)
     peak, what = peak_flops(device)

@@ -20,42 +20,36 @@ episodes, however many trajectories each one made.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import agents
 import torch
+from tensordict import TensorDict
 
+from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.actors.sft import SFTActor
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
-from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
-from areal_lite.core.controller import RolloutController
-from areal_lite.kit import (
-    RunKit,
-    make_rollout,
-    make_train_engine,
-    mean_reward,
-    on_rank0_first,
-    print_rank0,
-    rank_dataloader,
-    sync_weights,
-)
 from areal_lite.rewards import RewardRunner, exact_answer_reward
-from areal_lite.utils.datasets import padded_batch
 from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
 from areal_lite.workflows import AgentWorkflow, TokenTrace, calculate
 from areal_lite.workflows.agent import episode_means, record_demonstration
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 @dataclass
-class TaskConfig:
+class TaskConfig(kit.TinyModelConfig):
     """The calculator task and the SFT warm-up."""
 
     n_digits: int = 2
@@ -78,10 +72,6 @@ class TaskConfig:
     """Demonstrations per SFT step and rank."""
     sft_lr: float = 1e-3
     """SFT learning rate."""
-    hidden_size: int = 128
-    """Width of the tiny model."""
-    num_layers: int = 4
-    """Depth of the tiny model."""
     seed: int = 0
     """Seed of the model and the questions."""
 
@@ -142,57 +132,35 @@ def demonstrations(tokenizer: object, items: list[dict[str, object]]) -> list[tu
     return [(t.input_ids, t.loss_mask) for traces in asyncio.run(record_all()) for t in traces]
 
 
-def warm_up_with_sft(cfg: AgentExperimentConfig, base_dir: str, sft_dir: str, held_out: set[str]) -> None:
+def warm_up(cfg: AgentExperimentConfig, base_dir: str, sft_dir: str, held_out: set[str]) -> None:
     """Build the tiny model (its tokenizer's merges learnt on a demonstration, digits left out,
-    so the boilerplate is short and every digit a token), then SFT until the dev greedy reward
-    reaches ``task.sft_target_reward``."""
-    from transformers import AutoTokenizer
-
-    from areal_lite.engines.local.engine import LocalInferenceEngine
-
+    so the boilerplate is short and every digit a token), then SFT on demonstrations sampled from a
+    recorded pool until the dev greedy reward reaches ``task.sft_target_reward``."""
     task = cfg.task
-    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
-    engine_cfg.optimizer = replace(
-        cfg.actor.optimizer, lr=task.sft_lr, lr_scheduler_type="constant", warmup_steps_proportion=0.0
-    )
-    engine = make_train_engine(engine_cfg)
 
     def build() -> None:
-        if os.path.exists(os.path.join(base_dir, "config.json")):
-            return
         example = build_tokenizer(vocab_size=0)
         [(ids, _)] = demonstrations(example, questions(1, task.n_digits, seed=-1))
         text = "".join(c for c in example.decode(ids) if not c.isdigit())
         build_tiny_model(base_dir, hidden_size=task.hidden_size, num_layers=task.num_layers, corpus=[text],
                          vocab_size=512, max_position_embeddings=512, seed=task.seed)  # fmt: skip
 
-    on_rank0_first(engine, build)
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    engine.initialize(FinetuneSpec(1, task.sft_steps * task.sft_batch_size, task.sft_batch_size))
-    sft = SFTActor(engine_cfg, engine)
-    local = LocalInferenceEngine(replace(cfg.local_engine, path=base_dir))
-    judge = RolloutController(local, replace(cfg.rollout, episode_process=False))
-    judge.initialize()
-    engine.connect_engine(judge.engine, WeightUpdateMeta(type="in_process"))
-    greedy_cfg = cfg.gconfig.new(n_samples=1, greedy=True)
-    greedy = AgentWorkflow(solve, RewardRunner(exact_answer_reward, mode="inline"), greedy_cfg, tokenizer)
-    dev = questions(task.n_dev, task.n_digits, task.seed + 2, exclude=held_out)
-    rank, world = engine.data_parallel_rank, engine.data_parallel_world_size
-    pool_items = questions(task.sft_pool, task.n_digits, task.seed + 1000, exclude=held_out)
-    pool, rng, t0 = demonstrations(tokenizer, pool_items[rank::world]), random.Random(task.seed + rank), time.time()
-    for step in range(task.sft_steps):
-        stats = sft.train_lm(padded_batch(rng.choices(pool, k=task.sft_batch_size)))
-        if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
-            engine.update_weights(WeightUpdateMeta(type="in_process"))
-            reward = mean_reward(judge, greedy, dev)
-            print_rank0(
-                f"[sft] step {step + 1} loss {stats['loss']:.3f} dev reward {reward:.2f} ({time.time() - t0:.0f}s)"
-            )
-            if reward >= task.sft_target_reward:
-                break
-    judge.destroy()
-    engine.save(SaveLoadMeta(path=sft_dir, weight_format="hf", tokenizer=tokenizer))
-    engine.destroy()
+    def batches(tokenizer: PreTrainedTokenizerBase, rank: int, world: int) -> Iterator[TensorDict]:
+        pool = questions(task.sft_pool, task.n_digits, task.seed + 1000, exclude=held_out)[rank::world]
+        return kit.resampled_batches(demonstrations(tokenizer, pool), task.sft_batch_size, seed=task.seed + rank)
+
+    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
+    kit.warm_up_with_sft(
+        cfg, engine_cfg, sft_dir, build=build, batches=batches, judge=functools.partial(greedy_workflow, cfg),
+        dev=questions(task.n_dev, task.n_digits, task.seed + 2, exclude=held_out), lr=task.sft_lr,
+        max_steps=task.sft_steps, eval_every=task.sft_eval_every, target=task.sft_target_reward, score_name="dev reward",
+    )  # fmt: skip
+
+
+def greedy_workflow(cfg: AgentExperimentConfig, tokenizer: PreTrainedTokenizerBase) -> AgentWorkflow:
+    """One greedy episode per question: the dev and held-out reward."""
+    reward = RewardRunner(exact_answer_reward, mode="inline")
+    return AgentWorkflow(solve, reward, cfg.gconfig.new(n_samples=1, greedy=True), tokenizer)
 
 
 def main(argv: list[str]) -> None:
@@ -203,31 +171,28 @@ def main(argv: list[str]) -> None:
     eval_items = questions(cfg.task.n_eval, cfg.task.n_digits, cfg.task.seed + 1)
     held_out = {str(q["expression"]) for q in eval_items}
     actor_cfg = replace(cfg.actor, path=sft_dir, group_size=1)  # an episode may split: no fixed-size groups
-    actor = PPOActor(actor_cfg, make_train_engine(actor_cfg))
+    actor = PPOActor(actor_cfg, kit.make_train_engine(actor_cfg))
     actor.engine.create_process_group()  # before SFT's: torchrun's group cannot be re-made
     if not os.path.exists(os.path.join(sft_dir, "config.json")):
-        warm_up_with_sft(cfg, base_dir, sft_dir, held_out)
+        warm_up(cfg, base_dir, sft_dir, held_out)
 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
     train_items = questions(cfg.task.n_train, cfg.task.n_digits, cfg.task.seed + 3, exclude=held_out)
     reward = RewardRunner(exact_answer_reward, mode="inline")
-    gconfig = cfg.gconfig.new(n_samples=cfg.actor.group_size)
-    workflow = AgentWorkflow(solve, reward, gconfig, tokenizer)
-    eval_workflow = AgentWorkflow(solve, reward, gconfig.new(n_samples=1, greedy=True), tokenizer)
+    workflow = AgentWorkflow(solve, reward, cfg.gconfig.new(n_samples=cfg.actor.group_size), tokenizer)
+    eval_workflow = greedy_workflow(cfg, tokenizer)
 
-    rollout, weight_meta = make_rollout(cfg, sft_dir)
-    dataloader = rank_dataloader(train_items, cfg.train_dataset, actor.engine, seed=cfg.seed)
-    run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
-    actor.engine.initialize(run.finetune_spec)
-    actor.engine.connect_engine(rollout.engine, weight_meta)
-    resumed = run.resume()
-    before = float(resumed["reward_before"]) if resumed else mean_reward(rollout, eval_workflow, eval_items)  # type: ignore[arg-type]
-    print_rank0(f"[agent] held-out greedy reward after SFT: {before:.3f}")
+    rollout, weight_meta = kit.make_rollout_controller(cfg, sft_dir)
+    dataloader = kit.rank_dataloader(train_items, cfg.train_dataset, actor.engine, seed=cfg.seed)
+    run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
+    run.start()
+    before = run.once("reward_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_items))
+    kit.print_rank0(f"[agent] held-out greedy reward after SFT: {before:.3f}")
 
     def evaluate() -> dict[str, float]:
-        return {"eval/reward": mean_reward(rollout, eval_workflow, eval_items)}
+        return {"eval/reward": kit.mean_reward(rollout, eval_workflow, eval_items)}
 
     for global_step in range(run.start_step, run.total_steps):
         with run.timer("rollout"):
@@ -237,15 +202,15 @@ def main(argv: list[str]) -> None:
             stats = actor.ppo_update(batch)
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
-            sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+            kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
         stats.update(episode_means(batch))
-        run.end_step(global_step, stats, evaluate=evaluate, extra={"reward_before": before})
+        run.end_step(global_step, stats, evaluate=evaluate)
 
-    after = mean_reward(rollout, eval_workflow, eval_items)
+    after = kit.mean_reward(rollout, eval_workflow, eval_items)
     run.close()
     rollout.destroy()
     actor.engine.destroy()
-    print_rank0(f"RESULT reward_before={before:.3f} reward_after={after:.3f} minutes={(time.time() - t0) / 60:.1f}")
+    kit.print_rank0(f"RESULT reward_before={before:.3f} reward_after={after:.3f} minutes={(time.time() - t0) / 60:.1f}")
 
 
 if __name__ == "__main__":

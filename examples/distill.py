@@ -1,6 +1,6 @@
 """On-policy distillation on CPU: a larger tiny model teaches a smaller one the quickstart's addition.
 
-Both models are built here and warmed up with the quickstart's SFT (`quickstart.warm_up_with_sft`):
+Both models are built here and warmed up with the quickstart's SFT (`quickstart.warm_up`):
 the teacher (``teacher.*``: 4 layers, hidden 128) until its dev accuracy is high, the student
 (``task.*``: 4 layers, hidden 64) only until it has learnt the format and a little of the skill.
 Then the student samples answers to unlabelled prompts, the frozen teacher scores every sampled
@@ -29,35 +29,23 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from areal_lite import kit
 from areal_lite.actors.distill import DistillActor, reverse_kl_advantage_fn
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.config_loader import load_config
-from areal_lite.kit import (
-    RunKit,
-    make_rollout,
-    make_train_engine,
-    mean_reward,
-    print_rank0,
-    rank_dataloader,
-    sync_weights,
-)
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import addition_problems
 from areal_lite.workflows.rlvr import RLVRWorkflow
 
 # The quickstart's task and SFT warm-up, imported from the script beside this one rather than copied.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from quickstart import QuickstartConfig, held_out_problems, warm_up_with_sft
+from quickstart import QuickstartConfig, held_out_problems, warm_up
 
 
 @dataclass
-class TeacherConfig:
+class TeacherConfig(kit.TinyModelConfig):
     """The teacher's model and SFT (the student's are ``task.*``)."""
 
-    hidden_size: int = 128
-    """Width of the teacher."""
-    num_layers: int = 4
-    """Depth of the teacher."""
     sft_steps: int = 3000
     """At most this many SFT steps for the teacher."""
     sft_target_acc: float = 0.9
@@ -81,8 +69,8 @@ def held_out_accuracy(
     cfg: DistillConfig, model_dir: str, workflow: RLVRWorkflow, problems: list[dict[str, object]]
 ) -> float:
     """Greedy held-out accuracy of the model in ``model_dir``, through an embedded engine of its own."""
-    judge, _ = make_rollout(replace(cfg, launcher=replace(cfg.launcher, backend="local")), model_dir)
-    acc = mean_reward(judge, workflow, problems)
+    judge, _ = kit.make_rollout_controller(replace(cfg, launcher=replace(cfg.launcher, backend="local")), model_dir)
+    acc = kit.mean_reward(judge, workflow, problems)
     judge.destroy()
     return acc
 
@@ -103,9 +91,9 @@ def main(argv: list[str]) -> None:
         sft_target_acc=cfg.teacher.sft_target_acc,
     )
     if not os.path.exists(os.path.join(teacher_dir, "config.json")):
-        warm_up_with_sft(replace(cfg, task=teacher_task), os.path.join(out, "teacher_base"), teacher_dir, held_out)
+        warm_up(replace(cfg, task=teacher_task), os.path.join(out, "teacher_base"), teacher_dir, held_out)
     if not os.path.exists(os.path.join(student_dir, "config.json")):
-        warm_up_with_sft(cfg, os.path.join(out, "student_base"), student_dir, held_out)
+        warm_up(cfg, os.path.join(out, "student_base"), student_dir, held_out)
     if cfg.task.prepare_only:
         return
 
@@ -118,28 +106,24 @@ def main(argv: list[str]) -> None:
     workflow = RLVRWorkflow(reward, gconfig, tokenizer, use_chat_template=False)
     eval_workflow = RLVRWorkflow(reward, gconfig.new(n_samples=1, greedy=True), tokenizer, use_chat_template=False)
 
-    rollout, weight_meta = make_rollout(cfg, student_dir)
+    rollout, weight_meta = kit.make_rollout_controller(cfg, student_dir)
     actor_cfg = replace(cfg.actor, path=student_dir)
-    student = make_train_engine(actor_cfg)
-    dataloader = rank_dataloader(train_prompts, cfg.train_dataset, student, seed=cfg.seed)
-    teacher = make_train_engine(TrainEngineConfig(path=teacher_dir, backend=cfg.actor.backend, dtype=cfg.actor.dtype))
+    student = kit.make_train_engine(actor_cfg)
+    dataloader = kit.rank_dataloader(train_prompts, cfg.train_dataset, student, seed=cfg.seed)
+    teacher = kit.make_train_engine(
+        TrainEngineConfig(path=teacher_dir, backend=cfg.actor.backend, dtype=cfg.actor.dtype)
+    )
     teacher.initialize(None)  # frozen: forward only
     advantages = reverse_kl_advantage_fn(baseline=cfg.baseline, clip=cfg.kl_clip)
     actor = DistillActor(actor_cfg, student, teacher=teacher.forward, advantage_fn=advantages)
-    run = RunKit(cfg, student, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
-    student.initialize(run.finetune_spec)
-    student.connect_engine(rollout.engine, weight_meta)
-
-    resumed = run.resume()
-    if resumed is not None:
-        teacher_acc, acc_before = float(resumed["teacher_acc"]), float(resumed["acc_before"])  # type: ignore[arg-type]
-    else:
-        teacher_acc = held_out_accuracy(cfg, teacher_dir, eval_workflow, eval_problems)
-        acc_before = mean_reward(rollout, eval_workflow, eval_problems)
-        print_rank0(f"[distill] held-out greedy accuracy: teacher {teacher_acc:.3f}, student {acc_before:.3f}")
+    run = kit.RunKit(cfg, student, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
+    run.start()
+    teacher_acc = run.once("teacher_acc", lambda: held_out_accuracy(cfg, teacher_dir, eval_workflow, eval_problems))
+    acc_before = run.once("acc_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_problems))
+    kit.print_rank0(f"[distill] held-out greedy accuracy: teacher {teacher_acc:.3f}, student {acc_before:.3f}")
 
     def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": mean_reward(rollout, eval_workflow, eval_problems)}
+        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_problems)}
 
     t_distill = time.time()  # the minutes before this are the SFT warm-ups (when not cached) and the first evaluations
     for global_step in range(run.start_step, run.total_steps):
@@ -150,22 +134,21 @@ def main(argv: list[str]) -> None:
             stats = actor.ppo_update(batch)
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
-            sync_weights(rollout, student, weight_meta, version=global_step + 1)
-        extra = {"teacher_acc": teacher_acc, "acc_before": acc_before}
-        run.end_step(global_step, stats, evaluate=evaluate, extra=extra)
+            kit.sync_weights(rollout, student, weight_meta, version=global_step + 1)
+        run.end_step(global_step, stats, evaluate=evaluate)
 
-    acc_after = mean_reward(rollout, eval_workflow, eval_problems)
+    acc_after = kit.mean_reward(rollout, eval_workflow, eval_problems)
     run.close()
     rollout.destroy()
     teacher.destroy()
     student.destroy()
     gap = teacher_acc - acc_before
     closed = (acc_after - acc_before) / gap if gap > 0 else float("nan")
-    print_rank0(f"\n{'held-out greedy accuracy':<30}{'value':>8}")
+    kit.print_rank0(f"\n{'held-out greedy accuracy':<30}{'value':>8}")
     for name, value in (("teacher", teacher_acc), ("student before", acc_before), ("student after", acc_after)):
-        print_rank0(f"{name:<30}{value:>8.3f}")
-    print_rank0(f"{'gap closed':<30}{closed:>8.2f}")
-    print_rank0(
+        kit.print_rank0(f"{name:<30}{value:>8.3f}")
+    kit.print_rank0(f"{'gap closed':<30}{closed:>8.2f}")
+    kit.print_rank0(
         f"RESULT teacher_acc={teacher_acc:.3f} student_before={acc_before:.3f} student_after={acc_after:.3f} "
         f"gap_closed={closed:.2f} minutes={(time.time() - t_start) / 60:.1f} "
         f"distill_minutes={(time.time() - t_distill) / 60:.1f}"

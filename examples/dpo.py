@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from areal_lite import kit
 from areal_lite.actors.dpo import DPOActor
-from areal_lite.api.config import DPOConfig, TrainEngineConfig
+from areal_lite.api.config import DatasetConfig, DPOConfig, TrainEngineConfig
 from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import BaseExperimentConfig
-from areal_lite.kit import RunKit, make_train_engine, print_rank0, rank_dataloader
 from areal_lite.utils.dataloader import endless
 from areal_lite.utils.datasets import PREFERENCE_FIELDS, addition_problems, preference_batch, read_rows
 
@@ -68,6 +68,12 @@ def addition_pairs(n: int, n_digits: int, seed: int, exclude: Collection[str] = 
     return pairs
 
 
+def file_pairs(dataset: DatasetConfig, name: str) -> list[dict[str, object]]:
+    """The pairs in ``dataset``'s file (the config section ``name``): rows without ``prompt``,
+    ``chosen`` and ``rejected`` stop the run or are left out (``on_bad_row``)."""
+    return read_rows(dataset.path, PREFERENCE_FIELDS, on_bad_row=dataset.on_bad_row, setting=f"{name}.on_bad_row").items
+
+
 def main(argv: list[str]) -> None:
     cfg = load_config(argv, DPOExperimentConfig)
     torch.manual_seed(cfg.seed)
@@ -75,41 +81,24 @@ def main(argv: list[str]) -> None:
 
     tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
     task = cfg.task
-    eval_pairs = (
-        read_rows(
-            cfg.valid_dataset.path,
-            PREFERENCE_FIELDS,
-            on_bad_row=cfg.valid_dataset.on_bad_row,
-            setting="valid_dataset.on_bad_row",
-        ).items
-        if cfg.valid_dataset.path
-        else addition_pairs(task.n_eval, task.n_digits, task.seed + 1)
-    )
-    # Generated training pairs never repeat a held-out prompt (2-digit sums have only 10^4).
-    train_pairs = (
-        read_rows(
-            cfg.train_dataset.path,
-            PREFERENCE_FIELDS,
-            on_bad_row=cfg.train_dataset.on_bad_row,
-            setting="train_dataset.on_bad_row",
-        ).items
-        if cfg.train_dataset.path
-        else addition_pairs(
-            task.n_train_pairs, task.n_digits, task.seed + 2, exclude={str(p["prompt"]) for p in eval_pairs}
-        )
-    )
+    if cfg.valid_dataset.path:
+        eval_pairs = file_pairs(cfg.valid_dataset, "valid_dataset")
+    else:
+        eval_pairs = addition_pairs(task.n_eval, task.n_digits, task.seed + 1)
+    if cfg.train_dataset.path:
+        train_pairs = file_pairs(cfg.train_dataset, "train_dataset")
+    else:  # never a held-out prompt (2-digit sums have only 10^4)
+        held_out = {str(p["prompt"]) for p in eval_pairs}
+        train_pairs = addition_pairs(task.n_train_pairs, task.n_digits, task.seed + 2, exclude=held_out)
     eval_batch = preference_batch(tokenizer, eval_pairs[: task.n_eval], task.use_chat_template)
-    ref = make_train_engine(cfg.ref)
-    dpo = DPOActor(cfg.actor, make_train_engine(cfg.actor), ref)
+    ref = kit.make_train_engine(cfg.ref)
+    dpo = DPOActor(cfg.actor, kit.make_train_engine(cfg.actor), ref)
     collate = functools.partial(preference_batch, tokenizer, use_chat_template=task.use_chat_template)
-    dataloader = rank_dataloader(train_pairs, cfg.train_dataset, dpo.engine, seed=cfg.seed, collate_fn=collate)
-    run = RunKit(cfg, dpo.engine, dataloader, tokenizer=tokenizer)
+    dataloader = kit.rank_dataloader(train_pairs, cfg.train_dataset, dpo.engine, seed=cfg.seed, collate_fn=collate)
+    run = kit.RunKit(cfg, dpo.engine, dataloader, tokenizer=tokenizer)
     ref.initialize()  # no FinetuneSpec: frozen, forward only
-    dpo.engine.initialize(run.finetune_spec)
-    resumed = run.resume()
-    before = (
-        resumed["before"] if resumed else dpo.evaluate_dpo(eval_batch)
-    )  # the policy equals the reference: loss log 2
+    run.start()
+    before = run.once("before", lambda: dpo.evaluate_dpo(eval_batch))  # the policy equals the reference: loss log 2
 
     def evaluate() -> dict[str, float]:
         return {f"eval/{k}": v for k, v in dpo.evaluate_dpo(eval_batch).items()}
@@ -118,14 +107,14 @@ def main(argv: list[str]) -> None:
     for global_step in range(run.start_step, run.total_steps):
         stats = dpo.train_dpo(next(data))
         dpo.step_lr_scheduler()
-        run.end_step(global_step, stats, evaluate=evaluate, extra={"before": before})
+        run.end_step(global_step, stats, evaluate=evaluate)
 
     after = dpo.evaluate_dpo(eval_batch)
     run.close()
     dpo.engine.destroy()
     ref.destroy()
-    print_rank0(
-        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} "  # type: ignore[index]
+    kit.print_rank0(
+        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} "
         f"reward_accuracy_after={after['reward_accuracy']:.3f}"
     )
 

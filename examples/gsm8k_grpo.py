@@ -24,19 +24,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.api.config import DatasetConfig
 from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
-from areal_lite.kit import (
-    RunKit,
-    make_rollout,
-    make_train_engine,
-    mean_reward,
-    print_rank0,
-    rank_dataloader,
-    sync_weights,
-)
 from areal_lite.rewards import RewardRunner, math_answer_reward
 from areal_lite.utils.datasets import GSM8K_FIELDS, Rows, gsm8k_item, read_rows
 from areal_lite.workflows.rlvr import RLVRWorkflow
@@ -92,15 +84,15 @@ def main(argv: list[str]) -> None:
         reward, gconfig.new(n_samples=1, greedy=True), tokenizer, enable_thinking=cfg.enable_thinking
     )
 
-    rollout, weight_meta = make_rollout(cfg)
-    actor_engine = make_train_engine(cfg.actor)
-    dataloader = rank_dataloader(train_items, cfg.train_dataset, actor_engine, seed=cfg.seed)
+    rollout, weight_meta = kit.make_rollout_controller(cfg)
+    actor_engine = kit.make_train_engine(cfg.actor)
+    dataloader = kit.rank_dataloader(train_items, cfg.train_dataset, actor_engine, seed=cfg.seed)
     ref = None
     if cfg.actor.kl_ctl > 0:  # a frozen copy of the initial policy for the KL penalty
-        ref = make_train_engine(cfg.actor)
+        ref = kit.make_train_engine(cfg.actor)
         ref.initialize()
     actor = PPOActor(cfg.actor, actor_engine, ref_engine=ref)
-    run = RunKit(
+    run = kit.RunKit(
         cfg,
         actor.engine,
         dataloader,
@@ -109,12 +101,10 @@ def main(argv: list[str]) -> None:
         weight_meta=weight_meta,
         data_stats=train_rows.stats(),
     )
-    actor.engine.initialize(run.finetune_spec)
-    actor.engine.connect_engine(rollout.engine, weight_meta)
-    run.resume()
+    run.start()
 
     def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": mean_reward(rollout, eval_workflow, eval_items)} if eval_items else {}
+        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_items)} if eval_items else {}
 
     for global_step in range(run.start_step, run.total_steps):
         with run.timer("rollout"):
@@ -124,16 +114,16 @@ def main(argv: list[str]) -> None:
             stats = actor.ppo_update(batch)
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
-            sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+            kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
         run.end_step(global_step, stats, evaluate=evaluate)
 
-    final_acc = mean_reward(rollout, eval_workflow, eval_items) if eval_items else float("nan")
+    final_acc = kit.mean_reward(rollout, eval_workflow, eval_items) if eval_items else float("nan")
     run.close()
     rollout.destroy()
     actor.engine.destroy()
     if ref is not None:
         ref.destroy()
-    print_rank0(f"RESULT steps={run.total_steps} eval_accuracy={final_acc:.3f}")
+    kit.print_rank0(f"RESULT steps={run.total_steps} eval_accuracy={final_acc:.3f}")
 
 
 if __name__ == "__main__":

@@ -22,18 +22,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
-from areal_lite.kit import (
-    RunKit,
-    make_rollout,
-    make_train_engine,
-    mean_reward,
-    print_rank0,
-    rank_dataloader,
-    sync_weights,
-)
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import AdditionTaskConfig, addition_splits
 from areal_lite.workflows.envs import MathFeedbackEnv
@@ -84,35 +76,30 @@ def main(argv: list[str]) -> None:
     workflow = MultiTurnWorkflow(env, gconfig, tokenizer, **turns)
     eval_workflow = MultiTurnWorkflow(env, gconfig.new(n_samples=1, greedy=True), tokenizer, **turns)
 
-    rollout, weight_meta = make_rollout(cfg)
-    actor = PPOActor(cfg.actor, make_train_engine(cfg.actor))
-    dataloader = rank_dataloader(train_problems, cfg.train_dataset, actor.engine, seed=cfg.seed)
-    run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
-    actor.engine.initialize(run.finetune_spec)
-    actor.engine.connect_engine(rollout.engine, weight_meta)
-    resumed = run.resume()
-    if resumed is not None:
-        reward_before = float(resumed["reward_before"])  # type: ignore[arg-type]
-    else:
-        reward_before = mean_reward(rollout, eval_workflow, eval_problems)
+    rollout, weight_meta = kit.make_rollout_controller(cfg)
+    actor = PPOActor(cfg.actor, kit.make_train_engine(cfg.actor))
+    dataloader = kit.rank_dataloader(train_problems, cfg.train_dataset, actor.engine, seed=cfg.seed)
+    run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
+    run.start()
+    reward_before = run.once("reward_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_problems))
 
     def evaluate() -> dict[str, float]:
-        return {"eval/reward": mean_reward(rollout, eval_workflow, eval_problems)}
+        return {"eval/reward": kit.mean_reward(rollout, eval_workflow, eval_problems)}
 
     for global_step in range(run.start_step, run.total_steps):
         batch = rollout.prepare_batch(dataloader, workflow=workflow)
         actor.compute_advantages(batch)
         stats = actor.ppo_update(batch)
         actor.step_lr_scheduler()
-        sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+        kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
         stats["num_turns_mean"] = float(batch["num_turns"].mean())
-        run.end_step(global_step, stats, evaluate=evaluate, extra={"reward_before": reward_before})
+        run.end_step(global_step, stats, evaluate=evaluate)
 
-    reward_after = mean_reward(rollout, eval_workflow, eval_problems)
+    reward_after = kit.mean_reward(rollout, eval_workflow, eval_problems)
     run.close()
     rollout.destroy()
     actor.engine.destroy()
-    print_rank0(f"RESULT reward_before={reward_before:.3f} reward_after={reward_after:.3f}")
+    kit.print_rank0(f"RESULT reward_before={reward_before:.3f} reward_after={reward_after:.3f}")
 
 
 if __name__ == "__main__":

@@ -31,18 +31,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
 from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
-from areal_lite.kit import (
-    RunKit,
-    make_rollout,
-    make_train_engine,
-    mean_reward,
-    print_rank0,
-    rank_dataloader,
-    sync_weights,
-)
 from areal_lite.rewards import RewardRunner, exact_answer_reward
 from areal_lite.utils.datasets import AdditionTaskConfig, addition_splits
 from areal_lite.workflows.rlvr import RLVRWorkflow, rewards_differ
@@ -69,17 +61,15 @@ def main(argv: list[str]) -> None:
     eval_workflow = RLVRWorkflow(reward, gconfig.new(n_samples=1, greedy=True), tokenizer, use_chat_template=False)
     should_accept = rewards_differ if cfg.dynamic_sampling else None
 
-    rollout, weight_meta = make_rollout(cfg)
-    actor = PPOActor(cfg.actor, make_train_engine(cfg.actor))
-    dataloader = rank_dataloader(train_problems, cfg.train_dataset, actor.engine, seed=cfg.seed)
-    run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
-    actor.engine.initialize(run.finetune_spec)
-    actor.engine.connect_engine(rollout.engine, weight_meta)
-    resumed = run.resume()
-    acc_before = float(resumed["acc_before"]) if resumed else mean_reward(rollout, eval_workflow, eval_problems)  # type: ignore[arg-type]
+    rollout, weight_meta = kit.make_rollout_controller(cfg)
+    actor = PPOActor(cfg.actor, kit.make_train_engine(cfg.actor))
+    dataloader = kit.rank_dataloader(train_problems, cfg.train_dataset, actor.engine, seed=cfg.seed)
+    run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
+    run.start()
+    acc_before = run.once("acc_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_problems))
 
     def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": mean_reward(rollout, eval_workflow, eval_problems)}
+        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_problems)}
 
     for global_step in range(run.start_step, run.total_steps):
         with run.timer("rollout"):
@@ -89,15 +79,15 @@ def main(argv: list[str]) -> None:
             stats = actor.ppo_update(batch)
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
-            sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate, extra={"acc_before": acc_before})
+            kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+        run.end_step(global_step, stats, evaluate=evaluate)
 
-    acc_after = mean_reward(rollout, eval_workflow, eval_problems)
+    acc_after = kit.mean_reward(rollout, eval_workflow, eval_problems)
     rejected = rollout.stats().get("rollout/rejected", 0.0)
     run.close()
     rollout.destroy()
     actor.engine.destroy()
-    print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f} rejected_groups={rejected:.0f}")
+    kit.print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f} rejected_groups={rejected:.0f}")
 
 
 if __name__ == "__main__":

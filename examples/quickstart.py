@@ -26,48 +26,38 @@ The training loop below is the whole algorithm: nothing is hidden in a trainer c
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
+from tensordict import TensorDict
 
+from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.actors.sft import SFTActor
 from areal_lite.api.config import TrainEngineConfig, one_of
 from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
-from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
-from areal_lite.core.controller import RolloutController
-from areal_lite.kit import (
-    RunKit,
-    job_start_time,
-    make_rollout,
-    make_train_engine,
-    mean_reward,
-    on_rank0_first,
-    print_rank0,
-    rank_dataloader,
-    sync_weights,
-)
 from areal_lite.rewards.format import exact_answer_reward
 from areal_lite.rewards.runner import RewardRunner
-from areal_lite.utils.datasets import addition_problems, sft_batch
+from areal_lite.utils.datasets import AdditionTaskConfig, addition_problems, sft_batch
 from areal_lite.utils.tiny import build_tiny_model
 from areal_lite.workflows.rlvr import RLVRWorkflow
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 @dataclass
-class TaskConfig:
-    """The synthetic task and the SFT warm-up."""
+class TaskConfig(AdditionTaskConfig, kit.TinyModelConfig):
+    """The synthetic task (its training prompts are questions only, no answers), the tiny model
+    and the SFT warm-up; ``seed`` seeds the model too."""
 
-    n_digits: int = 2
-    """Digits of each operand."""
-    n_train_prompts: int = 16384
-    """Prompts (questions only, no answers) in the RL training set."""
-    n_eval: int = 500
-    """Held-out problems for the before/after accuracy."""
     sft_steps: int = 1500
     """At most this many SFT warm-up steps on labelled problems."""
     sft_target_acc: float = 0.35
@@ -82,10 +72,6 @@ class TaskConfig:
     """Demonstrations per SFT step."""
     sft_lr: float = 1e-3
     """SFT learning rate."""
-    hidden_size: int = 128
-    """Width of the tiny model."""
-    num_layers: int = 4
-    """Depth of the tiny model."""
     model_type: str = field(default="dense", metadata=one_of("dense", "moe"))
     """dense (Qwen2) or moe (Qwen3-MoE: each layer's MLP a mixture of experts)."""
     num_experts: int = 8
@@ -93,8 +79,6 @@ class TaskConfig:
     num_experts_per_tok: int = 2
     """moe: experts each token is routed to (each expert is 1 / this as wide as the dense MLP, so
     a token's active width is the dense model's)."""
-    seed: int = 0
-    """Seed of the model and the data."""
     prepare_only: bool = False
     """Build and SFT the model, then exit (the launcher's prepare run, before servers start)."""
 
@@ -112,79 +96,39 @@ def held_out_problems(task: TaskConfig) -> list[dict[str, object]]:
     return addition_problems(task.n_eval, task.n_digits, seed=task.seed + 1)
 
 
-def as_demonstrations(problems: list[dict[str, object]]) -> list[dict[str, object]]:
-    return [{"prompt": p["prompt"], "completion": p["answer"]} for p in problems]
+def greedy_workflow(cfg: QuickstartConfig, tokenizer: PreTrainedTokenizerBase) -> RLVRWorkflow:
+    """One greedy answer per problem, checked by the verifier: the dev and held-out accuracy."""
+    gconfig = replace(cfg.gconfig, n_samples=1, greedy=True, stop_token_ids=[tokenizer.eos_token_id])
+    return RLVRWorkflow(RewardRunner(exact_answer_reward, mode="inline"), gconfig, tokenizer, use_chat_template=False)
 
 
-def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_out: set[str]) -> None:
-    """Build the tiny model and train it on labelled problems until greedy accuracy on a dev set
-    reaches ``task.sft_target_acc`` (checked every ``task.sft_eval_every`` steps through the
-    embedded engine) or ``task.sft_steps`` steps pass. Stopping on a measured accuracy, not a step
-    count, gives RL the same starting point on any machine."""
+def warm_up(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_out: set[str]) -> None:
+    """Build the tiny model in ``base_dir`` and train it on fresh labelled problems each step until
+    greedy accuracy on dev problems reaches ``task.sft_target_acc`` (checked every
+    ``task.sft_eval_every`` steps) or ``task.sft_steps`` steps pass; save it in ``sft_dir``."""
     task = cfg.task
-    from transformers import AutoTokenizer
-
-    from areal_lite.engines.local.engine import LocalInferenceEngine
-
-    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
-    engine_cfg.optimizer = replace(
-        cfg.actor.optimizer, lr=task.sft_lr, lr_scheduler_type="constant", warmup_steps_proportion=0.0
-    )
-    engine = make_train_engine(engine_cfg)
 
     def build() -> None:
-        if not os.path.exists(os.path.join(base_dir, "config.json")):
-            build_tiny_model(
-                base_dir,
-                arch="qwen3_moe" if task.model_type == "moe" else "qwen2",
-                num_experts=task.num_experts,
-                num_experts_per_tok=task.num_experts_per_tok,
-                hidden_size=task.hidden_size,
-                num_layers=task.num_layers,
-                num_heads=4,
-                num_kv_heads=4,
-                vocab_size=0,  # byte level, no merges: one token per character
-                max_position_embeddings=64,
-                seed=task.seed,
+        build_tiny_model(
+            base_dir, arch="qwen3_moe" if task.model_type == "moe" else "qwen2", num_experts=task.num_experts,
+            num_experts_per_tok=task.num_experts_per_tok, hidden_size=task.hidden_size, num_layers=task.num_layers,
+            num_heads=4, num_kv_heads=4, vocab_size=0,  # byte level, no merges: one token per character
+            max_position_embeddings=64, seed=task.seed,
+        )  # fmt: skip
+
+    def batches(tokenizer: PreTrainedTokenizerBase, rank: int, world: int) -> Iterator[TensorDict]:
+        for step in itertools.count():  # each rank trains on its share of the step's problems
+            problems = addition_problems(task.sft_batch_size * world, task.n_digits, task.seed + 1000 + step, held_out)
+            yield sft_batch(
+                tokenizer, [{"prompt": p["prompt"], "completion": p["answer"]} for p in problems[rank::world]]
             )
 
-    on_rank0_first(engine, build)
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    engine.initialize(FinetuneSpec(1, task.sft_steps * task.sft_batch_size, task.sft_batch_size))
-    sft = SFTActor(engine_cfg, engine)
-
-    dev = addition_problems(task.n_dev, task.n_digits, task.seed + 2, exclude=held_out)
-    judge = RolloutController(
-        LocalInferenceEngine(replace(cfg.local_engine, path=base_dir)), replace(cfg.rollout, episode_process=False)
-    )
-    judge.initialize()
-    engine.connect_engine(judge.engine, WeightUpdateMeta(type="in_process"))
-    greedy = RLVRWorkflow(
-        RewardRunner(exact_answer_reward, mode="inline"),
-        replace(cfg.gconfig, n_samples=1, greedy=True, stop_token_ids=[tokenizer.eos_token_id]),
-        tokenizer,
-        use_chat_template=False,
-    )
-    t0 = time.time()
-    rank, world = engine.data_parallel_rank, engine.data_parallel_world_size
-    for step in range(task.sft_steps):
-        # Each rank trains on its share of the step's problems (all of them on one rank).
-        problems = addition_problems(
-            task.sft_batch_size * world, task.n_digits, task.seed + 1000 + step, exclude=held_out
-        )
-        problems = problems[rank::world]
-        stats = sft.train_lm(sft_batch(tokenizer, as_demonstrations(problems)))
-        if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
-            engine.update_weights(WeightUpdateMeta(type="in_process"))
-            acc = mean_reward(judge, greedy, dev)
-            print_rank0(
-                f"[sft] step {step + 1} loss {stats['loss']:.3f} dev greedy accuracy {acc:.3f} ({time.time() - t0:.0f}s)"
-            )
-            if acc >= task.sft_target_acc:
-                break
-    judge.destroy()
-    engine.save(SaveLoadMeta(path=sft_dir, weight_format="hf", tokenizer=tokenizer))
-    engine.destroy()
+    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
+    kit.warm_up_with_sft(
+        cfg, engine_cfg, sft_dir, build=build, batches=batches, judge=functools.partial(greedy_workflow, cfg),
+        dev=addition_problems(task.n_dev, task.n_digits, task.seed + 2, exclude=held_out), lr=task.sft_lr,
+        max_steps=task.sft_steps, eval_every=task.sft_eval_every, target=task.sft_target_acc,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- RL
@@ -192,14 +136,14 @@ def warm_up_with_sft(cfg: QuickstartConfig, base_dir: str, sft_dir: str, held_ou
 
 def main(argv: list[str]) -> None:
     cfg = load_config(argv, QuickstartConfig)
-    t_start = job_start_time(cfg.output_dir)
+    t_start = kit.job_start_time(cfg.output_dir)
     torch.manual_seed(cfg.seed)
     base_dir = os.path.join(cfg.output_dir, "base_model")
     sft_dir = os.path.join(cfg.output_dir, "sft_model")
     eval_problems = held_out_problems(cfg.task)
     held_out = {str(p["prompt"]) for p in eval_problems}
     if not os.path.exists(os.path.join(sft_dir, "config.json")):
-        warm_up_with_sft(cfg, base_dir, sft_dir, held_out)
+        warm_up(cfg, base_dir, sft_dir, held_out)
     if cfg.task.prepare_only:
         return
 
@@ -212,27 +156,22 @@ def main(argv: list[str]) -> None:
     # The verifier is a string comparison: call it on the rollout loop (no worker process or thread).
     reward = RewardRunner(exact_answer_reward, mode="inline")
     workflow = RLVRWorkflow(reward, gconfig, tokenizer, use_chat_template=False)
-    eval_workflow = RLVRWorkflow(reward, gconfig.new(n_samples=1, greedy=True), tokenizer, use_chat_template=False)
+    eval_workflow = greedy_workflow(cfg, tokenizer)
 
-    rollout, weight_meta = make_rollout(cfg, sft_dir)
+    rollout, weight_meta = kit.make_rollout_controller(cfg, sft_dir)
     actor_cfg = replace(cfg.actor, path=sft_dir)
-    actor = PPOActor(actor_cfg, make_train_engine(actor_cfg))
+    actor = PPOActor(actor_cfg, kit.make_train_engine(actor_cfg))
     # Each data-parallel rank rolls out and trains on its own share of the prompts.
-    dataloader = rank_dataloader(train_problems, cfg.train_dataset, actor.engine, seed=cfg.seed)
-    run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
-    actor.engine.initialize(run.finetune_spec)  # the LR schedule spans the steps run
-    actor.engine.connect_engine(rollout.engine, weight_meta)
-
-    # A resumed run pushes the recovered weights to the rollout side and replays in-flight prompts.
-    resumed = run.resume()
-    if resumed is not None:
-        acc_before = float(resumed["acc_before"])  # type: ignore[arg-type]
-    else:
-        acc_before = mean_reward(rollout, eval_workflow, eval_problems)
-        print_rank0(f"[quickstart] held-out greedy accuracy after SFT: {acc_before:.3f}")
+    dataloader = kit.rank_dataloader(train_problems, cfg.train_dataset, actor.engine, seed=cfg.seed)
+    run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
+    # The LR schedule spans the steps run; a resumed run pushes the recovered weights to the
+    # rollout side and replays in-flight prompts.
+    run.start()
+    acc_before = run.once("acc_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_problems))
+    kit.print_rank0(f"[quickstart] held-out greedy accuracy after SFT: {acc_before:.3f}")
 
     def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": mean_reward(rollout, eval_workflow, eval_problems)}
+        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_problems)}
 
     t_rl = time.time()
     for global_step in range(run.start_step, run.total_steps):
@@ -243,19 +182,19 @@ def main(argv: list[str]) -> None:
             stats = actor.ppo_update(batch)
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
-            sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate, extra={"acc_before": acc_before})
+            kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+        run.end_step(global_step, stats, evaluate=evaluate)
 
-    print_rank0(f"[quickstart] RL: {run.total_steps - run.start_step} steps in {time.time() - t_rl:.2f}s")
-    acc_after = mean_reward(rollout, eval_workflow, eval_problems)
+    kit.print_rank0(f"[quickstart] RL: {run.total_steps - run.start_step} steps in {time.time() - t_rl:.2f}s")
+    acc_after = kit.mean_reward(rollout, eval_workflow, eval_problems)
     minutes = (time.time() - t_start) / 60
     run.close()
     rollout.destroy()
     actor.engine.destroy()
-    print_rank0(f"\n{'held-out greedy accuracy':<28}{'value':>8}")
-    print_rank0(f"{'after SFT (before RL)':<28}{acc_before:>8.3f}")
-    print_rank0(f"{'after RL':<28}{acc_after:>8.3f}")
-    print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f} minutes={minutes:.1f}")
+    kit.print_rank0(f"\n{'held-out greedy accuracy':<28}{'value':>8}")
+    kit.print_rank0(f"{'after SFT (before RL)':<28}{acc_before:>8.3f}")
+    kit.print_rank0(f"{'after RL':<28}{acc_after:>8.3f}")
+    kit.print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f} minutes={minutes:.1f}")
 
 
 if __name__ == "__main__":

@@ -23,18 +23,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from areal_lite import kit
 from areal_lite.actors.sft import SFTActor
 from areal_lite.api.config import DatasetConfig, TrainEngineConfig
 from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import BaseExperimentConfig
-from areal_lite.kit import RunKit, make_train_engine, on_rank0_first, print_rank0, rank_dataloader
 from areal_lite.utils.dataloader import endless
 from areal_lite.utils.datasets import Rows, addition_problems, demonstration_row, read_rows, sft_batch
 from areal_lite.utils.tiny import build_tiny_model
 
 
 @dataclass
-class TaskConfig:
+class TaskConfig(kit.TinyModelConfig):
     """The generated demonstrations (when no dataset path is given) and the model to start from."""
 
     n_digits: int = 2
@@ -49,10 +49,6 @@ class TaskConfig:
     """Render ``prompt`` items as a user turn of the chat template instead of raw text."""
     tiny_model: bool = False
     """Build a tiny random model (byte-level tokenizer) at ``actor.path`` if none is there."""
-    hidden_size: int = 128
-    """Width of the tiny model."""
-    num_layers: int = 4
-    """Depth of the tiny model."""
 
 
 @dataclass
@@ -77,7 +73,7 @@ def main(argv: list[str]) -> None:
     cfg = load_config(argv, SFTConfig)
     torch.manual_seed(cfg.seed)
     task = cfg.task
-    sft = SFTActor(cfg.actor, make_train_engine(cfg.actor))
+    sft = SFTActor(cfg.actor, kit.make_train_engine(cfg.actor))
 
     def build() -> None:
         if task.tiny_model and not os.path.exists(os.path.join(cfg.actor.path, "config.json")):
@@ -92,7 +88,7 @@ def main(argv: list[str]) -> None:
                 seed=task.seed,
             )
 
-    on_rank0_first(sft.engine, build)
+    kit.on_rank0_first(sft.engine, build)
     from areal_lite.utils.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
@@ -103,11 +99,10 @@ def main(argv: list[str]) -> None:
     ]
     eval_batch = sft_batch(tokenizer, eval_items, task.use_chat_template)
     collate = functools.partial(sft_batch, tokenizer, use_chat_template=task.use_chat_template)
-    dataloader = rank_dataloader(train_items, cfg.train_dataset, sft.engine, seed=cfg.seed, collate_fn=collate)
-    run = RunKit(cfg, sft.engine, dataloader, tokenizer=tokenizer, data_stats=train_rows.stats())
-    sft.engine.initialize(run.finetune_spec)
-    resumed = run.resume()
-    before = resumed["before"] if resumed else sft.evaluate_lm(eval_batch)
+    dataloader = kit.rank_dataloader(train_items, cfg.train_dataset, sft.engine, seed=cfg.seed, collate_fn=collate)
+    run = kit.RunKit(cfg, sft.engine, dataloader, tokenizer=tokenizer, data_stats=train_rows.stats())
+    run.start()
+    before = run.once("before", lambda: sft.evaluate_lm(eval_batch))
 
     def evaluate() -> dict[str, float]:
         return {f"eval/{k}": v for k, v in sft.evaluate_lm(eval_batch).items()}
@@ -116,13 +111,13 @@ def main(argv: list[str]) -> None:
     for global_step in range(run.start_step, run.total_steps):
         stats = sft.train_lm(next(data))
         sft.step_lr_scheduler()
-        run.end_step(global_step, stats, evaluate=evaluate, extra={"before": before})
+        run.end_step(global_step, stats, evaluate=evaluate)
 
     after = sft.evaluate_lm(eval_batch)
     run.close()
     sft.engine.destroy()
-    print_rank0(
-        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} ppl_after={after['ppl']:.2f}",  # type: ignore[index]
+    kit.print_rank0(
+        f"RESULT loss_before={before['loss']:.3f} loss_after={after['loss']:.3f} ppl_after={after['ppl']:.2f}",
     )
 
 

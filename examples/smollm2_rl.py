@@ -23,34 +23,29 @@ process (``launcher.backend=local``: on two cores, a server process buys nothing
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
+from tensordict import TensorDict
 
+from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.actors.sft import SFTActor
 from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
-from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
-from areal_lite.core.controller import RolloutController
-from areal_lite.kit import (
-    RunKit,
-    job_start_time,
-    make_rollout,
-    make_train_engine,
-    mean_reward,
-    print_rank0,
-    rank_dataloader,
-    sync_weights,
-)
 from areal_lite.rewards import RewardRunner, math_answer_reward
 from areal_lite.utils.datasets import sft_batch
 from areal_lite.utils.pretrained import smollm2_dir
 from areal_lite.workflows.rlvr import RLVRWorkflow
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -141,51 +136,25 @@ def demonstration(item: dict[str, object]) -> dict[str, object]:
     return {"messages": [*item["messages"], {"role": "assistant", "content": reply}]}  # type: ignore[list-item]
 
 
-def warm_up_with_sft(cfg: SmolLM2Config, base_dir: str, sft_dir: str, data: dict[str, list[dict[str, object]]]) -> None:
+def warm_up(cfg: SmolLM2Config, base_dir: str, sft_dir: str, data: dict[str, list[dict[str, object]]]) -> None:
     """Train the base model on the labelled problems (cycling through them) until greedy dev
     accuracy reaches ``task.sft_target_acc`` or ``task.sft_max_steps`` steps pass; save it."""
     task = cfg.task
-    from transformers import AutoTokenizer
 
-    from areal_lite.engines.local.engine import LocalInferenceEngine
+    def batches(tokenizer: PreTrainedTokenizerBase, rank: int, world: int) -> Iterator[TensorDict]:
+        labelled, rng, order = [demonstration(p) for p in data["sft"]], random.Random(task.seed), []
+        size = task.sft_batch_size * world  # each step takes the next problems of a shuffled cycle
+        while True:
+            if len(order) < size:
+                order += rng.sample(labelled, len(labelled))
+            batch, order = order[:size], order[size:]
+            yield sft_batch(tokenizer, batch[rank::world])
 
-    engine_cfg = replace(cfg.actor, path=base_dir, lora=replace(cfg.actor.lora, rank=0))
-    engine_cfg.optimizer = replace(
-        cfg.actor.optimizer, lr=task.sft_lr, lr_scheduler_type="constant", warmup_steps_proportion=0.0
-    )
-    engine = make_train_engine(engine_cfg)
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    engine.initialize(FinetuneSpec(1, task.sft_max_steps * task.sft_batch_size, task.sft_batch_size))
-    sft = SFTActor(engine_cfg, engine)
-    judge = RolloutController(
-        LocalInferenceEngine(replace(cfg.local_engine, path=base_dir)), replace(cfg.rollout, episode_process=False)
-    )
-    judge.initialize()
-    engine.connect_engine(judge.engine, WeightUpdateMeta(type="in_process"))
-    greedy = greedy_workflow(cfg, tokenizer)
-    labelled = [demonstration(p) for p in data["sft"]]
-    rng = random.Random(task.seed)
-    t0 = time.time()
-    rank, world = engine.data_parallel_rank, engine.data_parallel_world_size
-    acc = mean_reward(judge, greedy, data["dev"])
-    print_rank0(f"[sft] step 0 dev greedy accuracy {acc:.3f}")
-    order: list[dict[str, object]] = []
-    for step in range(task.sft_max_steps):
-        if len(order) < task.sft_batch_size * world:
-            order += rng.sample(labelled, len(labelled))
-        batch, order = order[: task.sft_batch_size * world], order[task.sft_batch_size * world :]
-        stats = sft.train_lm(sft_batch(tokenizer, batch[rank::world]))
-        if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_max_steps:
-            engine.update_weights(WeightUpdateMeta(type="in_process"))
-            acc = mean_reward(judge, greedy, data["dev"])
-            print_rank0(
-                f"[sft] step {step + 1} loss {stats['loss']:.3f} dev greedy accuracy {acc:.3f} ({time.time() - t0:.0f}s)"
-            )
-            if acc >= task.sft_target_acc:
-                break
-    judge.destroy()
-    engine.save(SaveLoadMeta(path=sft_dir, weight_format="hf", tokenizer=tokenizer))
-    engine.destroy()
+    kit.warm_up_with_sft(
+        cfg, replace(cfg.actor, path=base_dir, lora=replace(cfg.actor.lora, rank=0)), sft_dir, batches=batches,
+        judge=functools.partial(greedy_workflow, cfg), dev=data["dev"], lr=task.sft_lr, max_steps=task.sft_max_steps,
+        eval_every=task.sft_eval_every, target=task.sft_target_acc, score_at_start=True,
+    )  # fmt: skip
 
 
 def greedy_workflow(cfg: SmolLM2Config, tokenizer: object) -> RLVRWorkflow:
@@ -199,13 +168,13 @@ def greedy_workflow(cfg: SmolLM2Config, tokenizer: object) -> RLVRWorkflow:
 
 def main(argv: list[str]) -> None:
     cfg = load_config(argv, SmolLM2Config)
-    t_start = job_start_time(cfg.output_dir)
+    t_start = kit.job_start_time(cfg.output_dir)
     torch.manual_seed(cfg.seed)
     data = splits(cfg.task)
     sft_dir = os.path.join(cfg.output_dir, "sft_model")
     if not os.path.exists(os.path.join(sft_dir, "config.json")):
         # Every rank may build the cached directory: the first complete one is renamed into place.
-        warm_up_with_sft(cfg, cfg.base_model or smollm2_dir(), sft_dir, data)
+        warm_up(cfg, cfg.base_model or smollm2_dir(), sft_dir, data)
     if cfg.task.prepare_only:
         return
 
@@ -218,23 +187,17 @@ def main(argv: list[str]) -> None:
     workflow = RLVRWorkflow(reward, gconfig, tokenizer)
     eval_workflow = greedy_workflow(cfg, tokenizer)
 
-    rollout, weight_meta = make_rollout(cfg, sft_dir)
+    rollout, weight_meta = kit.make_rollout_controller(cfg, sft_dir)
     actor_cfg = replace(cfg.actor, path=sft_dir)
-    actor = PPOActor(actor_cfg, make_train_engine(actor_cfg))
-    dataloader = rank_dataloader(data["rl"], cfg.train_dataset, actor.engine, seed=cfg.seed)
-    run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
-    actor.engine.initialize(run.finetune_spec)
-    actor.engine.connect_engine(rollout.engine, weight_meta)
-
-    resumed = run.resume()
-    if resumed is not None:
-        acc_before = float(resumed["acc_before"])  # type: ignore[arg-type]
-    else:
-        acc_before = mean_reward(rollout, eval_workflow, data["held_out"])
-        print_rank0(f"[smollm2] held-out greedy accuracy after the SFT warm-up: {acc_before:.3f}")
+    actor = PPOActor(actor_cfg, kit.make_train_engine(actor_cfg))
+    dataloader = kit.rank_dataloader(data["rl"], cfg.train_dataset, actor.engine, seed=cfg.seed)
+    run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
+    run.start()
+    acc_before = run.once("acc_before", lambda: kit.mean_reward(rollout, eval_workflow, data["held_out"]))
+    kit.print_rank0(f"[smollm2] held-out greedy accuracy after the SFT warm-up: {acc_before:.3f}")
 
     def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": mean_reward(rollout, eval_workflow, data["held_out"])}
+        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, data["held_out"])}
 
     t_rl = time.time()
     for global_step in range(run.start_step, run.total_steps):
@@ -245,19 +208,19 @@ def main(argv: list[str]) -> None:
             stats = actor.ppo_update(batch)
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
-            sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate, extra={"acc_before": acc_before})
+            kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+        run.end_step(global_step, stats, evaluate=evaluate)
 
-    print_rank0(f"[smollm2] RL: {run.total_steps - run.start_step} steps in {time.time() - t_rl:.0f}s")
-    acc_after = mean_reward(rollout, eval_workflow, data["held_out"])
+    kit.print_rank0(f"[smollm2] RL: {run.total_steps - run.start_step} steps in {time.time() - t_rl:.0f}s")
+    acc_after = kit.mean_reward(rollout, eval_workflow, data["held_out"])
     minutes = (time.time() - t_start) / 60
     run.close()
     rollout.destroy()
     actor.engine.destroy()
-    print_rank0(f"\n{'held-out greedy accuracy':<30}{'value':>8}")
-    print_rank0(f"{'after SFT warm-up (before RL)':<30}{acc_before:>8.3f}")
-    print_rank0(f"{'after RL':<30}{acc_after:>8.3f}")
-    print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f} minutes={minutes:.1f}")
+    kit.print_rank0(f"\n{'held-out greedy accuracy':<30}{'value':>8}")
+    kit.print_rank0(f"{'after SFT warm-up (before RL)':<30}{acc_before:>8.3f}")
+    kit.print_rank0(f"{'after RL':<30}{acc_after:>8.3f}")
+    kit.print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f} minutes={minutes:.1f}")
 
 
 if __name__ == "__main__":

@@ -18,10 +18,11 @@ the task's episodes (Dr. GRPO over episodes, as in examples/agent.py).
 from __future__ import annotations
 
 import os
-import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 import verifiers.v1 as vf
@@ -29,33 +30,24 @@ import verifiers.v1 as vf
 # verifiers imports the taskset by module name: this script's directory is on the path (as the
 # directory of the script Python runs), so examples/reverse_digits.py is found.
 from reverse_digits import ReverseConfig
+from tensordict import TensorDict
 
+from areal_lite import kit
 from areal_lite.actors.ppo import PPOActor
-from areal_lite.actors.sft import SFTActor
 from areal_lite.api.config import TrainEngineConfig
 from areal_lite.api.config_loader import load_config
 from areal_lite.api.experiment_config import RLExperimentConfig
-from areal_lite.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
-from areal_lite.core.controller import RolloutController
-from areal_lite.kit import (
-    RunKit,
-    make_rollout,
-    make_train_engine,
-    mean_reward,
-    on_rank0_first,
-    print_rank0,
-    rank_dataloader,
-    sync_weights,
-)
-from areal_lite.utils.datasets import padded_batch
 from areal_lite.utils.tiny import build_tiny_model, build_tokenizer
 from areal_lite.workflows.agent import episode_means
 from areal_lite.workflows.trajectory import encode_chat
 from areal_lite.workflows.verifiers_env import VerifiersWorkflow, local_agent, task_items
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 @dataclass
-class TaskConfig:
+class TaskConfig(kit.TinyModelConfig):
     """The verifiers taskset and the SFT warm-up."""
 
     n_digits: int = 3
@@ -76,10 +68,6 @@ class TaskConfig:
     """Demonstrations per SFT step and rank."""
     sft_lr: float = 1e-3
     """SFT learning rate."""
-    hidden_size: int = 128
-    """Width of the tiny model."""
-    num_layers: int = 4
-    """Depth of the tiny model."""
     in_process: bool = True
     """Run the harness's chat from this process (no program start per episode): see areal_lite_harness."""
     seed: int = 0
@@ -116,54 +104,33 @@ def demonstrations(tokenizer: object, env: vf.Env) -> list[tuple[list[int], list
     return out
 
 
-def warm_up_with_sft(cfg: VerifiersExperimentConfig, base_dir: str, sft_dir: str, train: vf.Env, dev: vf.Env) -> None:
+def warm_up(cfg: VerifiersExperimentConfig, base_dir: str, sft_dir: str, train: vf.Env, dev: vf.Env) -> None:
     """Build the tiny model (its tokenizer's merges learnt on a prompt with the digits left out, so
-    every digit is a token), then SFT until the dev greedy reward reaches ``task.sft_target_reward``."""
-    from transformers import AutoTokenizer
-
-    from areal_lite.engines.local.engine import LocalInferenceEngine
-
+    every digit is a token), then SFT on the training tasks' answers until the dev greedy reward
+    reaches ``task.sft_target_reward``."""
     task = cfg.task
-    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
-    engine_cfg.optimizer = replace(
-        cfg.actor.optimizer, lr=task.sft_lr, lr_scheduler_type="constant", warmup_steps_proportion=0.0
-    )
-    engine = make_train_engine(engine_cfg)
 
     def build() -> None:
-        if os.path.exists(os.path.join(base_dir, "config.json")):
-            return
         example = build_tokenizer(vocab_size=0)
         text = example.apply_chat_template([{"role": "user", "content": "Reverse the digits of ."}], tokenize=False,
                                            add_generation_prompt=True)  # fmt: skip
         build_tiny_model(base_dir, hidden_size=task.hidden_size, num_layers=task.num_layers, corpus=[text],
                          vocab_size=512, max_position_embeddings=256, seed=task.seed)  # fmt: skip
 
-    on_rank0_first(engine, build)
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    engine.initialize(FinetuneSpec(1, task.sft_steps * task.sft_batch_size, task.sft_batch_size))
-    sft = SFTActor(engine_cfg, engine)
-    local = LocalInferenceEngine(replace(cfg.local_engine, path=base_dir))
-    judge = RolloutController(local, replace(cfg.rollout, episode_process=False))
-    judge.initialize()
-    engine.connect_engine(judge.engine, WeightUpdateMeta(type="in_process"))
-    greedy = VerifiersWorkflow(dev, cfg.gconfig.new(n_samples=1, greedy=True), tokenizer)
-    dev_items = task_items(dev.taskset)
-    rank, world = engine.data_parallel_rank, engine.data_parallel_world_size
-    pool, rng, t0 = demonstrations(tokenizer, train)[rank::world], random.Random(task.seed + rank), time.time()
-    for step in range(task.sft_steps):
-        stats = sft.train_lm(padded_batch(rng.choices(pool, k=task.sft_batch_size)))
-        if (step + 1) % task.sft_eval_every == 0 or step + 1 == task.sft_steps:
-            engine.update_weights(WeightUpdateMeta(type="in_process"))
-            reward = mean_reward(judge, greedy, dev_items)
-            print_rank0(
-                f"[sft] step {step + 1} loss {stats['loss']:.3f} dev reward {reward:.2f} ({time.time() - t0:.0f}s)"
-            )
-            if reward >= task.sft_target_reward:
-                break
-    judge.destroy()
-    engine.save(SaveLoadMeta(path=sft_dir, weight_format="hf", tokenizer=tokenizer))
-    engine.destroy()
+    def batches(tokenizer: PreTrainedTokenizerBase, rank: int, world: int) -> Iterator[TensorDict]:
+        return kit.resampled_batches(
+            demonstrations(tokenizer, train)[rank::world], task.sft_batch_size, task.seed + rank
+        )
+
+    def greedy(tokenizer: PreTrainedTokenizerBase) -> VerifiersWorkflow:
+        return VerifiersWorkflow(dev, cfg.gconfig.new(n_samples=1, greedy=True), tokenizer)
+
+    engine_cfg = TrainEngineConfig(path=base_dir, backend=cfg.actor.backend, seed=task.seed, mb_spec=cfg.actor.mb_spec)
+    kit.warm_up_with_sft(
+        cfg, engine_cfg, sft_dir, build=build, batches=batches, judge=greedy, dev=task_items(dev.taskset),
+        lr=task.sft_lr, max_steps=task.sft_steps, eval_every=task.sft_eval_every, target=task.sft_target_reward,
+        score_name="dev reward",
+    )  # fmt: skip
 
 
 def main(argv: list[str]) -> None:
@@ -176,10 +143,10 @@ def main(argv: list[str]) -> None:
     train = make_env(task, task.n_train, seed=task.seed + 2, exclude=numbers(held_out))
     dev = make_env(task, task.n_dev, seed=task.seed + 3, exclude=numbers(held_out) + numbers(train))
     actor_cfg = replace(cfg.actor, path=sft_dir, group_size=1)  # an episode may split: no fixed-size groups
-    actor = PPOActor(actor_cfg, make_train_engine(actor_cfg))
+    actor = PPOActor(actor_cfg, kit.make_train_engine(actor_cfg))
     actor.engine.create_process_group()  # before SFT's: torchrun's group cannot be re-made
     if not os.path.exists(os.path.join(sft_dir, "config.json")):
-        warm_up_with_sft(cfg, base_dir, sft_dir, train, dev)
+        warm_up(cfg, base_dir, sft_dir, train, dev)
 
     from transformers import AutoTokenizer
 
@@ -188,17 +155,15 @@ def main(argv: list[str]) -> None:
     eval_workflow = VerifiersWorkflow(held_out, cfg.gconfig.new(n_samples=1, greedy=True), tokenizer)
     eval_items = task_items(held_out.taskset)
 
-    rollout, weight_meta = make_rollout(cfg, sft_dir)
-    dataloader = rank_dataloader(task_items(train.taskset), cfg.train_dataset, actor.engine, seed=cfg.seed)
-    run = RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
-    actor.engine.initialize(run.finetune_spec)
-    actor.engine.connect_engine(rollout.engine, weight_meta)
-    resumed = run.resume()
-    before = float(resumed["reward_before"]) if resumed else mean_reward(rollout, eval_workflow, eval_items)  # type: ignore[arg-type]
-    print_rank0(f"[verifiers] held-out greedy reward after SFT: {before:.3f}")
+    rollout, weight_meta = kit.make_rollout_controller(cfg, sft_dir)
+    dataloader = kit.rank_dataloader(task_items(train.taskset), cfg.train_dataset, actor.engine, seed=cfg.seed)
+    run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=tokenizer, rollout=rollout, weight_meta=weight_meta)
+    run.start()
+    before = run.once("reward_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_items))
+    kit.print_rank0(f"[verifiers] held-out greedy reward after SFT: {before:.3f}")
 
     def evaluate() -> dict[str, float]:
-        return {"eval/reward": mean_reward(rollout, eval_workflow, eval_items)}
+        return {"eval/reward": kit.mean_reward(rollout, eval_workflow, eval_items)}
 
     for global_step in range(run.start_step, run.total_steps):
         with run.timer("rollout"):
@@ -208,15 +173,15 @@ def main(argv: list[str]) -> None:
             stats = actor.ppo_update(batch)
             actor.step_lr_scheduler()
         with run.timer("weight_sync"):
-            sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+            kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
         stats.update(episode_means(batch))
-        run.end_step(global_step, stats, evaluate=evaluate, extra={"reward_before": before})
+        run.end_step(global_step, stats, evaluate=evaluate)
 
-    after = mean_reward(rollout, eval_workflow, eval_items)
+    after = kit.mean_reward(rollout, eval_workflow, eval_items)
     run.close()
     rollout.destroy()
     actor.engine.destroy()
-    print_rank0(f"RESULT reward_before={before:.3f} reward_after={after:.3f} minutes={(time.time() - t0) / 60:.1f}")
+    kit.print_rank0(f"RESULT reward_before={before:.3f} reward_after={after:.3f} minutes={(time.time() - t0) / 60:.1f}")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def server(model_path: str):
 
 
 def controller(address: str, episode_process: bool) -> RolloutController:
-    """What `make_rollout` builds for servers: the child's engine generates, the trainer's controls."""
+    """What `make_rollout_controller` builds for servers: the child's engine generates, the trainer's controls."""
     config = InferenceEngineConfig(
         addresses=[address],
         episode_process=episode_process,

@@ -258,6 +258,26 @@ def test_sft_default_config_builds_its_model(tmp_path: Path) -> None:
     assert (tmp_path / "sft" / "trial0" / "base_model" / "config.json").exists()
 
 
+def test_a_resumed_example_reports_the_score_it_measured_before_training(tmp_path: Path) -> None:
+    """`RunKit.once`: the held-out score before training goes into every recover checkpoint, and a
+    resumed run reports that score, not one of its partly trained model."""
+    args = [
+        f"cluster.fileroot={tmp_path}",
+        "task.hidden_size=32",
+        "task.num_layers=1",
+        "task.n_train=64",
+        "task.n_eval=8",
+        "train_dataset.batch_size=8",
+        *QUIET,
+        "recover.mode=auto",
+    ]
+    first = run("sft.py", "sft.yaml", *args, "total_train_steps=2")
+    second = run("sft.py", "sft.yaml", *args, "total_train_steps=4")
+    assert "resumed after step 2" in second
+    before = [re.search(r"^RESULT loss_before=([\d.]+)", out, re.MULTILINE).group(1) for out in (first, second)]  # type: ignore[union-attr]
+    assert before[0] == before[1]
+
+
 def test_agent(tmp_path: Path) -> None:
     """The openai-agents calculator agent: its SFT warm-up builds the model, then RL over episodes
     on two trainer ranks."""

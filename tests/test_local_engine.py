@@ -67,6 +67,12 @@ def generate_all(engine: LocalInferenceEngine, jobs: list[tuple[list[int], Sampl
     return asyncio.run(run())
 
 
+def generate_together(engine: LocalInferenceEngine, jobs: list[tuple[list[int], SamplingParams]]):
+    """`generate_all` with every request queued at once, so that which rows share a step (and so
+    what each draws from the engine's random stream) does not depend on the threads' timing."""
+    return asyncio.run(engine.scheduler.generate_many([(p, sp, None) for p, sp in jobs]))
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-ops", "torch-ops"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_logprobs_equal_hf_forward(arch: str, fused: bool, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -435,7 +441,7 @@ def test_fixed_shape_decode_step_equals_the_eager_one(model_path: str, hf: torch
 
     graphs.run = run  # type: ignore[method-assign]
     try:
-        expected, got = generate_all(eager, jobs), generate_all(static, jobs)
+        expected, got = generate_together(eager, jobs), generate_together(static, jobs)
     finally:
         eager.destroy()
         static.destroy()
@@ -721,8 +727,8 @@ def test_packed_prefill_equals_the_per_sequence_prefill(model_path: str, monkeyp
     monkeypatch.setattr(flash_varlen, "available", lambda device, dtype: True)
     engine = make_engine(model_path, max_running_requests=5)
     calls = []
-    real = engine.scheduler._runner._prefill_packed
-    engine.scheduler._runner._prefill_packed = lambda *a: calls.append(1) or real(*a)  # type: ignore[method-assign]
+    real = engine.scheduler._runner.cache.scatter
+    engine.scheduler._runner.cache.scatter = lambda *a: calls.append(1) or real(*a)  # type: ignore[method-assign]
     try:
         got = generate_all(engine, jobs)
     finally:
@@ -731,3 +737,27 @@ def test_packed_prefill_equals_the_per_sequence_prefill(model_path: str, monkeyp
     for e, g in zip(expected, got):
         assert g.output_ids == e.output_ids
         torch.testing.assert_close(torch.tensor(g.output_logprobs), torch.tensor(e.output_logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("sampling", ["engine_stream", "greedy"])
+def test_device_side_choice_in_eager_steps_equals_the_host_checked_one(model_path: str, sampling: str) -> None:
+    """What a GPU engine does in its eager steps (prefills beside decode rows): plain rows' tokens
+    chosen and their log-probabilities computed on the device, read back once, against the
+    step-by-step `choose_tokens` / `record_tokens` the CPU engine runs: the same tokens from the
+    same stream, the same log-probabilities."""
+    temperature = 0.0 if sampling == "greedy" else 1.0
+    jobs = [
+        (list(range(5, 9 + i)), SamplingParams(max_new_tokens=6 + i, temperature=temperature, ignore_eos=True))
+        for i in range(10)
+    ]
+    results = []
+    for on_device in (False, True):
+        engine = make_engine(model_path, max_running_requests=4)
+        engine.scheduler._runner.sample_on_device = on_device
+        try:
+            results.append(generate_together(engine, jobs))
+        finally:
+            engine.destroy()
+    for e, g in zip(*results):
+        assert g.output_ids == e.output_ids
+        torch.testing.assert_close(torch.tensor(g.output_logprobs), torch.tensor(e.output_logprobs), atol=1e-6, rtol=0)

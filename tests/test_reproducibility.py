@@ -34,7 +34,14 @@ from areal_lite.api.engine import InferenceEngine
 from areal_lite.api.experiment_config import RLExperimentConfig
 from areal_lite.api.io import FinetuneSpec, GenerationConfig, ModelRequest, ModelResponse, WeightUpdateMeta
 from areal_lite.core import BatchRecorder, BatchReplay, RolloutController
-from areal_lite.kit import RunKit, make_rollout, make_train_engine, mean_reward, rank_dataloader, sync_weights
+from areal_lite.kit import (
+    RunKit,
+    make_rollout_controller,
+    make_train_engine,
+    mean_reward,
+    rank_dataloader,
+    sync_weights,
+)
 from areal_lite.rewards import RewardRunner
 from areal_lite.utils.tiny import build_tiny_model
 from areal_lite.workflows.rlvr import RLVRWorkflow
@@ -237,7 +244,7 @@ def train_and_record_or_replay(cfg: RLExperimentConfig, generate: bool) -> tuple
     """The quickstart's loop, shortened; returns the final parameters and the evaluation scores."""
     from transformers import AutoTokenizer
 
-    rollout, meta = make_rollout(cfg)
+    rollout, meta = make_rollout_controller(cfg)
     if not generate:
 
         async def no_generation(req: ModelRequest) -> ModelResponse:

@@ -22,16 +22,18 @@ def reference(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.
     return logq.gather(-1, y[:, None])[:, 0], -(logq.exp() * logq).sum(-1)
 
 
+@pytest.mark.parametrize("keep_logits", [True, False], ids=["logits-kept", "logits-recomputed"])
 @pytest.mark.parametrize("chunk", [7, 64, 1000])
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_head_logprobs_and_gradients_equal_autograd(chunk: int, with_entropy: bool) -> None:
+def test_head_logprobs_and_gradients_equal_autograd(chunk: int, with_entropy: bool, keep_logits: bool) -> None:
     torch.manual_seed(chunk)
     n, hidden, vocab = 150, 24, 301
     h = torch.randn(n, hidden, requires_grad=True)
     w = (torch.randn(vocab, hidden) * 0.3).requires_grad_()
     y = torch.randint(0, vocab, (n,))
     g_lp, g_ent = torch.randn(n), torch.randn(n)
-    lp, ent = head_logprobs(h, w, y, chunk_size=chunk, with_entropy=with_entropy)
+    keep = 1 << 30 if keep_logits else 0
+    lp, ent = head_logprobs(h, w, y, chunk_size=chunk, with_entropy=with_entropy, keep_logits_bytes=keep)
     loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0)
     grad_h, grad_w = torch.autograd.grad(loss, (h, w))
 
@@ -111,3 +113,13 @@ def test_flash_varlen_calls_each_torch_release_as_it_takes_it(
     else:
         assert seen["window_size"] == (-1, 0) and seen["enable_gqa"] is True and seen["heads"] == (4, 2)
     assert not flash_varlen.available(torch.device("cpu"), torch.bfloat16)
+
+
+def test_liger_kernels_off_cuda_is_refused_with_the_key(tmp_path: Path) -> None:
+    from areal_lite.api.config import TrainEngineConfig
+    from areal_lite.engines.train.fsdp_model import load_hf_model
+    from areal_lite.utils.tiny import build_tiny_model
+
+    path = build_tiny_model(str(tmp_path / "m"), hidden_size=32, num_layers=1)
+    with pytest.raises(ValueError, match="liger_kernels needs CUDA"):
+        load_hf_model(path, TrainEngineConfig(path=path, liger_kernels=True), torch.device("cpu"))

@@ -173,7 +173,14 @@ class TrainEngineConfig:
     logits_chunk_size: int = field(default=1024, metadata=at_least(1))
     """Tokens whose full-vocabulary logits are materialised at once in log-prob computation."""
     attn_impl: str = "sdpa"
-    """Attention implementation passed to transformers (sdpa, eager, flash_attention_2)."""
+    """Attention implementation passed to transformers (sdpa, eager, flash_attention_2). ``sdpa``
+    runs packed sequences without crossing them: torch's varlen flash kernel on CUDA in bf16/fp16,
+    SDPA per sequence elsewhere (`areal_lite.engines.train.varlen_attention`)."""
+    liger_kernels: bool = False
+    """FSDP on CUDA: the HF model's RMS norms, rotary embeddings and SwiGLU MLPs replaced by Liger's
+    Triton kernels (the ``liger`` extra, ``pip install -e ".[liger]"``), fewer passes over the
+    activations than torch's separate ops; the LM head stays the engine's own. An error on CPU or
+    without the package."""
     share_cores_with_engine: bool = True
     """FSDP on CPU, connected to an embedded engine in this process that has its own thread share
     (`LocalEngineConfig.num_threads`): train on the process's threads less that share while the

@@ -6,7 +6,7 @@ generation: the `WorkflowExecutor` that runs workflows under the staleness bound
 pause, a resume or a new policy version reaches each of them. The engine keeps generation, weight
 updates, its version and the pausing of generation; it never sees the controller.
 
-    rollout = make_rollout(...)                      # a RolloutController, initialised
+    rollout = make_rollout_controller(...)                      # a RolloutController, initialised
     batch = rollout.prepare_batch(dataloader, workflow=workflow)
     rollout.pause(); actor.update_weights(meta); rollout.set_version(step + 1); rollout.resume()
 

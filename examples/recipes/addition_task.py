@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from areal_lite.api.config import READS_MODEL
 from areal_lite.api.io import GenerationConfig
-from areal_lite.kit import print_rank0
+from areal_lite.kit import TinyModelConfig, print_rank0
 from areal_lite.recipes import (
     CosineScheduler,
     Grader,
@@ -26,30 +26,19 @@ from areal_lite.recipes import (
 from areal_lite.recipes.data import data_parallel_rank
 from areal_lite.recipes.run import Evaluate
 from areal_lite.rewards.format import exact_answer_reward
-from areal_lite.utils.datasets import addition_problems
+from areal_lite.utils.datasets import AdditionTaskConfig, addition_problems
 from areal_lite.utils.tiny import build_tiny_model
 
 Problem = dict[str, object]
 
 
 @dataclass
-class TaskConfig:
-    """The synthetic task and the tiny model."""
+class TaskConfig(AdditionTaskConfig, TinyModelConfig):
+    """The synthetic task (``n_train_prompts``: training prompts for RL, demonstrations for SFT)
+    and the tiny model; ``seed`` seeds the model too."""
 
-    n_digits: int = 2
-    """Digits of each operand."""
-    n_train_prompts: int = 16384
-    """Training prompts (RL) or demonstrations (SFT)."""
-    n_eval: int = 500
-    """Held-out problems for the before/after accuracy."""
     n_dev: int = 200
     """Dev problems for the SFT warm-up's stopping rule."""
-    hidden_size: int = 128
-    """Width of the tiny model."""
-    num_layers: int = 4
-    """Depth of the tiny model."""
-    seed: int = 0
-    """Seed of the model and the data."""
     model_path: str = field(default="", metadata=READS_MODEL)
     """A HF model directory to start from instead of the tiny model (e.g. SmolLM2-135M-Instruct:
     ``python -m areal_lite.utils.pretrained smollm2`` prints its directory; with a chat model, set

@@ -233,8 +233,8 @@ def test_engine_on_cuda_in_bf16_prefills_groups_packed(model_dir: str) -> None:
     engine.initialize()
     runner = engine.scheduler._runner
     packed = []
-    real = runner._prefill_packed
-    runner._prefill_packed = lambda *a: packed.append(1) or real(*a)
+    real = runner.cache.scatter
+    runner.cache.scatter = lambda *a: packed.append(1) or real(*a)
     try:
         jobs = [
             (list(range(5, 12 + 4 * (i // 4))), SamplingParams(max_new_tokens=20, ignore_eos=True)) for i in range(16)
@@ -248,3 +248,45 @@ def test_engine_on_cuda_in_bf16_prefills_groups_packed(model_dir: str) -> None:
             )
     finally:
         engine.destroy()
+
+
+def test_liger_kernels_train_like_the_hf_modules(model_dir: str) -> None:
+    """FSDPEngine on CUDA in bf16 with Liger's RMS norm, rotary and SwiGLU kernels
+    (``liger_kernels``): log-probabilities close to the engine's with HF's modules, and a step of
+    training lowers the loss."""
+    from tensordict import TensorDict
+
+    from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
+    from areal_lite.api.io import FinetuneSpec
+    from areal_lite.engines.train.fsdp import FSDPEngine
+
+    g = torch.Generator().manual_seed(0)
+    lens = torch.tensor([9, 31, 17, 64])
+    mask = torch.arange(64)[None] < lens[:, None]
+    data = TensorDict(
+        {
+            "input_ids": torch.randint(3, 500, mask.shape, generator=g) * mask,
+            "attention_mask": mask,
+            "loss_mask": mask.int(),
+        },
+        batch_size=[4],
+    )
+
+    def nll(logp, ent, mb):
+        m = mb["loss_mask"]
+        return -(logp * m).sum() / m.sum(), {}
+
+    outs, losses = [], []
+    for liger in (False, True):
+        cfg = TrainEngineConfig(
+            path=model_dir, dtype="bfloat16", liger_kernels=liger, optimizer=OptimizerConfig(lr=1e-3)
+        )
+        e = FSDPEngine(cfg)
+        e.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=4))
+        try:
+            outs.append(e.forward(data))
+            losses.append([e.train_batch(data, nll, lambda mb: mb["loss_mask"].sum())["loss"] for _ in range(3)])
+        finally:
+            e.destroy()
+    torch.testing.assert_close(outs[1][mask], outs[0][mask], atol=0.05, rtol=0)
+    assert losses[1][-1] < losses[1][0], losses

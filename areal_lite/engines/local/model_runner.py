@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from areal_lite.cpu import engine_kernels
 from areal_lite.engines.local.decode_graphs import DecodeGraphs
+from areal_lite.engines.local.kv_cache import KVCache
 from areal_lite.engines.local.packed_linears import PackedLinears
 from areal_lite.engines.local.request import Sequence
 from areal_lite.engines.local.sampling import (
@@ -111,28 +112,26 @@ class ModelRunner:
         dummy = torch.zeros(1, device=self.device, dtype=self.dtype)
         cos, sin = self.base.rotary_emb(dummy, positions)
         self.cos, self.sin = cos[0], sin[0]  # [context_len, head_dim]
-        self.cap = 0
         kernels = engine_kernels(self.device, self.dtype, self.head_dim, self.n_heads // self.n_kv, cpu)
         self.decode_attention = kernels.attention
         """The compiled decode attention (CPU, fp32 or bf16), None where it is unavailable:
         then decode attention is two batched matmuls."""
-        self.block = kernels.block
         self.ops = kernels.ops
         """The compiled residual add and norm, rotary embedding and SiLU product (CPU, fp32 or
         bf16), None where they are unavailable: then torch ops."""
         self.silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")
         """Whether the MLPs' activation is SiLU (the fused product's)."""
-        self.k_cache: list[torch.Tensor] = []
-        """Per layer, [max_rows, kv heads, capacity / block, head_dim, block]: keys in blocks of
-        ``block`` positions, transposed within a block, as the decode attention kernel reads them
-        (with ``block`` 1, where there is no kernel, that is [rows, kv heads, capacity, head_dim])."""
-        self.v_cache: list[torch.Tensor] = []
-        """Per layer, [max_rows, kv heads, capacity, head_dim]."""
+        self.cache = KVCache(
+            len(self.layers), max_rows, self.n_kv, self.head_dim, kernels.block, context_len, self.dtype, self.device
+        )
         self.lens = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.host_lens = [0] * max_rows
         """``lens`` as the host knows it, kept in step with it: sizing the cache, removing rows and
         taking a row's routes need no read from the device."""
         self.last = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.sample_on_device = self.device.type == "cuda"
+        """Choose plain rows' tokens as the decode graph does, in eager steps too: on a GPU each
+        check `choose_tokens` makes waits for the device (on CPU the lazy checks cost less)."""
         self.uniforms = torch.zeros(max_rows, 1, dtype=torch.float64, device=self.device)
         """This step's uniforms for rows sampled inside the decode graph (drawn before the replay
         from ``generator``, as `choose_tokens` draws them)."""
@@ -197,28 +196,22 @@ class ModelRunner:
             return self.linear(h, head.weight, head.bias)
         return head(h)  # a wrapped head (an adapter's): as the model runs it
 
+    @property
+    def cap(self) -> int:
+        """Positions each cache row can hold now."""
+        return self.cache.cap
+
     def _ensure_capacity(self, needed: int) -> None:
-        """Grow the cache (doubling, capped at the context length) to hold ``needed`` positions."""
-        if needed <= self.cap:
+        """Grow the cache (and a mixture-of-experts model's routes beside it) to ``needed`` positions."""
+        old = self.cache.cap
+        if not self.cache.grow(needed) or self.route_shape is None:
             return
-        cap = max(needed, min(self.context_len, max(2 * self.cap, 64)))
-        cap = -(-cap // self.block) * self.block  # whole blocks (past the context: never attended)
-        k_shape = (self.max_rows, self.n_kv, cap // self.block, self.head_dim, self.block)
-        v_shape = (self.max_rows, self.n_kv, cap, self.head_dim)
-        new_k = [torch.zeros(k_shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        new_v = [torch.zeros(v_shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        for old, new in zip(self.k_cache, new_k):
-            new[:, :, : self.cap // self.block].copy_(old)
-        for old, new in zip(self.v_cache, new_v):
-            new[:, :, : self.cap].copy_(old)
-        if self.route_shape is not None:
-            routes = torch.full(
-                (self.max_rows, cap, *self.route_shape), NO_EXPERT, dtype=torch.int32, device=self.device
-            )
-            if self.routes is not None:
-                routes[:, : self.cap] = self.routes
-            self.routes = routes
-        self.k_cache, self.v_cache, self.cap = new_k, new_v, cap
+        routes = torch.full(
+            (self.max_rows, self.cache.cap, *self.route_shape), NO_EXPERT, dtype=torch.int32, device=self.device
+        )
+        if self.routes is not None:
+            routes[:, :old] = self.routes
+        self.routes = routes
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + _rotate_half(x) * sin
@@ -377,40 +370,40 @@ class ModelRunner:
             offsets.append(offsets[-1] + n)
         ids = torch.tensor([t for u in first_of for t in u], dtype=torch.long, device=dev)
         ids = torch.cat([self.last[:d], ids]) if d else ids
-        pos = [pos_d] + [torch.arange(n, device=dev) for n in lengths]
-        pos = torch.cat(pos) if len(pos) > 1 else pos[0]
-        rows_of = [[start + j for j, u in enumerate(inverse) if u == v] for v in range(len(lengths))]
-        packed = (
-            self._packed_prefill(offsets, rows_of)
-            if lengths and flash_varlen.available(self.device, self.dtype)
-            else None
-        )
+        if lengths:  # one copy of every prefill position, not a kernel per sequence
+            prefill_pos = torch.tensor([p for n in lengths for p in range(n)], dtype=torch.long, device=dev)
+            pos = torch.cat([pos_d, prefill_pos]) if d else prefill_pos
+        else:
+            pos = pos_d
+        rows_of: list[list[int]] = [[] for _ in lengths]
+        for j, u in enumerate(inverse):
+            rows_of[u].append(start + j)
+        cache = self.cache
+        # Every distinct prompt in one varlen call where torch has one (CUDA), its keys and values
+        # scattered into every row that shares it: not a call and a copy per sequence and row.
+        packed = cache.packed_prefill(offsets, rows_of) if lengths and flash_varlen.available(dev, self.dtype) else None
         gqa = self.n_kv != self.n_heads
-        nkv, hd, blk = self.n_kv, self.head_dim, self.block
         kernel = self.decode_attention
-        mask = self._decode_mask(pos_d, needed) if d and kernel is None else None
+        mask = cache.decode_mask(pos_d, needed) if d and kernel is None else None
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kc, vc = self.k_cache[i], self.v_cache[i]
             outs = []
             if d and kernel is not None:
-                outs.append(kernel(q[:d], k[:d], v[:d], kc, vc, lens_d, self.scaling))  # writes k, v too
+                outs.append(kernel(q[:d], k[:d], v[:d], cache.k[i], cache.v[i], lens_d, self.scaling))  # writes k, v
             elif d:
                 assert mask is not None
-                outs.append(self._attend_cached(i, q[:d], k[:d], v[:d], ar, pos_d, mask))
+                outs.append(cache.attend_decode(i, q[:d], k[:d], v[:d], ar, pos_d, mask, self.scaling))
             if packed is not None:
-                outs.append(self._prefill_packed(i, q[d:], k[d:], v[d:], packed))
+                cache.scatter(i, k[d:], v[d:], packed)
+                outs.append(flash_varlen.varlen_causal(q[d:], k[d:], v[d:], packed[0], packed[1], self.scaling))
                 return torch.cat(outs) if len(outs) > 1 else outs[0]
             for u, (a, e) in enumerate(pairwise(offsets)):
-                ku, vu = k[a:e].transpose(0, 1), v[a:e].transpose(0, 1)  # [kv heads, L, D]
-                nb = -(-(e - a) // blk)
-                # Padded to whole blocks: the positions past L are never attended.
-                kb = F.pad(ku, (0, 0, 0, nb * blk - (e - a))).view(nkv, nb, blk, hd).transpose(2, 3)
-                for row in rows_of[u]:
-                    kc[row, :, :nb] = kb
-                    vc[row, :, : e - a] = vu
+                cache.fill(i, rows_of[u], k[a:e], v[a:e])
                 o = F.scaled_dot_product_attention(
-                    q[a:e].transpose(0, 1)[None], ku[None], vu[None], is_causal=True, scale=self.scaling, enable_gqa=gqa
+                    *(x[a:e].transpose(0, 1)[None] for x in (q, k, v)),
+                    is_causal=True,
+                    scale=self.scaling,
+                    enable_gqa=gqa,
                 )
                 outs.append(o[0].transpose(0, 1))
             return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -449,73 +442,6 @@ class ModelRunner:
             self._sample_and_append(logits, decoding + [seqs[j] for j in fresh], rows)
         return [seqs[j] for j in fresh]
 
-    def _packed_prefill(self, offsets: list[int], rows_of: list[list[int]]) -> tuple[torch.Tensor, ...]:
-        """What `_prefill_packed` needs of a pass's prefill sequences (packed after the decode
-        tokens at ``offsets``), built once for all layers: their boundaries ``cu`` [S + 1] (int32)
-        and longest length, and for every cache entry they fill the token (counted from the first
-        prefill token), the row and the position."""
-        first = offsets[0]
-        cu = torch.tensor([o - first for o in offsets], dtype=torch.int32, device=self.device)
-        src, row, pos = [], [], []
-        for u, (a, e) in enumerate(pairwise(offsets)):
-            for r in rows_of[u]:
-                src.extend(range(a - first, e - first))
-                row.extend([r] * (e - a))
-                pos.extend(range(e - a))
-        index = torch.tensor([src, row, pos], dtype=torch.long, device=self.device)
-        longest = max(e - a for a, e in pairwise(offsets))
-        return cu, torch.tensor(longest), index[0], index[1], index[2]
-
-    def _prefill_packed(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: tuple[torch.Tensor, ...]
-    ) -> torch.Tensor:
-        """Prefill attention of every distinct sequence in one varlen kernel call, and their keys
-        and values written into every row that shares them with one scatter each, instead of a
-        call and a copy per sequence and row (`flash_varlen`, CUDA in fp16 / bf16)."""
-        cu, longest, src, row, pos = packed
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        blk = self.block
-        kc[row, :, pos // blk, :, pos % blk] = k[src]
-        vc[row, :, pos] = v[src]
-        return flash_varlen.varlen_causal(q, k, v, cu, int(longest), scale=self.scaling)
-
-    def _decode_mask(self, pos: torch.Tensor, n: int) -> torch.Tensor:
-        """The additive mask [rows x KV heads, 1, n] of decode rows at ``pos`` over their first
-        ``n`` cached positions: one row per (row, KV head), shared by that head's queries."""
-        visible = torch.arange(n, device=self.device)[None, :] <= pos[:, None]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        return mask[:, None, None].expand(pos.shape[0], self.n_kv, 1, n).reshape(-1, 1, n)
-
-    def _attend_cached(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        rows: torch.Tensor,
-        pos: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Decode attention without the compiled kernel: store ``k``, ``v`` [R, kv heads, D] of
-        cache rows ``rows`` (0..R-1) at ``pos``, then attend each row's one query (``q`` [R,
-        heads, D]) to its first ``mask.shape[-1]`` cached positions (``mask``: `_decode_mask`).
-
-        The query heads of a KV head go in as that head's queries, so grouped-query attention
-        reads each key once. Two batched matmuls over (row, KV head) read the cache in place; on
-        CPU they ran faster than SDPA's kernel, which is built for long query blocks."""
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        r, n, nkv, hd, blk = q.shape[0], mask.shape[-1], self.n_kv, self.head_dim, self.block
-        kc[rows, :, pos // blk, :, pos % blk] = k
-        vc[rows, :, pos] = v
-        nb = -(-n // blk)
-        keys = kc[:r, :, :nb].transpose(3, 4).reshape(r * nkv, nb * blk, hd)[:, :n]
-        values = vc[:r, :, :n].reshape(r * nkv, n, hd)
-        scores = torch.baddbmm(
-            mask, q.reshape(r * nkv, self.n_heads // nkv, hd), keys.transpose(1, 2), alpha=self.scaling
-        )
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)  # fp32 softmax in bf16 too
-        return torch.bmm(probs, values).view(r, self.n_heads, hd)
-
     def decode_graphs(self, eager: bool = False) -> DecodeGraphs:
         """`DecodeGraphs` of this runner's `static_decode_step` (``eager``: run, not captured)."""
         return DecodeGraphs(self.static_decode_step, lambda: self.cap, self.max_rows, self.device, eager)
@@ -543,9 +469,9 @@ class ModelRunner:
         the whole capacity, masked past each row's length. Leaves ``lens`` as it was."""
         ar = torch.arange(rows, device=self.device)
         pos = self.lens[:rows].clamp(max=self.cap - 1)
-        mask = self._decode_mask(pos, self.cap)
+        mask = self.cache.decode_mask(pos, self.cap)
         h = self._layers_forward(
-            self.last[:rows], pos, lambda i, q, k, v: self._attend_cached(i, q, k, v, ar, pos, mask)
+            self.last[:rows], pos, lambda i, q, k, v: self.cache.attend_decode(i, q, k, v, ar, pos, mask, self.scaling)
         )
         return self._lm_head(h).float()
 
@@ -584,6 +510,18 @@ class ModelRunner:
         # sampled as the policy stands (the common case), the sampling too, where a log-softmax
         # besides cost one more pass over the vocabulary and one more [n, V] buffer per step.
         policy = torch.softmax(logits, dim=-1)
+        mode = graph_mode(seqs) if self.sample_on_device else "logits"
+        if mode != "logits":
+            # As the decode graph chooses (`static_decode_step`): one read back instead of a
+            # synchronising check per step of `choose_tokens` / `record_tokens`.
+            if mode == "greedy":
+                tokens = logits.argmax(dim=-1)
+            else:
+                u = torch.rand((len(seqs), 1), generator=self.generator, dtype=torch.float64, device=self.device)
+                tokens = inverse_cdf(policy, u)
+            self.last[rows] = tokens
+            record_chosen(seqs, chosen_logprobs(tokens, logits, policy).tolist(), self.vocab_size)
+            return
         tokens = choose_tokens(logits, policy, seqs, self.generator)
         self.last[rows] = tokens
         record_tokens(seqs, tokens, logits, policy)
@@ -600,11 +538,7 @@ class ModelRunner:
             dst = torch.tensor(holes, device=self.device)
             src = torch.tensor(sources, device=self.device)
             width = max(self.host_lens[:b]) + 1
-            for cache in self.k_cache:
-                blocks = -(-width // self.block)
-                cache[dst, :, :blocks] = cache[src, :, :blocks]
-            for cache in self.v_cache:
-                cache[dst, :, :width] = cache[src, :, :width]
+            self.cache.move(dst, src, width)
             if self.routes is not None:
                 self.routes[dst, :width] = self.routes[src, :width]
             self.lens[dst] = self.lens[src]

@@ -173,7 +173,23 @@ def load_hf_model(path: str, config: TrainEngineConfig, device: torch.device) ->
     else:
         hf = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     hf.config.use_cache = False
+    if config.liger_kernels:
+        apply_liger_kernels(hf, device)
     return hf
+
+
+def apply_liger_kernels(hf: nn.Module, device: torch.device) -> None:
+    """Swap ``hf``'s RMS norms, rotary embedding and SwiGLU MLPs for Liger's Triton kernels (the
+    parameters and their names stay; the head is not touched: `fused_head` scores the tokens)."""
+    if device.type != "cuda":
+        raise ValueError(f"liger_kernels needs CUDA (Liger's kernels are Triton kernels); this engine runs on {device}")
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError as e:
+        raise ValueError('liger_kernels needs the liger-kernel package: pip install -e ".[liger]"') from e
+    _apply_liger_kernel_to_instance(
+        model=hf, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+    )
 
 
 def add_lora_adapters(hf: nn.Module, lora: LoRAConfig) -> tuple[PeftModel, dict[str, str]]:
@@ -211,4 +227,4 @@ def shard(hf: nn.Module, config: TrainEngineConfig, device: torch.device, dtype:
     return model
 
 
-__all__ = ["HF_PREFIX", "PackedModel", "add_lora_adapters", "load_hf_model", "shard"]
+__all__ = ["HF_PREFIX", "PackedModel", "add_lora_adapters", "apply_liger_kernels", "load_hf_model", "shard"]

@@ -9,9 +9,10 @@ products. `head_logprobs` instead:
 - forward: per chunk, ``logits = hidden @ weight.T`` in the compute dtype, then one fused pass that
   reads them once and returns ``logz``, the label's log-probability and the entropy (fp32
   accumulation); nothing of size ``V`` is kept;
-- backward: per chunk, the logits again (a fourth matrix product, cheaper than keeping them),
-  one fused pass that writes ``dL/dlogits`` in the compute dtype, then ``dL/dhidden`` and
-  ``dL/dweight`` (accumulated over chunks in fp32).
+- backward: per chunk, the logits again, or the forward's where all of them fit in
+  `KEEP_LOGITS_BYTES` (a GPU's memory holds a micro-batch's bf16 logits easily, and a matrix
+  product fewer is a quarter of the head's work), one fused pass that writes ``dL/dlogits`` in the
+  compute dtype, then ``dL/dhidden`` and ``dL/dweight`` (accumulated over chunks in fp32).
 
 The gradient of the entropy ``H = logz - sum_j p_j l_j`` with respect to the logits is
 ``-p_k (log p_k + H)``; that of ``log p_y`` is ``onehot_y - p``. On CUDA the two fused passes are
@@ -27,6 +28,10 @@ from collections.abc import Callable
 import torch
 
 logger = logging.getLogger(__name__)
+
+KEEP_LOGITS_BYTES = 8 << 30
+"""The forward's logits (in the compute dtype) are kept for the backward up to this many bytes for
+the whole call; above it the backward computes them again, one chunk at a time."""
 
 
 def _forward_stats(
@@ -101,24 +106,31 @@ class _HeadLogprobs(torch.autograd.Function):
         labels: torch.Tensor,
         chunk_size: int,
         with_entropy: bool,
+        keep_logits_bytes: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
+        keep = n * weight.shape[0] * hidden.element_size() <= keep_logits_bytes
+        kept: list[torch.Tensor] = []
         logz = hidden.new_empty(n, dtype=torch.float32)
         logp = hidden.new_empty(n, dtype=torch.float32)
         entropy = hidden.new_empty(n, dtype=torch.float32)
         stats = _pass("forward", _forward_stats, hidden.device)
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
-            lz, lp, ent = stats(hidden[s:e] @ weight.t(), labels[s:e], with_entropy)  # type: ignore[misc]
+            logits = hidden[s:e] @ weight.t()
+            if keep:
+                kept.append(logits)
+            lz, lp, ent = stats(logits, labels[s:e], with_entropy)  # type: ignore[misc]
             logz[s:e], logp[s:e], entropy[s:e] = lz, lp, ent
         ctx.save_for_backward(hidden, weight, labels, logz, entropy)
         ctx.chunk_size = chunk_size
+        ctx.kept = kept if keep else None
         return logp, entropy
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, g_logp: torch.Tensor, g_entropy: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
         hidden, weight, labels, logz, entropy = ctx.saved_tensors  # type: ignore[attr-defined]
         chunk = ctx.chunk_size  # type: ignore[attr-defined]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -127,15 +139,18 @@ class _HeadLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         grad_fn = _pass("backward", _logits_grad, hidden.device)
-        for s in range(0, hidden.shape[0], chunk):
+        kept = ctx.kept  # type: ignore[attr-defined]
+        for i, s in enumerate(range(0, hidden.shape[0], chunk)):
             e = min(hidden.shape[0], s + chunk)
             h = hidden[s:e]
-            g = grad_fn(h @ weight.t(), labels[s:e], logz[s:e], entropy[s:e], g_logp[s:e], g_entropy[s:e])
+            logits = kept[i] if kept is not None else h @ weight.t()
+            g = grad_fn(logits, labels[s:e], logz[s:e], entropy[s:e], g_logp[s:e], g_entropy[s:e])
             if grad_h is not None:
                 grad_h[s:e] = g @ weight  # type: ignore[operator]
             if grad_w is not None:
                 grad_w.add_(g.t() @ h)
-        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None
+        ctx.kept = None  # type: ignore[attr-defined]
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None
 
 
 def head_logprobs(
@@ -144,6 +159,7 @@ def head_logprobs(
     labels: torch.Tensor,
     chunk_size: int = 4096,
     with_entropy: bool = False,
+    keep_logits_bytes: int = KEEP_LOGITS_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(hidden @ weight.T)[t, labels[t]]`` (and the entropy of each row), fp32,
     differentiable in ``hidden`` and ``weight`` without keeping logits (module docstring).
@@ -154,6 +170,7 @@ def head_logprobs(
         labels: ``[T]`` int64 token ids to score.
         chunk_size: rows whose ``[chunk, V]`` logits exist at once.
         with_entropy: also return each row's entropy.
+        keep_logits_bytes: keep the forward's logits for the backward up to this size.
     """
-    logp, entropy = _HeadLogprobs.apply(hidden, weight, labels, chunk_size, with_entropy)
+    logp, entropy = _HeadLogprobs.apply(hidden, weight, labels, chunk_size, with_entropy, keep_logits_bytes)
     return logp, (entropy if with_entropy else None)

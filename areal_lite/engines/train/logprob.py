@@ -91,7 +91,7 @@ def align_to_tokens(next_token_values: torch.Tensor, cu_seqlens: torch.Tensor) -
     """
     shifted = torch.roll(next_token_values, 1, dims=0)
     starts = torch.zeros(next_token_values.shape[0], dtype=torch.bool, device=next_token_values.device)
-    starts[cu_seqlens[:-1].long().to(next_token_values.device)] = True
+    starts.index_fill_(0, cu_seqlens[:-1].long().to(next_token_values.device), True)  # no read back, unlike []=
     return torch.where(starts, torch.zeros_like(shifted), shifted)
 
 

@@ -257,7 +257,9 @@ class MegatronEngine(TrainEngineBase):
         # data differ.
         experts = self.arch is not None and bool(self.arch.num_experts) and self.config.expert_parallel_size > 1
         batch = self._same_batch_in_model_parallel_group(batch)
-        return self._split_and_pack(batch, same_count_on_all_ranks=experts, to_device=False)
+        # On the compute device: the loss function reads the micro-batch's masks beside the
+        # log-probabilities (on CPU this moves nothing).
+        return self._split_and_pack(batch, same_count_on_all_ranks=experts, to_device=True)
 
     def _output_weight(self) -> torch.Tensor:
         """The full ``[vocab, hidden]`` LM head weight (gathered over tensor-parallel ranks, with
