@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install install-vllm lint test test-all test-moe test-cluster test-gpu test-real test-tinker-cookbook test-verifiers test-vllm test-avx2 bench-vllm verifiers-example demo demo-moe demo-real real-model clean
+.PHONY: install install-vllm lint test test-all test-moe test-vlm test-cluster test-gpu test-real test-tinker-cookbook test-verifiers test-vllm test-avx2 bench-vllm verifiers-example demo demo-moe demo-real real-model clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ test-all: $(STAMP)
 # Megatron with expert parallelism; the MoE quickstart's smoke run).
 test-moe: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "" tests/test_moe.py $(PYTEST_ARGS)
+
+# Vision-language models, the tests marked `vlm` included: the tiny VLM, images through the data
+# contract, FSDP on packed batches with images under torchrun (1 and 2 ranks), the vision workflow.
+test-vlm: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "" tests/test_vlm.py tests/test_vlm_fsdp.py $(PYTEST_ARGS)
 
 # The Ray and Slurm launchers on real clusters started here (tests marked `cluster`, which `make
 # test` deselects): a 2-node Ray cluster (tests/clusters/ray.sh) and a one-node Slurm cluster

@@ -10,6 +10,7 @@
 #     benchmarks/gpu_checks.sh all     [OUTDIR]   both
 #     benchmarks/gpu_checks.sh train_mfu,generation [OUTDIR]   any stages by name, in the order of the script
 #
+# TEST_FILTER=EXPR runs only the GPU tests ``-k EXPR`` selects (TEST_LIMIT: that stage's seconds).
 # Each stage's whole log goes to OUTDIR/<stage>.log (default gpu-checks/); the end of each is
 # printed here, and every RESULT line again at the end. It runs from the repository without
 # installing it (PYTHONPATH), with whatever Python has torch with CUDA and the package's
@@ -49,8 +50,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 
 stage train_mfu 240 "$PY" benchmarks/train_mfu.py --device cuda --shapes 0.5b,1.5b --warmup 2 --steps 3 --sync-report
-TAIL=40 stage test_gpu 200 env OMP_NUM_THREADS=1 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
-    --timeout 170 -rfEs
+TAIL=40 stage test_gpu "${TEST_LIMIT:-200}" env OMP_NUM_THREADS=1 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+    --timeout 170 -rfEs ${TEST_FILTER:+-k "$TEST_FILTER"}
 stage generation 120 env OMP_NUM_THREADS=4 "$PY" benchmarks/generation.py --device cuda --dtype bfloat16 \
     --skip-sync --model "$MODEL_DIR" --repeats 2
 stage grpo_smollm2 170 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --model "$MODEL_DIR" \

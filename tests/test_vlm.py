@@ -134,3 +134,64 @@ def test_engines_that_cannot_take_images_refuse_them(tmp_path) -> None:
     remote = RemoteSGLangEngine(InferenceEngineConfig(addresses=["127.0.0.1:9"]))
     with pytest.raises(NotImplementedError, match="does not send images"):
         asyncio.run(remote.agenerate(req))
+
+
+class RecordingEngine:
+    """An `InferenceEngine` stand-in for the workflow's tests: it records each request and answers
+    ``answer`` (then eos) with log-probability -0.5 a token."""
+
+    def __init__(self, tokenizer: object, answer: str) -> None:
+        self.requests: list = []
+        self.output = tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id]  # type: ignore[operator,attr-defined]
+
+    async def agenerate_batch(self, reqs: list) -> list:
+        from areal_lite.api.io import ModelResponse
+
+        self.requests += reqs
+        n = len(self.output)
+        return [
+            ModelResponse(list(r.input_ids), list(self.output), [-0.5] * n, [3] * n, "stop", rid=r.rid) for r in reqs
+        ]
+
+
+def test_vision_workflow_sends_the_images_and_returns_them_with_the_group(vlm_dir: str) -> None:
+    import asyncio
+
+    from areal_lite.api.io import GenerationConfig
+    from areal_lite.rewards.runner import RewardRunner
+    from areal_lite.workflows.trajectory import check_trajectory
+    from areal_lite.workflows.vision_rlvr import VisionRLVRWorkflow, encode_vision_chat
+
+    processor = load_processor(vlm_dir)
+    red, blue = Image.new("RGB", (112, 56), (220, 30, 30)), Image.new("RGB", (56, 56), (30, 30, 220))
+    content = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}, {"type": "text", "text": "?"}]
+    item = {"messages": [{"role": "user", "content": content}], "images": [red, encode_image(blue)], "answer": "7"}
+    seen: list[dict] = []
+
+    def reward(prompt: str, completion: str, prompt_ids: list, completion_ids: list, **fields: object) -> float:
+        seen.append(fields)
+        return float(completion == fields["answer"])
+
+    engine = RecordingEngine(processor.tokenizer, "7")
+    workflow = VisionRLVRWorkflow(RewardRunner(reward, mode="inline"), GenerationConfig(n_samples=4), processor)
+    traj = asyncio.run(workflow.arun_episode(engine, item))  # type: ignore[arg-type]
+
+    check_trajectory(traj)
+    assert traj["rewards"].tolist() == [1.0] * 4 and seen[0] == {"answer": "7"}
+    expected = processor(
+        text=[processor.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True)],
+        images=[red, blue],
+        return_tensors="pt",
+    )
+    assert len(engine.requests) == 4 and len({r.rid for r in engine.requests}) == 4
+    for req in engine.requests:
+        assert req.input_ids == expected["input_ids"][0].tolist() and req.gconfig.n_samples == 1
+        assert [decode_image(b).getpixel((5, 5)) for b in req.images] == [(220, 30, 30), (30, 30, 220)]
+    assert torch.equal(traj["pixel_values"][2], expected["pixel_values"])
+    assert traj["image_grid_thw"][0].tolist() == expected["image_grid_thw"].tolist() == [[1, 4, 8], [1, 4, 4]]
+    assert traj["input_ids"][0, : len(engine.requests[0].input_ids)].tolist() == engine.requests[0].input_ids
+
+    text_only = encode_vision_chat(processor, [{"role": "user", "content": "no picture"}], [])
+    assert text_only.pixel_values.shape == (0, 1176) and text_only.image_grid_thw.shape == (0, 3)
+    with pytest.raises(ValueError, match="2 image parts and the item 1 images"):
+        encode_vision_chat(processor, item["messages"], [red])
