@@ -40,9 +40,11 @@ test-moe: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "" tests/test_moe.py $(PYTEST_ARGS)
 
 # Vision-language models, the tests marked `vlm` included: the tiny VLM, images through the data
-# contract, FSDP on packed batches with images under torchrun (1 and 2 ranks), the vision workflow.
+# contract, FSDP on packed batches with images under torchrun (1 and 2 ranks), the vision workflow,
+# the embedded engine, our server and the remote clients with images.
 test-vlm: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "" tests/test_vlm.py tests/test_vlm_fsdp.py $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "" tests/test_vlm.py tests/test_vlm_fsdp.py tests/test_vlm_serving.py \
+		tests/test_vlm_server.py $(PYTEST_ARGS)
 
 # The Ray and Slurm launchers on real clusters started here (tests marked `cluster`, which `make
 # test` deselects): a 2-node Ray cluster (tests/clusters/ray.sh) and a one-node Slurm cluster
