@@ -175,11 +175,12 @@ def test_weight_update_recomputes_an_image_requests_cache(vlm_dir: str, hf: torc
     new_model.load_state_dict(new_state)
     engine = make_engine(vlm_dir)
 
+    update = WeightUpdateMeta(type="in_process", named_tensors=new_state, version=1)
+
     async def run():
         task = asyncio.ensure_future(generate(engine, prompt, 80, rid="long"))
         await wait_tokens(engine, "long", 5)
-        meta = WeightUpdateMeta(type="in_process", named_tensors=new_state, version=1)
-        await asyncio.wrap_future(engine.update_weights(meta))
+        await asyncio.wrap_future(engine.update_weights(update))  # while the request decodes
         return await task
 
     try:
