@@ -119,23 +119,6 @@ def test_trajectories_carry_their_prompts_images(vlm_dir: str) -> None:
         check_trajectory_layout(traj)
 
 
-def test_engines_that_cannot_take_images_refuse_them(tmp_path) -> None:
-    import asyncio
-
-    from areal_lite.api.config import InferenceEngineConfig, LocalEngineConfig
-    from areal_lite.api.io import ModelRequest
-    from areal_lite.engines import LocalInferenceEngine, RemoteSGLangEngine
-    from areal_lite.utils.tiny import build_tiny_model
-
-    req = ModelRequest(input_ids=[1, 2], images=[encode_image(Image.new("RGB", (28, 28)))])
-    local = LocalInferenceEngine(LocalEngineConfig(path=build_tiny_model(str(tmp_path / "text"))))
-    with pytest.raises(NotImplementedError, match="does not take images"):
-        asyncio.run(local.agenerate(req))
-    remote = RemoteSGLangEngine(InferenceEngineConfig(addresses=["127.0.0.1:9"]))
-    with pytest.raises(NotImplementedError, match="does not send images"):
-        asyncio.run(remote.agenerate(req))
-
-
 class RecordingEngine:
     """An `InferenceEngine` stand-in for the workflow's tests: it records each request and answers
     ``answer`` (then eos) with log-probability -0.5 a token."""
