@@ -2,8 +2,7 @@
 real ``openai`` SDK, SGLang's ``/generate`` with ``image_data`` in each of its forms, vLLM's
 ``/inference/v1/generate`` with ``content_parts``, and both remote clients sending images (and a
 disk weight update) to it; every answer's log-probabilities equal a HF forward with the same images
-(fp32, 1e-4). Bad images are 400s that say why. `make test` runs the SDK's and the text model's
-tests; the ones marked ``vlm`` run in `make test-vlm`."""
+(fp32, 1e-4). Bad images are 400s that say why."""
 
 from __future__ import annotations
 
@@ -116,7 +115,6 @@ def test_openai_sdk_sends_an_image_and_gets_the_answer(address: str, vlm: VLM) -
         )
 
 
-@pytest.mark.vlm
 def test_generate_takes_image_data_in_sglangs_forms(address: str, vlm: VLM) -> None:
     """``image_data`` for one prompt (a list, or one image) and for a batch (one entry per prompt),
     with text prompts (one placeholder an image) and token ids (expanded), as base64 or data URLs."""
@@ -163,7 +161,6 @@ def test_generate_takes_image_data_in_sglangs_forms(address: str, vlm: VLM) -> N
         assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
 
 
-@pytest.mark.vlm
 def test_token_in_route_takes_content_parts(address: str, vlm: VLM) -> None:
     """vLLM 0.32's ``/inference/v1/generate``: ``content_parts`` with image data URLs; the
     placeholder expanded (``prompt_token_ids``), log-probabilities scored by HF."""
@@ -192,7 +189,6 @@ def test_token_in_route_takes_content_parts(address: str, vlm: VLM) -> None:
     assert bad.status_code == 400 and "images only" in bad.json()["error"]["message"]
 
 
-@pytest.mark.vlm
 @pytest.mark.parametrize("kind", sorted(CLIENTS))
 def test_remote_clients_send_images_and_weight_updates(kind: str, address: str, vlm: VLM, tmp_path) -> None:
     """`RemoteSGLangEngine` (``image_data``) and `RemoteVLLMEngine` (``/inference/v1/generate``

@@ -1,7 +1,6 @@
 """Serving a vision-language model: the embedded engine with images (log-probabilities equal a HF
 forward with the same images, rows with and without images in one batch, weight updates, the
-decode step the GPU replays as a graph), and the requests it refuses. `make test` runs the first
-and the last two; the tests marked ``vlm`` run in `make test-vlm`."""
+decode step the GPU replays as a graph), and the requests it refuses."""
 
 from __future__ import annotations
 
@@ -100,9 +99,7 @@ def generate_all(engine: LocalInferenceEngine, prompts: list[Prompt], lengths: l
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize(
-    "fused", [pytest.param(True, id="fused-ops"), pytest.param(False, id="torch-ops", marks=pytest.mark.vlm)]
-)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-ops", "torch-ops"])
 def test_logprobs_with_images_equal_hf_forward(vlm_dir: str, hf: torch.nn.Module, fused: bool, monkeypatch) -> None:
     """One image, two images, no image, and the same tokens with other pixels (which must not share
     a prefill), in one batch with fewer rows than requests: each request's log-probabilities equal
@@ -133,7 +130,6 @@ def test_logprobs_with_images_equal_hf_forward(vlm_dir: str, hf: torch.nn.Module
     assert not torch.allclose(first[0], first[1], atol=1e-4)
 
 
-@pytest.mark.vlm
 def test_image_requests_join_a_running_batch(vlm_dir: str, hf: torch.nn.Module) -> None:
     """Continuous batching: image requests admitted while a text request decodes, their prefill in
     the same passes as its decode steps, and a text request after them."""
@@ -161,7 +157,6 @@ def test_image_requests_join_a_running_batch(vlm_dir: str, hf: torch.nn.Module) 
     assert [len(r.output_ids) for r in results] == [60, 8, 12]
 
 
-@pytest.mark.vlm
 def test_weight_update_recomputes_an_image_requests_cache(vlm_dir: str, hf: torch.nn.Module) -> None:
     """A weight update mid-generation (the vision tower's weights too): the request's cache is
     recomputed with its images under the new weights, and each token's log-probability is the
@@ -196,7 +191,6 @@ def test_weight_update_recomputes_an_image_requests_cache(vlm_dir: str, hf: torc
     torch.testing.assert_close(lp[switch:], new[switch:], atol=1e-4, rtol=0)
 
 
-@pytest.mark.vlm
 def test_fixed_shape_decode_step_keeps_the_multimodal_offsets(vlm_dir: str, hf: torch.nn.Module) -> None:
     """The decode step a GPU replays as a CUDA graph (run eagerly here): rows with images decode at
     their cache length plus their offset, rows of every width as requests finish and are refilled."""
@@ -222,7 +216,6 @@ def test_fixed_shape_decode_step_keeps_the_multimodal_offsets(vlm_dir: str, hf: 
         torch.testing.assert_close(torch.tensor(r.output_logprobs), hf_logprobs(hf, p, r.output_ids), atol=1e-4, rtol=0)
 
 
-@pytest.mark.vlm
 def test_prompt_logprobs_with_images_and_agenerate(vlm_dir: str, hf: torch.nn.Module) -> None:
     """The prompt's log-probabilities with its images equal a HF forward's, and `agenerate` takes a
     `ModelRequest`'s images (its first token scored as the HF forward scores it)."""
