@@ -178,3 +178,17 @@ def test_vision_workflow_sends_the_images_and_returns_them_with_the_group(vlm_di
     assert text_only.pixel_values.shape == (0, 1176) and text_only.image_grid_thw.shape == (0, 3)
     with pytest.raises(ValueError, match="2 image parts and the item 1 images"):
         encode_vision_chat(processor, item["messages"], [red])
+
+
+def test_images_fill_the_first_placeholders_of_each_row() -> None:
+    from areal_lite.utils.vision import image_token_mask
+
+    ids = torch.tensor([[1, 9, 9, 2, 9, 3], [9, 9, 9, 9, 5, 0], [4, 5, 6, 9, 0, 0]])
+    mask = image_token_mask(ids, 9, torch.tensor([2, 4, 0]))
+    assert mask.tolist() == [
+        [False, True, True, False, False, False],  # the third 9, after the images' two, is text
+        [True, True, True, True, False, False],
+        [False, False, False, False, False, False],
+    ]
+    with pytest.raises(ValueError, match="row 1 has 4 image placeholder tokens; its images need 5"):
+        image_token_mask(ids, 9, torch.tensor([2, 5, 0]))

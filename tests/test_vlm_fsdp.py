@@ -58,6 +58,10 @@ def test_packed_logprobs_with_images_equal_hf_padded_forward(run: tuple[dict, Pa
         assert res[f"logprob_err_{attn}"] < 1e-5, attn
         assert res[f"entropy_err_{attn}"] < 1e-5, attn
     assert res["logprob_err_uneven"] < 1e-5  # with 2 ranks, one rank's share has no image
+    # A placeholder the model generated is a text token: HF's forward given the embeddings
+    # (itself equal to HF's own padded forward on the batch without one).
+    assert res["embeds_ref_err"] < 1e-5
+    assert res["logprob_err_generated_placeholder"] < 1e-5
 
 
 def test_gradient_with_images_equals_hf_padded_backward(run: tuple[dict, Path]) -> None:

@@ -18,7 +18,7 @@ from areal_lite.engines.local.engine import LocalInferenceEngine
 from areal_lite.engines.local.request import SamplingParams
 from areal_lite.utils.tiny import build_tiny_model
 from areal_lite.utils.tiny_vlm import VISION_TOKENS, build_tiny_vlm
-from areal_lite.utils.vision import encode_image, load_processor
+from areal_lite.utils.vision import encode_image, image_token_mask, load_processor
 
 RED = Image.new("RGB", (84, 140), (200, 10, 10))
 GREEN = Image.new("RGB", (112, 112), (10, 200, 10))
@@ -247,13 +247,45 @@ def test_prompt_logprobs_with_images_and_agenerate(vlm_dir: str, hf: torch.nn.Mo
     )
 
 
+def test_image_tokens_past_the_images_are_text(vlm_dir: str, hf: torch.nn.Module) -> None:
+    """The rule the train engine reads a sequence by (`image_token_mask`): the images fill the
+    first image tokens; a later one (sampled by the model, then resumed as prompt) is a text token,
+    and so is one in a prompt without images. Scored against HF's forward given the embeddings
+    and positions by that rule."""
+    processor = load_processor(vlm_dir)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    resumed = Prompt(processor, "What colour?", [RED])
+    resumed.ids = resumed.ids + [pad, 40, 41]
+    plain = Prompt(processor, "No image", [])
+    plain.ids = plain.ids + [pad, 42]
+    engine = make_engine(vlm_dir)
+    try:
+        results = generate_all(engine, [resumed, plain], [6, 6])
+    finally:
+        engine.destroy()
+    for prompt, r in zip([resumed, plain], results):
+        ids = torch.tensor([prompt.ids + r.output_ids])
+        tokens = torch.tensor([int(prompt.enc["image_grid_thw"].prod(-1).sum()) // 4 if prompt.images else 0])
+        mask = image_token_mask(ids, pad, tokens)
+        embeds = hf.get_input_embeddings()(ids)
+        positions = None
+        with torch.no_grad():
+            if prompt.images:
+                grid = prompt.enc["image_grid_thw"]
+                features = hf.model.get_image_features(prompt.enc["pixel_values"], grid, return_dict=True)
+                embeds[mask] = torch.cat(features.pooler_output)
+                positions, _ = hf.model.get_rope_index(ids, mask.int(), image_grid_thw=grid)
+            logp = torch.log_softmax(hf(inputs_embeds=embeds, position_ids=positions).logits[0, :-1].float(), -1)
+        expected = logp.gather(1, ids[0, 1:, None])[len(prompt.ids) - 1 :, 0]
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), expected, atol=1e-4, rtol=0)
+
+
 def test_requests_that_disagree_with_their_images_are_refused(vlm_dir: str, tmp_path) -> None:
     processor = load_processor(vlm_dir)
     one, two = Prompt(processor, "What colour?", [RED]), Prompt(processor, "Two?", [GREEN, BLUE])
     engine = make_engine(vlm_dir)
     try:
         cases = [
-            (ModelRequest(input_ids=one.ids), "image tokens but the request has no images"),
             (ModelRequest(input_ids=one.ids, images=two.images), "image tokens for 1 image"),
             (ModelRequest(input_ids=one.ids, images=[encode_image(BLUE)]), "image 0 makes 4 image tokens"),
             (ModelRequest(input_ids=one.ids, images=[b"not a picture"]), "image 0 is not an image file"),

@@ -62,9 +62,12 @@ key the caller added, e.g. ``advantages`` or ``prox_logp``) concatenated over re
 dimensions stay (``routed_experts`` packs to ``[T, layers, k]``). The image keys pack to what the
 model takes: ``pixel_values`` ``[P_total, D]``, the real patches of every sequence in sequence
 order, and ``image_grid_thw`` ``[N, 3]``, the real images' rows in the same order. A train engine
-of a vision-language model adds ``mrope_position_ids`` int64 ``[T, 3]``: each token's multimodal
-rotary position (time, height, width; the three are equal on text tokens), restarting per
-sequence, computed from ``input_ids`` and ``image_grid_thw`` by the model's own rule.
+of a vision-language model adds ``mm_token_type_ids`` int32 ``[T]`` (1 on the tokens the images
+fill, 0 elsewhere) and ``mrope_position_ids`` int64 ``[T, 3]``: each token's multimodal rotary
+position (time, height, width; the three are equal on text tokens), restarting per sequence,
+computed by the model's own rule. The images fill a sequence's first image placeholder tokens, as
+many as they have tokens, in order; a placeholder after those (one the model generated) is a text
+token (`areal_lite.utils.vision.image_token_mask`, the same rule for generation).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ when no video is ever processed. Where torchvision is missing, `load_processor` 
 processor class without its video slot (`image_only`): images and text are processed exactly as
 the full processor does. Images travel between workflows and engines as encoded files (PNG by
 default), the form servers take them in (`encode_image`, `decode_image`), and over HTTP as data
-URLs (`data_url`).
+URLs (`data_url`). Which placeholder tokens of a sequence its images fill is `image_token_mask`'s
+rule, the same for training and generation.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import io
 import json
 import os
 from typing import TYPE_CHECKING
+
+import torch
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -33,6 +36,23 @@ def auto_model_class(config: PretrainedConfig) -> type:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+
+
+def image_token_mask(input_ids: torch.Tensor, image_token_id: int, n_image_tokens: torch.Tensor) -> torch.Tensor:
+    """Which tokens of each row of ``input_ids`` (``[B, L]``) hold its images: the first
+    ``n_image_tokens[b]`` image placeholder tokens (``image_token_id``) of row ``b``, in order. A
+    placeholder after those is text: one the model generated, which no image fills (the train
+    engine and the inference engine both read a sequence so). ValueError naming a row that has
+    fewer placeholders than its images' tokens."""
+    placeholders = input_ids == image_token_id
+    have = placeholders.sum(dim=-1)
+    short = (have < n_image_tokens).nonzero()
+    if short.numel():
+        b = int(short[0, 0])
+        raise ValueError(
+            f"row {b} has {int(have[b])} image placeholder tokens; its images need {int(n_image_tokens[b])}"
+        )
+    return placeholders & (placeholders.cumsum(dim=-1) <= n_image_tokens.unsqueeze(-1))
 
 
 def image_only(cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
@@ -103,6 +123,7 @@ __all__ = [
     "decode_image",
     "encode_image",
     "image_only",
+    "image_token_mask",
     "is_vision_config",
     "load_processor",
 ]

@@ -5,7 +5,9 @@ Usage: ``torchrun --nproc-per-node N vlm_worker.py MODEL_DIR OUT_DIR``. Rank 0 w
 
 The batch mixes sequences with one image, two images of other sizes and none. Checks:
 - packed log-probabilities and entropies (3 micro-batches; an uneven share per rank, where one
-  rank's share has no image at all) against HF's padded forward with the same images;
+  rank's share has no image at all) against HF's padded forward with the same images; a sequence
+  that ends with an image placeholder the model generated (a text token) against HF's forward
+  given the embeddings (the images filling only the placeholders `image_token_mask` picks);
 - one SGD step (lr 1, so parameters are gradients) with 1 and 4 micro-batches, and with the uneven
   share, against the step of HF's padded forward and backward on the whole batch;
 - ``freeze_vision_tower``: the tower's parameters do not move, the decoder's do;
@@ -29,7 +31,7 @@ from areal_lite.api.io import FinetuneSpec, MicroBatchSpec, SaveLoadMeta, Weight
 from areal_lite.engines.train.fsdp import FSDPEngine
 from areal_lite.utils.data import concat_padded, pack_images
 from areal_lite.utils.distributed import destroy_default_group
-from areal_lite.utils.vision import load_processor
+from areal_lite.utils.vision import image_token_mask, load_processor
 from areal_lite.workflows.trajectory import with_images
 
 MODEL, OUT = sys.argv[1], sys.argv[2]
@@ -67,6 +69,36 @@ def vlm_batch(seed: int) -> TensorDict:
         grid = enc["image_grid_thw"] if images else torch.zeros(0, 3, dtype=torch.int64)
         trajs.append(with_images(traj, pixels, grid))
     return concat_padded(trajs)
+
+
+def with_generated_placeholder(batch: TensorDict) -> TensorDict:
+    """``batch`` whose row 0 ends with an image placeholder token the model "generated" (trained
+    on): a text token, which no image fills."""
+    out = batch.clone()
+    n = int(out["attention_mask"][0].sum())
+    if n == out["input_ids"].shape[1]:
+        out = concat_padded([out], pad_to=n + 1)
+    out["input_ids"][0, n] = load_processor(MODEL).tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    out["attention_mask"][0, n] = True
+    out["loss_mask"][0, n] = 1
+    return out
+
+
+def hf_embeds_logprobs(model: torch.nn.Module, batch: TensorDict) -> torch.Tensor:
+    """HF's padded forward given the input embeddings: the image features fill the tokens
+    `image_token_mask` picks, positions from HF's get_rope_index on them."""
+    am, ids = batch["attention_mask"], batch["input_ids"]
+    images = pack_images(batch)
+    counts = (batch["image_grid_thw"].prod(-1) // 4).sum(-1)
+    fill = image_token_mask(ids, model.config.image_token_id, counts)
+    features = torch.cat(model.model.get_image_features(images["pixel_values"], images["image_grid_thw"]).pooler_output)
+    embeds = model.get_input_embeddings()(ids).masked_scatter(fill.unsqueeze(-1), features)
+    pos, _ = model.model.get_rope_index(
+        ids, fill.int(), image_grid_thw=images["image_grid_thw"], attention_mask=am.long()
+    )
+    logits = model(inputs_embeds=embeds, attention_mask=am.long(), position_ids=pos).logits.float()
+    lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros(am.shape[0], 1), lp], 1) * am
 
 
 def uneven_shard(batch: TensorDict) -> TensorDict:
@@ -138,6 +170,12 @@ def check_logprobs(res: dict[str, object], batch: TensorDict) -> None:
         res[f"entropy_err_{attn}"] = float((ent - ref_ent).abs().max())
         e.destroy()
     e = engine(n_mbs=2, ft=None)
+    generated = with_generated_placeholder(batch)
+    with torch.no_grad():
+        res["embeds_ref_err"] = float((hf_embeds_logprobs(hf, batch) - ref_lp).abs().max())
+        res["logprob_err_generated_placeholder"] = float(
+            (e.forward(generated) - hf_embeds_logprobs(hf, generated)).abs().max()
+        )
     err = float((e.forward(uneven_shard(batch)) - uneven_shard(ref_lp)).abs().max())
     t = torch.tensor([err])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -8,7 +8,10 @@ turns them into `ImageInputs`: the processor's pixel patches and patch grids, wh
 tokens sit, and the prompt's multimodal rotary positions by the model's own rule
 (``get_rope_index``), with the offset its later text positions keep (`ImageInputs.delta`). The
 image tokens' count is checked against the grids, image by image, so that a prompt and its images
-that disagree are refused rather than run misaligned. Our server's prompts (a chat template's
+that disagree are refused rather than run misaligned. Which placeholder tokens the images fill is
+the rule the train engine reads a sequence by (`areal_lite.utils.vision.image_token_mask`): the
+first ones, as many as the images have tokens; a later placeholder (one the model generated, in a
+prompt resumed after an interruption) is a text token. Our server's prompts (a chat template's
 output, SGLang's ``/generate``) may instead hold one placeholder token per image, which is then
 expanded to the image's count, as the processor expands its text (``expand``).
 
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from areal_lite.utils.vision import decode_image, load_processor
+from areal_lite.utils.vision import decode_image, image_token_mask, load_processor
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -76,20 +79,15 @@ class ImagePrompts:
         self.merge = int(model.config.vision_config.spatial_merge_size)
         self._rope_index = model.model.get_rope_index
 
-    def check_tokens(self, input_ids: list[int], images: ImageInputs | None) -> None:
-        """ValueError for a prompt with image tokens and no images (the images hold their count)."""
-        if images is None and self.image_token_id in input_ids:
-            raise ValueError("the prompt has image tokens but the request has no images")
-
     def prepare(self, input_ids: list[int], images: list[bytes], expand: bool = False) -> tuple[list[int], ImageInputs]:
-        """The prompt ``input_ids`` with its images' `ImageInputs`: each image's tokens one run of
-        as many image tokens as the processor makes of it, or (with ``expand``) a single
-        placeholder token, which is expanded (the prompt returned is then longer). ValueError where
-        the prompt and the images disagree."""
+        """The prompt ``input_ids`` with its images' `ImageInputs`: the first runs of image tokens,
+        one per image in order, each as many as the processor makes of its image or (with
+        ``expand``) a single placeholder, which is expanded (the prompt returned is then longer).
+        Later image tokens are text. ValueError where the prompt and the images disagree."""
         pixels, grid = self._process(images)
         made = (grid.prod(dim=-1) // self.merge**2).tolist()
         runs = [(t, len(list(run))) for t, run in groupby(input_ids)]
-        spans = [n for t, n in runs if t == self.image_token_id]
+        spans = [n for t, n in runs if t == self.image_token_id][: len(made)]
         if len(spans) != len(made):
             raise ValueError(f"the prompt has image tokens for {len(spans)} image(s) but {len(made)} image(s) came")
         for i, (held, needed) in enumerate(zip(spans, made)):
@@ -98,10 +96,10 @@ class ImagePrompts:
         if expand:
             counts = iter(made)
             expanded: list[int] = []
-            for t, n in runs:
-                expanded += [t] * (next(counts) if t == self.image_token_id else n)
+            for t, n in runs:  # image runs past the images' (text) keep their length
+                expanded += [t] * (next(counts, n) if t == self.image_token_id else n)
             input_ids = expanded
-        return input_ids, self._inputs(torch.tensor(input_ids), pixels, grid)
+        return input_ids, self._inputs(torch.tensor(input_ids), pixels, grid, sum(made))
 
     def _process(self, images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
         pictures = [self._decode(i, data) for i, data in enumerate(images)]
@@ -115,8 +113,8 @@ class ImagePrompts:
         except Exception as e:
             raise ValueError(f"image {i} is not an image file that PIL reads: {e}") from e
 
-    def _inputs(self, ids: torch.Tensor, pixels: torch.Tensor, grid: torch.Tensor) -> ImageInputs:
-        is_image = ids == self.image_token_id
+    def _inputs(self, ids: torch.Tensor, pixels: torch.Tensor, grid: torch.Tensor, tokens: int) -> ImageInputs:
+        is_image = image_token_mask(ids[None], self.image_token_id, torch.tensor([tokens]))[0]
         positions, delta = self._rope_index(ids[None], is_image[None].int(), image_grid_thw=grid)
         key = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16)
         key.update(grid.numpy().tobytes())

@@ -163,11 +163,10 @@ class Scheduler:
 
     # ----- generation ----------------------------------------------------------------------
 
-    def validate_request(self, input_ids: list[int], params: SamplingParams, images: ImageInputs | None = None) -> None:
+    def validate_request(self, input_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request the engine cannot serve (empty or too long prompt,
         token ids outside the vocabulary, in the prompt or ``logit_bias``, stop strings or a
-        grammar without a tokenizer, a grammar that does not compile, image tokens without
-        images)."""
+        grammar without a tokenizer, a grammar that does not compile)."""
         if self._runner is None:
             raise RuntimeError("the scheduler is not started: call start() first")
         if not input_ids:
@@ -186,8 +185,6 @@ class Scheduler:
             raise ValueError("stop strings need a tokenizer, and this model directory has none")
         if params.grammar is not None:
             self.grammars.check(params.grammar)
-        if self.images is not None:
-            self.images.check_tokens(input_ids, images)
 
     async def prepare_images(
         self, input_ids: list[int], images: list[bytes], expand: bool = False
@@ -215,7 +212,7 @@ class Scheduler:
         """Queue a request (with its ``images``, `prepare_images`); ``deliver`` is called once,
         from the scheduler thread, with its result, and ``on_token`` (if given) with each token
         as it is produced, before that. Returns the rid. Raises ValueError as `validate_request`."""
-        self.validate_request(input_ids, params, images)
+        self.validate_request(input_ids, params)
         stop_ids = self.stop_ids(params)
         rid = rid or uuid.uuid4().hex
         seq = Sequence(rid, list(input_ids), params, deliver, stop_ids, return_input_logprobs, on_token, images)
@@ -248,8 +245,8 @@ class Scheduler:
         prefill budget allowing), so the samples of a group decode in step and an interruption
         finds them all at the same length."""
         images = images or [None] * len(jobs)
-        for (input_ids, params, _), inputs in zip(jobs, images, strict=True):
-            self.validate_request(input_ids, params, inputs)
+        for input_ids, params, _ in jobs:
+            self.validate_request(input_ids, params)
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[GenerationResult]] = [loop.create_future() for _ in jobs]
         with self._cond:  # reentrant: submit_request takes it too, and the scheduler thread waits for it
@@ -262,7 +259,7 @@ class Scheduler:
                     return_input_logprobs,
                     images=inputs,
                 )
-                for (input_ids, params, rid), fut, inputs in zip(jobs, futures, images)
+                for (input_ids, params, rid), fut, inputs in zip(jobs, futures, images, strict=True)
             ]
         try:
             results = await asyncio.gather(*futures)

@@ -334,8 +334,8 @@ class GenerateRoute:
                 options.append(opts)
                 job_images.append(images[i])
         try:
-            for (prompt, params, _), inputs in zip(jobs, job_images):
-                self.scheduler.validate_request(prompt, params, inputs)
+            for prompt, params, _ in jobs:
+                self.scheduler.validate_request(prompt, params)
         except ValueError as e:
             raise BadRequest(str(e)) from e
         if stream:

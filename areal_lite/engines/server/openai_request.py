@@ -12,7 +12,6 @@ import uuid
 from dataclasses import dataclass
 
 from areal_lite.engines.local import grammar
-from areal_lite.engines.local.images import ImageInputs
 from areal_lite.engines.local.request import SamplingParams
 from areal_lite.engines.local.scheduler import Scheduler
 from areal_lite.engines.server.streaming import Job
@@ -214,21 +213,15 @@ def forced_call(body: dict[str, object], tools: list[dict[str, object]] | None) 
 
 
 def choice_jobs(
-    scheduler: Scheduler,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    n: int,
-    request_id: str,
-    images: ImageInputs | None = None,
+    scheduler: Scheduler, prompts: list[list[int]], params: SamplingParams, n: int, request_id: str
 ) -> list[Job]:
     """(prompt, params, rid) of each choice: ``n`` of each prompt, in the order prompt 0's
-    choices, prompt 1's, ...; choice ``i`` of a seeded request samples with ``seed + i``.
-    ``images``: those of the one prompt."""
+    choices, prompt 1's, ...; choice ``i`` of a seeded request samples with ``seed + i``."""
     if not 1 <= n <= MAX_N:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", param="n")
     try:
         for p in prompts:
-            scheduler.validate_request(p, params, images)
+            scheduler.validate_request(p, params)
     except ValueError as e:
         raise BadRequest(str(e)) from e
     out = []
@@ -247,8 +240,6 @@ class ChoiceRequest:
     o: Options
     params: SamplingParams
     jobs: list[Job]
-    images: ImageInputs | None = None
-    """The images of a chat request's prompt (every job's)."""
 
     @classmethod
     def read(
@@ -265,13 +256,11 @@ class ChoiceRequest:
         budget_key: str = "max_tokens",
         scoring: bool = False,
         tool_grammar: str | None = None,
-        images: ImageInputs | None = None,
     ) -> ChoiceRequest:
         """The sampling of ``body`` (`sampling_params`, the longest prompt against the context)
-        and ``o.n`` choices of each prompt (`choice_jobs`; ``images``: those of the one prompt)."""
+        and ``o.n`` choices of each prompt (`choice_jobs`)."""
         longest = max(len(p) for p in prompts)
         params = sampling_params(
             scheduler, body, max_tokens, longest, top_logprobs, prompt_key, budget_key, scoring, tool_grammar
         )
-        jobs = choice_jobs(scheduler, prompts, params, o.n, o.request_id, images)
-        return cls(model, o, params, jobs, images)
+        return cls(model, o, params, choice_jobs(scheduler, prompts, params, o.n, o.request_id))

@@ -232,16 +232,7 @@ class OpenAIRoutes:
         budget = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = max_completion_tokens(body)
         req = ChoiceRequest.read(
-            self.scheduler,
-            body,
-            model,
-            o,
-            [prompt],
-            max_tokens,
-            top_n,
-            budget_key=budget,
-            tool_grammar=tool_grammar,
-            images=images,
+            self.scheduler, body, model, o, [prompt], max_tokens, top_n, budget_key=budget, tool_grammar=tool_grammar
         )
         forced = tool_grammar is not None
         answer = ChatAnswer(self.texts, req, prompt, want_logprobs, tools is not None, forced, named)

@@ -186,7 +186,7 @@ class TokensRoute:
         if n < 1:
             raise BadRequest(f"n must be >= 1, got {n}", param="n")
         try:
-            self.scheduler.validate_request(prompt, params, images)
+            self.scheduler.validate_request(prompt, params)
         except ValueError as e:
             raise BadRequest(str(e), param="token_ids") from e
         request_id = body.get("request_id") or uuid.uuid4().hex

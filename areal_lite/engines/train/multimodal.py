@@ -9,6 +9,10 @@ token at its multimodal rotary position (``mrope_position_ids``, computed per se
 padded batch by the model's own ``get_rope_index``) and its text position restarting per sequence
 (what eager and sdpa attention mask by).
 
+Which image placeholder tokens the images fill follows `areal_lite.utils.vision.image_token_mask`:
+the first ones of each sequence, as many as its images have tokens; a placeholder the model
+generated after them is a text token, as the inference engine ran it.
+
 A micro-batch without images still runs the vision tower, on one blank merge block whose features
 count with weight 0: every rank then runs the same sharded modules in the same order (a rank that
 skipped the tower while another ran it would wait forever in the gather of its parameters), and
@@ -25,9 +29,12 @@ from torch import nn
 
 from areal_lite.api.engine import IMAGE_KEYS, PackedBatch
 from areal_lite.utils.data import pack_images
+from areal_lite.utils.vision import image_token_mask
 
 POSITIONS_KEY = "mrope_position_ids"
 """The per-token key (``[B, L, 3]`` padded, ``[T, 3]`` packed) of the multimodal rotary positions."""
+TOKEN_TYPES_KEY = "mm_token_type_ids"
+"""The per-token key (int32 ``[B, L]`` padded, ``[T]`` packed): 1 on the tokens images fill, else 0."""
 
 
 def decoder_layers(hf: nn.Module) -> nn.ModuleList:
@@ -46,16 +53,19 @@ class PackedImages:
     """``[N, 3]``: each image's patch grid, in the same order."""
     positions: torch.Tensor
     """``[T, 3]`` int64: each token's multimodal rotary position."""
+    token_types: torch.Tensor
+    """``[T]``: 1 on the tokens the images fill, in order; 0 elsewhere."""
 
     @staticmethod
     def of(mb: PackedBatch) -> PackedImages:
         """The images of ``mb``, a packed micro-batch with its image keys and positions."""
-        missing = [k for k in (*IMAGE_KEYS, POSITIONS_KEY) if k not in mb]
+        keys = (*IMAGE_KEYS, POSITIONS_KEY, TOKEN_TYPES_KEY)
+        missing = [k for k in keys if k not in mb]
         if missing:
             raise ValueError(f"a vision-language model's micro-batch needs {', '.join(missing)}")
-        pixels, grid, pos = mb["pixel_values"], mb["image_grid_thw"], mb[POSITIONS_KEY]
-        assert isinstance(pixels, torch.Tensor) and isinstance(grid, torch.Tensor) and isinstance(pos, torch.Tensor)
-        return PackedImages(pixels, grid, pos)
+        tensors = [mb[k] for k in keys]
+        assert all(isinstance(t, torch.Tensor) for t in tensors)
+        return PackedImages(*tensors)  # type: ignore[arg-type]
 
 
 class VisionLanguageModel:
@@ -77,23 +87,21 @@ class VisionLanguageModel:
         return self.inner.visual
 
     def with_positions(self, batch: TensorDict) -> TensorDict:
-        """``batch`` (padded, right-aligned) with its multimodal rotary positions added as the
-        per-token key ``mrope_position_ids`` ``[B, L, 3]`` (0 on padding), computed per sequence
-        from its image tokens and image grids. A batch without image keys is a text-only batch:
-        every position's three parts equal its text position."""
+        """``batch`` (padded, right-aligned) with the per-token keys the packed forward needs:
+        ``mm_token_type_ids`` (1 on the tokens its images fill, `image_token_mask`; 0 elsewhere,
+        an image placeholder the model generated included) and ``mrope_position_ids``
+        ``[B, L, 3]`` (0 on padding), computed per sequence from them and its image grids. A batch
+        without image keys is a text-only batch: every position's three parts equal its text
+        position."""
         ids, mask = batch["input_ids"], batch["attention_mask"].bool()
         if all(key in batch for key in IMAGE_KEYS):
+            grids = batch["image_grid_thw"]
+            image_tokens = image_token_mask(ids, self.image_token_id, (grids.prod(dim=-1) // self.merge**2).sum(-1))
             grid = pack_images(batch)["image_grid_thw"]
         elif any(key in batch for key in IMAGE_KEYS):
             raise ValueError(f"a batch with images carries both {' and '.join(IMAGE_KEYS)}")
         else:
-            grid = ids.new_zeros((0, 3))
-        image_tokens = ids == self.image_token_id
-        expected = int((grid.prod(dim=-1) // self.merge**2).sum())
-        if int((image_tokens & mask).sum()) != expected:
-            raise ValueError(
-                f"the batch has {int((image_tokens & mask).sum())} image tokens, its image grids make {expected}"
-            )
+            image_tokens, grid = torch.zeros_like(mask), ids.new_zeros((0, 3))
         if grid.shape[0] == 0:
             pos = (mask.cumsum(dim=1) - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, 3)
         else:
@@ -102,6 +110,7 @@ class VisionLanguageModel:
             )
             pos = pos3.permute(1, 2, 0)
         out = batch.clone(recurse=False)
+        out[TOKEN_TYPES_KEY] = image_tokens.to(torch.int32)
         out[POSITIONS_KEY] = (pos * mask.unsqueeze(-1)).to(torch.int64).contiguous()
         return out
 
@@ -117,19 +126,19 @@ class VisionLanguageModel:
             pixels = pixels.new_zeros((self.merge**2, self.patch_dim))
             grid = grid.new_tensor([[1, self.merge, self.merge]])
         # The tower runs apart from the decoder: the decoder's boundaries (varlen) are not its own.
-        features = self.inner.get_image_features(pixels, grid, return_dict=True)
-        encoded = {"image": features} if has_images else None
+        features = torch.cat(self.inner.get_image_features(pixels, grid, return_dict=True).pooler_output)
+        embeds = self.inner.get_input_embeddings()(input_ids)
+        if has_images:
+            # The tokens the images fill, by `image_token_mask`'s rule (not every placeholder id).
+            fill = (images.token_types == 1).unsqueeze(-1)
+            embeds = embeds.masked_scatter(fill, features.to(embeds.dtype))
         positions = torch.cat([position_ids.unsqueeze(0), images.positions.t()]).unsqueeze(1)
         hidden = self.inner(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=positions,
-            mm_encoder_outputs=encoded,
-            use_cache=False,
-            **varlen,
+            inputs_embeds=embeds.unsqueeze(0), position_ids=positions, use_cache=False, **varlen
         ).last_hidden_state[0]
         if not has_images:
-            hidden = hidden + 0.0 * torch.cat(features.pooler_output).sum()
+            hidden = hidden + 0.0 * features.sum()
         return hidden
 
 
-__all__ = ["POSITIONS_KEY", "PackedImages", "VisionLanguageModel", "decoder_layers"]
+__all__ = ["POSITIONS_KEY", "TOKEN_TYPES_KEY", "PackedImages", "VisionLanguageModel", "decoder_layers"]
