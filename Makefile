@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install install-vllm lint test test-all test-faults test-moe test-cluster test-gpu test-real test-tinker-cookbook test-verifiers test-vllm test-avx2 bench-vllm verifiers-example demo demo-moe demo-real real-model clean
+.PHONY: install install-vllm lint test test-all test-faults test-moe test-vlm test-cluster test-gpu test-real test-tinker-cookbook test-verifiers test-vllm test-avx2 bench-vllm verifiers-example demo demo-moe demo-vlm demo-real real-model clean
 
 install: $(STAMP)
 
@@ -44,6 +44,13 @@ test-faults: $(STAMP)
 # Megatron with expert parallelism; the MoE quickstart's smoke run).
 test-moe: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "" tests/test_moe.py $(PYTEST_ARGS)
+
+# Vision-language models, the tests marked `vlm` included: the tiny VLM, images through the data
+# contract, FSDP on packed batches with images under torchrun (1 and 2 ranks), the vision workflow,
+# the embedded engine, our server and the remote clients with images.
+test-vlm: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "" tests/test_vlm.py tests/test_vlm_fsdp.py tests/test_vlm_serving.py \
+		tests/test_vlm_server.py $(PYTEST_ARGS)
 
 # The Ray and Slurm launchers on real clusters started here (tests marked `cluster`, which `make
 # test` deselects): a 2-node Ray cluster (tests/clusters/ray.sh) and a one-node Slurm cluster
@@ -176,6 +183,12 @@ test-tinker-cookbook: $(STAMP)
 demo: $(STAMP)
 	rm -rf outputs/quickstart/demo
 	OMP_NUM_THREADS=1 $(PY) -m areal_lite.launcher.local examples/quickstart.py --config configs/quickstart.yaml
+
+# Vision GRPO: a tiny Qwen2.5-VL names the colour of a shape it sees; SFT warm-up, then GRPO with the
+# pictures going through the embedded engine and the trainer (examples/vision_grpo.py, docs/vision.md).
+demo-vlm: $(STAMP)
+	rm -rf outputs/vision-grpo/demo
+	OMP_NUM_THREADS=1 $(PY) -m areal_lite.launcher.local examples/vision_grpo.py --config configs/vision_grpo.yaml
 
 # The same on a mixture-of-experts model (Qwen3-MoE, 8 experts, 2 per token) with routing replay.
 demo-moe: $(STAMP)

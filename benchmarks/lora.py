@@ -121,7 +121,7 @@ def adapter_on_inference_side(model_dir: str, repeats: int) -> dict[str, float]:
     engine = LocalInferenceEngine(LocalEngineConfig(path=model_dir))
     engine.initialize()
     config = config_dict(model.peft_config["default"])
-    merge = median_seconds(lambda: engine.scheduler.load_adapter("policy", config, tensors).result(), repeats)
+    merge = median_seconds(lambda: engine.scheduler.weights.load_adapter("policy", config, tensors).result(), repeats)
     engine.destroy()
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, model.config.vocab_size, (64, 32), generator=g)

@@ -125,7 +125,7 @@ def generate(path: str, prompts: list[list[int]], moe: bool, update_to: str | No
             while (engine.scheduler.generated_tokens(reqs[-1].rid) or 0) < INTO:
                 await asyncio.sleep(0.002)
             new = AutoModelForCausalLM.from_pretrained(update_to).state_dict()
-            await asyncio.wrap_future(engine.scheduler.load_tensors(new, version=1))
+            await asyncio.wrap_future(engine.scheduler.weights.load_tensors(new, version=1))
         return list(await asyncio.gather(*tasks))
 
     try:

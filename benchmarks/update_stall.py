@@ -103,7 +103,7 @@ def sample(path: str, keep: bool, new_state: dict[str, torch.Tensor], batch: int
                     step_times.append((now - t_last) / (n - last))
                     last, t_last = n, now
             t0 = time.perf_counter()
-            await asyncio.wrap_future(scheduler.load_tensors(new_state, version=1))
+            await asyncio.wrap_future(scheduler.weights.load_tensors(new_state, version=1))
             return time.perf_counter() - t0, await asyncio.gather(*tasks)
 
         update_s, results = asyncio.run(run())

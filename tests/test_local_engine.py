@@ -107,7 +107,7 @@ def test_a_position_past_the_rotary_tables_is_an_error_not_a_stray_read(engine: 
     positions first, as torch's indexing would."""
     runner = engine.scheduler._runner
     assert runner.ops is not None
-    past = runner.cos.shape[0]
+    past = runner.rotary.positions
     with pytest.raises(IndexError, match=f"position {past} is past the rotary tables"):
         runner._layers_forward(torch.tensor([5]), torch.tensor([past]), lambda *a: pytest.fail("attended"))
 

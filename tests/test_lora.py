@@ -158,13 +158,13 @@ def test_embedded_engine_serves_adapters(model_path: str, tmp_path) -> None:
         # One adapter at a time; base weights cannot be loaded over a merged adapter.
         sched = engine.scheduler
         with pytest.raises(ValueError, match="one adapter at a time"):
-            sched.load_adapter("other", config, tensors).result()
+            sched.weights.load_adapter("other", config, tensors).result()
         with pytest.raises(ValueError, match="unload it"):
             engine.update_weights(WeightUpdateMeta(type="in_process", named_tensors=base_weights)).result()
         with pytest.raises(ValueError, match="not loaded"):
-            sched.unload_adapter("other").result()
+            sched.weights.unload_adapter("other").result()
 
-        sched.unload_adapter("policy").result()
+        sched.weights.unload_adapter("policy").result()
         assert all(torch.equal(v, base_weights[k]) for k, v in engine.model.state_dict().items())
         assert_serves(engine, base, version=3)
     finally:

@@ -361,7 +361,7 @@ def test_replay_removes_the_routing_part_of_a_kept_cache_mismatch(tmp_path) -> N
         tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs]
         while (engine.scheduler.generated_tokens(reqs[-1].rid) or 0) < 6:
             await asyncio.sleep(0.002)
-        await asyncio.wrap_future(engine.scheduler.load_tensors(new.state_dict(), version=1))
+        await asyncio.wrap_future(engine.scheduler.weights.load_tensors(new.state_dict(), version=1))
         return list(await asyncio.gather(*tasks))
 
     try:

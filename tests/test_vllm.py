@@ -216,7 +216,8 @@ def test_launcher_starts_vllm_with_the_extension_on_its_own_gpus_or_on_cpu(monke
     root = checkout_root()
     monkeypatch.delenv("PYTHONPATH", raising=False)
     extension = ["--tensor-parallel-size", "2", "--worker-extension-cls",
-                 "areal_lite.engines.remote.vllm_worker.WeightUpdateExtension", "--logprobs-mode", "raw_logprobs"]  # fmt: skip
+                 "areal_lite.engines.remote.vllm_worker.WeightUpdateExtension", "--logprobs-mode", "raw_logprobs",
+                 "--enable-scale-out"]  # fmt: skip
     cfg = LauncherConfig(backend="vllm", n_servers=2, server_tp_size=2, server_args=["--max-model-len", "4096"],
                          gpus_per_node=8, vllm_python="vpy")  # fmt: skip
     plan = LaunchPlan("train.py", None, [], cfg, RecoverConfig(), "org/model", "out", python="py")

@@ -206,6 +206,10 @@ class TrainEngineConfig:
     """Seed for initialisation of new heads, adapters and dropout."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters instead of full-parameter training (off by default)."""
+    freeze_vision_tower: bool = False
+    """Vision-language models, FSDP: keep the vision tower (patch embedding, vision blocks and the
+    merger into the decoder) as loaded, training only the decoder and its embeddings and head.
+    False trains the whole model."""
     routing_replay: bool = False
     """Mixture-of-experts models, FSDP: route each token to the experts the inference engine chose
     for it (the batch's ``routed_experts``; generate with ``gconfig.return_routed_experts``), with

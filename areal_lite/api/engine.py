@@ -30,7 +30,23 @@ Optional keys with a meaning of their own:
                                           ``routing_replay`` the train engine's forward
                                           routes each token to them
                                           (`areal_lite.utils.moe`).
+``pixel_values``    f32 [B,P,D]           vision-language models: each sequence's image
+                                          patches as its processor made them (``D`` values
+                                          per patch, 1176 for Qwen-VL's 14-pixel patches),
+                                          its images' patches one after another in the order
+                                          of their image tokens, right-padded with 0 to the
+                                          batch's largest patch count ``P``.
+``image_grid_thw``  int64 [B,I,3]         each of the sequence's images' patch grid (time,
+                                          height, width), in the same order; rows of 0 pad
+                                          to the batch's largest image count ``I``. Row
+                                          ``b``'s patches are the first ``sum(prod(grid))``
+                                          of ``pixel_values[b]``; a sequence without images
+                                          has only zero rows. Both keys or neither.
 ==================  ====================  ===================================================
+
+The two image keys are per-sequence whatever their second dimension (`IMAGE_KEYS`): padding
+batches together pads them to the largest ``P`` and ``I``, and every micro-batch split and
+reordering moves a sequence's images with it.
 
 Alignment is to the token: ``logprobs[i]`` scores ``input_ids[i]`` given ``input_ids[:i]``; the
 train engine does the shift when it computes logits; nothing else shifts. Position 0 of every
@@ -43,7 +59,15 @@ key the caller added, e.g. ``advantages`` or ``prox_logp``) concatenated over re
 ``[T]`` tensors; per-sequence keys (e.g. ``rewards``) stay ``[B]``; plus ``cu_seqlens`` int32
 ``[B+1]`` (sequence boundaries), ``position_ids`` int64 ``[T]`` restarting at 0 per sequence, and
 ``max_seqlen`` (int). A key is per-token when its shape starts with ``[B, L]``; its trailing
-dimensions stay (``routed_experts`` packs to ``[T, layers, k]``).
+dimensions stay (``routed_experts`` packs to ``[T, layers, k]``). The image keys pack to what the
+model takes: ``pixel_values`` ``[P_total, D]``, the real patches of every sequence in sequence
+order, and ``image_grid_thw`` ``[N, 3]``, the real images' rows in the same order. A train engine
+of a vision-language model adds ``mm_token_type_ids`` int32 ``[T]`` (1 on the tokens the images
+fill, 0 elsewhere) and ``mrope_position_ids`` int64 ``[T, 3]``: each token's multimodal rotary
+position (time, height, width; the three are equal on text tokens), restarting per sequence,
+computed by the model's own rule. The images fill a sequence's first image placeholder tokens, as
+many as they have tokens, in order; a placeholder after those (one the model generated) is a text
+token (`areal_lite.utils.vision.image_token_mask`, the same rule for generation).
 """
 
 from __future__ import annotations
@@ -60,6 +84,9 @@ from areal_lite.api.io import FinetuneSpec, ModelRequest, ModelResponse, SaveLoa
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
+
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+"""The per-sequence keys of a trajectory that hold its images (vision-language models)."""
 
 PackedBatch = dict[str, torch.Tensor | int]
 """A packed micro-batch: 1-D per-token tensors, [B] per-sequence tensors, cu_seqlens, max_seqlen."""

@@ -121,12 +121,21 @@ class GenerationConfig:
 
 @dataclass
 class ModelRequest:
-    """One generation request: a prompt given as token ids (never text, so nothing is re-tokenized)."""
+    """One generation request: a prompt given as token ids (never text, so nothing is re-tokenized),
+    and its images for a vision-language model."""
 
     input_ids: list[int]
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     """Request id. Requests with the same rid stay on one server (prefix-cache locality)."""
+    images: list[bytes] = field(default_factory=list, repr=False)
+    """Vision-language models: the prompt's images as image files' bytes (PNG, JPEG; see
+    `areal_lite.utils.vision.encode_image`), one per image in the order of their placeholders in
+    ``input_ids``, which hold each image's tokens as the model's processor expanded them (Qwen-VL:
+    ``<|vision_start|>``, one ``<|image_pad|>`` per image token, ``<|vision_end|>``). The engine
+    processes them with the model's processor, as the workflow did for the trajectory, so both
+    sides see the same pixels. A request resumed after an interruption keeps them. An engine that
+    cannot take images refuses a request that has some."""
 
 
 @dataclass

@@ -42,10 +42,13 @@ def check_trajectory_layout(traj: object, producer: str = "the workflow") -> Non
     """Raise `TrajectoryError` naming the offending key when ``traj`` is not laid out as the data
     contract says: a TensorDict of batch size ``[n]`` with every key of `TRAJECTORY_KEYS`, integer
     ``input_ids`` ``[n, L]``, the other per-token keys of that shape, floating ``logprobs`` and
-    ``rewards`` ``[n]``. Cheap enough for every finished episode (the rollout executor calls it);
+    ``rewards`` ``[n]``, and with images both image keys (floating ``pixel_values`` ``[n, P, D]``,
+    integer ``image_grid_thw`` ``[n, I, 3]``). Cheap enough for every finished episode (the rollout executor calls it);
     `areal_lite.workflows.check_trajectory` checks the values too."""
     import torch
     from tensordict import TensorDict
+
+    from areal_lite.api.engine import IMAGE_KEYS
 
     where = f"{producer} returned a trajectory that breaks the data contract"
     if not isinstance(traj, TensorDict):
@@ -70,6 +73,20 @@ def check_trajectory_layout(traj: object, producer: str = "the workflow") -> Non
     for key in ("logprobs", "rewards"):
         if not traj[key].dtype.is_floating_point:
             raise TrajectoryError(f"{where}: {key!r} must be floating point, got {traj[key].dtype}")
+    images = [key for key in IMAGE_KEYS if key in traj]
+    if len(images) == 1:
+        other = "image_grid_thw" if images[0] == "pixel_values" else "pixel_values"
+        raise TrajectoryError(f"{where}: it carries {images[0]!r} without {other!r} (images need both)")
+    if images:
+        pixels, grids = traj["pixel_values"], traj["image_grid_thw"]
+        if pixels.dim() != 3 or not pixels.dtype.is_floating_point:
+            raise TrajectoryError(
+                f"{where}: 'pixel_values' must be a floating [n, patches, D] tensor, got {pixels.dtype} {list(pixels.shape)}"
+            )
+        if grids.dim() != 3 or grids.shape[2] != 3 or grids.dtype.is_floating_point or grids.dtype == torch.bool:
+            raise TrajectoryError(
+                f"{where}: 'image_grid_thw' must be an integer [n, images, 3] tensor, got {grids.dtype} {list(grids.shape)}"
+            )
     if "routed_experts" in traj:
         routes = traj["routed_experts"]
         if routes.dim() != 4 or routes.shape[:2] != ids.shape or routes.dtype.is_floating_point:

@@ -84,8 +84,9 @@ def vllm_server_command(plan: LaunchPlan, port: int, *, base_gpu_id: int, host: 
     if os.path.isdir(plan.model_path):
         env.append("HF_HUB_OFFLINE=1")  # a local model: nothing to look up on the hub
     engine = dict(zip(plan.engine_args[::2], plan.engine_args[1::2]))
+    # --enable-scale-out: the token-in route (/inference/v1/generate), where prompts with images go.
     flags = ["--tensor-parallel-size", str(cfg.server_tp_size), "--worker-extension-cls", VLLM_WORKER_EXTENSION,
-             "--logprobs-mode", "raw_logprobs"]  # fmt: skip
+             "--logprobs-mode", "raw_logprobs", "--enable-scale-out"]  # fmt: skip
     if vllm_on_gpus(cfg):
         # vLLM has no base GPU id: the server sees only its own GPUs.
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -5,12 +5,22 @@ recording proxy (`areal_lite.workflows.openai_proxy`).
 Pure functions over the request's JSON body and a HF tokenizer: the typed fields, the options no
 areal-lite generator can honour, the messages as a chat template wants them, the tools, the prompt
 text the template renders, the assistant message of an answer, and the bytes of each token of
-its log-probabilities. Bad input raises `BadRequest` naming the field at fault, which servers
+its log-probabilities.
+
+Images, for a vision-language model, come as vLLM's OpenAI server takes them: ``image_url``
+content parts whose URL is a data URL (``data:image/png;base64,...``, the image file inline).
+Such a message's content reaches the template as its parts in order, text and
+``{"type": "image"}`` (where the template writes the model's image placeholder); the images'
+URLs are read in the same order (`image_urls`) and a data URL gives the file's bytes
+(`data_url_bytes`). ``http(s)`` URLs are refused with a 400: a server that fetched them would
+reach wherever a request points it. Bad input raises `BadRequest` naming the field at fault, which servers
 answer with a 400 (404 for an unknown model) and OpenAI's error object (`error_body`).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
@@ -150,10 +160,11 @@ def max_completion_tokens(body: dict[str, object]) -> int | None:
     return value
 
 
-def chat_messages(raw: object) -> list[dict[str, object]]:
+def chat_messages(raw: object, images: bool = False) -> list[dict[str, object]]:
     """The messages as chat templates want them: content a string (text parts joined, null as
-    ""), and the arguments of an assistant's tool calls as objects rather than JSON strings (what
-    templates that write ``arguments | tojson`` expect, as vLLM passes them)."""
+    ""), or with ``images`` (the model takes them) and image parts, its parts in order
+    (`template_content`); and the arguments of an assistant's tool calls as objects rather than
+    JSON strings (what templates that write ``arguments | tojson`` expect, as vLLM passes them)."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty list of objects", param="messages")
     out = []
@@ -163,12 +174,7 @@ def chat_messages(raw: object) -> list[dict[str, object]]:
             raise BadRequest(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}", param=field)
         content = m.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):  # fmt: skip
-                raise BadRequest(
-                    f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content"
-                )
-            content = "".join(p["text"] for p in content)
+            content = template_content(content, f"messages[{i}].content", images)
         elif content is None:
             content = ""
         elif not isinstance(content, str):
@@ -180,6 +186,71 @@ def chat_messages(raw: object) -> list[dict[str, object]]:
             message["tool_calls"] = _template_tool_calls(m["tool_calls"], i)
         out.append(message)
     return out
+
+
+def _image_url(part: dict[str, object], where: str) -> str:
+    """The URL of an ``image_url`` part: ``{"image_url": {"url": ...}}`` (OpenAI's) or a string."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise BadRequest(f'{where}: an image part is {{"type": "image_url", "image_url": {{"url": ...}}}}', param=where)
+    return url
+
+
+def template_content(parts: list[object], where: str, images: bool) -> str | list[dict[str, object]]:
+    """A message's content parts as chat templates take them: the text parts' text joined, or, with
+    image parts (``images``: the model takes them), the parts in order, ``{"type": "text",
+    "text": ...}`` and ``{"type": "image"}``. BadRequest naming ``where`` for any other part."""
+    out: list[dict[str, object]] = []
+    for j, p in enumerate(parts):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):  # type: ignore[union-attr]
+            out.append({"type": "text", "text": p["text"]})  # type: ignore[index]
+        elif kind == "image_url" and images:
+            _image_url(p, f"{where}[{j}]")  # type: ignore[arg-type]
+            out.append({"type": "image"})
+        elif kind == "image_url":
+            raise BadRequest(f"{where}: this model takes no images: only text parts are supported", param=where)
+        else:
+            raise BadRequest(f"{where}: only text{' and image_url' if images else ''} parts are supported", param=where)
+    if all(p["type"] == "text" for p in out):
+        return "".join(str(p["text"]) for p in out)
+    return out
+
+
+def image_urls(body: dict[str, object]) -> list[tuple[str, str]]:
+    """``(field, url)`` of each ``image_url`` part of a chat request's messages, in order (the
+    messages checked by `chat_messages` with images), ``field`` naming the part."""
+    found = []
+    for i, m in enumerate(body.get("messages") or []):  # type: ignore[arg-type]
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, p in enumerate(content if isinstance(content, list) else []):
+            if isinstance(p, dict) and p.get("type") == "image_url":
+                where = f"messages[{i}].content[{j}]"
+                found.append((where, _image_url(p, where)))
+    return found
+
+
+_DATA_URL = re.compile(r"data:[\w.+-]+/[\w.+-]+(;[\w.+-]+=[\w.+-]+)*;base64,(?P<data>.*)", re.DOTALL)
+
+
+def data_url_bytes(url: str, where: str) -> bytes:
+    """The image file a data URL (``data:image/png;base64,...``) holds. BadRequest naming
+    ``where`` for any other URL (nothing is fetched) or a data URL that is not base64."""
+    if not url.startswith("data:"):
+        shown = url if len(url) <= 60 else url[:57] + "..."
+        raise BadRequest(
+            f"{where}: images are not fetched from URLs ({shown!r}): send the image inline as a data URL "
+            "(data:image/png;base64,...)",
+            param=where,
+        )
+    match = _DATA_URL.fullmatch(url)
+    if match is None:
+        raise BadRequest(f"{where}: a data URL of an image is data:<media type>;base64,<data>", param=where)
+    try:
+        return base64.b64decode(match["data"], validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise BadRequest(f"{where}: the data URL's base64 does not decode ({e})", param=where) from e
 
 
 def _template_tool_calls(calls: object, i: int) -> list[dict[str, object]]:
@@ -242,11 +313,12 @@ def template_tools(body: dict[str, object]) -> list[dict[str, object]] | None:
     return out
 
 
-def render_chat(tokenizer: object, body: dict[str, object], **template_kwargs: object) -> str:
-    """The prompt text of a chat request: its messages and tools (`template_tools`, after
-    `chat_tools` checked them) rendered by the tokenizer's chat template, with the generation
-    prompt unless ``add_generation_prompt`` is false. The request's ``chat_template_kwargs``
-    override ``template_kwargs``."""
+def render_chat(tokenizer: object, body: dict[str, object], images: bool = False, **template_kwargs: object) -> str:
+    """The prompt text of a chat request: its messages (with image parts where ``images``) and
+    tools (`template_tools`, after `chat_tools` checked them) rendered by the chat template of
+    ``tokenizer`` (or of a processor), with the generation prompt unless
+    ``add_generation_prompt`` is false. The request's ``chat_template_kwargs`` override
+    ``template_kwargs``."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BadRequest("this model directory has no tokenizer with a chat template")
     kwargs = body.get("chat_template_kwargs") or {}
@@ -254,7 +326,7 @@ def render_chat(tokenizer: object, body: dict[str, object], **template_kwargs: o
         raise BadRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
     try:
         return tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            chat_messages(body.get("messages")),
+            chat_messages(body.get("messages"), images),
             tools=template_tools(body),
             add_generation_prompt=bool_field(body, "add_generation_prompt", True),
             tokenize=False,

@@ -1,7 +1,10 @@
 """Batches: padding trajectories together, packing them into 1-D, and cutting micro-batches.
 
 The layouts are those of the data contract in `areal_lite.api.engine`. A key is per-token when its
-first two dimensions are ``[B, L]``; every other key is per-sequence and stays ``[B, ...]``.
+first two dimensions are ``[B, L]``; every other key is per-sequence and stays ``[B, ...]``. The
+image keys of a vision-language model's batch (`IMAGE_KEYS`) are per-sequence whatever their
+second dimension: padding pads them to the largest image count, packing concatenates each
+sequence's real patches and image grids in sequence order.
 Micro-batches are cut by a token budget with a balanced first-fit-decreasing allocation; the
 returned permutation puts results computed micro-batch by micro-batch back in the batch's order.
 """
@@ -14,12 +17,13 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from areal_lite.api.engine import PackedBatch
+from areal_lite.api.engine import IMAGE_KEYS, PackedBatch
 from areal_lite.api.io import MicroBatchSpec
 
 
-def is_per_token(value: torch.Tensor, batch_size: int, seqlen: int) -> bool:
-    return value.ndim >= 2 and value.shape[0] == batch_size and value.shape[1] == seqlen
+def is_per_token(value: torch.Tensor, batch_size: int, seqlen: int, key: str = "") -> bool:
+    """Whether ``value`` (the batch's key ``key``) is per-token: ``[B, L, ...]`` and not an image key."""
+    return key not in IMAGE_KEYS and value.ndim >= 2 and value.shape[0] == batch_size and value.shape[1] == seqlen
 
 
 PAD_VALUES: dict[str, int] = {"routed_experts": -1}
@@ -29,8 +33,8 @@ PAD_VALUES: dict[str, int] = {"routed_experts": -1}
 def concat_padded(trajs: list[TensorDict], pad_to: int | None = None) -> TensorDict:
     """Right-pad per-token keys of every trajectory batch to a common length and concatenate.
 
-    Padding is 0 (False for bool), or the key's `PAD_VALUES` entry. Every trajectory must carry
-    the same keys.
+    Padding is 0 (False for bool), or the key's `PAD_VALUES` entry; the image keys are padded to
+    the largest image count instead. Every trajectory must carry the same keys.
     """
     if not trajs:
         raise ValueError("concat_padded needs at least one trajectory batch")
@@ -43,12 +47,13 @@ def concat_padded(trajs: list[TensorDict], pad_to: int | None = None) -> TensorD
         max_len = max(max_len, pad_to)
     out: dict[str, torch.Tensor] = {}
     for key in trajs[0].keys():  # noqa: SIM118 - iterating a TensorDict yields rows, not keys
+        width = max(t[key].shape[1] for t in trajs) if key in IMAGE_KEYS else max_len
         parts = []
         for t in trajs:
             v = t[key]
             b, length = t["attention_mask"].shape
-            if is_per_token(v, b, length) and length < max_len:
-                pad = torch.full((b, max_len - length, *v.shape[2:]), PAD_VALUES.get(key, 0), dtype=v.dtype)
+            if (key in IMAGE_KEYS or is_per_token(v, b, length)) and v.shape[1] < width:
+                pad = torch.full((b, width - v.shape[1], *v.shape[2:]), PAD_VALUES.get(key, 0), dtype=v.dtype)
                 v = torch.cat([v, pad], dim=1)
             parts.append(v)
         out[key] = torch.cat(parts, dim=0)
@@ -63,8 +68,9 @@ def seqlens_of(batch: TensorDict) -> torch.Tensor:
 def pack_batch(batch: TensorDict) -> PackedBatch:
     """Pack a right-padded batch into 1-D tensors over its real tokens.
 
-    Returns per-token keys as ``[T, ...]``, per-sequence keys unchanged, and ``cu_seqlens`` (int32
-    ``[B+1]``), ``position_ids`` (int64 ``[T]``, restarting at 0 per sequence) and ``max_seqlen``.
+    Returns per-token keys as ``[T, ...]``, per-sequence keys unchanged, the image keys as the
+    model takes them (`pack_images`), and ``cu_seqlens`` (int32 ``[B+1]``), ``position_ids`` (int64
+    ``[T]``, restarting at 0 per sequence) and ``max_seqlen``.
     """
     mask = batch["attention_mask"].bool()
     b, length = mask.shape
@@ -73,16 +79,40 @@ def pack_batch(batch: TensorDict) -> PackedBatch:
         raise ValueError("attention_mask must be right-padded (real tokens form a prefix of each row)")
     packed: PackedBatch = {}
     for key, value in batch.items():
-        if is_per_token(value, b, length):
+        if is_per_token(value, b, length, key):
             packed[key] = value[mask]
-        else:
+        elif key not in IMAGE_KEYS:
             packed[key] = value
+    if any(key in batch for key in IMAGE_KEYS):
+        packed.update(pack_images(batch))
     cu = torch.zeros(b + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens, dim=0)
     packed["cu_seqlens"] = cu
     packed["position_ids"] = torch.cat([torch.arange(int(n)) for n in lens]) if b else torch.zeros(0, dtype=torch.int64)
     packed["max_seqlen"] = int(lens.max()) if b else 0
     return packed
+
+
+def pack_images(batch: TensorDict) -> dict[str, torch.Tensor]:
+    """The image keys of a padded batch as the model takes them: ``pixel_values`` ``[P_total, D]``,
+    every sequence's real patches one after another in sequence order, and ``image_grid_thw``
+    ``[N, 3]``, the real images' grids in the same order. ValueError when a sequence's grids need
+    more patches than its row holds, or its zero (padding) grid rows come before a real one."""
+    if not all(key in batch for key in IMAGE_KEYS):
+        raise ValueError(f"a batch with images carries both {' and '.join(IMAGE_KEYS)}; this one has only one")
+    pixels, grids = batch["pixel_values"], batch["image_grid_thw"]
+    counts = grids.prod(dim=-1)
+    real = counts > 0
+    if (real[:, 1:] & ~real[:, :-1]).any():
+        raise ValueError("image_grid_thw: a sequence's padding rows (zeros) must come after its images' rows")
+    patches = counts.sum(dim=1)
+    if (patches > pixels.shape[1]).any():
+        b = int((patches > pixels.shape[1]).nonzero()[0])
+        raise ValueError(
+            f"sequence {b}'s image grids need {int(patches[b])} patches; its pixel_values row holds {pixels.shape[1]}"
+        )
+    keep = torch.arange(pixels.shape[1]).unsqueeze(0) < patches.unsqueeze(1)
+    return {"pixel_values": pixels[keep], "image_grid_thw": grids[real]}
 
 
 def unpack_sequences(values: torch.Tensor, cu_seqlens: torch.Tensor, seqlen: int) -> torch.Tensor:
@@ -101,6 +131,8 @@ def unpack_batch(packed: PackedBatch, seqlen: int, per_token_keys: set[str]) -> 
     sequence has one token, so the caller names them.)"""
     cu = packed["cu_seqlens"]
     assert isinstance(cu, torch.Tensor)
+    if any(key in packed for key in IMAGE_KEYS):
+        raise ValueError("a packed batch's images cannot be unpacked: which sequence holds which image is gone")
     out: dict[str, torch.Tensor] = {}
     for key, value in packed.items():
         if key in ("cu_seqlens", "position_ids", "max_seqlen"):
@@ -201,7 +233,7 @@ def split_microbatches(batch: TensorDict, spec: MicroBatchSpec) -> MicroBatchSpl
         sub = {}
         for key, value in batch.items():
             v = value[sel]
-            if is_per_token(value, b, length):
+            if is_per_token(value, b, length, key):
                 v = v[:, :sub_len]
             sub[key] = v
         mbs.append(TensorDict(sub, batch_size=[len(idx)]))

@@ -7,7 +7,9 @@ model keeps all the experts of a layer in two 3-D parameters (``mlp.experts.gate
 projection (``mlp.experts.<e>.gate_proj.weight``). transformers' own conversion functions map
 between the two; this module applies them to weight updates, which travel in the checkpoint
 layout on disk and by broadcast (so that any server reads them) and in the runtime layout in
-process (no conversion). For a dense model both layouts are the same and nothing is converted.
+process (no conversion). For a dense model both layouts are the same and nothing is converted; a
+Qwen-VL model's checkpoint names its decoder ``model.*`` and its vision tower ``visual.*`` where
+transformers 5 names them ``model.language_model.*`` and ``model.visual.*``.
 
 The receiving side copies a checkpoint tensor into its part of a runtime parameter through the
 flat positions it occupies there, found once by converting a tensor of positions: any conversion
@@ -21,15 +23,16 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from areal_lite.utils.vision import auto_model_class
+
 
 class CheckpointLayout:
-    """The checkpoint layout of the HF causal LMs of ``config``'s architecture."""
+    """The checkpoint layout of the HF causal LMs (or vision-language models) of ``config``'s
+    architecture."""
 
     def __init__(self, config: object) -> None:
-        from transformers import AutoModelForCausalLM
-
         with torch.device("meta"):
-            self._model = AutoModelForCausalLM.from_config(config)
+            self._model = auto_model_class(config).from_config(config)
         runtime = self._model.state_dict()
         self._runtime_shapes = {n: tuple(t.shape) for n, t in runtime.items()}
         converted = self._revert(runtime)

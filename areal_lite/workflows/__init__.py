@@ -1,7 +1,7 @@
-"""Rollout workflows, one per file: RLVR (GRPO groups), ReMax, multi-turn agents with their
-environments, and agents written with the OpenAI SDK (`AgentWorkflow`, through the recording
-`RecordingProxy`); `episodes` holds what the workflows with a group of episodes per item share,
-`trajectory` builds and checks the data contract's tensors."""
+"""Rollout workflows, one per file: RLVR (GRPO groups), vision RLVR (prompts with images), ReMax,
+multi-turn agents with their environments, and agents written with the OpenAI SDK
+(`AgentWorkflow`, through the recording `RecordingProxy`); `episodes` holds what the workflows with
+a group of episodes per item share, `trajectory` builds and checks the data contract's tensors."""
 
 from areal_lite.workflows.agent import AgentWorkflow
 from areal_lite.workflows.envs import CalculatorEnv, MathFeedbackEnv, calculate
@@ -10,6 +10,7 @@ from areal_lite.workflows.openai_proxy import RecordingProxy
 from areal_lite.workflows.remax import ReMaxWorkflow
 from areal_lite.workflows.rlvr import RLVRWorkflow, rewards_differ
 from areal_lite.workflows.trajectory import TokenTrace, check_trajectory, encode_chat, from_response
+from areal_lite.workflows.vision_rlvr import VisionRLVRWorkflow
 
 __all__ = [
     "AgentWorkflow",
@@ -22,6 +23,7 @@ __all__ = [
     "ReMaxWorkflow",
     "RecordingProxy",
     "TokenTrace",
+    "VisionRLVRWorkflow",
     "calculate",
     "check_trajectory",
     "encode_chat",

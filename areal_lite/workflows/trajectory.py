@@ -3,7 +3,8 @@
 Workflows assemble token lists (prompt, generated, environment) and turn them into a ``[1, L]``
 TensorDict here, so the dtypes and the mask/version conventions are written once. Responses that
 carry the experts a mixture-of-experts model routed each token to (``routed_experts``) add them
-to the trajectory, -1 on the positions no route covers.
+to the trajectory, -1 on the positions no route covers. A vision-language model's trajectories
+carry their prompt's images (`with_images`).
 """
 
 from __future__ import annotations
@@ -124,6 +125,28 @@ def from_responses(resps: list[ModelResponse], rewards: list[float]) -> TensorDi
             raise ValueError("some responses of the group carry routed_experts and some do not")
         out["routed_experts"] = torch.stack([_pad_routes(r, width) for r in routes])  # type: ignore[arg-type]
     return TensorDict(out, batch_size=[len(traces)])
+
+
+def with_images(traj: TensorDict, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> TensorDict:
+    """``traj`` (``[n, L]``, every row with the same prompt) carrying that prompt's images: the
+    processor's ``pixel_values`` ``[P, D]`` and ``image_grid_thw`` ``[I, 3]`` (no images: ``P`` and
+    ``I`` 0) as the per-sequence keys ``[n, P, D]`` float32 and ``[n, I, 3]`` int64 of the data
+    contract (`areal_lite.api.engine`). ValueError when the grids do not account for the patches."""
+    if pixel_values.dim() != 2 or image_grid_thw.dim() != 2 or image_grid_thw.shape[1] != 3:
+        raise ValueError(
+            f"pixel_values must be [patches, D] and image_grid_thw [images, 3], got {list(pixel_values.shape)} "
+            f"and {list(image_grid_thw.shape)}"
+        )
+    if int(image_grid_thw.prod(dim=-1).sum()) != pixel_values.shape[0]:
+        raise ValueError(
+            f"image_grid_thw accounts for {int(image_grid_thw.prod(dim=-1).sum())} patches, pixel_values has "
+            f"{pixel_values.shape[0]}"
+        )
+    n = traj.batch_size[0]
+    out = traj.clone(recurse=False)
+    out["pixel_values"] = pixel_values.to(torch.float32).unsqueeze(0).expand(n, -1, -1).clone()
+    out["image_grid_thw"] = image_grid_thw.to(torch.int64).unsqueeze(0).expand(n, -1, -1).clone()
+    return out
 
 
 def encode_chat(tokenizer: object, messages: list[dict[str, str]], **template_kwargs: object) -> list[int]:

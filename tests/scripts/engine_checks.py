@@ -3,15 +3,26 @@ its weight (and a loss scaled by a share), and a receiver of weight updates."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig
 
 from areal_lite.api.engine import InferenceEngine, LossFn, PackedBatch
 from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.utils.distributed import CustomGroup, init_custom_process_group
+from areal_lite.utils.hf_layout import CheckpointLayout
+from areal_lite.utils.vision import auto_model_class
+
+
+def write_results(res: dict[str, object], path: str) -> None:
+    """Rank 0 writes a worker's measurements as JSON for the test that launched it."""
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(res, f)
 
 
 def make_batch(seed: int, n: int = 8, max_len: int = 24) -> TensorDict:
@@ -73,7 +84,10 @@ class WeightReceiver(InferenceEngine):
     update, the last version and the number of distributed chunks. Generation is not part of it."""
 
     def __init__(self, model_dir: str) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        self.auto = auto_model_class(config)
+        self.layout = CheckpointLayout(config)
+        self.model = self.auto.from_pretrained(model_dir)
         self.pool = ThreadPoolExecutor(1)
         self.group: CustomGroup | None = None
         self.names: set[str] = set()
@@ -104,13 +118,17 @@ class WeightReceiver(InferenceEngine):
                 for k, v in meta.named_tensors.items():
                     params[k].copy_(v)
             elif meta.type == "disk":
-                self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(meta.path).state_dict())
+                self.model.load_state_dict(self.auto.from_pretrained(meta.path).state_dict())
             else:
                 assert self.group is not None
                 for spec in meta.param_specs:
                     t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
                     self.group.broadcast(t)
-                    params[spec.name].copy_(t)
+                    name, where, _ = self.layout.locate(spec.name)  # broadcasts carry checkpoint names
+                    if where is None:
+                        params[name].copy_(t)
+                    else:
+                        params[name].view(-1)[where] = t.flatten()
                 self.chunks += 1
         self.version = meta.version if meta.version is not None else -1
 

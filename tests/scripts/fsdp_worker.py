@@ -26,13 +26,12 @@ comma-separated list of the checks below. Rank 0 writes ``OUT_DIR/<CHECKS>_w<wor
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
-from engine_checks import WeightReceiver, group_batch, make_batch, n_tokens, nll, scaled
+from engine_checks import WeightReceiver, group_batch, make_batch, n_tokens, nll, scaled, write_results
 from lora_checks import check_lora
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -435,9 +434,7 @@ def main() -> None:
     res: dict[str, object] = {}
     for name in CHECKS:
         checks[name](res)
-    if dist.get_rank() == 0:
-        with open(os.path.join(OUT, f"{'-'.join(CHECKS)}_w{dist.get_world_size()}.json"), "w") as f:
-            json.dump(res, f)
+    write_results(res, os.path.join(OUT, f"{'-'.join(CHECKS)}_w{dist.get_world_size()}.json"))
     destroy_default_group()
 
 

@@ -8,7 +8,8 @@ disk, or a broadcast in a weight-update group that the engine joins as rank 1 of
 new tokens are tagged with, and pause (in place: running requests keep their KV cache, which is
 recomputed if the weights change) / resume. Weight updates go to the scheduler's `WeightLoader`
 (`areal_lite.engines.local.weights`); an update from a LoRA train engine carries its adapter
-alone, which it merges into the weights (as adapter `ADAPTER`).
+alone, which it merges into the weights (as adapter `ADAPTER`). A vision-language model's requests
+carry their images (``ModelRequest.images``: docs/vision.md).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ ADAPTER = "policy"
 
 
 class LocalInferenceEngine(InferenceEngine):
-    """Generation in this process on a HF causal LM (CPU or CUDA), with continuous batching.
+    """Generation in this process on a HF causal LM or vision-language model (CPU or CUDA), with
+    continuous batching.
 
     `agenerate` may be awaited from any event loop and any thread.
     """
@@ -80,7 +82,9 @@ class LocalInferenceEngine(InferenceEngine):
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         if req.gconfig.return_routed_experts and self.scheduler.routing_shape is None:
             raise ValueError("return_routed_experts is set but the model has no mixture-of-experts layers")
-        res = await self.scheduler.generate(req.input_ids, SamplingParams.from_gconfig(req.gconfig), rid=req.rid)
+        _, images = await self.scheduler.prepare_images(req.input_ids, req.images)
+        params = SamplingParams.from_gconfig(req.gconfig)
+        res = await self.scheduler.generate(req.input_ids, params, rid=req.rid, images=images)
         return ModelResponse(
             input_tokens=list(req.input_ids),
             output_tokens=res.output_ids,

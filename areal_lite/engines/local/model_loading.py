@@ -1,5 +1,5 @@
-"""Loading the embedded engine's model: the HF causal LM and tokenizer of a model directory, and
-what the engine reads off it (its end-of-sequence ids, the context length it allows); dtypes by
+"""Loading the embedded engine's model: the HF causal LM (or vision-language model) and tokenizer of
+a model directory, and what the engine reads off it (its end-of-sequence ids, the context length it allows); dtypes by
 name, as configs and weight broadcasts give them."""
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def load_model(path: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, PreTrainedTokenizerBase | None]:
-    """The HF causal LM of a model directory, frozen for inference, and its tokenizer (None when
-    the directory has none)."""
-    from transformers import AutoModelForCausalLM
+    """The HF causal LM (or vision-language model) of a model directory, frozen for inference,
+    and its tokenizer (None when the directory has none)."""
+    from transformers import AutoConfig
 
     from areal_lite.utils.tokenizer import TokenizerMissing, load_tokenizer
+    from areal_lite.utils.vision import auto_model_class
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    auto = auto_model_class(AutoConfig.from_pretrained(path))
+    model = auto.from_pretrained(path, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
     tokenizer: PreTrainedTokenizerBase | None = None
     try:
@@ -50,7 +52,7 @@ def eos_ids(model: torch.nn.Module) -> frozenset[int]:
     eos = (
         model.generation_config.eos_token_id
         if model.generation_config.eos_token_id is not None
-        else model.config.eos_token_id
+        else model.config.get_text_config().eos_token_id
     )
     return frozenset([eos] if isinstance(eos, int) else (eos or []))
 
@@ -58,10 +60,11 @@ def eos_ids(model: torch.nn.Module) -> frozenset[int]:
 def context_length(model: torch.nn.Module, max_total_tokens: int) -> int:
     """Prompt + output tokens a request may reach: ``max_total_tokens`` (0 = no limit of its own),
     the model's position range, and its sliding window."""
-    max_pos = model.config.max_position_embeddings
+    config = model.config.get_text_config()
+    max_pos = config.max_position_embeddings
     context_len = min(max_total_tokens, max_pos) if max_total_tokens > 0 else max_pos
-    window = getattr(model.config, "sliding_window", None)
-    if window and (model.config.model_type == "mistral" or getattr(model.config, "use_sliding_window", False)):
+    window = getattr(config, "sliding_window", None)
+    if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
         # The runner attends over the whole cache; within one window that is exact.
         context_len = min(context_len, window)
     return context_len

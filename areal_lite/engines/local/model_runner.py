@@ -4,16 +4,20 @@ It calls the HF model's own modules (embeddings, norms, projections, MLPs, LM he
 attention itself over a slot-based KV cache (row ``i`` of the cache belongs to the ``i``-th
 running request; finished rows are refilled from the tail), with per-row positions and one
 additive mask per step. This needs the Llama layer layout, shared by the supported
-``model_type``s (llama, qwen2, qwen3, mistral, and the mixture-of-experts qwen3_moe, qwen2_moe,
-mixtral); the numerics are those of the HF forward (same modules, same rotary tables), so reported
-log-probabilities equal a HF forward of the same tokens to float tolerance.
+``model_type``s (llama, qwen2, qwen3, mistral, the mixture-of-experts qwen3_moe, qwen2_moe,
+mixtral, and the decoders of the vision-language qwen2_vl and qwen2_5_vl); the numerics are those of
+the HF forward (same modules, same rotary tables), so reported log-probabilities equal a HF forward
+of the same tokens to float tolerance.
 
-A mixture-of-experts block runs as the HF module. A forward hook on its router records the
-experts each token went to, in a per-row buffer beside the KV cache (``routes``: for each cached
-position, one row of ``top_k`` expert ids per layer, -1 on layers without experts), which a
-finished request takes with it (`routes_of`): routing replay in the train engine forces them.
-A position's routes are those of the pass that computed its cached keys and values: recomputing a
-request's cache after a weight update records them again.
+A vision-language model's request may carry images (`areal_lite.engines.local.images`): at its
+prefill the vision tower's features replace its image tokens' embeddings and its tokens are rotated
+by their multimodal positions (`areal_lite.engines.local.rotary`); its decode steps are at its
+cache length plus the row's offset ``delta`` (also inside the decode graphs). Rows with and without
+images share every pass.
+
+A mixture-of-experts block runs as the HF module; the experts each cached position went to are
+recorded beside the KV cache (`areal_lite.engines.local.expert_routes`), and a finished request
+takes its own with it (`routes_of`) for routing replay in the train engine.
 
 Each pass ends with a token sampled for each row (`areal_lite.engines.local.sampling`); reported
 log-probabilities are those of the policy itself (temperature 1, before top-p/top-k/min-p,
@@ -33,9 +37,13 @@ import torch.nn.functional as F
 
 from areal_lite.cpu import engine_kernels
 from areal_lite.engines.local.decode_graphs import DecodeGraphs
+from areal_lite.engines.local.expert_routes import ExpertRoutes
+from areal_lite.engines.local.fused_weights import fuse_layer, fused_views
+from areal_lite.engines.local.images import ImageInputs, VisionTower
 from areal_lite.engines.local.kv_cache import KVCache
 from areal_lite.engines.local.packed_linears import PackedLinears
 from areal_lite.engines.local.request import Sequence
+from areal_lite.engines.local.rotary import RotaryTables
 from areal_lite.engines.local.sampling import (
     choose_plain,
     choose_tokens,
@@ -44,14 +52,17 @@ from areal_lite.engines.local.sampling import (
     record_tokens,
 )
 from areal_lite.utils import flash_varlen
-from areal_lite.utils.moe import NO_EXPERT, layer_routers, routing_shape
+from areal_lite.utils.moe import routing_shape
+from areal_lite.utils.vision import is_vision_config
 
 if TYPE_CHECKING:
     from areal_lite.api.config import CPUConfig
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "qwen2_vl", "qwen2_5_vl",
+)  # fmt: skip
 PREFILL_TOKENS = 16 * 1024
 """A batched prefill is split when its distinct sequences hold more tokens than this."""
 
@@ -82,17 +93,18 @@ class ModelRunner:
         cuda_graphs: bool = False,
         cpu: CPUConfig | None = None,
     ) -> None:
-        cfg = model.config
+        cfg = model.config.get_text_config()
         rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
         if "dynamic" in rope_type:
             # Rotary tables are computed once for all positions; dynamic scaling depends on length.
             raise ValueError(f"the embedded engine does not support rope_type {rope_type!r}")
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"the embedded engine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}"
-            )
+        model_type = model.config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"the embedded engine supports model types {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
         self.model = model
-        self.base = model.model
+        self.vision = VisionTower(model) if is_vision_config(model.config) else None
+        """The vision tower of a vision-language model (None for a text model)."""
+        self.base = model.model.language_model if self.vision is not None else model.model
         self.layers = list(self.base.layers)
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -107,10 +119,7 @@ class ModelRunner:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.context_len = context_len
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        positions = torch.arange(context_len, device=self.device)[None]
-        dummy = torch.zeros(1, device=self.device, dtype=self.dtype)
-        cos, sin = self.base.rotary_emb(dummy, positions)
-        self.cos, self.sin = cos[0], sin[0]  # [context_len, head_dim]
+        self.rotary = RotaryTables(self.base.rotary_emb, context_len, self.device, self.dtype)
         kernels = engine_kernels(self.device, self.dtype, self.head_dim, self.n_heads // self.n_kv, cpu)
         self.decode_attention = kernels.attention
         """The compiled decode attention (CPU, fp32 or bf16), None where it is unavailable:
@@ -128,6 +137,9 @@ class ModelRunner:
         """``lens`` as the host knows it, kept in step with it: sizing the cache, removing rows and
         taking a row's routes need no read from the device."""
         self.last = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.delta = torch.zeros(max_rows, dtype=torch.long, device=self.device) if self.vision else None
+        """A vision-language model's rows: each row's rotary position minus its cache length
+        (`ImageInputs.delta`; 0 for a prompt without images). None for a text model."""
         self.sample_on_device = self.device.type == "cuda"
         """Choose plain rows' tokens as the decode graph does, in eager steps too: on a GPU each
         check `choose_tokens` makes waits for the device (on CPU the lazy checks cost less)."""
@@ -137,57 +149,17 @@ class ModelRunner:
         self.rows: list[Sequence] = []
         self.route_shape = routing_shape(cfg)
         """(layers, top_k) of a mixture-of-experts model, else None (nothing recorded)."""
-        self.routes: torch.Tensor | None = None
-        """[max_rows, cache capacity, layers, top_k] int32: the experts each cached position went to."""
-        self._captured: dict[int, torch.Tensor] = {}
-        """Expert ids [tokens, top_k] by layer, from the routers' hooks during one forward pass."""
-        if self.route_shape is not None:
-            for i, router in enumerate(layer_routers(self.layers)):
-                if router is not None:
-                    router.register_forward_hook(lambda _m, _inp, out, i=i: self._captured.__setitem__(i, out[2]))
+        shape = self.route_shape
+        self.routes = None if shape is None else ExpertRoutes(self.layers, shape, max_rows, self.device)
         self._ensure_capacity(min(256, context_len))
-        self.fused = [self._fuse(layer) for layer in self.layers]
-        self.fused_views = [self._fused_views(layer) for layer in self.layers]
+        self.fused = [fuse_layer(layer) for layer in self.layers]
+        self.fused_views = [fused_views(layer) for layer in self.layers]
         """Per layer, the parameters that are views of its fused q/k/v and gate/up weights."""
         self.graphs = (
             self.decode_graphs() if cuda_graphs and self.device.type == "cuda" and self.route_shape is None else None
         )
         """Decode steps replayed as CUDA graphs (``cuda_graphs``, on CUDA, dense models: a
         mixture-of-experts block's routing hooks run Python per pass), else None."""
-
-    @staticmethod
-    def _fused_views(layer: torch.nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = tuple(m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj))
-        gate_up = tuple(m.weight for m in (mlp.gate_proj, mlp.up_proj)) if hasattr(mlp, "gate_proj") else ()
-        return qkv, gate_up
-
-    @staticmethod
-    def _fuse(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """One matmul for q/k/v and one for gate/up instead of five (fewer ops per step); a
-        mixture-of-experts block (no ``gate_proj``) gets no fused gate/up and runs as its HF module.
-
-        The HF modules' parameters become views into the fused tensors, so a weight update that
-        copies into the model's parameters (as every update here does) updates both at once.
-        """
-
-        def fuse(linears: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
-            parts = [getattr(m, attr) for m in linears]
-            if parts[0] is None:
-                return None
-            fused = torch.cat([p.data for p in parts])
-            start = 0
-            for m, p in zip(linears, parts):
-                getattr(m, attr).data = fused[start : start + p.shape[0]]
-                start += p.shape[0]
-            return fused
-
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        if not hasattr(mlp, "gate_proj"):
-            return fuse(qkv, "weight"), fuse(qkv, "bias"), None, None  # type: ignore[return-value]
-        gate_up = [mlp.gate_proj, mlp.up_proj]
-        return fuse(qkv, "weight"), fuse(qkv, "bias"), fuse(gate_up, "weight"), fuse(gate_up, "bias")  # type: ignore[return-value]
 
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
         head = self.model.lm_head
@@ -203,14 +175,8 @@ class ModelRunner:
     def _ensure_capacity(self, needed: int) -> None:
         """Grow the cache (and a mixture-of-experts model's routes beside it) to ``needed`` positions."""
         old = self.cache.cap
-        if not self.cache.grow(needed) or self.route_shape is None:
-            return
-        routes = torch.full(
-            (self.max_rows, self.cache.cap, *self.route_shape), NO_EXPERT, dtype=torch.int32, device=self.device
-        )
-        if self.routes is not None:
-            routes[:, :old] = self.routes
-        self.routes = routes
+        if self.cache.grow(needed) and self.routes is not None:
+            self.routes.grow(old, self.cache.cap)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + _rotate_half(x) * sin
@@ -220,20 +186,26 @@ class ModelRunner:
         ids: torch.Tensor,
         positions: torch.Tensor,
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run every decoder layer on the tokens ``ids`` [N] at ``positions`` [N], token-major:
-        ``attend(layer, q, k, v)`` gets [N, heads, D] queries and [N, kv heads, D] keys and values,
-        stores the keys and values in the cache and returns the attention output [N, heads, D].
-        Returns the final hidden states [N, H]. The routers' hooks leave this pass's routes in
-        ``_captured``."""
-        self._captured.clear()
+        """Run every decoder layer on the tokens ``ids`` [N] at ``positions`` ([N], or [N, 3]
+        multimodal ones), token-major: ``attend(layer, q, k, v)`` gets [N, heads, D] queries and
+        [N, kv heads, D] keys and values, stores the keys and values in the cache and returns the
+        attention output [N, heads, D]. ``embeds``: the input embeddings [N, H] where they are not
+        the tokens' own (image features in place). Returns the final hidden states [N, H]. The
+        routers' hooks capture this pass's routes (`ExpertRoutes.record` writes them)."""
+        if self.routes is not None:
+            self.routes.start_pass()
         n = ids.shape[0]
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        h, x = self._add_norm(self.base.embed_tokens(ids), None, self.layers[0].input_layernorm)
-        rotary = None if self.ops is not None and not self.has_qk_norm else self._rotary(positions)
-        if rotary is None and n and int(positions.max()) >= self.cos.shape[0]:
+        embeds = self.base.embed_tokens(ids) if embeds is None else embeds
+        h, x = self._add_norm(embeds, None, self.layers[0].input_layernorm)
+        cos, sin, index = self.rotary.rows(positions)
+        fused_rope = self.ops is not None and not self.has_qk_norm
+        if fused_rope and n and int(index.max()) >= cos.shape[0]:
             # The compiled rotary reads the tables unchecked (torch's indexing would raise).
-            raise IndexError(f"position {int(positions.max())} is past the rotary tables ({self.cos.shape[0]})")
+            raise IndexError(f"position {int(index.max())} is past the rotary tables ({cos.shape[0]})")
+        rotary = None if fused_rope else (cos[index][:, None], sin[index][:, None])
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             w_qkv, b_qkv, w_gate_up, b_gate_up = self.fused[i]
@@ -241,7 +213,7 @@ class ModelRunner:
             qkv = self.linear(x, w_qkv, b_qkv, qkv_views)
             if rotary is None:
                 assert self.ops is not None
-                q, k, v = self.ops.rope_split(qkv, self.cos, self.sin, positions, nh, nkv)
+                q, k, v = self.ops.rope_split(qkv, cos, sin, index, nh, nkv)
             else:
                 qk, v = qkv.view(n, nh + 2 * nkv, hd).split([nh + nkv, nkv], dim=1)
                 if self.has_qk_norm:
@@ -275,24 +247,10 @@ class ModelRunner:
         h = h if delta is None else h + delta
         return h, _rms_norm(norm, h)
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary tables' rows at ``positions``, [N, 1, D] each (cos, sin)."""
-        return self.cos[positions][:, None], self.sin[positions][:, None]
-
-    def _pass_routes(self, n: int) -> torch.Tensor:
-        """The routes [n, layers, top_k] of the ``n`` tokens of the last forward pass."""
-        assert self.route_shape is not None
-        routes = torch.full((n, *self.route_shape), NO_EXPERT, dtype=torch.int32, device=self.device)
-        for i, ids in self._captured.items():
-            routes[:, i] = ids.view(n, -1)
-        return routes
-
     def routes_of(self, row: int) -> torch.Tensor | None:
         """The routes [cached positions, layers, top_k] (int32, CPU) of running row ``row``; None
         for a dense model."""
-        if self.routes is None:
-            return None
-        return self.routes[row, : self.host_lens[row]].to("cpu", copy=True)  # the row is refilled later
+        return None if self.routes is None else self.routes.of(row, self.host_lens[row])
 
     @staticmethod
     def prefill_tokens(s: Sequence) -> list[int]:
@@ -300,11 +258,16 @@ class ModelRunner:
         weight update or a retract) all but its last token, which becomes the next one fed."""
         return s.prompt + s.out[:-1] if s.out else s.prompt
 
+    @staticmethod
+    def prefill_key(s: Sequence) -> tuple[tuple[int, ...], bytes]:
+        """What rows share one prefill by: their `prefill_tokens` and their images' key."""
+        return tuple(ModelRunner.prefill_tokens(s)), s.images.key if s.images is not None else b""
+
     def _chunks(self, seqs: list[Sequence]) -> list[list[Sequence]]:
         """``seqs`` cut so that no pass prefills more than `PREFILL_TOKENS` distinct tokens (which
         bounds its activations), shortest and longest apart."""
-        distinct = {tuple(self.prefill_tokens(s)) for s in seqs}
-        if len(distinct) <= 1 or sum(len(t) for t in distinct) <= PREFILL_TOKENS:
+        distinct = {self.prefill_key(s) for s in seqs}
+        if len(distinct) <= 1 or sum(len(t) for t, _ in distinct) <= PREFILL_TOKENS:
             return [seqs] if seqs else []
         ordered = sorted(seqs, key=lambda s: len(self.prefill_tokens(s)))
         half = len(ordered) // 2
@@ -351,15 +314,16 @@ class ModelRunner:
         sequence. Rows with the same tokens (the samples of a GRPO group) share one sequence, which
         fills each row's cache and gives each row its own first sample: prompts are most of the
         tokens a group costs when completions are short."""
-        tokens = [self.prefill_tokens(s) for s in seqs]
-        first_of: dict[tuple[int, ...], int] = {}
-        inverse = [first_of.setdefault(tuple(t), len(first_of)) for t in tokens]
-        lengths = [len(t) for t in first_of]
+        first_of: dict[tuple[tuple[int, ...], bytes], int] = {}
+        inverse = [first_of.setdefault(self.prefill_key(s), len(first_of)) for s in seqs]
+        lengths = [len(t) for t, _ in first_of]
+        images = {inverse[j]: s.images for j, s in enumerate(seqs) if s.images is not None}
         start = len(self.rows)
         dev = self.device
         ar = torch.arange(d, device=dev)
         pos_d = self.lens[:d].clone()
         lens_d = pos_d + 1  # positions each decode row attends to, its new one included
+        rot_d = pos_d if self.delta is None else pos_d + self.delta[:d]  # their rotary positions
         needed = max(self.host_lens[:d]) + 1 if d else 0
         self._ensure_capacity(max([needed, *(n + 1 for n in lengths)]))
         if d and not seqs and self.graphs is not None:
@@ -367,13 +331,18 @@ class ModelRunner:
         offsets = [d]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        ids = torch.tensor([t for u in first_of for t in u], dtype=torch.long, device=dev)
+        ids = torch.tensor([t for u, _ in first_of for t in u], dtype=torch.long, device=dev)
         ids = torch.cat([self.last[:d], ids]) if d else ids
         if lengths:  # one copy of every prefill position, not a kernel per sequence
             prefill_pos = torch.tensor([p for n in lengths for p in range(n)], dtype=torch.long, device=dev)
-            pos = torch.cat([pos_d, prefill_pos]) if d else prefill_pos
+            pos = torch.cat([rot_d, prefill_pos]) if d else prefill_pos
         else:
-            pos = pos_d
+            pos = rot_d
+        embeds = None
+        if images:
+            assert self.vision is not None
+            pos = self._multimodal_positions(pos, [(offsets[u], offsets[u + 1], inp) for u, inp in images.items()])
+            embeds = self.vision.embed(self.base.embed_tokens(ids), [(offsets[u], inp) for u, inp in images.items()])
         rows_of: list[list[int]] = [[] for _ in lengths]
         for j, u in enumerate(inverse):
             rows_of[u].append(start + j)
@@ -408,13 +377,9 @@ class ModelRunner:
             return torch.cat(outs) if len(outs) > 1 else outs[0]
 
         decoding = self.rows[:d]
-        h = self._layers_forward(ids, pos, attend)
+        h = self._layers_forward(ids, pos, attend, embeds)
         if self.routes is not None:
-            routes = self._pass_routes(ids.shape[0])
-            if d:
-                self.routes[ar, pos_d] = routes[:d]
-            for u, (a, e) in enumerate(pairwise(offsets)):
-                self.routes[rows_of[u], : e - a] = routes[a:e]
+            self.routes.record(ids.shape[0], ar, pos_d, list(pairwise(offsets)), rows_of)
         if d:
             self._advance(d)
         self.rows.extend(seqs)
@@ -422,6 +387,9 @@ class ModelRunner:
             cached = [lengths[u] for u in inverse]
             self.lens[start : start + len(seqs)] = torch.tensor(cached, device=dev)
             self.host_lens[start : start + len(seqs)] = cached
+            if self.delta is not None:
+                deltas = [s.images.delta if s.images is not None else 0 for s in seqs]
+                self.delta[start : start + len(seqs)] = torch.tensor(deltas, device=dev)
         fresh = [j for j, s in enumerate(seqs) if not s.out]
         for j, s in enumerate(seqs):
             if s.out:
@@ -440,6 +408,15 @@ class ModelRunner:
             logits = self._lm_head(h if at == list(range(h.shape[0])) else h[at]).float()
             self._sample_and_append(logits, decoding + [seqs[j] for j in fresh], rows)
         return [seqs[j] for j in fresh]
+
+    @staticmethod
+    def _multimodal_positions(pos: torch.Tensor, spans: list[tuple[int, int, ImageInputs]]) -> torch.Tensor:
+        """A pass's positions [N] as multimodal ones [N, 3] (the three parts equal) with the
+        tokens ``a:e`` of each span at their images' positions."""
+        pos3 = pos[:, None].repeat(1, 3)
+        for a, e, inp in spans:
+            pos3[a:e] = inp.positions_of(e - a).to(pos3.device)
+        return pos3
 
     def decode_graphs(self, eager: bool = False) -> DecodeGraphs:
         """`DecodeGraphs` of this runner's `static_decode_step` (``eager``: run, not captured)."""
@@ -467,8 +444,11 @@ class ModelRunner:
         ar = torch.arange(rows, device=self.device)
         pos = self.lens[:rows].clamp(max=self.cap - 1)
         mask = self.cache.decode_mask(pos, self.cap)
+        rotated = pos if self.delta is None else pos + self.delta[:rows]
         h = self._layers_forward(
-            self.last[:rows], pos, lambda i, q, k, v: self.cache.attend_decode(i, q, k, v, ar, pos, mask, self.scaling)
+            self.last[:rows],
+            rotated,
+            lambda i, q, k, v: self.cache.attend_decode(i, q, k, v, ar, pos, mask, self.scaling),
         )
         return self._lm_head(h).float()
 
@@ -535,16 +515,22 @@ class ModelRunner:
             width = max(self.host_lens[:b]) + 1
             self.cache.move(dst, src, width)
             if self.routes is not None:
-                self.routes[dst, :width] = self.routes[src, :width]
+                self.routes.move(dst, src, width)
             self.lens[dst] = self.lens[src]
             self.last[dst] = self.last[src]
+            if self.delta is not None:
+                self.delta[dst] = self.delta[src]
             for h_, s_ in zip(holes, sources):
                 self.host_lens[h_] = self.host_lens[s_]
             for h_, s_ in zip(holes, sources):
                 self.rows[h_] = self.rows[s_]
         del self.rows[keep:]
+        if self.delta is not None:
+            self.delta[keep:b] = 0  # a free row's decode-graph positions stay within the tables
 
     def clear(self) -> list[Sequence]:
         """Forget every row (their caches); returns the sequences that were running."""
         seqs, self.rows = self.rows, []
+        if self.delta is not None:
+            self.delta.zero_()
         return seqs

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from llguidance import LLMatcher
     from transformers import PreTrainedTokenizerBase
 
+    from areal_lite.engines.local.images import ImageInputs
+
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures below this mean greedy decoding (SGLang's convention)."""
 
@@ -157,8 +159,8 @@ class Sequence:
     (plain attributes: touched once per token)."""
 
     __slots__ = (
-        "abort_message", "deliver", "input_logprobs", "input_top", "logprobs", "matcher", "on_token", "out", "params",
-        "prompt", "rid", "rng", "routes", "stop_ids", "t0", "top", "ttft", "versions", "want_input_logprobs",
+        "abort_message", "deliver", "images", "input_logprobs", "input_top", "logprobs", "matcher", "on_token", "out",
+        "params", "prompt", "rid", "rng", "routes", "stop_ids", "t0", "top", "ttft", "versions", "want_input_logprobs",
     )  # fmt: skip
 
     def __init__(
@@ -170,9 +172,12 @@ class Sequence:
         stop_ids: frozenset[int],
         want_input_logprobs: bool,
         on_token: Callable[[TokenOut], None] | None = None,
+        images: ImageInputs | None = None,
     ) -> None:
         self.rid = rid
         self.prompt = prompt
+        self.images = images
+        """The prompt's images (vision-language models), None without."""
         self.params = params
         self.deliver = deliver
         self.out: list[int] = []

@@ -12,6 +12,9 @@ so every later token is produced by (and tagged with the version of) the new wei
 A streamed request (`stream`) gets each token as it is sampled: the scheduler hands it over right
 after the step that produced it, before the request's result.
 
+A vision-language model's request may carry images, made ready off the scheduler thread
+(`prepare_images`: `areal_lite.engines.local.images`) and passed with the request.
+
 This is the API of our HTTP server (`areal_lite.engines.server`); `LocalInferenceEngine` adapts
 it to the `InferenceEngine` contract.
 """
@@ -26,21 +29,22 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING
 
 import torch
 
 from areal_lite.api.config import LocalEngineConfig
-from areal_lite.api.io import WeightUpdateMeta
 from areal_lite.cpu import EngineTuning
 from areal_lite.engines.local.futures import call_in_loop, complete, set_result_once
 from areal_lite.engines.local.grammar import Grammars
+from areal_lite.engines.local.images import ImageInputs, ImagePrompts
 from areal_lite.engines.local.model_loading import context_length, dtype_of, eos_ids, load_model
 from areal_lite.engines.local.model_runner import ModelRunner
 from areal_lite.engines.local.request import GenerationError, GenerationResult, SamplingParams, Sequence, TokenOut
 from areal_lite.engines.local.weights import WeightLoader
+from areal_lite.utils.vision import is_vision_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -84,6 +88,8 @@ class Scheduler:
         """(whether a trainer in this process computes, the threads to run on meanwhile)."""
         self._recent_steps: deque[tuple[float, int]] = deque(maxlen=THROUGHPUT_STEPS)
         """(seconds, tokens produced) of the last generation steps, for `gen_throughput`."""
+        self.images: ImagePrompts | None = None
+        """A vision-language model's image processing (None for a text model)."""
 
     # ----- lifecycle -----------------------------------------------------------------------
 
@@ -97,7 +103,8 @@ class Scheduler:
         context_len = context_length(model, cfg.max_total_tokens)
         self._runner = ModelRunner(model, cfg.max_running_requests, context_len, cfg.seed, cfg.cuda_graphs, cfg.cpu)
         self.weights.attach(model, self._runner.device)
-        self.grammars = Grammars(self.tokenizer, model.config.vocab_size, self._eos_ids)
+        self.grammars = Grammars(self.tokenizer, model.config.get_text_config().vocab_size, self._eos_ids)
+        self.images = ImagePrompts(model, cfg.path) if is_vision_config(model.config) else None
         self._cpu.keep_step_memory(self._runner.device)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="local-engine-scheduler", daemon=True)
@@ -168,7 +175,7 @@ class Scheduler:
             raise ValueError(
                 f"the prompt has {len(input_ids)} tokens; the context length is {self._runner.context_len}"
             )
-        vocab = self._runner.model.config.vocab_size
+        vocab = self._runner.vocab_size
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab})")
         outside = [t for t in params.logit_bias if not 0 <= t < vocab]
@@ -179,6 +186,19 @@ class Scheduler:
         if params.grammar is not None:
             self.grammars.check(params.grammar)
 
+    async def prepare_images(
+        self, input_ids: list[int], images: list[bytes], expand: bool = False
+    ) -> tuple[list[int], ImageInputs | None]:
+        """The prompt and its images' `ImageInputs` (None without images), made in a worker
+        thread; with ``expand``, image placeholders (one token an image) are expanded
+        (`ImagePrompts.prepare`). ValueError where the model takes no images or the prompt and
+        the images disagree."""
+        if not images:
+            return input_ids, None
+        if self.images is None:
+            raise ValueError("this model takes no images: it is not a vision-language model")
+        return await asyncio.to_thread(self.images.prepare, input_ids, images, expand)
+
     def submit_request(
         self,
         input_ids: list[int],
@@ -187,14 +207,15 @@ class Scheduler:
         rid: str | None = None,
         return_input_logprobs: bool = False,
         on_token: Callable[[TokenOut], None] | None = None,
+        images: ImageInputs | None = None,
     ) -> str:
-        """Queue a request; ``deliver`` is called once, from the scheduler thread, with its
-        result, and ``on_token`` (if given) with each token as it is produced, before that.
-        Returns the rid. Raises ValueError for an empty or too long prompt."""
+        """Queue a request (with its ``images``, `prepare_images`); ``deliver`` is called once,
+        from the scheduler thread, with its result, and ``on_token`` (if given) with each token
+        as it is produced, before that. Returns the rid. Raises ValueError as `validate_request`."""
         self.validate_request(input_ids, params)
         stop_ids = self.stop_ids(params)
         rid = rid or uuid.uuid4().hex
-        seq = Sequence(rid, list(input_ids), params, deliver, stop_ids, return_input_logprobs, on_token)
+        seq = Sequence(rid, list(input_ids), params, deliver, stop_ids, return_input_logprobs, on_token, images)
         if params.grammar is not None:
             seq.matcher = self.grammars.matcher(params.grammar)
         if params.max_new_tokens == 0 and not return_input_logprobs:
@@ -206,18 +227,24 @@ class Scheduler:
         return seq.rid
 
     async def generate(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, return_input_logprobs: bool = False
-    ) -> GenerationResult:
-        """Generate from ``input_ids`` in the caller's event loop (any loop, any thread)."""
-        [res] = await self.generate_many([(input_ids, params, rid)], return_input_logprobs)
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+        return_input_logprobs: bool = False, images: ImageInputs | None = None,
+    ) -> GenerationResult:  # fmt: skip
+        """Generate from ``input_ids`` (and ``images``) in the caller's event loop (any loop, any thread)."""
+        [res] = await self.generate_many([(input_ids, params, rid)], return_input_logprobs, [images])
         return res
 
     async def generate_many(
-        self, jobs: list[tuple[list[int], SamplingParams, str | None]], return_input_logprobs: bool = False
+        self,
+        jobs: list[tuple[list[int], SamplingParams, str | None]],
+        return_input_logprobs: bool = False,
+        images: list[ImageInputs | None] | None = None,
     ) -> list[GenerationResult]:
-        """`generate` for several ``(input_ids, params, rid)`` queued at once: the scheduler admits
-        them at the same step (rows and the prefill budget allowing), so the samples of a group
-        decode in step and an interruption finds them all at the same length."""
+        """`generate` for several ``(input_ids, params, rid)`` queued at once (``images``: each
+        one's, None for all without): the scheduler admits them at the same step (rows and the
+        prefill budget allowing), so the samples of a group decode in step and an interruption
+        finds them all at the same length."""
+        images = images or [None] * len(jobs)
         for input_ids, params, _ in jobs:
             self.validate_request(input_ids, params)
         loop = asyncio.get_running_loop()
@@ -230,8 +257,9 @@ class Scheduler:
                     functools.partial(call_in_loop, loop, set_result_once, fut),
                     rid,
                     return_input_logprobs,
+                    images=inputs,
                 )
-                for (input_ids, params, rid), fut in zip(jobs, futures)
+                for (input_ids, params, rid), fut, inputs in zip(jobs, futures, images, strict=True)
             ]
         try:
             results = await asyncio.gather(*futures)
@@ -245,8 +273,9 @@ class Scheduler:
         return list(results)
 
     async def stream(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, return_input_logprobs: bool = False
-    ) -> AsyncIterator[TokenOut | GenerationResult]:
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None,
+        return_input_logprobs: bool = False, images: ImageInputs | None = None,
+    ) -> AsyncIterator[TokenOut | GenerationResult]:  # fmt: skip
         """`generate` token by token: yields each `TokenOut` as the scheduler produces it (the first
         carries the prompt's log-probabilities when asked for), then the `GenerationResult`.
         Closing the iterator early aborts the request."""
@@ -256,7 +285,7 @@ class Scheduler:
         def put(item: TokenOut | GenerationResult) -> None:
             call_in_loop(loop, queue.put_nowait, item)
 
-        rid = self.submit_request(input_ids, params, put, rid, return_input_logprobs, on_token=put)
+        rid = self.submit_request(input_ids, params, put, rid, return_input_logprobs, on_token=put, images=images)
         finished = False
         try:
             while True:
@@ -414,17 +443,17 @@ class Scheduler:
         budget = self.config.max_prefill_tokens
         take = min(free, len(self._waiting))
         if budget:
-            seen: set[tuple[int, ...]] = set()
+            seen: set[tuple[tuple[int, ...], bytes]] = set()
             tokens = 0
             for i, s in enumerate(self._waiting[:take]):
-                key = tuple(ModelRunner.prefill_tokens(s))
+                key = ModelRunner.prefill_key(s)
                 if key in seen:
                     continue
-                if i and tokens + len(key) > budget:
+                if i and tokens + len(key[0]) > budget:
                     take = i
                     break
                 seen.add(key)
-                tokens += len(key)
+                tokens += len(key[0])
         admitted, self._waiting = self._waiting[:take], self._waiting[take:]
         return admitted
 
@@ -467,8 +496,7 @@ class Scheduler:
         return fut
 
     # ----- weights ----------------------------------------------------------------------------
-    # Below `_weights_loaded`, the server's API to weight loads: each is the `WeightLoader` method
-    # of the same name.
+    # Weight loads are the `WeightLoader`'s (``weights``); the scheduler only reacts to them.
 
     def _weights_loaded(self, version: int | None) -> None:
         """After a weight load (in the scheduler thread): recompute the running requests' caches
@@ -478,44 +506,3 @@ class Scheduler:
             self.version = version
         if not self.config.keep_cache_on_update:
             self._runner.prefill(self._runner.clear())
-
-    def load_tensors(self, named: dict[str, torch.Tensor], version: int | None = None) -> Future[None]:
-        return self.weights.load_tensors(named, version)
-
-    def load_shared_tensors(self, named: list[tuple[str, torch.Tensor]], version: int | None = None) -> Future[None]:
-        return self.weights.load_shared_tensors(named, version)
-
-    def load_weights_from_disk(self, path: str, version: int | None = None) -> Future:
-        return self.weights.load_weights_from_disk(path, version)
-
-    def load_adapter(
-        self, name: str, config: Mapping[str, object], tensors: Mapping[str, torch.Tensor], version: int | None = None,
-        source: str = "tensors",
-    ) -> Future[None]:  # fmt: skip
-        return self.weights.load_adapter(name, config, tensors, version, source)
-
-    def load_adapter_from_disk(self, name: str, path: str, version: int | None = None) -> Future[None]:
-        return self.weights.load_adapter_from_disk(name, path, version)
-
-    def register_adapter(self, name: str, config: Mapping[str, object]) -> Future[None]:
-        return self.weights.register_adapter(name, config)
-
-    def unload_adapter(self, name: str) -> Future[None]:
-        return self.weights.unload_adapter(name)
-
-    def join_weights_update_group(self, meta: WeightUpdateMeta, rank: int) -> Future[None]:
-        return self.weights.join_weights_update_group(meta, rank)
-
-    def destroy_weights_update_group(self) -> None:
-        self.weights.destroy_weights_update_group()
-
-    def check_param_specs(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
-        self.weights.check_param_specs(names, dtypes, shapes)
-
-    def receive_broadcast(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], version: int | None
-    ) -> Future[None]:
-        return self.weights.receive_broadcast(names, dtypes, shapes, version)
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
-        return self.weights.get_weights_by_name(name, truncate_size)

@@ -114,11 +114,13 @@ class RemoteEngine(InferenceEngine, abc.ABC):
 
     @abc.abstractmethod
     def _generate_call(
-        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int
-    ) -> tuple[str, dict[str, object]]:
-        """(path, payload) of one generation call for ``prompts`` (one, or a batch of several)
-        that have each produced ``produced`` of ``g``'s tokens so far, for at most ``budget`` more
-        (what is left of ``g.max_new_tokens``, or less where the context ends first)."""
+        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int,
+        images: list[list[bytes]],
+    ) -> tuple[str, dict[str, object]]:  # fmt: skip
+        """(path, payload) of one generation call for ``prompts`` (one, or a batch of several; a
+        prompt with ``images``, its image files, is sent alone) that have each produced
+        ``produced`` of ``g``'s tokens so far, for at most ``budget`` more (what is left of
+        ``g.max_new_tokens``, or less where the context ends first)."""
 
     @abc.abstractmethod
     async def _context_len_call(self) -> int | None:
@@ -263,7 +265,7 @@ class RemoteEngine(InferenceEngine, abc.ABC):
         return await asyncio.wrap_future(self.fleet.call(self._generate(req)))
 
     async def agenerate_batch(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
-        if len(reqs) < 2 or any(r.gconfig != reqs[0].gconfig for r in reqs):
+        if len(reqs) < 2 or any(r.gconfig != reqs[0].gconfig or r.images for r in reqs):
             return await super().agenerate_batch(reqs)
         return await asyncio.wrap_future(self.fleet.call(self._generate_batch(reqs)))
 
@@ -283,7 +285,8 @@ class RemoteEngine(InferenceEngine, abc.ABC):
     def _call_for(self, reqs: list[ModelRequest], parts: list[PartialRollout]) -> tuple[str, dict[str, object]]:
         prompts = [list(r.input_ids) + p.out_ids for r, p in zip(reqs, parts)]
         budget = min(self._budget(r, p) for r, p in zip(reqs, parts))
-        return self._generate_call(prompts, [r.rid for r in reqs], reqs[0].gconfig, len(parts[0].out_ids), budget)
+        rids, images = [r.rid for r in reqs], [r.images for r in reqs]
+        return self._generate_call(prompts, rids, reqs[0].gconfig, len(parts[0].out_ids), budget, images)
 
     async def _generate_batch(
         self, reqs: list[ModelRequest], parts: list[PartialRollout] | None = None

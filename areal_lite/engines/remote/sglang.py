@@ -1,7 +1,8 @@
 """`RemoteSGLangEngine`: the client of SGLang-protocol servers (real SGLang on GPU nodes, or ours
 on CPU), on the shared `RemoteEngine` base (`areal_lite.engines.remote.client`).
 
-How SGLang spells each call (docs/protocol.md): ``/generate`` with ``input_ids``, its answer's
+How SGLang spells each call (docs/protocol.md): ``/generate`` with ``input_ids`` (and a
+vision-language model's images as ``image_data``: data URLs, as SGLang takes them), its answer's
 ``meta_info`` (log-probabilities, versions, routed experts), ``/pause_generation`` and
 ``/continue_generation``, disk and distributed weight updates (with the weight-update session of
 SGLang >= 0.5.21), ``ipc`` updates for servers on this machine (``/update_weights_from_tensor``: each
@@ -26,6 +27,7 @@ from areal_lite.api.io import GenerationConfig, WeightUpdateMeta
 from areal_lite.engines.remote.client import RemoteEngine
 from areal_lite.engines.remote.fleet import ServerError
 from areal_lite.engines.remote.partial_rollout import Answer, parse_version
+from areal_lite.utils.vision import data_url
 
 
 def _sglang_answer(data: object) -> Answer:
@@ -61,8 +63,9 @@ class RemoteSGLangEngine(RemoteEngine):
         """Tensor-parallel ranks of each server (SGLang takes one handles entry per rank)."""
 
     def _generate_call(
-        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int
-    ) -> tuple[str, dict[str, object]]:
+        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int,
+        images: list[list[bytes]],
+    ) -> tuple[str, dict[str, object]]:  # fmt: skip
         params = g.to_sglang()
         params["max_new_tokens"] = budget
         params["min_new_tokens"] = min(budget, max(0, g.min_new_tokens - produced))
@@ -73,6 +76,9 @@ class RemoteSGLangEngine(RemoteEngine):
             "return_logprob": True,
             "rid": rids if batch else rids[0],
         }
+        if any(images):  # SGLang's forms: a list of images for one prompt, one such list a prompt for a batch
+            urls = [[data_url(image) for image in per_prompt] for per_prompt in images]
+            payload["image_data"] = urls if batch else urls[0]
         if g.return_routed_experts:
             payload["return_routed_experts"] = True
         if self.adapter_name is not None:

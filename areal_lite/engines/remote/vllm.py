@@ -9,7 +9,11 @@ protocol"; the launcher starts them so with ``launcher.backend=vllm``)::
 - generation: ``POST /v1/completions`` with the prompt as token ids, ``return_token_ids`` and
   ``logprobs: 0`` (the sampled token's log-probability; vLLM's default ``--logprobs-mode
   raw_logprobs`` gives the policy's own, before temperature and top-p/top-k); a batch is one call
-  with a list of prompts; a generation a pause ended comes back with ``finish_reason: "abort"``;
+  with a list of prompts; a generation a pause ended comes back with ``finish_reason: "abort"``.
+  A prompt with images goes to vLLM's token-in route, ``POST /inference/v1/generate``
+  (``token_ids``, the images as ``content_parts`` of ``image_url`` data URLs, ``sampling_params``
+  as vLLM's ``SamplingParams``), which vLLM >= 0.32 serves when started with
+  ``--enable-scale-out`` (the launcher passes it), since its completions route takes no images;
 - pause and resume: ``POST /pause?mode=abort`` and ``POST /resume`` (vLLM's RL routes);
 - weights: ``POST /collective_rpc`` calling the methods of `WeightUpdateExtension` (join or leave
   the weight-update group, receive a broadcast chunk, load a directory; no ipc updates), then
@@ -36,6 +40,7 @@ from areal_lite.api.io import GenerationConfig, WeightUpdateMeta
 from areal_lite.engines.remote.client import RemoteEngine
 from areal_lite.engines.remote.partial_rollout import Answer
 from areal_lite.engines.remote.vllm_worker import JOIN_GROUP, LEAVE_GROUP, LOAD_FROM_DISK, RECEIVE
+from areal_lite.utils.vision import data_url
 
 FINISH = {"length": "length", "abort": "abort"}
 """vLLM's finish reasons that are not a stop (``stop``, or a model-specific one such as ``repetition``)."""
@@ -47,13 +52,17 @@ def rpc(method: str, args: dict[str, object]) -> dict[str, object]:
 
 
 def _answer(choice: dict[str, object]) -> Answer:
+    """One choice of a ``/v1/completions`` answer (``logprobs.token_logprobs``) or of an
+    ``/inference/v1/generate`` one (``logprobs.content[].logprob``)."""
     ids = choice.get("token_ids")
     logprobs = choice.get("logprobs")
     if not isinstance(ids, list) or not isinstance(logprobs, dict):
-        raise RuntimeError("a /v1/completions answer lacks token_ids or logprobs")  # noqa: TRY004 - the server's fault
+        raise RuntimeError("a generation answer lacks token_ids or logprobs")  # noqa: TRY004 - the server's fault
+    content = logprobs.get("content")
+    values = [c["logprob"] for c in content] if isinstance(content, list) else logprobs["token_logprobs"]
     return Answer(
         output_ids=[int(t) for t in ids],
-        logprobs=[float(x) for x in logprobs["token_logprobs"]],
+        logprobs=[float(x) for x in values],
         versions=None,
         finish=FINISH.get(str(choice.get("finish_reason")), "stop"),
     )
@@ -78,12 +87,12 @@ class RemoteVLLMEngine(RemoteEngine):
         super().__init__(config, control_servers)
 
     def _generate_call(
-        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int
-    ) -> tuple[str, dict[str, object]]:
+        self, prompts: list[list[int]], rids: list[str], g: GenerationConfig, produced: int, budget: int,
+        images: list[list[bytes]],
+    ) -> tuple[str, dict[str, object]]:  # fmt: skip
         if g.return_routed_experts:
             raise ValueError("routed experts come from SGLang-protocol servers: use launcher.backend sglang or areal")
-        body: dict[str, object] = {
-            "prompt": prompts if len(prompts) > 1 else prompts[0],
+        sampling: dict[str, object] = {
             "max_tokens": budget,
             "min_tokens": min(budget, max(0, g.min_new_tokens - produced)),
             "temperature": 0.0 if g.greedy else g.temperature,
@@ -91,15 +100,25 @@ class RemoteVLLMEngine(RemoteEngine):
             "top_k": g.top_k,
             "ignore_eos": g.ignore_eos,
             "logprobs": 0,
-            "return_token_ids": True,
-            "request_id": rids[0],  # vLLM numbers a batch's prompts under one id
             **g.shaping(),
         }
         if g.stop_token_ids:
-            body["stop_token_ids"] = list(g.stop_token_ids)
+            sampling["stop_token_ids"] = list(g.stop_token_ids)
         if g.stop:
-            body["stop"] = list(g.stop)
-        return "/v1/completions", body
+            sampling["stop"] = list(g.stop)
+        if any(images):
+            [prompt], [files] = prompts, images  # a prompt with images is sent alone
+            parts = [{"type": "image_url", "url": data_url(f)} for f in files]
+            body = {"token_ids": prompt, "content_parts": parts, "sampling_params": sampling, "request_id": rids[0]}
+            return "/inference/v1/generate", body
+        # vLLM numbers a batch's prompts under one id.
+        prompt_or_batch = prompts if len(prompts) > 1 else prompts[0]
+        return "/v1/completions", {
+            "prompt": prompt_or_batch,
+            **sampling,
+            "return_token_ids": True,
+            "request_id": rids[0],
+        }
 
     async def _context_len_call(self) -> int | None:
         """vLLM's ``/v1/models`` gives the served model's ``max_model_len``."""

@@ -6,9 +6,17 @@ Deliberate differences from SGLang: weight versions are integers (as strings on 
 start); ``meta_info`` carries one extra key, ``output_token_versions`` (the version of each output
 token, which can change inside one request when weights are updated in place); ``json_schema``,
 ``regex`` and ``ebnf`` are held to with llguidance (`areal_lite.engines.local.grammar`), where
-SGLang defaults to xgrammar; ``structural_tag``, ``stop_regex`` and the multimodal, hidden-state
-and custom-logit-processor inputs of ``/generate`` are refused with a 400 rather than silently
-ignored. A mixture-of-experts model answers ``return_routed_experts`` as SGLang started with
+SGLang defaults to xgrammar; ``structural_tag``, ``stop_regex`` and the audio, video, embedding,
+hidden-state and custom-logit-processor inputs of ``/generate`` are refused with a 400 rather than
+silently ignored.
+
+A vision-language model takes ``image_data`` as SGLang documents it: for one prompt a list of
+images or one image, for a batch one entry per prompt (a list, one image or null); an image is
+its file in base64, or a data URL (``data:image/png;base64,...``). URLs and file paths are refused
+with a 400 (the server reads nothing a request points to). The prompt holds each image's tokens
+expanded or one placeholder per image (``<|vision_start|><|image_pad|><|vision_end|>`` for
+Qwen-VL), which is expanded as the processor would; ``meta_info.prompt_tokens`` counts them
+expanded. A mixture-of-experts model answers ``return_routed_experts`` as SGLang started with
 ``--enable-return-routed-experts`` does (``meta_info["routed_experts"]``, base64 of int32
 ``[prompt + completion tokens - 1, layers, top_k]``); a dense model refuses it with a 400.
 """
@@ -16,6 +24,7 @@ ignored. A mixture-of-experts model answers ``return_routed_experts`` as SGLang 
 from __future__ import annotations
 
 import base64
+import binascii
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +34,7 @@ from typing import TypeVar
 from aiohttp import web
 
 from areal_lite.engines.local import grammar
+from areal_lite.engines.local.images import ImageInputs
 from areal_lite.engines.local.request import GenerationResult, SamplingParams
 from areal_lite.engines.local.scheduler import Scheduler
 from areal_lite.engines.server.common import (
@@ -39,7 +49,7 @@ from areal_lite.engines.server.common import (
 from areal_lite.engines.server.lora_routes import check_lora_path
 from areal_lite.engines.server.openai_request import MAX_TOP_LOGPROBS
 from areal_lite.engines.server.streaming import Job, TextDeltas, merged, send_events
-from areal_lite.openai_format.chat import shaping_fields
+from areal_lite.openai_format.chat import data_url_bytes, shaping_fields
 
 T = TypeVar("T")
 
@@ -80,7 +90,6 @@ UNSUPPORTED_SAMPLING = (
 
 REFUSED_INPUTS: dict[str, object] = {
     "input_embeds": None,
-    "image_data": None,
     "audio_data": None,
     "video_data": None,
     "token_ids_logprob": None,
@@ -191,6 +200,40 @@ def _raw(d: dict[str, object], key: str, default: object) -> object:
     return d.get(key, default)
 
 
+def _image_data(body: dict[str, object], count: int, is_batch: bool) -> list[list[bytes]]:
+    """Each prompt's image files from SGLang's ``image_data``: for one prompt a list of images or
+    one image, for a batch one entry per prompt (a list, one image or null)."""
+    raw = body.get("image_data")
+    if raw is None:
+        return [[] for _ in range(count)]
+    if is_batch and (not isinstance(raw, list) or len(raw) != count):
+        raise BadRequest(
+            f"image_data of a batch of {count} prompts has one entry per prompt (a list of images, one image or null)",
+            param="image_data",
+        )
+    entries = raw if is_batch else [raw]
+    out = []
+    for i, entry in enumerate(entries):  # type: ignore[arg-type]
+        items = [] if entry is None else entry if isinstance(entry, list) else [entry]
+        where = f"image_data[{i}]" if is_batch else "image_data"
+        out.append([_image_file(item, f"{where}[{j}]") for j, item in enumerate(items)])
+    return out
+
+
+def _image_file(item: object, where: str) -> bytes:
+    """An image of ``image_data``: its file in base64, or a data URL."""
+    if not isinstance(item, str):
+        raise BadRequest(f"{where}: an image is a string (base64 of its file, or a data URL)", param="image_data")
+    if item.startswith("data:") or "://" in item[:16]:
+        return data_url_bytes(item, where)
+    try:
+        return base64.b64decode(item, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise BadRequest(
+            f"{where}: an image is base64 of its file or a data URL (file paths are not read): {e}", param="image_data"
+        ) from e
+
+
 def _rids(rid: object, batch: int | None) -> list[str]:
     """The request id of each prompt (``batch`` of them; None: one, not a batch) as SGLang names
     them: fresh ones when absent, ``rid_0``, ``rid_1``, ... from one string for a batch."""
@@ -243,6 +286,7 @@ class GenerateRoute:
         prompts = self._prompts(body)
         is_batch = isinstance(body["text"], list) if has_text else isinstance(body["input_ids"][0], list)  # type: ignore[index]
         count = len(prompts)
+        prompts, images = await self._with_images(prompts, _image_data(body, count, is_batch))
         raw_params = _per_prompt(body, "sampling_params", count, _raw, None)
         parsed = [parse_sampling_params(raw) for raw in raw_params]
         n = parsed[0][1]
@@ -265,9 +309,12 @@ class GenerateRoute:
         rids = _rids(body.get("rid"), count if is_batch else None)
         jobs: list[Job] = []
         options: list[AnswerOptions] = []
+        job_images: list[ImageInputs | None] = []
         for i, (prompt, rid, raw, (params, _, skip_special, no_stop_trim)) in enumerate(
             zip(prompts, rids, raw_params, parsed)
         ):
+            if images[i] is not None and self.allow_auto_truncate and len(prompt) >= self.scheduler.context_len:
+                raise BadRequest("a prompt with images is not cut to fit the context (its images would be cut)")
             prompt, params = self._fit_context(prompt, raw, params)
             if return_logprob[i] and start_lens[i] > len(prompt):
                 raise BadRequest(
@@ -285,16 +332,32 @@ class GenerateRoute:
                 sample = params if params.seed is None or n == 1 else dataclasses.replace(params, seed=params.seed + k)
                 jobs.append((prompt, sample, rid if n == 1 else f"{rid}-{k}"))
                 options.append(opts)
+                job_images.append(images[i])
         try:
             for prompt, params, _ in jobs:
                 self.scheduler.validate_request(prompt, params)
         except ValueError as e:
             raise BadRequest(str(e)) from e
         if stream:
-            return await send_events(request, self._stream(jobs, options, is_batch or n > 1, want_input))
-        results = await self.scheduler.generate_many(jobs, want_input)
+            events = self._stream(jobs, options, is_batch or n > 1, want_input, job_images)
+            return await send_events(request, events)
+        results = await self.scheduler.generate_many(jobs, want_input, job_images)
         out = [self._answer(r, opts) for r, opts in zip(results, options)]
         return web.json_response(out if is_batch or n > 1 else out[0])
+
+    async def _with_images(
+        self, prompts: list[list[int]], files: list[list[bytes]]
+    ) -> tuple[list[list[int]], list[ImageInputs | None]]:
+        """Each prompt with its image placeholders expanded, and its images as the engine takes them."""
+        out, images = [], []
+        for i, (prompt, given) in enumerate(zip(prompts, files)):
+            try:
+                prompt, inputs = await self.scheduler.prepare_images(prompt, given, expand=True)
+            except ValueError as e:
+                raise BadRequest(f"prompt {i}: {e}" if len(prompts) > 1 else str(e), param="image_data") from e
+            out.append(prompt)
+            images.append(inputs)
+        return out, images
 
     def _fit_context(self, prompt: list[int], raw: object, params: SamplingParams) -> tuple[list[int], SamplingParams]:
         """SGLang's length checks: a prompt that fills the context, or an explicit
@@ -333,6 +396,7 @@ class GenerateRoute:
         options: list[AnswerOptions],
         tagged: bool,
         want_input: bool,
+        images: list[ImageInputs | None],
     ) -> AsyncIterator[dict[str, object]]:
         """SGLang's streamed answers: one per token, each with the text, ids and log-probabilities
         so far (the prompt's too, from the first token on, with ``want_input``) and
@@ -358,7 +422,7 @@ class GenerateRoute:
             )
             for prompt, p, rid in jobs
         ]
-        async for i, event in merged(self.scheduler, jobs, want_input):
+        async for i, event in merged(self.scheduler, jobs, want_input, images):
             if isinstance(event, GenerationResult):
                 answer = self._answer(event, options[i])
             else:

@@ -70,15 +70,15 @@ class LoRARoutes:
         body = await read_json(request)
         name, path = _name(body, "lora_name"), _name(body, "lora_path")
         bool_field(body, "pinned", False)  # SGLang keeps pinned adapters on the GPU; one adapter here
-        return await self._answer(lambda: self.scheduler.load_adapter_from_disk(name, path))
+        return await self._answer(lambda: self.scheduler.weights.load_adapter_from_disk(name, path))
 
     async def unload(self, request: web.Request) -> web.Response:
         name = _name(await read_json(request), "lora_name")
-        return await self._answer(lambda: self.scheduler.unload_adapter(name))
+        return await self._answer(lambda: self.scheduler.weights.unload_adapter(name))
 
     async def register_adapter(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         name, config = _name(body, "lora_name"), body.get("config_dict")
         if not isinstance(config, dict):
             raise BadRequest("config_dict must be the adapter's PEFT config (an object)")
-        return await self._answer(lambda: self.scheduler.register_adapter(name, config))
+        return await self._answer(lambda: self.scheduler.weights.register_adapter(name, config))

@@ -100,11 +100,12 @@ def chat_logprobs_fields(body: dict[str, object]) -> tuple[bool, int]:
     return want_logprobs, top_n
 
 
-def check_messages(body: dict[str, object]) -> None:
+def check_messages(body: dict[str, object], images: bool = False) -> None:
     """Raise `BadRequest` naming ``messages`` for a chat request's messages OpenAI refuses: none,
-    not objects with a known role, or a message without content where its role needs some (every
-    role but an assistant's message with tool calls)."""
-    chat_messages(body.get("messages"))
+    not objects with a known role, parts other than text (and ``image_url`` where ``images``),
+    or a message without content where its role needs some (every role but an assistant's
+    message with tool calls)."""
+    chat_messages(body.get("messages"), images)
     for i, m in enumerate(body["messages"]):  # type: ignore[arg-type]
         if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise BadRequest(

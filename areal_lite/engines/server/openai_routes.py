@@ -46,6 +46,7 @@ from urllib.parse import unquote
 
 from aiohttp import web
 
+from areal_lite.engines.local.images import ImageInputs
 from areal_lite.engines.local.request import GenerationResult, SamplingParams
 from areal_lite.engines.local.scheduler import Scheduler
 from areal_lite.engines.server.common import read_json, token_ids
@@ -63,6 +64,8 @@ from areal_lite.openai_format.chat import (
     BadRequest,
     bool_field,
     chat_tools,
+    data_url_bytes,
+    image_urls,
     int_field,
     max_completion_tokens,
     refuse_unsupported,
@@ -146,10 +149,21 @@ class OpenAIRoutes:
         return str(model)
 
     def chat_prompt(self, body: dict[str, object], special: bool) -> list[int]:
-        """A chat request's prompt: its messages and tools rendered by the chat template, encoded
+        """A chat request's prompt: its messages and tools rendered by the chat template (a
+        vision-language model's processor's, with one placeholder per image), encoded
         (``special``: with the tokenizer's special tokens, a BOS for Llama's)."""
-        tok = self.scheduler.tokenizer
-        return tok.encode(render_chat(tok, body), add_special_tokens=special)  # type: ignore[union-attr]
+        tok, vision = self.scheduler.tokenizer, self.scheduler.images
+        text = render_chat(vision.processor, body, images=True) if vision is not None else render_chat(tok, body)
+        return tok.encode(text, add_special_tokens=special)  # type: ignore[union-attr]
+
+    async def chat_images(self, body: dict[str, object], prompt: list[int]) -> tuple[list[int], ImageInputs | None]:
+        """A chat prompt with its images' placeholders expanded, and the images (``image_url``
+        parts, data URLs) as the engine takes them; None without images."""
+        files = [data_url_bytes(url, where) for where, url in image_urls(body)]
+        try:
+            return await self.scheduler.prepare_images(prompt, files, expand=True)
+        except ValueError as e:
+            raise BadRequest(str(e), param="messages") from e
 
     # ----- /v1/completions -----------------------------------------------------------------
 
@@ -207,11 +221,12 @@ class OpenAIRoutes:
         body = await read_json(request)
         model = self.model_name(body)
         refuse_unsupported(body, structured=True)
-        check_messages(body)
+        check_messages(body, images=self.scheduler.images is not None)
         tools = chat_tools(body, forced=True)
         tool_grammar, named = forced_call(body, tools)
         # vLLM's default for a chat: none added (the template writes its own).
         prompt = self.chat_prompt(body, special=bool_field(body, "add_special_tokens", False))
+        prompt, images = await self.chat_images(body, prompt)
         want_logprobs, top_n = chat_logprobs_fields(body)
         o = Options.parse(body)
         budget = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -221,4 +236,4 @@ class OpenAIRoutes:
         )
         forced = tool_grammar is not None
         answer = ChatAnswer(self.texts, req, prompt, want_logprobs, tools is not None, forced, named)
-        return await respond(request, self.scheduler, req.jobs, answer, o.stream)
+        return await respond(request, self.scheduler, req.jobs, answer, o.stream, images=images)

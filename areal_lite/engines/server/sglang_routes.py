@@ -140,7 +140,7 @@ class SGLangRoutes:
             self.scheduler.abort(abort_all=True, message="aborted for a weight update")
         version = body.get("weight_version")
         v = self._version_int(version) if version is not None else None
-        return await self._weight_op(lambda: self.scheduler.load_weights_from_disk(path, v).result(), version)
+        return await self._weight_op(lambda: self.scheduler.weights.load_weights_from_disk(path, v).result(), version)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await read_json(request)
@@ -163,14 +163,14 @@ class SGLangRoutes:
         if not 0 < rank < meta.world_size:
             raise BadRequest(f"rank_offset {rank} must be in [1, world_size={meta.world_size})")
         try:
-            await asyncio.wrap_future(self.scheduler.join_weights_update_group(meta, rank))
+            await asyncio.wrap_future(self.scheduler.weights.join_weights_update_group(meta, rank))
         except (RuntimeError, ValueError, OSError) as e:  # e.g. the trainer never came: the store timed out
             return web.json_response({"success": False, "message": f"could not join the group: {e}"}, status=400)
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         await read_json(request)
-        self.scheduler.destroy_weights_update_group()
+        self.scheduler.weights.destroy_weights_update_group()
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
@@ -196,7 +196,7 @@ class SGLangRoutes:
         if not all(isinstance(x, str) for x in names + dtypes):
             raise BadRequest("names and dtypes must be strings")
         try:
-            self.scheduler.check_param_specs(names, dtypes, shapes)
+            self.scheduler.weights.check_param_specs(names, dtypes, shapes)
         except ValueError as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         if bool_field(body, "abort_all_requests", False):
@@ -204,7 +204,7 @@ class SGLangRoutes:
         version = body.get("weight_version")
         v = self._version_int(version) if version is not None else None
         return await self._weight_op(
-            lambda: self.scheduler.receive_broadcast(names, dtypes, shapes, v).result(), version
+            lambda: self.scheduler.weights.receive_broadcast(names, dtypes, shapes, v).result(), version
         )
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
@@ -237,7 +237,7 @@ class SGLangRoutes:
         v = self._version_int(version) if version is not None else None
 
         def load() -> None:
-            self.scheduler.load_shared_tensors(load_named_tensors(entries[0]), v).result()
+            self.scheduler.weights.load_shared_tensors(load_named_tensors(entries[0]), v).result()
 
         return await self._weight_op(load, version)
 
@@ -257,7 +257,7 @@ class SGLangRoutes:
             raise BadRequest("name must be a string")
         size = int(body.get("truncate_size", 100)) if request.method == "GET" else int_field(body, "truncate_size", 100)
         try:
-            return web.json_response(self.scheduler.get_weights_by_name(name, size))
+            return web.json_response(self.scheduler.weights.get_weights_by_name(name, size))
         except ValueError as e:
             raise BadRequest(str(e)) from e
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from areal_lite.engines.local.images import ImageInputs
 from areal_lite.engines.local.request import GenerationResult, SamplingParams, TokenOut
 from areal_lite.engines.local.scheduler import Scheduler
 from areal_lite.openai_format.chat import error_body
@@ -110,17 +111,21 @@ class TextDeltas:
 
 
 async def merged(
-    scheduler: Scheduler, jobs: list[Job], input_logprobs: bool = False
+    scheduler: Scheduler,
+    jobs: list[Job],
+    input_logprobs: bool = False,
+    images: list[ImageInputs | None] | None = None,
 ) -> AsyncIterator[tuple[int, TokenOut | GenerationResult]]:
-    """Run ``jobs`` (prompt, params, rid) at once and yield ``(job index, event)`` as each token
-    is produced, a job's `GenerationResult` last (with ``input_logprobs``, each job's first token
-    carries its prompt's log-probabilities). An engine failure is raised; leaving early aborts
-    what is still running."""
+    """Run ``jobs`` (prompt, params, rid; ``images``: each one's) at once and yield ``(job index,
+    event)`` as each token is produced, a job's `GenerationResult` last (with ``input_logprobs``,
+    each job's first token carries its prompt's log-probabilities). An engine failure is raised;
+    leaving early aborts what is still running."""
     queue: asyncio.Queue[tuple[int, TokenOut | GenerationResult | BaseException]] = asyncio.Queue()
 
     async def pump(i: int, prompt: list[int], params: SamplingParams, rid: str) -> None:
         try:
-            async for event in scheduler.stream(prompt, params, rid, return_input_logprobs=input_logprobs):
+            stream = scheduler.stream(prompt, params, rid, input_logprobs, images[i] if images else None)
+            async for event in stream:
                 queue.put_nowait((i, event))
         except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
             queue.put_nowait((i, e))
@@ -191,18 +196,26 @@ class Answer:
 
 
 async def respond(
-    request: web.Request, scheduler: Scheduler, jobs: list[Job], answer: Answer, stream: bool, done_line: bool = True
+    request: web.Request,
+    scheduler: Scheduler,
+    jobs: list[Job],
+    answer: Answer,
+    stream: bool,
+    done_line: bool = True,
+    images: ImageInputs | None = None,
 ) -> web.StreamResponse:
-    """Run ``jobs`` and answer with ``answer``: one JSON object, or with ``stream`` server-sent
-    events written as the tokens come (`send_events`; ``done_line`` as there)."""
+    """Run ``jobs`` (each with ``images``, those of their one prompt) and answer with ``answer``:
+    one JSON object, or with ``stream`` server-sent events written as the tokens come
+    (`send_events`; ``done_line`` as there)."""
+    per_job = [images] * len(jobs) if images is not None else None
     if not stream:
-        return web.json_response(answer.whole(await scheduler.generate_many(jobs)))
+        return web.json_response(answer.whole(await scheduler.generate_many(jobs, images=per_job)))
 
     async def events() -> AsyncIterator[dict[str, object]]:
         for e in answer.opening():
             yield e
         results: list[GenerationResult] = []
-        async for i, event in merged(scheduler, jobs):
+        async for i, event in merged(scheduler, jobs, images=per_job):
             if isinstance(event, TokenOut):
                 for e in answer.token(i, event):
                     yield e

@@ -13,6 +13,12 @@ vLLM does), ``request_id``, ``model``,
 ``finish_reason``, ``stop_reason``, ``logprobs.content`` and ``weight_versions`` (spans of output
 tokens sampled by one weight version).
 
+A vision-language model takes images as vLLM 0.32 does here: ``content_parts``, each
+``{"type": "image_url", "url": ...}`` with a data URL (the image file inline; URLs are not
+fetched), one per image in the order of their placeholders in ``token_ids``, which hold each
+image's tokens expanded or one placeholder token per image (expanded as the processor would);
+``prompt_token_ids`` answers the expanded prompt. vLLM's pre-rendered ``features`` are refused.
+
 A ``logprobs.content`` entry carries the sampled token both as vLLM 0.32 writes it (``token_id``,
 ``logprob``, ``top_logprobs`` as ``{token_id, logprob}`` with the sampled token first) and as
 earlier vLLM and the ``renderers`` package that verifiers 0.4 uses read it (``token``:
@@ -31,12 +37,21 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from areal_lite.engines.local import grammar
+from areal_lite.engines.local.images import ImageInputs
 from areal_lite.engines.local.request import GenerationResult, SamplingParams, TokenOut
 from areal_lite.engines.local.scheduler import Scheduler
 from areal_lite.engines.server.common import read_json, token_ids
 from areal_lite.engines.server.openai_request import MAX_TOP_LOGPROBS
 from areal_lite.engines.server.streaming import merged, send_events
-from areal_lite.openai_format.chat import BadRequest, bool_field, float_field, int_field, shaping_fields, stop_strings
+from areal_lite.openai_format.chat import (
+    BadRequest,
+    bool_field,
+    data_url_bytes,
+    float_field,
+    int_field,
+    shaping_fields,
+    stop_strings,
+)
 
 REFUSED_SAMPLING: dict[str, object] = {
     "allowed_token_ids": None,
@@ -97,6 +112,21 @@ def _sampling(sp: dict[str, object], prompt_len: int, context: int) -> tuple[Sam
     return params, int_field(sp, "n", 1), logprobs
 
 
+def _content_images(parts: object) -> list[bytes]:
+    """The image files of vLLM's ``content_parts`` (``image_url`` parts with data URLs)."""
+    if parts is None:
+        return []
+    if not isinstance(parts, list):
+        raise BadRequest("content_parts must be a list of parts", param="content_parts")
+    files = []
+    for i, part in enumerate(parts):
+        where = f"content_parts[{i}]"
+        if not isinstance(part, dict) or part.get("type") != "image_url" or not isinstance(part.get("url"), str):
+            raise BadRequest(f'{where}: a part is {{"type": "image_url", "url": ...}} (images only)', param=where)
+        files.append(data_url_bytes(part["url"], where))
+    return files
+
+
 def _logprob_entry(token: int, logprob: float, top: list[tuple[int, float]] | None, n: int) -> dict[str, object]:
     candidates = [(token, logprob)] + [(t, v) for t, v in top or [] if t != token]
     return {
@@ -139,8 +169,16 @@ class TokensRoute:
         prompt = token_ids(body.get("token_ids"), "token_ids")
         if body.get("output_mode", "tokens") != "tokens":
             raise BadRequest("output_mode must be tokens on the areal-lite server", param="output_mode")
-        if body.get("features") or body.get("content_parts"):
-            raise BadRequest("multimodal inputs are not supported by the areal-lite server", param="features")
+        if body.get("features"):
+            raise BadRequest("features (pre-rendered multimodal inputs) are not supported: send content_parts",
+                             param="features")  # fmt: skip
+        images: ImageInputs | None = None
+        try:
+            prompt, images = await self.scheduler.prepare_images(
+                prompt, _content_images(body.get("content_parts")), True
+            )
+        except ValueError as e:
+            raise BadRequest(str(e), param="content_parts") from e
         sp = body.get("sampling_params")
         if not isinstance(sp, dict):
             raise BadRequest("sampling_params must be an object", param="sampling_params")
@@ -164,6 +202,7 @@ class TokensRoute:
             for i in range(n)
         ]
         with_ids = bool_field(body, "return_token_ids", False)
+        per_job = [images] * n if images is not None else None
         head: dict[str, object] = {"request_id": request_id}
 
         def logprob_block(tokens: list[int], lps: list[float], tops: list | None) -> dict[str, object] | None:
@@ -186,7 +225,7 @@ class TokensRoute:
                     "weight_versions": weight_versions(r.output_versions)}  # fmt: skip
 
         if not bool_field(body, "stream", False):
-            results = await self.scheduler.generate_many(jobs)
+            results = await self.scheduler.generate_many(jobs, images=per_job)
             choices = [
                 {"index": i, "token_ids": r.output_ids,
                  "logprobs": logprob_block(r.output_ids, r.output_logprobs, r.output_top_logprobs), **end_fields(r)}
@@ -202,7 +241,7 @@ class TokensRoute:
         async def chunks() -> AsyncIterator[dict[str, object]]:
             first = True
             results: list[GenerationResult] = []
-            async for i, event in merged(self.scheduler, jobs):
+            async for i, event in merged(self.scheduler, jobs, images=per_job):
                 if isinstance(event, TokenOut):
                     tops = [event.top] if event.top is not None else None
                     choice = {"index": i, "token_ids": [event.token], "finish_reason": None,

@@ -83,10 +83,10 @@ class VLLMRoutes:
                 await self._receive(BroadcastSpec.parse(args[0]))
             elif method == LOAD_FROM_DISK:
                 path = model_path_arg(args[0])
-                await asyncio.wrap_future(self.scheduler.load_weights_from_disk(path))
+                await asyncio.wrap_future(self.scheduler.weights.load_weights_from_disk(path))
             else:
                 assert method == LEAVE_GROUP
-                self.scheduler.destroy_weights_update_group()
+                self.scheduler.weights.destroy_weights_update_group()
         except ValueError as e:
             raise BadRequest(f"{method}: {e}") from e
         return web.json_response({"results": [None]})
@@ -102,8 +102,8 @@ class VLLMRoutes:
             group_name=spec.group_name,
             backend=spec.backend,
         )
-        await asyncio.wrap_future(self.scheduler.join_weights_update_group(meta, spec.rank_offset))
+        await asyncio.wrap_future(self.scheduler.weights.join_weights_update_group(meta, spec.rank_offset))
 
     async def _receive(self, spec: BroadcastSpec) -> None:
-        self.scheduler.check_param_specs(spec.names, spec.dtypes, spec.shapes)
-        await asyncio.wrap_future(self.scheduler.receive_broadcast(spec.names, spec.dtypes, spec.shapes, None))
+        self.scheduler.weights.check_param_specs(spec.names, spec.dtypes, spec.shapes)
+        await asyncio.wrap_future(self.scheduler.weights.receive_broadcast(spec.names, spec.dtypes, spec.shapes, None))

@@ -22,6 +22,10 @@ sharded with it; only the adapters require gradients, and so only they get optim
 updates send the adapter alone (fp32, under its PEFT tensor names); HF saves write the model with
 the adapter merged in (`areal_lite.utils.lora.MergedLoRA`) and the PEFT adapter beside it.
 
+Vision-language models (Qwen-VL) train on packed batches with images
+(`areal_lite.engines.train.multimodal`): the vision tower's blocks are sharded like the decoder's
+layers, and trained with the rest unless ``freeze_vision_tower``.
+
 Mixture-of-experts models run their HF MoE blocks; their routers are driven by
 `areal_lite.utils.moe.RoutingReplay`: with ``routing_replay`` each token goes to the experts the
 batch's ``routed_experts`` recorded at generation, and every training pass reports routing
@@ -58,11 +62,13 @@ from areal_lite.api.io import FinetuneSpec, WeightUpdateMeta
 from areal_lite.cpu import TrainerTuning, compute_dtype
 from areal_lite.engines.train.base import TrainEngineBase, read_back
 from areal_lite.engines.train.fsdp_model import HF_PREFIX, PackedModel, add_lora_adapters, load_hf_model, shard
+from areal_lite.engines.train.multimodal import PackedImages, decoder_layers
 from areal_lite.engines.train.shared_prefix import shared_prefix_layout
 from areal_lite.utils.data import MicroBatchSplit
 from areal_lite.utils.lora import PEFT_PREFIX, MergedLoRA, base_name, config_dict
 from areal_lite.utils.moe import RoutingReplay, routing_shape
 from areal_lite.utils.recover import rng_state, set_rng_state
+from areal_lite.utils.vision import is_vision_config
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -125,6 +131,9 @@ class FSDPEngine(TrainEngineBase):
         self.create_process_group()
         torch.manual_seed(cfg.seed)
         hf = load_hf_model(cfg.path, cfg, self.device)
+        if is_vision_config(hf.config) and (cfg.lora.enabled or cfg.shared_prefix):
+            what = "lora" if cfg.lora.enabled else "shared_prefix"
+            raise ValueError(f"{what} with a vision-language model ({cfg.path}) is not supported yet")
         if cfg.lora.enabled:
             if cfg.is_critic:
                 raise ValueError(
@@ -186,6 +195,9 @@ class FSDPEngine(TrainEngineBase):
     # ---------------------------------------------------------------- compute
 
     def _microbatches(self, batch: TensorDict) -> tuple[list[PackedBatch], MicroBatchSplit, int]:
+        vision = self._module().vision
+        if vision is not None:
+            batch = vision.with_positions(batch)
         # Every rank must run as many forward/backward passes, for FSDP's collectives.
         return self._split_and_pack(batch, same_count_on_all_ranks=True, to_device=True)
 
@@ -202,7 +214,10 @@ class FSDPEngine(TrainEngineBase):
             if routes is not None and tree is not None:
                 routes = routes[tree.origin]  # type: ignore[index]
             self._routing.begin(routes, self.config.routing_replay)  # type: ignore[arg-type]
-        return self._module()(ids, pos, cu, with_entropy, tree, targets, max_seqlen=int(mb["max_seqlen"]))
+        images = PackedImages.of(mb) if self._module().vision is not None else None
+        return self._module()(
+            ids, pos, cu, with_entropy, tree, targets, max_seqlen=int(mb["max_seqlen"]), images=images
+        )
 
     def _forward_passes(
         self, mbs: list[PackedBatch], n_real: int, with_entropy: bool
@@ -342,7 +357,7 @@ class FSDPEngine(TrainEngineBase):
         if not 0 < share < threads:
             return
         assert self.model is not None
-        layers = self.model.hf.base_model.layers
+        layers = decoder_layers(self.model.hf)
         self._cpu.share_cores(lambda: engine.busy, threads, threads - share, layers)  # type: ignore[attr-defined]
         logger.info(
             "training on %d threads while the engine generates on %d, on %d otherwise", threads - share, share, threads

@@ -22,9 +22,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from areal_lite.api.config import LoRAConfig, TrainEngineConfig
 from areal_lite.engines.train.logprob import logprobs_from_hidden, token_logprobs, token_values
+from areal_lite.engines.train.multimodal import PackedImages, VisionLanguageModel, decoder_layers
 from areal_lite.engines.train.shared_prefix import SharedPrefixLayout
 from areal_lite.engines.train.varlen_attention import register_varlen_sdpa
 from areal_lite.utils.lora import PEFT_PREFIX, peft_config
+from areal_lite.utils.vision import is_vision_config
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -46,6 +48,8 @@ class PackedModel(nn.Module):
         self.hf = hf
         self.is_critic = is_critic
         self.chunk_size = chunk_size
+        self.vision = VisionLanguageModel(hf) if is_vision_config(hf.config) else None
+        """A vision-language model's images and positions (None for a text model)."""
 
     def forward(
         self,
@@ -56,13 +60,14 @@ class PackedModel(nn.Module):
         tree: SharedPrefixLayout | None = None,
         target_ids: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        images: PackedImages | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-aligned log-probabilities and entropies (values and zeros for a critic) of one
         packed micro-batch; ``max_seqlen``, its longest sequence, spares a read of ``cu_seqlens``
-        from the device."""
+        from the device; ``images``, a vision-language model's images and positions."""
         if tree is not None:
             return self._tree_forward(tree, with_entropy)
-        hidden = self._hidden(input_ids, position_ids, cu_seqlens, max_seqlen)
+        hidden = self._hidden(input_ids, position_ids, cu_seqlens, max_seqlen, images=images)
         if self.is_critic:
             return token_values(self.hf.score(hidden), cu_seqlens)
         hidden, weight = self._head(hidden)
@@ -92,6 +97,7 @@ class PackedModel(nn.Module):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         max_seqlen: int | None = None,
+        images: PackedImages | None = None,
         **extra: object,
     ) -> torch.Tensor:
         # Sequence boundaries for varlen attention (ours, or flash-attention's); built-in
@@ -103,6 +109,10 @@ class PackedModel(nn.Module):
             "max_length_q": max_len,
             "max_length_k": max_len,
         }
+        if self.vision is not None:
+            if images is None:
+                raise ValueError("a vision-language model's forward needs the micro-batch's images and positions")
+            return self.vision.hidden(input_ids, position_ids, images, **varlen, **extra)
         return self.hf.base_model(
             input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False, **varlen, **extra
         ).last_hidden_state[0]
@@ -131,8 +141,14 @@ class PackedModel(nn.Module):
 
 def load_hf_model(path: str, config: TrainEngineConfig, device: torch.device) -> nn.Module:
     """The HF model (a value model with ``config.is_critic``) of directory ``path`` in fp32, with
-    the engine's attention."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    the engine's attention; a vision-language model's vision tower with plain sdpa, its
+    parameters frozen with ``config.freeze_vision_tower``."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForTokenClassification,
+    )
 
     attn = config.attn_impl
     if attn == "sdpa":
@@ -140,6 +156,16 @@ def load_hf_model(path: str, config: TrainEngineConfig, device: torch.device) ->
         # transformers' sdpa would mask a T x T product.
         attn = register_varlen_sdpa()
     kwargs = {"dtype": torch.float32, "attn_implementation": attn}
+    if is_vision_config(AutoConfig.from_pretrained(path)):
+        if config.is_critic:
+            raise ValueError(f"{path} is a vision-language model: a critic (value head) of one is not supported yet")
+        # The vision tower attends within each image, never over the packed row: plain sdpa.
+        kwargs["attn_implementation"] = {"": attn, "text_config": attn, "vision_config": "sdpa"}
+        hf = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+        hf.config.use_cache = hf.config.text_config.use_cache = False
+        if config.freeze_vision_tower:
+            VisionLanguageModel(hf).tower.requires_grad_(False)
+        return hf
     if config.is_critic:
         # The value head (`score`) is new when loading a causal-LM directory; its init is
         # seeded identically on every rank by `FSDPEngine.initialize`.
@@ -181,7 +207,8 @@ def add_lora_adapters(hf: nn.Module, lora: LoRAConfig) -> tuple[PeftModel, dict[
 
 
 def shard(hf: nn.Module, config: TrainEngineConfig, device: torch.device, dtype: torch.dtype) -> PackedModel:
-    """Every decoder layer of ``hf``, then the `PackedModel` root around it, sharded with
+    """Every decoder layer of ``hf`` (and vision block of a vision-language model), then the
+    `PackedModel` root around it, sharded with
     ``fully_shard`` over all ranks; with a compute ``dtype`` other than fp32, mixed precision
     (fp32 master weights, ``dtype`` compute, fp32 gradient reduction)."""
     mp = (
@@ -190,7 +217,10 @@ def shard(hf: nn.Module, config: TrainEngineConfig, device: torch.device, dtype:
         else MixedPrecisionPolicy()
     )
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in hf.base_model.layers:
+    layers = list(decoder_layers(hf))
+    if is_vision_config(hf.config):
+        layers += list(VisionLanguageModel(hf).tower.blocks)
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     model = PackedModel(hf, config.is_critic, config.logits_chunk_size)
     fully_shard(model, mesh=mesh, mp_policy=mp)

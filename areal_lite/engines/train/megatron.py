@@ -67,6 +67,7 @@ from areal_lite.engines.train.mcore_model import build_gpt, distributed_optimize
 from areal_lite.engines.train.mcore_weights import HFWeights, SafetensorsDir, new_value_head, write_hf_dir
 from areal_lite.utils.data import MicroBatchSplit
 from areal_lite.utils.recover import rng_state, set_rng_state
+from areal_lite.utils.vision import is_vision_config
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
@@ -109,6 +110,13 @@ class MegatronEngine(TrainEngineBase):
         cfg = self.config
         if cfg.shared_prefix:
             raise ValueError("shared_prefix is implemented by the FSDP engine only (backend=fsdp)")
+        self._hf_config = AutoConfig.from_pretrained(cfg.path, **({"num_labels": 1} if cfg.is_critic else {}))
+        if is_vision_config(self._hf_config):
+            raise NotImplementedError(
+                f"MegatronEngine does not support vision-language models yet ({cfg.path} is "
+                f"{self._hf_config.model_type!r}): it has no vision tower, image inputs or multimodal rotary "
+                "positions; train it with backend=fsdp"
+            )
         if not cpu_mode():
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.compute_dtype = compute_dtype(cfg.dtype, self.device, allowed=_DTYPE_NAMES)
@@ -119,7 +127,6 @@ class MegatronEngine(TrainEngineBase):
         else:
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
 
-        self._hf_config = AutoConfig.from_pretrained(cfg.path, **({"num_labels": 1} if cfg.is_critic else {}))
         self.arch = ArchSpec.from_hf_config(self._hf_config, cfg.tensor_parallel_size, is_critic=cfg.is_critic)
         self._check_experts(self.arch)
         dtype = self.compute_dtype
