@@ -106,3 +106,22 @@ def test_megatron_names_what_it_does_not_support(model_dir: str) -> None:
     engine = MegatronEngine(TrainEngineConfig(path=model_dir, backend="megatron"))
     with pytest.raises(NotImplementedError, match="vision-language models.*backend=fsdp"):
         engine.initialize()
+
+
+def test_vision_demo_runs_end_to_end(tmp_path: Path) -> None:
+    """`make demo-vlm`'s script, cut short: SFT warm-up and GRPO steps with the pictures through the
+    embedded engine and the trainer, a HF checkpoint that loads with its processor, a RESULT line.
+    Needs the embedded engine's image support (the serving half)."""
+    from test_examples import QUIET, final_checkpoint, run
+
+    from areal_lite.utils.vision import load_processor
+
+    out = run(
+        "vision_grpo.py", "vision_grpo.yaml", f"cluster.fileroot={tmp_path}", "task.sft_steps=4",
+        "task.sft_eval_every=2", "task.n_dev=8", "task.n_eval=8", "task.n_train_prompts=64", "total_train_steps=2",
+        "train_dataset.batch_size=4", "saver.freq_steps=2", *QUIET, launcher=True, timeout=600,
+    )  # fmt: skip
+    assert "held-out greedy accuracy after SFT" in out
+    checkpoint = final_checkpoint(tmp_path / "vision-grpo" / "demo", 2)
+    assert checkpoint.exists()
+    assert type(load_processor(str(checkpoint.parent))).__name__ == "Qwen2_5_VLProcessor"
