@@ -192,3 +192,59 @@ def test_images_fill_the_first_placeholders_of_each_row() -> None:
     ]
     with pytest.raises(ValueError, match="row 1 has 4 image placeholder tokens; its images need 5"):
         image_token_mask(ids, 9, torch.tensor([2, 5, 0]))
+
+
+def test_train_positions_equal_hf_rope_index_row_by_row(vlm_dir: str) -> None:
+    """The train engine computes the multimodal positions once per distinct image layout (a group's
+    rows share their prompt's) and continues each row as text: the same as HF's rule run row by
+    row, for a group of one prompt with completions of three lengths, a row with two images of
+    other sizes, a row without images, a generated placeholder after the images (text), and a row
+    padded on the left."""
+    from areal_lite.engines.train.multimodal import POSITIONS_KEY, VisionLanguageModel
+    from areal_lite.utils.data import concat_padded, pack_images
+    from areal_lite.utils.vision import image_token_mask
+    from areal_lite.workflows.trajectory import with_images
+
+    processor = load_processor(vlm_dir)
+    hf = AutoModelForImageTextToText.from_pretrained(vlm_dir)
+    pad_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    def row(images: list[Image.Image], completion: list[int], left_pad: int = 0):
+        from tensordict import TensorDict
+
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "?"}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
+        enc = processor(text=[text], images=images or None, return_tensors="pt")
+        ids = [0] * left_pad + enc["input_ids"][0].tolist() + completion
+        n = len(ids)
+        traj = TensorDict(
+            {
+                "input_ids": torch.tensor([ids]),
+                "attention_mask": torch.tensor([[False] * left_pad + [True] * (n - left_pad)]),
+            },
+            batch_size=[1],
+        )
+        if not images:
+            return with_images(traj, torch.zeros(0, 1176), torch.zeros(0, 3, dtype=torch.int64))
+        return with_images(traj, enc["pixel_values"], enc["image_grid_thw"])
+
+    blue, red = Image.new("RGB", (56, 56), (0, 0, 255)), Image.new("RGB", (84, 140), (255, 0, 0))
+    batch = concat_padded(
+        [
+            row([blue], [5, 6]),
+            row([blue], [5]),
+            row([blue], [5, 6, 7, 8]),
+            row([red, blue], [7]),
+            row([], [5, 6]),
+            row([blue], [pad_id, 5]),
+            row([blue], [6], left_pad=3),
+        ]
+    )
+    got = VisionLanguageModel(hf).with_positions(batch)[POSITIONS_KEY]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    fill = image_token_mask(ids, hf.config.image_token_id, (batch["image_grid_thw"].prod(-1) // 4).sum(-1))
+    want, _ = hf.model.get_rope_index(
+        ids, fill.int(), image_grid_thw=pack_images(batch)["image_grid_thw"], attention_mask=mask.long()
+    )
+    assert torch.equal(got, want.permute(1, 2, 0) * mask.unsqueeze(-1))
+    assert not torch.equal(got[3, :, 0], got[3, :, 1])  # the images' tokens have 3-D positions

@@ -306,6 +306,27 @@ def test_requests_that_disagree_with_their_images_are_refused(vlm_dir: str, tmp_
         engine.destroy()
 
 
+def test_a_groups_requests_share_one_preparation(vlm_dir: str, hf: torch.nn.Module) -> None:
+    """A prompt with its images is prepared once for the requests of a group: the same
+    `ImageInputs` again, the prompt's ids as a fresh list; another image, or another prompt, is
+    prepared anew; a prompt refused is refused again."""
+    from areal_lite.engines.local.images import ImagePrompts
+
+    processor = load_processor(vlm_dir)
+    red = Prompt(processor, "What colour?", [RED])
+    blue = Prompt(processor, "What colour?", [Image.new("RGB", RED.size, (1, 2, 250))])
+    prompts = ImagePrompts(hf, vlm_dir)
+    ids, inputs = prompts.prepare(red.ids, red.images)
+    again_ids, again = prompts.prepare(list(red.ids), list(red.images))
+    assert again is inputs and again_ids == ids and again_ids is not ids
+    other = prompts.prepare(blue.ids, blue.images)[1]
+    assert other is not inputs and other.key != inputs.key
+    assert torch.equal(other.positions, inputs.positions)  # the same layout, other pixels
+    for _ in range(2):
+        with pytest.raises(ValueError, match="image 0 makes 4 image tokens but the prompt holds 15"):
+            prompts.prepare(red.ids, [encode_image(BLUE)])
+
+
 def test_qwen2_vl_logprobs_equal_hf_forward(vlm_dir: str, tmp_path) -> None:
     """Qwen2-VL (the architecture before 2.5: its own vision tower, the same multimodal rotary):
     a tiny one from its config, with the tiny VLM's tokenizer and image processor."""

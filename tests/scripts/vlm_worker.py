@@ -3,7 +3,8 @@
 Usage: ``torchrun --nproc-per-node N vlm_worker.py MODEL_DIR OUT_DIR``. Rank 0 writes
 ``OUT_DIR/vlm_w<world>.json`` and ``.pt`` parameter files that tests/test_vlm_fsdp.py compares.
 
-The batch mixes sequences with one image, two images of other sizes and none. Checks:
+The batch mixes sequences with one image, two images of other sizes and none; two share one image,
+as a GRPO group's sequences do. Checks:
 - packed log-probabilities and entropies (3 micro-batches; an uneven share per rank, where one
   rank's share has no image at all) against HF's padded forward with the same images; a sequence
   that ends with an image placeholder the model generated (a text token) against HF's forward
@@ -37,22 +38,27 @@ from areal_lite.workflows.trajectory import with_images
 MODEL, OUT = sys.argv[1], sys.argv[2]
 FT = FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=8)
 IMAGE_SIZES = [[(56, 56)], [(112, 56), (28, 84)], [], [(84, 84)], [], [(28, 28)], [(56, 112)], []]
+SAME_PICTURE = {6: 0}
+"""Row 6 carries row 0's image instead (a prompt's completions share one, as a GRPO group's rows do)."""
 
 
 def vlm_batch(seed: int) -> TensorDict:
-    """Eight sequences: a chat prompt with IMAGE_SIZES[i]'s images of random pixels, then 2-7
-    random completion tokens trained on (loss_mask 1)."""
+    """Eight sequences: a chat prompt with IMAGE_SIZES[i]'s images of random pixels (row 6 with
+    row 0's), then 2-7 random completion tokens trained on (loss_mask 1)."""
     processor = load_processor(MODEL)
     g = torch.Generator().manual_seed(seed)
-    trajs = []
+    trajs, first_images = [], {}
     for i, sizes in enumerate(IMAGE_SIZES):
         images = [
             Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy()) for w, h in sizes
         ]
+        if i in SAME_PICTURE:
+            images = first_images[SAME_PICTURE[i]]
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": f"question {i}"}]
         text = processor.apply_chat_template(
             [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
         )
+        first_images[i] = images
         enc = processor(text=[text], images=images or None, return_tensors="pt")
         completion = torch.randint(3, 200, (1, int(torch.randint(2, 8, (1,), generator=g))), generator=g)
         ids = torch.cat([enc["input_ids"], completion], dim=1)

@@ -23,6 +23,8 @@ place of the image tokens' embeddings; the decoder then runs as for text. A requ
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import groupby
 from typing import TYPE_CHECKING
@@ -78,12 +80,33 @@ class ImagePrompts:
         self.image_token_id = int(model.config.image_token_id)
         self.merge = int(model.config.vision_config.spatial_merge_size)
         self._rope_index = model.model.get_rope_index
+        self._recent: OrderedDict[tuple, tuple[list[int], ImageInputs]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    RECENT = 512
+    """How many prompts' `ImageInputs` are kept: a GRPO group's requests (one prompt, its
+    images, several samples) arrive together and share one."""
 
     def prepare(self, input_ids: list[int], images: list[bytes], expand: bool = False) -> tuple[list[int], ImageInputs]:
         """The prompt ``input_ids`` with its images' `ImageInputs`: the first runs of image tokens,
         one per image in order, each as many as the processor makes of its image or (with
         ``expand``) a single placeholder, which is expanded (the prompt returned is then longer).
-        Later image tokens are text. ValueError where the prompt and the images disagree."""
+        Later image tokens are text. ValueError where the prompt and the images disagree. A
+        prompt met among the last `RECENT` gets the same (read-only) `ImageInputs` again."""
+        key = (tuple(input_ids), tuple(images), expand)
+        with self._lock:
+            found = self._recent.get(key)
+            if found is not None:
+                self._recent.move_to_end(key)
+                return list(found[0]), found[1]
+        ids, inputs = self._prepare(input_ids, images, expand)
+        with self._lock:
+            self._recent[key] = (ids, inputs)
+            if len(self._recent) > self.RECENT:
+                self._recent.popitem(last=False)
+        return list(ids), inputs
+
+    def _prepare(self, input_ids: list[int], images: list[bytes], expand: bool) -> tuple[list[int], ImageInputs]:
         pixels, grid = self._process(images)
         made = (grid.prod(dim=-1) // self.merge**2).tolist()
         runs = [(t, len(list(run))) for t, run in groupby(input_ids)]

@@ -105,14 +105,70 @@ class VisionLanguageModel:
         if grid.shape[0] == 0:
             pos = (mask.cumsum(dim=1) - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, 3)
         else:
-            pos3, _ = self.inner.get_rope_index(
-                ids, image_tokens.int(), image_grid_thw=grid, attention_mask=mask.to(torch.int64)
-            )
-            pos = pos3.permute(1, 2, 0)
+            pos = self._rope_positions(image_tokens, mask, batch["image_grid_thw"])
         out = batch.clone(recurse=False)
         out[TOKEN_TYPES_KEY] = image_tokens.to(torch.int32)
         out[POSITIONS_KEY] = (pos * mask.unsqueeze(-1)).to(torch.int64).contiguous()
         return out
+
+    def _rope_positions(self, image_tokens: torch.Tensor, mask: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        """``[B, L, 3]`` positions by ``get_rope_index``, called once per distinct image layout.
+
+        The model's rule loops in Python over rows and tokens, the larger part of a GRPO step on a
+        tiny model; yet a row's positions depend only on its token types and image grids, and after
+        its last image token they go on one by one as text. So rows that share a head (their
+        tokens through the first text token after the images, and their grids: a group's rows, one
+        prompt with several completions) share one call, and each row continues from there."""
+        device = mask.device
+        image_tokens, mask, grids = image_tokens.cpu(), mask.cpu(), grids.cpu()
+        rows, width = mask.shape
+        # Each row's real tokens first (a row may be padded on the left): column j is token j.
+        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+        types = image_tokens.gather(1, order).to(torch.int64) * mask.gather(1, order)
+        lengths = mask.sum(dim=1)
+        col = torch.arange(width)
+        last_image = torch.where(types.bool(), col, -1).amax(dim=1)  # -1: a row without images
+        head = torch.minimum(last_image + 2, lengths).clamp(min=1)
+        in_head = col[: int(head.max())] < head[:, None]
+        keys = torch.cat([torch.where(in_head, types[:, : in_head.shape[1]], -1), grids.flatten(1)], dim=1)
+        distinct, which = torch.unique(keys, dim=0, return_inverse=True)
+        one = torch.zeros(distinct.shape[0], dtype=torch.int64).scatter_(0, which, torch.arange(rows))
+        one_grids = grids[one].flatten(0, 1)
+        head_pos, _ = self.inner.get_rope_index(
+            torch.zeros_like(keys[one, : in_head.shape[1]]),
+            (types[one, : in_head.shape[1]] * in_head[one]).to(torch.int32),
+            image_grid_thw=one_grids[one_grids.prod(dim=-1) > 0],
+            attention_mask=in_head[one].to(torch.int64),
+        )
+        per_row = head_pos.permute(1, 2, 0)[which]  # [rows, head width, 3]
+        within = per_row.gather(1, col.clamp(max=in_head.shape[1] - 1)[None, :, None].expand(rows, -1, 3))
+        last = per_row.gather(1, (head - 1)[:, None, None].expand(-1, 1, 3))
+        compact = torch.where((col < head[:, None])[..., None], within, last + (col - head[:, None] + 1)[..., None])
+        return torch.zeros_like(compact).scatter_(1, order[..., None].expand(-1, -1, 3), compact).to(device)
+
+    def _features(self, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        """The features ``[image tokens, hidden]`` of every image of ``grid``, in order, each
+        distinct image through the vision tower once.
+
+        A GRPO group's sequences carry one picture, and the tower's cost grows with the images it
+        encodes (per-image steps in Python among them); an image's features depend on its pixels
+        alone (attention stays within each image), so a copy takes its original's features, and
+        the gradient sums over the copies as it would were each encoded."""
+        blocks = pixels.split(grid.prod(dim=-1).tolist())
+        by_grid: dict[tuple[int, ...], list[int]] = {}
+        for i, g in enumerate(grid.tolist()):
+            by_grid.setdefault(tuple(g), []).append(i)
+        encoded: list[int] = []  # the images the tower runs on
+        source = [0] * len(blocks)  # each image's place among them
+        for members in by_grid.values():
+            _, same = torch.unique(torch.stack([blocks[i].flatten() for i in members]), dim=0, return_inverse=True)
+            first: dict[int, int] = {}
+            for i, u in zip(members, same.tolist()):
+                source[i] = first.setdefault(u, len(encoded))
+                if source[i] == len(encoded):
+                    encoded.append(i)
+        out = self.inner.get_image_features(torch.cat([blocks[i] for i in encoded]), grid[encoded], return_dict=True)
+        return torch.cat([out.pooler_output[j] for j in source])
 
     def hidden(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, images: PackedImages, **varlen: object
@@ -126,7 +182,7 @@ class VisionLanguageModel:
             pixels = pixels.new_zeros((self.merge**2, self.patch_dim))
             grid = grid.new_tensor([[1, self.merge, self.merge]])
         # The tower runs apart from the decoder: the decoder's boundaries (varlen) are not its own.
-        features = torch.cat(self.inner.get_image_features(pixels, grid, return_dict=True).pooler_output)
+        features = self._features(pixels, grid)
         embeds = self.inner.get_input_embeddings()(input_ids)
         if has_images:
             # The tokens the images fill, by `image_token_mask`'s rule (not every placeholder id).
