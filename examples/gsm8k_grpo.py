@@ -101,14 +101,7 @@ def main(argv: list[str]) -> None:
     score = kit.HeldOutScore(rollout, eval_workflow, eval_items, "eval/accuracy")
 
     for global_step in range(run.start_step, run.total_steps):
-        with run.timer("rollout"):
-            batch = rollout.prepare_batch(dataloader, workflow=workflow)
-        with run.timer("train"):
-            actor.compute_advantages(batch)
-            stats = actor.ppo_update(batch)
-            actor.step_lr_scheduler()
-        with run.timer("weight_sync"):
-            kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+        _, stats = run.rl_step(actor, workflow, global_step)  # the quickstart's step
         run.end_step(global_step, stats, evaluate=score.evaluate if eval_items else None)
 
     final_acc = score() if eval_items else float("nan")

@@ -66,14 +66,7 @@ def main(argv: list[str]) -> None:
     acc_before = run.once("acc_before", score)
 
     for global_step in range(run.start_step, run.total_steps):
-        with run.timer("rollout"):
-            batch = rollout.prepare_batch(dataloader, workflow=workflow, should_accept=should_accept)
-        with run.timer("train"):
-            actor.compute_advantages(batch)
-            stats = actor.ppo_update(batch)
-            actor.step_lr_scheduler()
-        with run.timer("weight_sync"):
-            kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+        _, stats = run.rl_step(actor, workflow, global_step, should_accept=should_accept)  # the quickstart's step
         run.end_step(global_step, stats, evaluate=score.evaluate)
 
     acc_after = score()

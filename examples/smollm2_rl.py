@@ -196,14 +196,7 @@ def main(argv: list[str]) -> None:
 
     t_rl = time.time()
     for global_step in range(run.start_step, run.total_steps):
-        with run.timer("rollout"):
-            batch = rollout.prepare_batch(dataloader, workflow=workflow)
-        with run.timer("train"):
-            actor.compute_advantages(batch)
-            stats = actor.ppo_update(batch)
-            actor.step_lr_scheduler()
-        with run.timer("weight_sync"):
-            kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+        _, stats = run.rl_step(actor, workflow, global_step)  # the quickstart's step
         run.end_step(global_step, stats, evaluate=score.evaluate)
 
     kit.print_rank0(f"[smollm2] RL: {run.total_steps - run.start_step} steps in {time.time() - t_rl:.0f}s")

@@ -150,14 +150,7 @@ def main(argv: list[str]) -> None:
     kit.print_rank0(f"[verifiers] held-out greedy reward after SFT: {before:.3f}")
 
     for global_step in range(run.start_step, run.total_steps):
-        with run.timer("rollout"):
-            batch = rollout.prepare_batch(dataloader, workflow=workflow)
-        with run.timer("train"):
-            actor.compute_advantages(batch)
-            stats = actor.ppo_update(batch)
-            actor.step_lr_scheduler()
-        with run.timer("weight_sync"):
-            kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
+        batch, stats = run.rl_step(actor, workflow, global_step)  # the quickstart's step
         stats.update(episode_means(batch))
         run.end_step(global_step, stats, evaluate=score.evaluate)
 

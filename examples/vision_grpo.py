@@ -216,34 +216,22 @@ def main(argv: list[str]) -> None:
     # The processor is saved with each HF checkpoint, so a checkpoint loads as the model did.
     run = kit.RunKit(cfg, actor.engine, dataloader, tokenizer=processor, rollout=rollout, weight_meta=weight_meta)
     run.start()
-    acc_before = run.once("acc_before", lambda: kit.mean_reward(rollout, eval_workflow, eval_items))
+    score = kit.HeldOutScore(rollout, eval_workflow, eval_items, "eval/accuracy")
+    acc_before = run.once("acc_before", score)
     kit.print_rank0(f"[vision] held-out greedy accuracy after SFT: {acc_before:.3f}")
-
-    def evaluate() -> dict[str, float]:
-        return {"eval/accuracy": kit.mean_reward(rollout, eval_workflow, eval_items)}
 
     t_rl = time.time()
     for global_step in range(run.start_step, run.total_steps):
-        with run.timer("rollout"):
-            batch = rollout.prepare_batch(dataloader, workflow=workflow)
-        with run.timer("train"):
-            actor.compute_advantages(batch)
-            stats = actor.ppo_update(batch)
-            actor.step_lr_scheduler()
-        with run.timer("weight_sync"):
-            kit.sync_weights(rollout, actor.engine, weight_meta, version=global_step + 1)
-        run.end_step(global_step, stats, evaluate=evaluate)
+        _, stats = run.rl_step(actor, workflow, global_step)  # the quickstart's step
+        run.end_step(global_step, stats, evaluate=score.evaluate)
 
     kit.print_rank0(f"[vision] RL: {run.total_steps - run.start_step} steps in {time.time() - t_rl:.2f}s")
-    acc_after = kit.mean_reward(rollout, eval_workflow, eval_items)
+    acc_after = score()
     minutes = (time.time() - t_start) / 60
-    run.close()
-    rollout.destroy()
-    actor.engine.destroy()
     kit.print_rank0(f"\n{'held-out greedy accuracy':<28}{'value':>8}")
     kit.print_rank0(f"{'after SFT (before RL)':<28}{acc_before:>8.3f}")
     kit.print_rank0(f"{'after RL':<28}{acc_after:>8.3f}")
-    kit.print_rank0(f"RESULT acc_before={acc_before:.3f} acc_after={acc_after:.3f} minutes={minutes:.1f}")
+    run.finish(f"acc_before={acc_before:.3f} acc_after={acc_after:.3f} minutes={minutes:.1f}")
 
 
 if __name__ == "__main__":

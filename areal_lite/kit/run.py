@@ -12,10 +12,11 @@ import signal
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from areal_lite.api.config_loader import load_config
@@ -33,6 +34,18 @@ from areal_lite.utils.stats_logger import StatsLogger
 from areal_lite.utils.step import StepInfo
 
 T = TypeVar("T")
+
+
+class PolicyActor(Protocol):
+    """What `RunKit.rl_step` calls on an actor (`areal_lite.actors.ppo.PPOActor` has it)."""
+
+    def compute_advantages(self, data: TensorDict) -> None: ...
+
+    def ppo_update(self, data: TensorDict) -> dict[str, float]: ...
+
+    def step_lr_scheduler(self) -> None: ...
+
+
 C = TypeVar("C", bound=BaseExperimentConfig)
 
 
@@ -228,6 +241,31 @@ class RunKit:
         self.resumed = dict(info.extra)
         print_rank0(f"[areal-lite] resumed after step {self.start_step}")
         return info.extra
+
+    def rl_step(
+        self,
+        actor: PolicyActor,
+        workflow: RolloutWorkflow,
+        global_step: int,
+        *,
+        should_accept: Callable[[TensorDict], bool] | None = None,
+    ) -> tuple[TensorDict, dict[str, float]]:
+        """The body of `examples/quickstart.py`'s loop, for scripts whose step is that one: a batch
+        from the rollout controller (``workflow``; ``should_accept`` filters its trajectories), the
+        actor's advantages, PPO update and LR step, then the new weights to the rollout side as
+        version ``global_step + 1``; each stage timed. Returns the batch and the update's
+        statistics for `end_step`."""
+        if self.rollout is None or self.weight_meta is None:
+            raise ValueError("rl_step needs a RunKit made with a rollout controller and its weight_meta")
+        with self.timer("rollout"):
+            batch = self.rollout.prepare_batch(self.dataloader, workflow=workflow, should_accept=should_accept)
+        with self.timer("train"):
+            actor.compute_advantages(batch)
+            stats = actor.ppo_update(batch)
+            actor.step_lr_scheduler()
+        with self.timer("weight_sync"):
+            sync_weights(self.rollout, self.engine, self.weight_meta, version=global_step + 1)
+        return batch, stats
 
     def end_step(
         self,
