@@ -119,7 +119,8 @@ def test_vision_demo_runs_end_to_end(tmp_path: Path) -> None:
     out = run(
         "vision_grpo.py", "vision_grpo.yaml", f"cluster.fileroot={tmp_path}", "task.sft_steps=4",
         "task.sft_eval_every=2", "task.n_dev=8", "task.n_eval=8", "task.n_train_prompts=64", "total_train_steps=2",
-        "train_dataset.batch_size=4", "saver.freq_steps=2", *QUIET, launcher=True, timeout=600,
+        "train_dataset.batch_size=4", "actor.ppo_n_minibatches=2", "saver.freq_steps=2", *QUIET, launcher=True,
+        timeout=600,
     )  # fmt: skip
     assert "held-out greedy accuracy after SFT" in out
     checkpoint = final_checkpoint(tmp_path / "vision-grpo" / "demo", 2)
