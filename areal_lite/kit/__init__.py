@@ -9,7 +9,9 @@
   one rank does for all.
 - `RunKit` (`areal_lite.kit.run`): before the first step, the engines' start and the resume from a
   recover checkpoint; after each, the HF checkpoint, the recover checkpoint, the evaluation and
-  the statistics; after the last, `RunKit.finish` ends the loggers and the engines. `sync_weights`:
+  the statistics; after the last, `RunKit.finish` ends the loggers and the engines.
+  `RunKit.rl_step` is the quickstart's step (batch, advantages, update, weight sync) for the
+  scripts whose step is that one. `sync_weights`:
   the weight-sync sequence (pause, push, version, resume), one line in the loop. `mean_reward` and
   `HeldOutScore`: a held-out score, before, during (``evaluate``) and after training.
 - `warm_up_with_sft` (`areal_lite.kit.warm_up`): the SFT warm-up before RL, until a dev score is
