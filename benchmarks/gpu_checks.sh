@@ -50,7 +50,11 @@ stage() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 
-stage train_mfu 240 "$PY" benchmarks/train_mfu.py --device cuda --shapes 0.5b,1.5b --warmup 2 --steps 3 --sync-report
+# Liger's kernels as a second row of ours where the liger extra is installed (its wheels carried)
+VARIANT=()
+"$PY" -c "import liger_kernel" 2> /dev/null && VARIANT=(--variant liger_kernels=true)
+stage train_mfu 300 "$PY" benchmarks/train_mfu.py --device cuda --shapes 0.5b,1.5b --warmup 2 --steps 3 --sync-report \
+    "${VARIANT[@]}"
 TAIL=40 stage test_gpu "${TEST_LIMIT:-200}" env OMP_NUM_THREADS=1 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
     --timeout 170 -rfEs ${TEST_FILTER:+-k "$TEST_FILTER"}
 stage generation 120 env OMP_NUM_THREADS=4 "$PY" benchmarks/generation.py --device cuda --dtype bfloat16 \
