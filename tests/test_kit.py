@@ -15,26 +15,19 @@ def test_rl_step_batches_trains_and_pushes_the_next_version_in_order(tmp_path) -
     calls: list[tuple[str, object]] = []
     batch = TensorDict({"rewards": torch.ones(2)}, batch_size=[2])
 
-    class Engine:
-        def set_version(self, v: int) -> None:
-            calls.append(("engine.set_version", v))
+    class Recorder:
+        """Records every call as (``name.method``, its argument)."""
 
-        def update_weights(self, meta: WeightUpdateMeta) -> None:
-            calls.append(("engine.update_weights", meta.type))
+        def __init__(self, name: str) -> None:
+            self.name = name
 
-    class Rollout:
+        def __getattr__(self, method: str):
+            return lambda arg=None: calls.append((f"{self.name}.{method}", getattr(arg, "type", arg)))
+
+    class Rollout(Recorder):
         def prepare_batch(self, dataloader: object, workflow: object, should_accept: object = None) -> TensorDict:
             calls.append(("rollout.prepare_batch", (workflow, should_accept)))
             return batch
-
-        def pause(self) -> None:
-            calls.append(("rollout.pause", None))
-
-        def set_version(self, v: int) -> None:
-            calls.append(("rollout.set_version", v))
-
-        def resume(self) -> None:
-            calls.append(("rollout.resume", None))
 
     class Actor:
         def compute_advantages(self, data: TensorDict) -> None:
@@ -52,7 +45,7 @@ def test_rl_step_batches_trains_and_pushes_the_next_version_in_order(tmp_path) -
     cfg.stats_logger.wandb_mode = "disabled"
     cfg.total_train_steps = 3
     meta = WeightUpdateMeta(type="disk", path=str(tmp_path / "w"))
-    run = RunKit(cfg, Engine(), [[{}]], rollout=Rollout(), weight_meta=meta)  # type: ignore[arg-type]
+    run = RunKit(cfg, Recorder("engine"), [[{}]], rollout=Rollout("rollout"), weight_meta=meta)  # type: ignore[arg-type]
     accept = object()
     got, stats = run.rl_step(Actor(), "workflow", 4, should_accept=accept)  # type: ignore[arg-type]
     assert got is batch and stats == {"loss": 0.5}
@@ -70,6 +63,6 @@ def test_rl_step_batches_trains_and_pushes_the_next_version_in_order(tmp_path) -
     timings = run.tracker.export().scalars
     assert {"timing/rollout", "timing/train", "timing/weight_sync"} <= set(timings), timings
 
-    without = RunKit(cfg, Engine(), [[{}]])  # type: ignore[arg-type]
+    without = RunKit(cfg, Recorder("engine"), [[{}]])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="rollout controller"):
         without.rl_step(Actor(), "workflow", 0)  # type: ignore[arg-type]
