@@ -34,11 +34,12 @@ test: $(STAMP)
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "" $(PYTEST_ARGS)
 
-# The fault runs under the whole launcher with the timeouts users set (marked slow, which `make test`
-# deselects): a rollout server hung (SIGSTOP) beside a live one under a 15 s request timeout, with
-# disk and with distributed weight updates; the training must finish.
+# The fault runs under the whole launcher (marked slow, which `make test` deselects for their length):
+# a rollout server killed, or hung (SIGSTOP) beside a live one under a 15 s request timeout, with disk
+# and with distributed weight updates, and the training must finish; a trainer SIGKILLed mid-epoch
+# (2 ranks), restarted, resuming with each sample once per epoch.
 test-faults: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow -k hang tests/test_launcher.py $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow -k "hang or kill" tests/test_launcher.py tests/test_recover.py $(PYTEST_ARGS)
 
 # Mixture-of-experts models and routing replay, the slow tests included (torchrun: FSDP on 2 ranks,
 # Megatron with expert parallelism; the MoE quickstart's smoke run).

@@ -116,6 +116,7 @@ def test_schedule_is_a_function_of_the_step() -> None:
     assert StepInfo.at(7, 4).next() == StepInfo(epoch=2, epoch_step=0, global_step=8, steps_per_epoch=4)
 
 
+@pytest.mark.slow  # 2 ranks under the launcher, killed and restarted: `make test-faults` runs it
 def test_sigkilled_trainer_resumes_with_each_sample_once_per_epoch(tmp_path) -> None:
     """The trainer (2 FSDP ranks under torchrun, via the local launcher) is SIGKILLed after training
     the first step of epoch 2 and before checkpointing it; the launcher restarts it, it resumes from
