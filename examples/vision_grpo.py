@@ -5,7 +5,7 @@ triangle, of random size and place) in one of ``COLOURS`` on white, with the que
 is the shape?"; the answer is the colour's name, checked exactly. A tiny Qwen2.5-VL is built here
 (`areal_lite.utils.tiny_vlm`: a vision tower, 14-pixel patches merged 2 x 2 into image tokens, a
 decoder with multimodal rotary positions) and warmed up with SFT until its greedy accuracy on dev
-pictures reaches ``task.sft_target_acc``: it has learnt the answer's form and part of the colours.
+pictures reaches ``task.sft_target_reward``: it has learnt the answer's form and part of the colours.
 Then GRPO trains it against the checker alone: `VisionRLVRWorkflow` renders each chat with its
 picture through the processor, the picture travels with every generation request
 (`ModelRequest.images`) and into the trajectories (``pixel_values``, ``image_grid_thw``), and
@@ -61,34 +61,19 @@ QUESTION = "What colour is the shape?"
 
 
 @dataclass
-class TaskConfig(kit.TinyModelConfig):
+class TaskConfig(kit.RewardWarmUpConfig):
     """The pictures, the tiny VLM (``hidden_size`` and ``num_layers`` are its decoder's) and the
-    SFT warm-up; ``seed`` seeds the model and the pictures."""
+    SFT warm-up, which stops on the dev pictures' greedy accuracy (``sft_target_reward``: the
+    checker's reward is 1 for a right answer); ``seed`` seeds the model and the pictures."""
 
     image_size: int = 56
     """Side of each picture in pixels (a multiple of 28: ``(image_size / 28)^2`` image tokens)."""
     n_train_prompts: int = 4096
     """Pictures (questions only, no answers) in the RL training set."""
-    n_eval: int = 200
-    """Held-out pictures for the before/after accuracy."""
-    n_dev: int = 100
-    """Dev pictures for the SFT stopping rule (separate from the held-out ones)."""
-    sft_steps: int = 400
-    """At most this many SFT warm-up steps on labelled pictures."""
-    sft_target_acc: float = 0.35
-    """Stop SFT once greedy accuracy on the dev pictures reaches this."""
-    sft_eval_every: int = 10
-    """Measure dev accuracy every this many SFT steps."""
-    sft_batch_size: int = 32
-    """Labelled pictures per SFT step."""
-    sft_lr: float = 1e-3
-    """SFT learning rate."""
     vision_hidden_size: int = 32
     """Width of the vision tower."""
     vision_depth: int = 2
     """Blocks of the vision tower."""
-    seed: int = 0
-    """Seed of the model and the pictures."""
 
 
 @dataclass
@@ -158,7 +143,7 @@ def greedy_workflow(cfg: VisionGRPOConfig, processor: object) -> VisionRLVRWorkf
 
 def warm_up(cfg: VisionGRPOConfig, base_dir: str, sft_dir: str) -> None:
     """Build the tiny VLM in ``base_dir`` and train it on fresh labelled pictures each step until
-    greedy accuracy on dev pictures reaches ``task.sft_target_acc``; save it in ``sft_dir``."""
+    greedy accuracy on dev pictures reaches ``task.sft_target_reward``; save it in ``sft_dir``."""
     task = cfg.task
 
     def build() -> None:
@@ -182,7 +167,7 @@ def warm_up(cfg: VisionGRPOConfig, base_dir: str, sft_dir: str) -> None:
     kit.warm_up_with_sft(
         cfg, engine_cfg, sft_dir, build=build, batches=batches, judge=judge,
         dev=pictures(task.n_dev, task.image_size, task.seed + 2), lr=task.sft_lr, max_steps=task.sft_steps,
-        eval_every=task.sft_eval_every, target=task.sft_target_acc,
+        eval_every=task.sft_eval_every, target=task.sft_target_reward,
     )  # fmt: skip
     if is_rank0():  # the warm-up saved the tokenizer; the engines also need the image processor
         load_processor(base_dir).save_pretrained(sft_dir)
