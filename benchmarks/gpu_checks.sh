@@ -3,7 +3,8 @@
 # first, every stage bounded in time so that one that hangs leaves time to the rest:
 #
 #     benchmarks/gpu_checks.sh train   [OUTDIR]   the train engine: MFU against a plain HF step
-#                                                 (0.5B and 1.5B shapes), then `make test-gpu`'s tests
+#                                                 (0.5B and 1.5B shapes), then `make test-gpu`'s tests,
+#                                                 then MFU with compiled decoder layers
 #     benchmarks/gpu_checks.sh rollout [OUTDIR]   generation against HF generate, the GRPO step
 #                                                 against TRL (sync, async in process, async with
 #                                                 our server beside the trainer), a weight update
@@ -25,9 +26,9 @@
 set -u
 PART=${1:-all}
 case $PART in
-    train) PART=train_mfu,test_gpu ;;
+    train) PART=train_mfu,test_gpu,train_compile ;;
     rollout) PART=generation,grpo_smollm2,weight_handover ;;
-    all) PART=train_mfu,test_gpu,generation,grpo_smollm2,weight_handover ;;
+    all) PART=train_mfu,test_gpu,train_compile,generation,grpo_smollm2,weight_handover ;;
 esac
 OUTDIR=${2:-gpu-checks}
 PY=${PY:-python3}
@@ -57,6 +58,10 @@ stage train_mfu 300 "$PY" benchmarks/train_mfu.py --device cuda --shapes 0.5b,1.
     "${VARIANT[@]}"
 TAIL=40 stage test_gpu "${TEST_LIMIT:-200}" env OMP_NUM_THREADS=1 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
     --timeout 170 -rfEs ${TEST_FILTER:+-k "$TEST_FILTER"}
+# torch.compile of the decoder layers (compile_layers), a row beside the default on both shapes;
+# its warm-up steps pay the compilation
+stage train_compile 240 "$PY" benchmarks/train_mfu.py --device cuda --shapes 0.5b,1.5b --warmup 2 --steps 3 \
+    --variant compile_layers=true
 stage generation 120 env OMP_NUM_THREADS=4 "$PY" benchmarks/generation.py --device cuda --dtype bfloat16 \
     --skip-sync --model "$MODEL_DIR" --repeats 2
 stage grpo_smollm2 240 "$PY" benchmarks/grpo_vs_trl.py --device cuda --dtype bfloat16 --model "$MODEL_DIR" \

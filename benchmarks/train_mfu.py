@@ -269,12 +269,18 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, peak: 
         if device.type == "cuda":
             torch.cuda.empty_cache()
     plain_s, ours_s = rows[0][1], rows[1][1]
-    return {
-        f"mfu_{shape.replace('.', 'p')}": flops / ours_s / peak,
-        f"plain_hf_mfu_{shape.replace('.', 'p')}": flops / plain_s / peak,
-        f"over_plain_hf_{shape.replace('.', 'p')}": plain_s / ours_s,
-        f"s_per_step_{shape.replace('.', 'p')}": ours_s,
+    tag = shape.replace(".", "p")
+    result = {
+        f"mfu_{tag}": flops / ours_s / peak,
+        f"plain_hf_mfu_{tag}": flops / plain_s / peak,
+        f"over_plain_hf_{tag}": plain_s / ours_s,
+        f"s_per_step_{tag}": ours_s,
     }
+    for variant, (_, seconds, _) in zip(args.variant, rows[2:], strict=True):
+        # mfu_0p5b_compile_layers for --variant compile_layers=true: the fields the row changed
+        slug = "_".join(kv.split("=")[0] for kv in variant.split(","))
+        result[f"mfu_{tag}_{slug}"] = flops / seconds / peak
+    return result
 
 
 def main() -> None:

@@ -185,6 +185,9 @@ def test_backend_line_picks_the_engine() -> None:
     assert type(make_train_engine(TrainEngineConfig(path="x", backend="fsdp"))).__name__ == "FSDPEngine"
     with pytest.raises(ValueError, match="fsdp or megatron"):
         make_train_engine(TrainEngineConfig(path="x", backend="deepspeed"))
+    for key in ("liger_kernels", "compile_layers"):  # the FSDP engine's model options, not silently ignored
+        with pytest.raises(ValueError, match=f"{key}: the FSDP engine's"):
+            make_train_engine(TrainEngineConfig(path="x", backend="megatron", **{key: True}))
 
 
 def test_checkpoint_formats_are_named_and_checked(tmp_path: Path) -> None:

@@ -181,6 +181,13 @@ class TrainEngineConfig:
     Triton kernels (the ``liger`` extra, ``pip install -e ".[liger]"``), fewer passes over the
     activations than torch's separate ops; the LM head stays the engine's own. An error on CPU or
     without the package."""
+    compile_layers: bool = False
+    """FSDP: every decoder layer compiled with ``torch.compile`` (in place, before sharding, so
+    parameter names and checkpoints stay; FSDP's gathers stay outside the compiled graphs). The
+    norms, rotary embedding and MLP of a layer become fused kernels; attention keeps the engine's
+    varlen path. The first micro-batches pay the compilation (tens of seconds), and packed lengths
+    compile as dynamic shapes. Off by default: measure it (``benchmarks/train_mfu.py --variant
+    compile_layers=true``) before turning it on."""
     share_cores_with_engine: bool = True
     """FSDP on CPU, connected to an embedded engine in this process that has its own thread share
     (`LocalEngineConfig.num_threads`): train on the process's threads less that share while the

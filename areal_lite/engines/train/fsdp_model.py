@@ -31,6 +31,9 @@ from areal_lite.utils.vision import is_vision_config
 if TYPE_CHECKING:
     from peft import PeftModel
 
+COMPILE_BACKEND = "inductor"
+"""``torch.compile``'s backend for ``compile_layers`` (tests swap in ``aot_eager``, which traces the
+same graphs and their backward without generating kernels)."""
 HF_PREFIX = "hf."
 """What `PackedModel` puts before the HF model's parameter names."""
 
@@ -210,7 +213,8 @@ def shard(hf: nn.Module, config: TrainEngineConfig, device: torch.device, dtype:
     """Every decoder layer of ``hf`` (and vision block of a vision-language model), then the
     `PackedModel` root around it, sharded with
     ``fully_shard`` over all ranks; with a compute ``dtype`` other than fp32, mixed precision
-    (fp32 master weights, ``dtype`` compute, fp32 gradient reduction)."""
+    (fp32 master weights, ``dtype`` compute, fp32 gradient reduction). With
+    ``config.compile_layers`` the decoder layers are compiled first."""
     mp = (
         MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         if dtype != torch.float32
@@ -218,6 +222,9 @@ def shard(hf: nn.Module, config: TrainEngineConfig, device: torch.device, dtype:
     )
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     layers = list(decoder_layers(hf))
+    if config.compile_layers:
+        for layer in layers:  # in place (`nn.Module.compile`): names stay; FSDP's hooks run eagerly
+            layer.compile(dynamic=True, backend=COMPILE_BACKEND)
     if is_vision_config(hf.config):
         layers += list(VisionLanguageModel(hf).tower.blocks)
     for layer in layers:

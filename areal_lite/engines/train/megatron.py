@@ -88,6 +88,11 @@ class MegatronEngine(TrainEngineBase):
                 "LoRA (lora.rank > 0) is not supported by the megatron backend: use backend=fsdp, which trains "
                 "peft adapters, or set lora.rank=0"
             )
+        fsdp_only = [k for k in ("liger_kernels", "compile_layers") if getattr(config, k)]
+        if fsdp_only:
+            raise ValueError(
+                f"{', '.join(fsdp_only)}: the FSDP engine's (backend=fsdp); megatron-core fuses its own kernels"
+            )
         super().__init__(config)
         self.arch: ArchSpec | None = None
         self._hf_config: object | None = None

@@ -18,6 +18,10 @@ On CUDA in bf16 or fp16, where torch has varlen attention (`areal_lite.utils.fla
 whole packed row goes to that one kernel instead: one call per layer per micro-batch, no loop, no
 gather and no read of the boundaries back to the host (``max_length_q`` comes from the packing).
 
+Compiled decoder layers (``compile_layers``) run this function eagerly between their graphs: its
+paths read boundaries on the host or pass a new ``max_length_q`` per packing, which would make a
+traced graph recompile for every micro-batch.
+
 It needs the sequence boundaries as the ``cu_seq_lens_q`` keyword that transformers forwards from
 the model call to every attention layer (the name its flash-attention path uses). Registering
 under a name that has no mask function also stops transformers from building the ``T x T`` mask.
@@ -44,6 +48,7 @@ overheads dominate short trees: 3.8 vs 8.7 ms per layer forward + backward for t
 dense mask with 200-token prompts: benchmarks/shared_prefix.py)."""
 
 
+@torch.compiler.disable
 def varlen_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
