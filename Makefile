@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: install install-vllm lint test test-all test-faults test-moe test-vlm test-cluster test-gpu test-real test-tinker-cookbook test-verifiers test-vllm test-avx2 bench-vllm verifiers-example demo demo-moe demo-vlm demo-real real-model clean
+.PHONY: install install-vllm lint test test-all test-faults test-long test-moe test-vlm test-cluster test-gpu test-real test-tinker-cookbook test-verifiers test-vllm test-avx2 bench-vllm verifiers-example demo demo-moe demo-vlm demo-real real-model clean
 
 install: $(STAMP)
 
@@ -40,6 +40,12 @@ test-all: $(STAMP)
 # (2 ranks), restarted, resuming with each sample once per epoch.
 test-faults: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow -k "hang or kill" tests/test_launcher.py tests/test_recover.py $(PYTEST_ARGS)
+
+# The long runs `make test` leaves out (marked slow), which CI runs: the RL examples end to end under
+# the launcher on two trainer ranks (GSM8K with a rollout server, ReMax, PPO with a critic,
+# multi-turn, the agent), and the FSDP engine with compiled decoder layers.
+test-long: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow tests/test_examples.py tests/test_train_speed.py $(PYTEST_ARGS)
 
 # Mixture-of-experts models and routing replay, the slow tests included (torchrun: FSDP on 2 ranks,
 # Megatron with expert parallelism; the MoE quickstart's smoke run).

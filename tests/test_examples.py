@@ -2,7 +2,8 @@
 steps on a tiny model built here (nothing is downloaded), ending with exit status 0, the script's
 RESULT line and its final checkpoint.
 
-The RL examples run with two trainer ranks under the launcher, with a recorder in front of each
+The RL examples run with two trainer ranks under the launcher (all but the quickstart marked slow,
+half a minute each on two cores: `make test-long` runs them, and CI), with a recorder in front of each
 (tests/scripts/record_prompts.py) that logs every prompt a rank draws: the ranks' prompts must be
 disjoint. The quickstart and the GSM8K recipe use our rollout server in its own process (both
 ranks its clients, rank 0 controlling it; GSM8K's weights go by a gloo broadcast, the path NCCL
@@ -107,6 +108,7 @@ def test_quickstart(tmp_path: Path) -> None:
     assert_disjoint_shares(tmp_path / "prompts", at_least=2 * 4)
 
 
+@pytest.mark.slow  # make test-long
 def test_gsm8k_grpo_with_a_rollout_server(tmp_path: Path, tiny: str) -> None:
     rows = [
         {"question": f"Tom has {i} apples and buys 3 more. How many?", "answer": f"{i} + 3 = {i + 3}\n#### {i + 3}"}
@@ -151,6 +153,7 @@ def test_gsm8k_grpo_with_a_rollout_server(tmp_path: Path, tiny: str) -> None:
 RL_TINY = ["total_train_steps=2", "task.n_eval=4", "task.n_train_prompts=64", "gconfig.max_new_tokens=4"]
 
 
+@pytest.mark.slow  # make test-long
 def test_remax(tmp_path: Path, tiny: str) -> None:
     out = run_two_ranks(
         "remax.py",
@@ -167,6 +170,7 @@ def test_remax(tmp_path: Path, tiny: str) -> None:
     assert_disjoint_shares(tmp_path / "prompts", at_least=2 * 4)
 
 
+@pytest.mark.slow  # make test-long
 def test_ppo_critic(tmp_path: Path, tiny: str) -> None:
     out = run_two_ranks(
         "ppo_critic.py",
@@ -183,6 +187,7 @@ def test_ppo_critic(tmp_path: Path, tiny: str) -> None:
     assert_disjoint_shares(tmp_path / "prompts", at_least=2 * 4)
 
 
+@pytest.mark.slow  # make test-long
 def test_multi_turn(tmp_path: Path, tiny: str) -> None:
     out = run_two_ranks(
         "multi_turn.py",
@@ -278,6 +283,7 @@ def test_a_resumed_example_reports_the_score_it_measured_before_training(tmp_pat
     assert before[0] == before[1]
 
 
+@pytest.mark.slow  # make test-long
 def test_agent(tmp_path: Path) -> None:
     """The openai-agents calculator agent: its SFT warm-up builds the model, then RL over episodes
     on two trainer ranks."""

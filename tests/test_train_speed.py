@@ -125,6 +125,7 @@ def test_liger_kernels_off_cuda_is_refused_with_the_key(tmp_path: Path) -> None:
         load_hf_model(path, TrainEngineConfig(path=path, liger_kernels=True), torch.device("cpu"))
 
 
+@pytest.mark.slow  # make test-long: a minute of tracing on two cores
 def test_compiled_layers_train_like_eager_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``compile_layers``: every decoder layer compiled in place (parameter names unchanged), the
     varlen attention run eagerly between the graphs, and log-probabilities, a training step's loss
