@@ -43,7 +43,8 @@ test-faults: $(STAMP)
 
 # The long runs `make test` leaves out (marked slow), which CI runs: the RL examples end to end under
 # the launcher on two trainer ranks (GSM8K with a rollout server, ReMax, PPO with a critic,
-# multi-turn, the agent), and the FSDP engine with compiled decoder layers.
+# multi-turn, the agent), an example resumed from its checkpoint, and the FSDP engine with compiled
+# decoder layers.
 test-long: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow tests/test_examples.py tests/test_train_speed.py $(PYTEST_ARGS)
 

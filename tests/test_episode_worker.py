@@ -135,7 +135,7 @@ def test_workflow_errors_and_unpicklable_workflows_are_reported(server: str) -> 
 def test_a_cancelled_episode_is_cancelled_in_the_child(server: str) -> None:
     """Cancelling `run_episode` (the executor does so when it is destroyed) tells the child, whose
     generation then stops on the server; the result the child may still send is dropped without
-    crashing the parent's reader thread, and later episodes run."""
+    crashing the parent's reader thread, and later episodes run. Closed, the child exits at once."""
     config = InferenceEngineConfig(addresses=[server], request_timeout=60, setup_timeout=60)
     worker = EpisodeWorker(config, functools.partial(RemoteSGLangEngine, config, control_servers=False))
 
@@ -157,7 +157,10 @@ def test_a_cancelled_episode_is_cancelled_in_the_child(server: str) -> None:
     try:
         asyncio.run(go())
     finally:
+        t0 = time.monotonic()
         worker.close()
+    # told to stop, the child destroys its engine and exits by itself, not killed after a timeout
+    assert worker._proc.exitcode == 0 and time.monotonic() - t0 < 5, (worker._proc.exitcode, time.monotonic() - t0)
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")

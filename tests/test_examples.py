@@ -3,7 +3,7 @@ steps on a tiny model built here (nothing is downloaded), ending with exit statu
 RESULT line and its final checkpoint.
 
 The RL examples run with two trainer ranks under the launcher (all but the quickstart marked slow,
-half a minute each on two cores: `make test-long` runs them, and CI), with a recorder in front of each
+half a minute each on two cores, as is a resumed run: `make test-long` runs them, and CI), with a recorder in front of each
 (tests/scripts/record_prompts.py) that logs every prompt a rank draws: the ranks' prompts must be
 disjoint. The quickstart and the GSM8K recipe use our rollout server in its own process (both
 ranks its clients, rank 0 controlling it; GSM8K's weights go by a gloo broadcast, the path NCCL
@@ -263,6 +263,7 @@ def test_sft_default_config_builds_its_model(tmp_path: Path) -> None:
     assert (tmp_path / "sft" / "trial0" / "base_model" / "config.json").exists()
 
 
+@pytest.mark.slow  # make test-long: two runs of the SFT example
 def test_a_resumed_example_reports_the_score_it_measured_before_training(tmp_path: Path) -> None:
     """`RunKit.once`: the held-out score before training goes into every recover checkpoint, and a
     resumed run reports that score, not one of its partly trained model."""

@@ -119,8 +119,13 @@ class EpisodeWorker:
         return self._request("control", name, arg)[1]
 
     def close(self) -> None:
-        """Stop the child (it exits when the pipe closes) and fail whatever still waits."""
+        """Stop the child and fail whatever still waits. The child is told to stop: closing the
+        pipe alone would not reach it while this process's reader is blocked on the pipe (the
+        socket stays open until that read returns), and the child would be killed after 10 s."""
         with self._lock:
+            if self._dead is None:
+                with contextlib.suppress(RuntimeError):  # the child is gone already
+                    self._send(("stop",))
             self._dead = self._dead or "the episode worker was closed"
             self._conn.close()
         self._proc.join(timeout=10)
@@ -231,6 +236,8 @@ def _child_main(
                 task.cancel()
         elif kind == "control":
             control(*args)
+        elif kind == "stop":
+            loop.stop()
 
     def read() -> None:
         while True:
