@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -299,44 +300,53 @@ def test_engine_on_cuda_in_bf16_prefills_groups_packed(model_dir: str) -> None:
         engine.destroy()
 
 
-def test_liger_kernels_train_like_the_hf_modules(model_dir: str) -> None:
-    """FSDPEngine on CUDA in bf16 with Liger's RMS norm, rotary and SwiGLU kernels
-    (``liger_kernels``): log-probabilities close to the engine's with HF's modules, and a step of
-    training lowers the loss."""
+def train_with_and_without(model_dir: str, key: str, lens: list[int], seed: int, **extra: object) -> tuple:
+    """FSDPEngine on CUDA in bf16 with the config field ``key`` False, then True: for each, the
+    parameter names, the log-probabilities of a batch of sequences of ``lens`` tokens, and the
+    losses of three training steps on it. Returns (mask, names, log-probs, losses)."""
     from tensordict import TensorDict
 
     from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
     from areal_lite.api.io import FinetuneSpec
     from areal_lite.engines.train.fsdp import FSDPEngine
 
-    g = torch.Generator().manual_seed(0)
-    lens = torch.tensor([9, 31, 17, 64])
-    mask = torch.arange(64)[None] < lens[:, None]
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.arange(max(lens))[None] < torch.tensor(lens)[:, None]
     data = TensorDict(
         {
-            "input_ids": torch.randint(3, 500, mask.shape, generator=g) * mask,
+            "input_ids": torch.randint(3, vocab, mask.shape, generator=g) * mask,
             "attention_mask": mask,
             "loss_mask": mask.int(),
         },
-        batch_size=[4],
+        batch_size=[len(lens)],
     )
 
     def nll(logp, ent, mb):
         m = mb["loss_mask"]
         return -(logp * m).sum() / m.sum(), {}
 
-    outs, losses = [], []
-    for liger in (False, True):
-        cfg = TrainEngineConfig(
-            path=model_dir, dtype="bfloat16", liger_kernels=liger, optimizer=OptimizerConfig(lr=1e-3)
-        )
-        e = FSDPEngine(cfg)
-        e.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=4))
+    names, outs, losses = [], [], []
+    for on in (False, True):
+        cfg = TrainEngineConfig(path=model_dir, dtype="bfloat16", optimizer=OptimizerConfig(lr=1e-3), **extra)
+        e = FSDPEngine(replace(cfg, **{key: on}))
+        e.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=2 * len(lens), train_batch_size=len(lens)))
         try:
+            names.append([n for n, _ in e.model.named_parameters()])
             outs.append(e.forward(data))
             losses.append([e.train_batch(data, nll, lambda mb: mb["loss_mask"].sum())["loss"] for _ in range(3)])
         finally:
             e.destroy()
+    return mask, names, outs, losses
+
+
+def test_liger_kernels_train_like_the_hf_modules(model_dir: str) -> None:
+    """FSDPEngine on CUDA in bf16 with Liger's RMS norm, rotary and SwiGLU kernels
+    (``liger_kernels``): log-probabilities close to the engine's with HF's modules, and a step of
+    training lowers the loss."""
+    mask, _, outs, losses = train_with_and_without(model_dir, "liger_kernels", [9, 31, 17, 64], seed=0)
     torch.testing.assert_close(outs[1][mask], outs[0][mask], atol=0.05, rtol=0)
     assert losses[1][-1] < losses[1][0], losses
 
@@ -346,45 +356,12 @@ def test_compiled_layers_on_cuda_train_like_eager_layers(model_dir: str) -> None
     (``compile_layers``): parameter names unchanged, log-probabilities close to the eager layers'
     over micro-batches of new lengths (dynamic shapes, no recompilation error), and training lowers
     the loss."""
-    from tensordict import TensorDict
+    from areal_lite.api.io import MicroBatchSpec
 
-    from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
-    from areal_lite.api.io import FinetuneSpec, MicroBatchSpec
-    from areal_lite.engines.train.fsdp import FSDPEngine
-
-    g = torch.Generator().manual_seed(1)
-    lens = torch.tensor([9, 31, 17, 64, 40, 5])
-    mask = torch.arange(64)[None] < lens[:, None]
-    data = TensorDict(
-        {
-            "input_ids": torch.randint(3, 500, mask.shape, generator=g) * mask,
-            "attention_mask": mask,
-            "loss_mask": mask.int(),
-        },
-        batch_size=[6],
+    lens = [9, 31, 17, 64, 40, 5]
+    mask, names, outs, losses = train_with_and_without(
+        model_dir, "compile_layers", lens, seed=1, mb_spec=MicroBatchSpec(max_tokens_per_mb=100)
     )
-
-    def nll(logp, ent, mb):
-        m = mb["loss_mask"]
-        return -(logp * m).sum() / m.sum(), {}
-
-    outs, losses, names = [], [], []
-    for compiled in (False, True):
-        cfg = TrainEngineConfig(
-            path=model_dir,
-            dtype="bfloat16",
-            compile_layers=compiled,
-            optimizer=OptimizerConfig(lr=1e-3),
-            mb_spec=MicroBatchSpec(max_tokens_per_mb=100),
-        )
-        e = FSDPEngine(cfg)
-        e.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=12, train_batch_size=6))
-        try:
-            names.append([n for n, _ in e.model.named_parameters()])
-            outs.append(e.forward(data))
-            losses.append([e.train_batch(data, nll, lambda mb: mb["loss_mask"].sum())["loss"] for _ in range(3)])
-        finally:
-            e.destroy()
     assert names[1] == names[0]
     torch.testing.assert_close(outs[1][mask], outs[0][mask], atol=0.05, rtol=0)
     assert abs(losses[1][0] - losses[0][0]) < 0.02, losses
