@@ -305,12 +305,11 @@ def train_with_and_without(model_dir: str, key: str, lens: list[int], seed: int,
     parameter names, the log-probabilities of a batch of sequences of ``lens`` tokens, and the
     losses of three training steps on it. Returns (mask, names, log-probs, losses)."""
     from tensordict import TensorDict
+    from transformers import AutoConfig
 
     from areal_lite.api.config import OptimizerConfig, TrainEngineConfig
     from areal_lite.api.io import FinetuneSpec
     from areal_lite.engines.train.fsdp import FSDPEngine
-
-    from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     g = torch.Generator().manual_seed(seed)
