@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The checks for a GPU machine, in two parts that each fit one call of a lent GPU, most important
-# first, every stage bounded in time so that one that hangs leaves time to the rest:
+# The checks for a GPU machine, in two parts each meant for one call of a lent GPU, most important
+# first, every stage bounded in time so that one that hangs leaves time to the rest (the train
+# part's bounds add up to 740 s, over a call's 600 s: a call cut short loses its last stage):
 #
 #     benchmarks/gpu_checks.sh train   [OUTDIR]   the train engine: MFU against a plain HF step
 #                                                 (0.5B and 1.5B shapes), then `make test-gpu`'s tests,
